@@ -1,0 +1,1 @@
+"""The core's built-in plugin (defaults registered through the hooks)."""

@@ -1,0 +1,62 @@
+"""The built-in failure classifier (registered ``trylast``: plugins answer first).
+
+Rules, in order:
+
+1. ``node_lost`` -> ``node``.
+2. User code raised during ``setup`` (before its first step) with an error that a
+   restart cannot fix (ImportError, SyntaxError, TypeError, NameError,
+   AttributeError, a config or spec error) -> ``fatal``.
+3. The same exception type and message at the same step as an earlier failure of
+   the same role -> the error is deterministic: ``role`` the first time it repeats
+   (a clean restart of the whole role), ``fatal`` when it repeats again.
+4. A broken collective (gloo/NCCL connection closed or reset, timeout) -> ``process``.
+5. A dead actor or process, a hang, any other exception -> ``process``.
+"""
+
+from __future__ import annotations
+
+from dlrover_core.plugins.records import Failure, FailureVerdict
+
+FATAL_AT_SETUP = {
+    "ImportError", "ModuleNotFoundError", "SyntaxError", "IndentationError", "TypeError",
+    "NameError", "AttributeError", "dlrover_core.spec.errors.SpecError",
+    "omegaconf.errors.ConfigKeyError", "omegaconf.errors.ConfigAttributeError",
+    "omegaconf.errors.MissingMandatoryValue", "NotImplementedError",
+}
+
+COLLECTIVE_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "connection reset",
+    "Broken pipe", "NCCL", "gloo", "ProcessGroup", "timed out", "Timeout",
+)
+
+
+def _short(exc_type: str) -> str:
+    return exc_type.rsplit(".", 1)[-1]
+
+
+def classify(failure: Failure, history: list[Failure]) -> FailureVerdict:
+    if failure.kind == "node_lost":
+        return FailureVerdict("node", f"node {failure.node_id[:12]} left the cluster")
+    if failure.kind == "user_error":
+        if failure.phase == "setup" and (failure.exc_type in FATAL_AT_SETUP
+                                         or _short(failure.exc_type) in FATAL_AT_SETUP):
+            return FailureVerdict(
+                "fatal", f"{failure.role}-{failure.rank} raised {failure.exc_type} before its "
+                f"first step: a bug or bad config that a restart cannot fix")
+        same = [f for f in history if f.kind == "user_error" and f.role == failure.role
+                and f.exc_type == failure.exc_type and f.message == failure.message
+                and f.step == failure.step and f.attempt < failure.attempt]
+        if len(same) >= 2:
+            return FailureVerdict(
+                "fatal", f"{failure.exc_type} at step {failure.step} repeated after "
+                f"{len(same)} restarts: deterministic")
+        if same:
+            return FailureVerdict(
+                "role", f"{failure.exc_type} at step {failure.step} happened again after a "
+                "restart; restarting the whole role once more")
+        if any(m in failure.message for m in COLLECTIVE_MARKERS):
+            return FailureVerdict("process", f"broken collective: {failure.message[:120]}")
+        return FailureVerdict("process", f"{failure.exc_type} in user code at step {failure.step}")
+    if failure.kind == "hang":
+        return FailureVerdict("process", f"{failure.role} reported no step for the hang timeout")
+    return FailureVerdict("process", f"{failure.role}-{failure.rank} died: {failure.message[:160]}")

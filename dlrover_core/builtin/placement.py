@@ -1,0 +1,106 @@
+"""Built-in placement policies ``pack`` and ``spread``.
+
+Both place each collocation group on its own bundles: bundle ``i`` of a group
+hosts rank ``i`` of every role in it, and holds, per resource, the largest
+request among those roles; each collocated actor asks for ``1/len(roles)`` of
+the bundle (fractional resources), so the roles share the same devices.
+
+- ``pack``: one ``STRICT_PACK`` placement group per node-slot of ``per_node``
+  bundles (a role's ranks ``[k*per_node, (k+1)*per_node)`` share a node); groups
+  may land on the same node.
+- ``spread``: one ``SPREAD`` placement group per collocation group, so Ray puts
+  bundles on as many nodes as it can.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dlrover_core.master.placement import (
+    ClusterResources,
+    InstanceSlot,
+    PlacementError,
+    PlacementGroupPlan,
+    PlacementPlan,
+)
+
+if TYPE_CHECKING:
+    from dlrover_core.graph.graph import CollocationGroup, ComputationGraph
+
+
+def _bundle(graph: ComputationGraph, group: CollocationGroup) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in group.roles:
+        for k, v in graph.roles[r].resources.as_ray().items():
+            out[k] = max(out.get(k, 0.0), v)
+    return {k: v for k, v in out.items() if v > 0} or {"CPU": 0.001}
+
+
+def _check_fits(graph: ComputationGraph, cluster: ClusterResources,
+                plan: PlacementPlan) -> None:
+    demand: dict[str, float] = {}
+    for g in plan.groups:
+        for b in g.bundles:
+            for k, v in b.items():
+                demand[k] = demand.get(k, 0.0) + v
+    for k, v in demand.items():
+        have = cluster.total(k)
+        if v > have + 1e-9:
+            raise PlacementError(
+                f"the job needs {v:g} {k} in all but the cluster has {have:g} "
+                f"({len(cluster.nodes)} alive node(s)); lower roles.*.total or resources, "
+                "or add nodes")
+    for g in plan.groups:
+        if g.strategy == "STRICT_PACK":
+            need = {}
+            for b in g.bundles:
+                for k, v in b.items():
+                    need[k] = need.get(k, 0.0) + v
+            if not any(all(n.resources.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+                       for n in cluster.nodes):
+                raise PlacementError(
+                    f"placement group {g.name} needs {need} on one node and no node has it; "
+                    "lower per_node or the role's resources")
+
+
+def _fraction(group: CollocationGroup) -> float:
+    return 1.0 / len(group.roles)
+
+
+def plan_pack(graph: ComputationGraph, cluster: ClusterResources) -> PlacementPlan:
+    plan = PlacementPlan()
+    for group in graph.groups:
+        bundle = _bundle(graph, group)
+        frac = _fraction(group)
+        for node_rank in range(group.size // group.per_node):
+            pg = len(plan.groups)
+            plan.groups.append(PlacementGroupPlan(
+                f"{'+'.join(group.roles)}:{node_rank}", [dict(bundle)] * group.per_node,
+                "STRICT_PACK"))
+            for local in range(group.per_node):
+                rank = node_rank * group.per_node + local
+                for r in group.roles:
+                    if rank < graph.roles[r].total:
+                        plan.slots[(r, rank)] = InstanceSlot(
+                            pg, local, {k: v * frac for k, v in bundle.items()},
+                            node_rank, local, group.per_node)
+    _check_fits(graph, cluster, plan)
+    return plan
+
+
+def plan_spread(graph: ComputationGraph, cluster: ClusterResources) -> PlacementPlan:
+    plan = PlacementPlan()
+    for group in graph.groups:
+        bundle = _bundle(graph, group)
+        frac = _fraction(group)
+        pg = len(plan.groups)
+        plan.groups.append(PlacementGroupPlan("+".join(group.roles), [dict(bundle)] * group.size,
+                                              "SPREAD"))
+        for rank in range(group.size):
+            for r in group.roles:
+                if rank < graph.roles[r].total:
+                    plan.slots[(r, rank)] = InstanceSlot(
+                        pg, rank, {k: v * frac for k, v in bundle.items()},
+                        rank // group.per_node, rank % group.per_node, group.per_node)
+    _check_fits(graph, cluster, plan)
+    return plan

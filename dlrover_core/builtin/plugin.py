@@ -1,0 +1,46 @@
+"""The core's own defaults, registered through the same hooks as any plugin:
+placement policies ``pack`` and ``spread``, the fallback failure classifier, the
+``disk`` saver and the ``plain`` state-dict engine."""
+
+from __future__ import annotations
+
+from dlrover_core.plugins.hookspecs import hookimpl
+from dlrover_core.plugins.records import (
+    CheckpointSaver,
+    Failure,
+    FailureVerdict,
+    PlacementPolicy,
+    StateDictEngine,
+)
+
+
+@hookimpl
+def dlrover_placement_policies() -> list[PlacementPolicy]:
+    from dlrover_core.builtin.placement import plan_pack, plan_spread
+
+    return [
+        PlacementPolicy(name="pack", plan=plan_pack,
+                        description="each role's per_node ranks on one node (STRICT_PACK)"),
+        PlacementPolicy(name="spread", plan=plan_spread,
+                        description="bundles over as many nodes as possible (SPREAD)"),
+    ]
+
+
+@hookimpl
+def dlrover_checkpoint_savers() -> list[CheckpointSaver]:
+    return [CheckpointSaver(name="disk", saver="dlrover_core.checkpoint.disk:DiskSaver",
+                            description="torch.distributed.checkpoint to a directory, "
+                                        "atomic commit with a checksummed manifest")]
+
+
+@hookimpl
+def dlrover_state_dict_engines() -> list[StateDictEngine]:
+    return [StateDictEngine(name="plain", engine="dlrover_core.checkpoint.engine:PlainEngine",
+                            description="state_dict()/load_state_dict() of each object")]
+
+
+@hookimpl(trylast=True)
+def dlrover_classify_failure(failure: Failure, history: list[Failure]) -> FailureVerdict:
+    from dlrover_core.builtin.failure import classify
+
+    return classify(failure, history)

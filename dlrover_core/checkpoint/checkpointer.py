@@ -1,0 +1,103 @@
+"""``Checkpointer``: what a workload uses to save and restore, over the job's saver and
+its backend's state-dict engine."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from dlrover_core.checkpoint.engine import PlainEngine, StateDictEngineBase
+from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
+
+if TYPE_CHECKING:
+    from dlrover_core.runtime.context import WorkerContext
+
+
+class Checkpointer:
+    """Save / load named objects of one rank.
+
+    Example (inside a workload)::
+
+        step = self.checkpointer.load(model=model, optimizer=opt, extra=extra) or 0
+        ...
+        self.checkpointer.maybe_save(step, model=model, optimizer=opt, extra=extra)
+
+    Args:
+        saver: the job's saver. engine: the backend's state-dict engine.
+        every_steps: interval of :meth:`maybe_save` (0: never).
+    """
+
+    def __init__(self, saver: Saver, engine: StateDictEngineBase | None = None,
+                 every_steps: int = 0, on_saved: Any = None) -> None:
+        self.saver = saver
+        self.engine = engine or PlainEngine()
+        self.every_steps = every_steps
+        self._on_saved = on_saved
+        self.last_save_s = 0.0
+        self.last_step: int | None = None
+
+    @classmethod
+    def for_worker(cls, ctx: WorkerContext, workload: Any = None) -> Checkpointer:
+        """The checkpointer a role instance gets from the job spec."""
+        from dlrover_core.plugins.manager import get_plugin_manager
+        from dlrover_core.plugins.records import resolve
+
+        pm = get_plugin_manager()
+        ck = ctx.checkpoint
+        directory = ck.get("dir") or os.path.join(ctx.job_dir, "ckpt")
+        directory = os.path.join(directory, ctx.role)
+        saver_cls = resolve(pm.get_saver(ck.get("saver", "disk")).saver)
+        import torch.distributed as dist
+
+        saver = saver_cls(
+            SaverConfig(dir=directory, keep=int(ck.get("keep", 3)), job=ctx.job),
+            SaverContext(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
+                         role=ctx.role, distributed=dist.is_available() and dist.is_initialized()),
+        )
+        engine: StateDictEngineBase = PlainEngine()
+        if ctx.backend:
+            engine_name = pm.get_backend(ctx.backend).state_dict_engine
+            engine = resolve(pm.get_state_dict_engine(engine_name).engine)()
+
+        def on_saved(step: int, seconds: float) -> None:
+            if workload is not None:
+                workload.master_handle.checkpoint_saved.remote(ctx.role, ctx.rank, step, seconds)
+
+        return cls(saver, engine, int(ck.get("every_steps", 0)), on_saved)
+
+    def save(self, step: int, **objects: Any) -> float:
+        """Save ``objects`` as ``step``; returns the blocking time in s."""
+        t0 = time.perf_counter()
+        self.saver.save(step, self.engine.state_dict(objects))
+        self.last_save_s = time.perf_counter() - t0
+        self.last_step = step
+        if self._on_saved is not None:
+            self._on_saved(step, self.last_save_s)
+        return self.last_save_s
+
+    def maybe_save(self, step: int, **objects: Any) -> bool:
+        """Save when ``every_steps`` divides ``step``; True when it saved."""
+        if self.every_steps and step > 0 and step % self.every_steps == 0:
+            self.save(step, **objects)
+            return True
+        return False
+
+    def load(self, step: int | None = None, **objects: Any) -> int | None:
+        """Load the newest committed step (or ``step``) into ``objects`` in place.
+
+        Returns the loaded step, or ``None`` when no checkpoint exists (objects untouched).
+        """
+        template = self.engine.state_dict(objects)
+        loaded = self.saver.load(template, step)
+        if loaded is None:
+            return None
+        self.engine.load_state_dict(objects, template)
+        self.last_step = loaded
+        return loaded
+
+    def wait(self) -> None:
+        self.saver.wait()
+
+    def close(self) -> None:
+        self.saver.close()

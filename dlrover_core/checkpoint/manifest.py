@@ -1,0 +1,64 @@
+"""Checkpoint manifests: sizes and checksums of every file of a committed step."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+MANIFEST = "manifest.json"
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A committed step's files do not match its manifest."""
+
+
+def file_digest(path: str, chunk: int = 8 << 20) -> str:
+    """``sha256`` hex digest of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def build_manifest(step_dir: str, step: int, extra: dict | None = None) -> dict:
+    """Manifest of every file under ``step_dir`` (except the manifest itself)."""
+    files = {}
+    for root, _, names in os.walk(step_dir):
+        for n in sorted(names):
+            p = os.path.join(root, n)
+            rel = os.path.relpath(p, step_dir)
+            if rel == MANIFEST:
+                continue
+            files[rel] = {"bytes": os.path.getsize(p), "sha256": file_digest(p)}
+    return {"step": step, "created": time.time(), "files": files, **(extra or {})}
+
+
+def verify(step_dir: str) -> dict:
+    """Check sizes and checksums against the manifest; return the manifest.
+
+    Raises:
+        CorruptCheckpointError: missing manifest, missing file, size or checksum mismatch.
+    """
+    path = os.path.join(step_dir, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{step_dir}: unreadable manifest ({exc})") from None
+    for rel, meta in manifest.get("files", {}).items():
+        p = os.path.join(step_dir, rel)
+        if not os.path.exists(p):
+            raise CorruptCheckpointError(f"{step_dir}: file {rel} is missing")
+        size = os.path.getsize(p)
+        if size != meta["bytes"]:
+            raise CorruptCheckpointError(
+                f"{step_dir}: {rel} has {size} bytes, manifest says {meta['bytes']}")
+        if file_digest(p) != meta["sha256"]:
+            raise CorruptCheckpointError(f"{step_dir}: {rel} checksum does not match the manifest")
+    return manifest

@@ -1,0 +1,117 @@
+"""The saver interface (``checkpoint.saver``) and atomic-file helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass
+class SaverConfig:
+    """``dir``: committed steps go to ``<dir>/step_<step>``; ``keep``: newest committed
+    steps kept; ``job``: job name (for shared-memory names)."""
+
+    dir: str
+    keep: int = 3
+    job: str = ""
+
+
+@dataclass
+class SaverContext:
+    """Where the saver runs: ``rank``/``world_size`` within the role, ``local_rank``,
+    ``role``, and ``distributed`` (a torch.distributed group is initialised)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    role: str = ""
+    distributed: bool = False
+
+
+class Saver(ABC):
+    """Writes and reads state dicts for one rank; constructed in the worker process as
+    ``cls(config, context)``.
+
+    A ``state_dict`` is a nested dict of tensors (``torch.Tensor`` or ``DTensor``) and
+    small picklable values, as a ``StateDictEngine`` produces it.
+    """
+
+    def __init__(self, config: SaverConfig, context: SaverContext) -> None:
+        self.config = config
+        self.context = context
+
+    @abstractmethod
+    def save(self, step: int, state_dict: dict) -> None:
+        """Save ``step``; may return before the step is committed to storage."""
+
+    @abstractmethod
+    def load(self, state_dict: dict, step: int | None = None) -> int | None:
+        """Load the newest committed step (or ``step``) into ``state_dict`` in place;
+        return the step, or ``None`` when there is none."""
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps on storage, oldest first."""
+        return committed_steps(self.config.dir)
+
+    def wait(self) -> None:
+        """Block until every save started so far is committed."""
+
+    def close(self) -> None:
+        """Release resources (threads, buffers)."""
+
+
+def committed_steps(directory: str) -> list[int]:
+    """Steps with a committed ``step_<n>`` directory under ``directory``, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    steps = []
+    for name in os.listdir(directory):
+        m = STEP_DIR_RE.match(name)
+        if m and os.path.exists(os.path.join(directory, name, "manifest.json")):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: temp file, fsync, rename, fsync dir."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(d)
+
+
+def atomic_write_json(path: str, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def prune(directory: str, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` committed steps; returns the deleted steps."""
+    steps = committed_steps(directory)
+    old = steps[:-keep] if keep > 0 else []
+    for s in old:
+        shutil.rmtree(os.path.join(directory, step_dir_name(s)), ignore_errors=True)
+    return old

@@ -1,0 +1,230 @@
+"""The ``dlrover`` command.
+
+    dlrover plugins list [--json]
+    dlrover templates list [--json]
+    dlrover validate JOB.yaml [key=value ...]
+    dlrover submit JOB.yaml [key=value ...] [--address ADDR] [--job-dir DIR]
+    dlrover status NAME [--address ADDR] [--job-dir DIR] [--json]
+    dlrover stop NAME [--address ADDR]
+
+Exit codes: 0 success (``submit``: the job succeeded), 1 the job failed or was
+stopped, 2 bad input (invalid spec, unknown name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from rich.console import Console
+
+from dlrover_core import __version__
+
+err = Console(stderr=True)
+
+
+def _pm():
+    from dlrover_core.plugins.manager import get_plugin_manager
+
+    return get_plugin_manager()
+
+
+def cmd_plugins_list(args: argparse.Namespace) -> int:
+    infos = [i.as_dict() for i in _pm().plugins()]
+    if args.json:
+        print(json.dumps(infos, indent=1))
+        return 0
+    from rich.table import Table
+
+    t = Table(title="dlrover plugins")
+    for col in ("name", "version", "distribution", "status", "provides", "error"):
+        t.add_column(col)
+    for i in infos:
+        style = {"active": "green", "blocked": "yellow", "failed": "red"}[i["status"]]
+        t.add_row(i["name"], i["version"], i["distribution"], f"[{style}]{i['status']}[/]",
+                  ", ".join(i["provides"]), i["error"])
+    Console().print(t)
+    return 0
+
+
+def cmd_templates_list(args: argparse.Namespace) -> int:
+    templates = _pm().templates()
+    rows = [{"name": t.name, "provider": t.provider, "description": t.description,
+             "roles": [{"name": r.name, "required": r.required, "description": r.description}
+                       for r in t.roles],
+             "edges": [list(e) for e in t.edges], "driver": t.driver}
+            for t in templates.values()]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.table import Table
+
+    t = Table(title="graph templates")
+    for col in ("name", "plugin", "roles (* required)", "driver", "description"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], r["provider"],
+                  ", ".join(x["name"] + ("*" if x["required"] else "") for x in r["roles"]),
+                  r["driver"] or "-", r["description"])
+    Console().print(t)
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    from dlrover_core.spec.loader import load_spec
+
+    return load_spec(args.job, args.overrides)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    spec = _load(args)
+    print(OmegaConf.to_yaml(spec))
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from dlrover_core.cli.progress import print_summary
+    from dlrover_core.master.client import submit_job
+
+    spec = _load(args)
+    summary = submit_job(spec, address=args.address, job_dir=args.job_dir,
+                         progress=not args.no_progress, verbose=args.verbose)
+    if summary is None:
+        err.print("the job ended without a summary")
+        return 1
+    print_summary(summary)
+    job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
+    err.print(f"job directory: {job_dir}")
+    return 0 if summary.get("status") == "succeeded" else 1
+
+
+def _connect(address: str | None) -> bool:
+    """Join the Ray cluster a job runs on (``auto``: the one on this machine)."""
+    from dlrover_core.master.client import init_ray
+
+    try:
+        init_ray(address or "auto")
+        return True
+    except (ConnectionError, RuntimeError, ValueError):
+        return False
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dlrover_core.master.client import default_job_dir, get_master, read_summary
+
+    st = None
+    if _connect(args.address):
+        import ray
+
+        master = get_master(args.name)
+        if master is not None:
+            st = ray.get(master.status.remote(), timeout=30)
+    if st is None:
+        summary = read_summary(args.job_dir or default_job_dir(args.name))
+        if summary is None:
+            err.print(f"no running job {args.name!r} and no summary in "
+                      f"{args.job_dir or default_job_dir(args.name)}")
+            return 2
+        st = {"name": args.name, "state": summary["status"], "summary": summary}
+    if args.json:
+        print(json.dumps(st, indent=1, default=str))
+    else:
+        from dlrover_core.cli.progress import print_summary
+
+        if st.get("summary"):
+            print_summary(st["summary"])
+        else:
+            m = ", ".join(f"{k}={v:.4g}" for k, v in st.get("metrics", {}).items())
+            print(f"{st['name']}: {st['state']} step {st['step']}"
+                  f"{'/' + str(st['total_steps']) if st.get('total_steps') else ''}"
+                  f" elapsed {st['elapsed_s']:.0f} s restarts {st['restarts']['total']} {m}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from dlrover_core.master.client import get_master
+
+    if not _connect(args.address):
+        err.print("no Ray cluster to connect to; nothing is running")
+        return 2
+    import ray
+
+    master = get_master(args.name)
+    if master is None:
+        err.print(f"no running job {args.name!r}")
+        return 2
+    ray.get(master.stop.remote())
+    summary = ray.get(master.wait.remote(120))
+    master.shutdown.remote()
+    print(f"{args.name}: {summary['status'] if summary else 'stopping'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlrover", description="control plane for distributed "
+                                "deep-learning jobs on Ray")
+    p.add_argument("--version", action="version", version=f"dlrover-core {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    plugins = sub.add_parser("plugins", help="installed plugins")
+    psub = plugins.add_subparsers(dest="sub", required=True)
+    pl = psub.add_parser("list", help="list plugins with status and what they provide")
+    pl.add_argument("--json", action="store_true", help="a sorted JSON list")
+    pl.set_defaults(func=cmd_plugins_list)
+
+    templates = sub.add_parser("templates", help="graph templates")
+    tsub = templates.add_subparsers(dest="sub", required=True)
+    tl = tsub.add_parser("list", help="list graph templates with their roles")
+    tl.add_argument("--json", action="store_true")
+    tl.set_defaults(func=cmd_templates_list)
+
+    for name, func, hlp in (("submit", cmd_submit, "run a job and wait for it"),
+                            ("validate", cmd_validate, "check a job spec and print it resolved")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("job", help="job spec YAML")
+        s.add_argument("overrides", nargs="*", help="key=value overrides (OmegaConf dot-list)")
+        if name == "submit":
+            s.add_argument("--address", default=None,
+                           help="Ray cluster to join ('auto' or HOST:PORT); default: start a "
+                                "local cluster")
+            s.add_argument("--job-dir", default=None, help="job directory (default runs/NAME)")
+            s.add_argument("--no-progress", action="store_true", help="no progress bar")
+            s.add_argument("--verbose", "-v", action="store_true", help="show worker logs")
+        s.set_defaults(func=func)
+
+    st = sub.add_parser("status", help="state of a job")
+    st.add_argument("name")
+    st.add_argument("--address", default=None)
+    st.add_argument("--job-dir", default=None)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("stop", help="stop a running job")
+    sp.add_argument("name")
+    sp.add_argument("--address", default=None)
+    sp.set_defaults(func=cmd_stop)
+
+    _pm().add_cli_commands(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dlrover_core.plugins.manager import PluginError, UnknownPluginError
+    from dlrover_core.spec.errors import SpecError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (SpecError, UnknownPluginError, PluginError, FileNotFoundError) as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The console view of a running job (rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class JobProgress:
+    """A progress bar: step / total, loss, samples/s, restarts, elapsed time."""
+
+    def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
+        self.enabled = enabled
+        self.console = console or Console(stderr=True)
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+            console=self.console, disable=not enabled, transient=False)
+        self._task: Any = None
+
+    def __enter__(self) -> JobProgress:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._progress.__exit__(*exc)
+
+    def update(self, st: dict) -> None:
+        if self._task is None:
+            self._task = self._progress.add_task(st["name"], total=st.get("total_steps"),
+                                                 info="")
+        m = st.get("metrics", {})
+        parts = [st["state"]]
+        for key, fmt in (("loss", "loss {:.3f}"), ("val_loss", "val {:.3f}"),
+                         ("mean_return", "return {:.1f}"), ("samples_per_s", "{:.0f} samples/s")):
+            if key in m:
+                parts.append(fmt.format(m[key]))
+        restarts = st.get("restarts", {}).get("total", 0)
+        if restarts:
+            parts.append(f"restarts {restarts}")
+        self._progress.update(self._task, completed=max(st.get("step", -1) + 1, 0),
+                              info=" | ".join(parts))
+
+
+def print_summary(summary: dict, console: Console | None = None) -> None:
+    """The end-of-job summary table."""
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=f"job {summary.get('name')}: {summary.get('status')}", show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    t.add_row("steps", str(summary.get("steps")))
+    t.add_row("wall time", f"{summary.get('wall_s', 0):.1f} s")
+    r = summary.get("restarts") or {}
+    t.add_row("restarts", ", ".join(f"{k}={v}" for k, v in r.items()) or "0")
+    if summary.get("goodput") is not None:
+        t.add_row("goodput", f"{summary['goodput']:.3f}")
+    for k, v in sorted((summary.get("metrics") or {}).items()):
+        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    console.print(t)
+    if summary.get("error"):
+        console.print("[bold red]error:[/] " + summary["error"], markup=True, highlight=False)

@@ -1,0 +1,1 @@
+"""JobMaster: scheduler, executor, failover, job context."""

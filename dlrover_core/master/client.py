@@ -1,0 +1,140 @@
+"""Client side: start (or join) Ray, create the JobMaster, follow the job.
+
+``address=None`` starts an embedded local Ray cluster that lives as long as the
+``dlrover submit`` process; ``--address auto`` or ``HOST:PORT`` joins an existing
+cluster (``ray start`` on machines, KubeRay on Kubernetes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+MASTER_MAX_RESTARTS = 3
+
+
+class JobNotFound(LookupError):
+    """No running JobMaster and no job directory for the name."""
+
+
+def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -> bool:
+    """Start or join Ray unless already connected. Returns True when this call started
+    an embedded local cluster.
+
+    The current directory and ``PYTHONPATH`` are put on the workers' ``PYTHONPATH`` so
+    that ``workload: package.module:Class`` resolves as it does here.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+    ray.init(address=address or "local", namespace=MASTER_NAMESPACE, runtime_env=runtime_env,
+             log_to_driver=verbose, include_dashboard=False, configure_logging=verbose,
+             logging_level="INFO" if verbose else "ERROR", **kwargs)
+    return address is None
+
+
+def get_master(name: str) -> Any:
+    """The JobMaster handle of a running job, or ``None``."""
+    import ray
+
+    try:
+        return ray.get_actor(master_actor_name(name), namespace=MASTER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def create_master(spec: DictConfig, job_dir: str) -> Any:
+    """Create the named, detached JobMaster actor of ``spec.name``.
+
+    Raises:
+        RuntimeError: a job of that name is already running.
+    """
+    import ray
+
+    from dlrover_core.master.job_master import JobMaster
+
+    if get_master(spec.name) is not None:
+        raise RuntimeError(f"job {spec.name!r} is already running; `dlrover stop {spec.name}` "
+                           "first, or choose another name")
+    cls = ray.remote(JobMaster)
+    return cls.options(
+        name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
+        max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
+    ).remote(OmegaConf.to_container(spec, resolve=True), job_dir)
+
+
+def default_job_dir(name: str) -> str:
+    return os.path.abspath(os.path.join("runs", name))
+
+
+def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None = None,
+               progress: bool = True, verbose: bool = False) -> dict:
+    """Run a validated job to its end and return its summary (``summary.json``).
+
+    Ctrl-C stops the job (embedded cluster) or detaches (joined cluster: the job goes on).
+    """
+    import ray
+
+    job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
+    os.makedirs(job_dir, exist_ok=True)
+    started_here = init_ray(address, verbose=verbose)
+    master = create_master(spec, job_dir)
+    ray.get(master.start.remote())
+    try:
+        summary = follow(master, progress=progress)
+    except KeyboardInterrupt:
+        if address is None:
+            print("\nstopping the job ...", file=sys.stderr)
+            master.stop.remote()
+            summary = ray.get(master.wait.remote(60))
+        else:
+            print(f"\ndetached; the job goes on. `dlrover status {spec.name}` to follow it",
+                  file=sys.stderr)
+            raise
+    try:
+        master.shutdown.remote()
+    except Exception:  # noqa: BLE001
+        pass
+    if summary is None:
+        summary = read_summary(job_dir)
+    if started_here:
+        ray.shutdown()
+    return summary
+
+
+def follow(master: Any, progress: bool = True, poll_s: float = 0.5) -> dict:
+    """Poll the master until the job ends, drawing a progress bar; return the summary."""
+    import ray
+
+    from dlrover_core.cli.progress import JobProgress
+
+    bar = JobProgress(enabled=progress)
+    with bar:
+        while True:
+            try:
+                st = ray.get(master.status.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(poll_s)  # the master is restarting
+                continue
+            bar.update(st)
+            if st["summary"] is not None:
+                return st["summary"]
+            time.sleep(poll_s)
+
+
+def read_summary(job_dir: str) -> dict | None:
+    path = os.path.join(job_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,62 @@
+"""``events.jsonl``: one JSON object per lifecycle event, appended and flushed."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+
+class EventLog:
+    """Append-only event log of a job.
+
+    Each line: ``{"ts": <unix s>, "event": <name>, ...fields}``. Events: ``job_started``,
+    ``placement``, ``instance_started``, ``instance_failed``, ``failure_classified``,
+    ``recovery_started``, ``recovery_finished``, ``checkpoint_saved``, ``instance_finished``,
+    ``master_restarted``, ``job_finished``.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._lock = threading.Lock()
+        self._f = open(path, "a", buffering=1)
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        rec = {"ts": round(time.time(), 6), "event": event, **fields}
+        line = json.dumps(rec, default=str, sort_keys=False)
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+        return rec
+
+    def sync(self) -> None:
+        with self._lock:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._f.closed:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+                self._f.close()
+
+
+def read_events(path: str) -> list[dict]:
+    """All events of a job directory's ``events.jsonl`` (a torn last line is skipped)."""
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out

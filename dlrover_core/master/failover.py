@@ -1,0 +1,119 @@
+"""The FailoverCoordinator: from a classified failure to a recovery action, with
+budgets and escalation.
+
+Levels, smallest first: ``process`` (restart the failed instance; for a role with
+a process group, the role's group is re-formed, so its ranks restart together and
+reload the latest checkpoint), ``role`` (restart every instance of the role),
+``node`` (mark the node bad, re-place everything on the other nodes), ``job``
+(restart every role and the driver), ``fatal`` (stop with the error).
+
+Budgets: ``failover.max_restarts`` recoveries in all; an exhausted budget makes the
+failure fatal. ``failover.max_node_failures`` failures on one node escalate to
+``node`` (when other nodes remain).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dlrover_core.plugins.records import Failure, FailureVerdict
+
+if TYPE_CHECKING:
+    from dlrover_core.graph.graph import ComputationGraph
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on; the message is the summary's ``error``."""
+
+
+@dataclass
+class RecoveryAction:
+    """``level``: what the master does; ``roles``: the roles it restarts (for
+    ``process``/``role``); ``verdict``: the classifier's answer that led here."""
+
+    level: str
+    verdict: FailureVerdict
+    roles: list[str] = field(default_factory=list)
+
+
+class FailoverCoordinator:
+    def __init__(self, config: Any, plugin_manager: Any) -> None:
+        self.max_restarts = int(config.max_restarts)
+        self.max_node_failures = int(config.max_node_failures)
+        self.pm = plugin_manager
+        self.history: list[Failure] = []
+        self.counts: dict[str, int] = {"process": 0, "role": 0, "node": 0, "job": 0}
+        self.node_failures: dict[str, int] = {}
+        self.bad_nodes: set[str] = set()
+        self.last_recovery_end = 0.0
+        self._log: list[dict] = []
+        self._recovery_s: list[float] = []
+        self._t0 = 0.0
+
+    def decide(self, failure: Failure, graph: ComputationGraph) -> RecoveryAction:
+        verdict = self.pm.classify_failure(failure, self.history)
+        self.history.append(failure)
+        level = verdict.level
+        if failure.node_id and failure.kind != "node_lost":
+            n = self.node_failures[failure.node_id] = self.node_failures.get(failure.node_id, 0) + 1
+            if (level in ("process", "role") and n >= self.max_node_failures
+                    and self._other_nodes(failure.node_id)):
+                level = "node"
+                verdict = FailureVerdict("node", f"{n} failures on node {failure.node_id[:12]} "
+                                         f"(failover.max_node_failures={self.max_node_failures}); "
+                                         "marking it bad", verdict.classifier)
+        if level == "node":
+            if failure.node_id:
+                self.bad_nodes.add(failure.node_id)
+        if level != "fatal" and self.total_restarts() >= self.max_restarts:
+            verdict = FailureVerdict("fatal", f"restart budget failover.max_restarts="
+                                     f"{self.max_restarts} exhausted ({verdict.reason})",
+                                     verdict.classifier)
+            level = "fatal"
+        roles = [failure.role] if failure.role and level in ("process", "role") else []
+        if graph.driver and level in ("process", "role") and failure.role != "driver":
+            # the driver holds handles of the role's actors: restart the whole job
+            level = "job"
+        self._log.append({"ts": time.time(), "role": failure.role, "rank": failure.rank,
+                          "kind": failure.kind, "exc_type": failure.exc_type,
+                          "level": level, "reason": verdict.reason, "step": failure.step})
+        self._t0 = time.time()
+        if level != "fatal":
+            self.counts[level] = self.counts.get(level, 0) + 1
+        return RecoveryAction(level, verdict, roles)
+
+    def _other_nodes(self, node_id: str) -> bool:
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return bool(alive - self.bad_nodes - {node_id})
+
+    def recovered(self, action: RecoveryAction) -> None:
+        self.last_recovery_end = time.time()
+        self._recovery_s.append(self.last_recovery_end - self._t0)
+
+    def total_restarts(self) -> int:
+        return sum(self.counts.values())
+
+    def restart_counts(self) -> dict[str, int]:
+        return {"total": self.total_restarts(), **self.counts}
+
+    def failure_log(self) -> list[dict]:
+        return list(self._log)
+
+    def goodput(self, wall_s: float, step_times: dict[int, float]) -> float | None:
+        """Productive step time / wall time (DLRover's goodput).
+
+        Productive time = unique steps completed x the median step time, so
+        steps redone after a restart, recovery time and start-up are not counted.
+        """
+        if wall_s <= 0 or len(step_times) < 3:
+            return None
+        ts = [step_times[s] for s in sorted(step_times)]
+        gaps = [b - a for a, b in zip(ts, ts[1:]) if b > a]
+        if not gaps:
+            return None
+        return round(min(1.0, len(step_times) * statistics.median(gaps) / wall_s), 4)

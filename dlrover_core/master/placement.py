@@ -1,0 +1,74 @@
+"""Placement plans: which placement group and bundle hosts each role instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class PlacementError(RuntimeError):
+    """The graph cannot be placed on the cluster (the message says what is short)."""
+
+
+@dataclass(frozen=True)
+class NodeResources:
+    """One alive Ray node: ``node_id``, ``ip`` and its total resources
+    (``{"CPU": 2.0, "GPU": 0.0, ...}``)."""
+
+    node_id: str
+    ip: str
+    resources: dict[str, float]
+
+
+@dataclass
+class ClusterResources:
+    """The nodes a plan may use (bad nodes already removed)."""
+
+    nodes: list[NodeResources]
+
+    def total(self, key: str) -> float:
+        return sum(n.resources.get(key, 0.0) for n in self.nodes)
+
+    @classmethod
+    def from_ray(cls, exclude: set[str] = frozenset()) -> ClusterResources:  # type: ignore[assignment]
+        import ray
+
+        nodes = [NodeResources(n["NodeID"], n.get("NodeManagerAddress", ""),
+                               dict(n.get("Resources", {})))
+                 for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in exclude]
+        return cls(nodes)
+
+
+@dataclass(frozen=True)
+class InstanceSlot:
+    """Where one role instance goes: placement group index, bundle index, the
+    resources the actor asks for (fraction of the bundle when collocated), and the
+    bundle's node-slot (``node_rank``) and position on it (``local_rank``)."""
+
+    pg: int
+    bundle: int
+    resources: dict[str, float]
+    node_rank: int
+    local_rank: int
+    local_world_size: int
+
+
+@dataclass
+class PlacementGroupPlan:
+    """One Ray placement group: ``bundles`` (resource dicts) and a ``strategy``
+    (``PACK``, ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``)."""
+
+    name: str
+    bundles: list[dict[str, float]]
+    strategy: str
+
+
+@dataclass
+class PlacementPlan:
+    """Placement groups plus ``slots[(role, rank)]``."""
+
+    groups: list[PlacementGroupPlan] = field(default_factory=list)
+    slots: dict[tuple[str, int], InstanceSlot] = field(default_factory=dict)
+
+    def describe(self) -> list[dict]:
+        """JSON-friendly view for events and the job context."""
+        return [{"name": g.name, "strategy": g.strategy, "bundles": g.bundles} for g in self.groups]

@@ -1,0 +1,176 @@
+"""Every hook of dlrover-core, grouped by phase. The docstrings are the reference.
+
+Plugins implement hooks with ``@dlrover_core.hookimpl`` in the module their
+``dlrover.plugins`` entry point names::
+
+    # pyproject.toml of dlrover-plugin-mine
+    [project.entry-points."dlrover.plugins"]
+    mine = "dlrover_plugin_mine.plugin"
+
+That module must import nothing heavy (torch, megatron, deepspeed): records
+point at implementations by import path and are resolved where they run.
+
+Processes: *master* hooks run inside the JobMaster actor, *worker* hooks inside
+the Ray actor of a role instance, *client* hooks in the ``dlrover`` command.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from dlrover_core.plugins.records import (
+        Backend,
+        CheckpointSaver,
+        Failure,
+        FailureVerdict,
+        GraphTemplate,
+        PlacementPolicy,
+        StateDictEngine,
+        Tuner,
+    )
+    from dlrover_core.runtime.workload import BaseWorkload
+
+PROJECT = "dlrover"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --------------------------------------------------------------------------- registration
+@hookspec
+def dlrover_graph_templates() -> list[GraphTemplate]:
+    """Return the graph templates this plugin provides. Called once per process, on load.
+
+    Example::
+
+        @hookimpl
+        def dlrover_graph_templates():
+            return [GraphTemplate(name="sft", roles=(RoleTemplate("trainer"),),
+                                  description="one SPMD trainer group")]
+    """
+
+
+@hookspec
+def dlrover_backends() -> list[Backend]:
+    """Return the SPMD backends this plugin provides. Called once per process, on load.
+
+    Example::
+
+        @hookimpl
+        def dlrover_backends():
+            return [Backend(name="fsdp", session="dlrover_plugin_fsdp.backend:FSDPSession")]
+    """
+
+
+@hookspec
+def dlrover_state_dict_engines() -> list[StateDictEngine]:
+    """Return state-dict engines (how a backend's objects become a saveable state
+    dict). Called once per process, on load.
+
+    Example::
+
+        @hookimpl
+        def dlrover_state_dict_engines():
+            return [StateDictEngine(name="dcp", engine="dlrover_plugin_fsdp.engine:DCPEngine")]
+    """
+
+
+@hookspec
+def dlrover_checkpoint_savers() -> list[CheckpointSaver]:
+    """Return checkpoint savers. Called once per process, on load.
+
+    Example::
+
+        @hookimpl
+        def dlrover_checkpoint_savers():
+            return [CheckpointSaver(name="flash", saver="dlrover_plugin_flashckpt.saver:FlashSaver")]
+    """
+
+
+@hookspec
+def dlrover_placement_policies() -> list[PlacementPolicy]:
+    """Return placement policies. Called once per process, on load.
+
+    Example::
+
+        @hookimpl
+        def dlrover_placement_policies():
+            return [PlacementPolicy(name="pack", plan=plan_pack)]
+    """
+
+
+@hookspec
+def dlrover_tuners() -> list[Tuner]:
+    """Return tuners. Called once per process, on load.
+
+    Example::
+
+        @hookimpl
+        def dlrover_tuners():
+            return [Tuner(name="mbs", tuner="dlrover_plugin_mine.tuner:MicroBatchTuner")]
+    """
+
+
+@hookspec
+def dlrover_cli_commands(cli: Any) -> None:
+    """Add sub-commands to the ``dlrover`` command (client process).
+
+    Args:
+        cli: the ``argparse`` sub-parsers object; call ``cli.add_parser(name, help=...)``
+            and ``set_defaults(func=handler)`` where ``handler(args) -> int`` returns
+            the exit code.
+    """
+
+
+# --------------------------------------------------------------------------- workload lifecycle
+@hookspec
+def dlrover_workload_setup(workload: BaseWorkload) -> None:
+    """A role instance is about to run its ``setup()``: its context (rank, world_size,
+    env, backend session) is ready. Worker process."""
+
+
+@hookspec
+def dlrover_workload_started(workload: BaseWorkload) -> None:
+    """A role instance finished ``setup()`` and starts its work. Worker process."""
+
+
+@hookspec
+def dlrover_step_reported(job: str, role: str, rank: int, step: int, metrics: dict) -> None:
+    """A role instance reported a step (``BaseWorkload.report``). Master process.
+
+    Args:
+        metrics: name -> float, e.g. ``{"loss": 2.1, "samples_per_s": 530.0}``.
+    """
+
+
+@hookspec
+def dlrover_workload_stopped(job: str, role: str, rank: int, status: str) -> None:
+    """A role instance ended normally (``status`` ``succeeded`` or ``stopped``). Master process."""
+
+
+@hookspec
+def dlrover_workload_failed(job: str, failure: Failure, verdict: FailureVerdict) -> None:
+    """A failure was classified; ``verdict.level`` is the recovery that follows. Master process."""
+
+
+@hookspec
+def dlrover_job_finished(job: str, summary: dict) -> None:
+    """The job ended; ``summary`` is what ``summary.json`` holds. Master process."""
+
+
+# --------------------------------------------------------------------------- failure classification
+@hookspec(firstresult=True)
+def dlrover_classify_failure(failure: Failure, history: list[Failure]) -> FailureVerdict | None:
+    """Classify a failure into a failover level. Master process. ``firstresult``: the
+    first non-``None`` answer wins, so a plugin that recognises an error (an NCCL
+    timeout, a Megatron assertion) answers before the built-in classifier, which is
+    registered ``trylast`` and always answers.
+
+    Args:
+        failure: what failed.
+        history: earlier failures of the same job, oldest first.
+    Returns:
+        a ``FailureVerdict`` or ``None`` to let the next classifier decide.
+    """

@@ -1,0 +1,208 @@
+"""Frozen records for the named things that plugins register.
+
+Every record has a unique lower-case ``name``; the manager rejects clashes and
+stamps each record with the plugin that provided it (``provider``). Records
+that need heavy imports (torch, megatron, deepspeed) point at their
+implementation by an import path ``"package.module:attr"`` that is resolved only
+in the process that uses it, so a plugin's entry-point module stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from dlrover_core.graph.graph import ComputationGraph
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
+
+#: Failover levels, from the smallest scope to the largest. ``fatal`` stops the job.
+FAILOVER_LEVELS = ("process", "role", "node", "job", "fatal")
+
+
+def check_name(kind: str, name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a valid lower-case record name."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"{kind} name {name!r} is invalid: use lower-case letters, digits, '_' or '-',"
+            " starting with a letter"
+        )
+
+
+def resolve(path: str) -> Any:
+    """Import ``"package.module:attr"`` (``attr`` may be dotted) and return the object.
+
+    Raises:
+        ImportError: the module cannot be imported.
+        AttributeError: the module has no such attribute.
+        ValueError: ``path`` has no ``:``.
+    """
+    if ":" not in path:
+        raise ValueError(f"import path {path!r} must look like 'package.module:attr'")
+    module_name, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class _Record:
+    name: str
+    description: str = ""
+    provider: str = ""  # filled in by the manager: the plugin that registered it
+
+    def __post_init__(self) -> None:
+        check_name(type(self).__name__, self.name)
+
+
+@dataclass(frozen=True)
+class RoleTemplate:
+    """One role a graph template knows about.
+
+    Attributes:
+        name: role name in the job spec (``actor``, ``rollout``, ``trainer``).
+        required: the template refuses a job without this role.
+        description: one line for ``dlrover templates list``.
+    """
+
+    name: str
+    required: bool = True
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class GraphTemplate(_Record):
+    """A graph template: fills in roles, edges and the driver of a job spec.
+
+    Attributes:
+        roles: the roles the template knows; required ones must be in the job.
+        edges: default data-flow edges ``(src_role, dst_role)`` among those roles.
+        driver: import path of the ``BaseTrainer`` subclass that drives the roles,
+            or ``None`` for SPMD jobs whose workloads run their own loop.
+        apply: optional ``(spec: DictConfig) -> None`` that fills template defaults
+            into the spec in place before validation; it may raise ``SpecError``.
+    """
+
+    roles: tuple[RoleTemplate, ...] = ()
+    edges: tuple[tuple[str, str], ...] = ()
+    driver: str | None = None
+    apply: Callable[[Any], None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Backend(_Record):
+    """An SPMD backend (``ddp``, ``fsdp``, ``megatron``, ``deepspeed``).
+
+    Attributes:
+        session: import path of a ``BackendSession`` subclass, constructed in the
+            worker process with the ``WorkerContext``; it sets up the role's process
+            group and wraps models.
+        state_dict_engine: name of the ``StateDictEngine`` record its checkpoints use.
+    """
+
+    session: str = ""
+    state_dict_engine: str = "dcp"
+
+
+@dataclass(frozen=True)
+class StateDictEngine(_Record):
+    """Turns a backend's live objects (model, optimizer, extra state) into a state
+    dict a saver can write, and loads one back in place.
+
+    Attributes:
+        engine: import path of a ``dlrover_core.checkpoint.engine.StateDictEngineBase``
+            subclass.
+    """
+
+    engine: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointSaver(_Record):
+    """A checkpoint saver (``disk``, ``flash``).
+
+    Attributes:
+        saver: import path of a ``dlrover_core.checkpoint.saver.Saver`` subclass,
+            constructed in the worker process as ``cls(config, context)``.
+    """
+
+    saver: str = ""
+
+
+@dataclass(frozen=True)
+class PlacementPolicy(_Record):
+    """A placement policy.
+
+    Attributes:
+        plan: ``(graph: ComputationGraph, cluster: ClusterResources) -> PlacementPlan``
+            (see ``dlrover_core.master.placement``); it raises ``PlacementError``
+            when the graph cannot fit.
+    """
+
+    plan: Callable[[ComputationGraph, Any], Any] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Tuner(_Record):
+    """A tuner: turns step metrics into a new ``TuningConfig`` version.
+
+    Attributes:
+        tuner: import path of a ``dlrover_core.tuning.tuner.TunerBase`` subclass.
+    """
+
+    tuner: str = ""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What failed, as seen by the JobMaster.
+
+    Attributes:
+        kind: ``actor_died`` (process or actor gone), ``user_error`` (user code
+            raised), ``hang`` (no step report for ``failover.hang_timeout_s``),
+            ``node_lost`` or ``master_restarted``.
+        role, rank: the role instance, when one is known.
+        node_id: Ray node id of the instance, when known.
+        exc_type: qualified name of the exception type (``builtins.ValueError``).
+        message: the exception message or Ray's death cause.
+        traceback: the formatted traceback from the worker ('' when none).
+        phase: ``setup`` (before the first step) or ``run``.
+        step: the last step the instance reported (-1 before the first).
+        attempt: how many times this role instance was already restarted.
+    """
+
+    kind: str
+    role: str = ""
+    rank: int = -1
+    node_id: str = ""
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    phase: str = "run"
+    step: int = -1
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class FailureVerdict:
+    """A classifier's answer.
+
+    Attributes:
+        level: one of ``FAILOVER_LEVELS``.
+        reason: one sentence a user can act on.
+        classifier: name of the plugin that answered (filled by the manager).
+    """
+
+    level: str
+    reason: str
+    classifier: str = ""
+
+    def __post_init__(self) -> None:
+        if self.level not in FAILOVER_LEVELS:
+            raise ValueError(
+                f"failover level {self.level!r} is not one of {', '.join(FAILOVER_LEVELS)}"
+            )

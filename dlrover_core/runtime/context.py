@@ -1,0 +1,70 @@
+"""What a role instance knows about itself and its job (picklable, sent to the actor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MASTER_NAMESPACE = "dlrover"
+
+
+def master_actor_name(job: str) -> str:
+    """Name of the JobMaster actor of ``job`` in namespace ``dlrover``."""
+    return f"dlrover-master-{job}"
+
+
+@dataclass
+class WorkerContext:
+    """Identity and settings of one role instance.
+
+    Attributes:
+        job, role: names; ``rank`` in ``[0, world_size)`` within the role;
+        local_rank / local_world_size: position among the role's instances on the
+            same node; ``node_rank``: which of the role's nodes (``rank // per_node``).
+        backend: backend name or ``None``; ``collocation``: the roles sharing this
+            instance's bundle (``"actor,rollout"``) or ``""``.
+        config: the job config merged with the role config (plain containers).
+        checkpoint / failover: the ``checkpoint`` and ``failover`` sections (dicts).
+        job_dir: absolute path of the job directory.
+        attempt: how many times this instance was restarted (0 at first start).
+    """
+
+    job: str
+    role: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int = 0
+    backend: str | None = None
+    collocation: str = ""
+    config: Any = field(default_factory=dict)
+    checkpoint: dict = field(default_factory=dict)
+    failover: dict = field(default_factory=dict)
+    tuning: dict = field(default_factory=dict)
+    job_dir: str = ""
+    attempt: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    group_epoch: int = 0
+
+    @property
+    def name(self) -> str:
+        """Unique instance name ``<role>-<rank>``."""
+        return f"{self.role}-{self.rank}"
+
+    def env(self) -> dict[str, str]:
+        """The torchrun-style environment of this instance."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "ROLE_NAME": self.role,
+            "DLROVER_JOB": self.job,
+            "DLROVER_ROLE": self.role,
+            "DLROVER_ATTEMPT": str(self.attempt),
+            **({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+               if self.master_addr else {}),
+        }

@@ -1,0 +1,83 @@
+"""``DRef``: results that stay on the workers that produced them.
+
+A non-blocking role-group call returns a ``DRef``: one Ray ``ObjectRef`` per rank,
+held in the object stores of the producing workers. Passing a ``DRef`` to another
+role's call moves the data worker-to-worker (the consumer's host fetches it); the
+driver never holds the bytes unless it calls :meth:`DRef.get`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+
+@dataclass
+class DRef:
+    """Per-rank results of one call.
+
+    Attributes:
+        refs: one ``ray.ObjectRef`` per producing rank, in rank order.
+        role, method: where they came from (for messages).
+        merged: when consumed whole, concatenate the per-rank results (lists or
+            tensors) instead of passing a list of them.
+    """
+
+    refs: list
+    role: str = ""
+    method: str = ""
+    merged: bool = False
+    _shard: int | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def get(self, timeout: float | None = None) -> list:
+        """Fetch the results into this process (through the driver). Rank order."""
+        return ray.get(self.refs, timeout=timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True when every rank's result is ready within ``timeout`` s."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
+        return len(ready) == len(self.refs)
+
+    def concat(self) -> DRef:
+        """A view that the consumer receives as one concatenated list / tensor."""
+        return DRef(self.refs, self.role, self.method, True)
+
+    def shard(self, i: int) -> DRef:
+        """The consumer gets only the ``i``-th rank's result."""
+        return DRef([self.refs[i]], self.role, self.method, False, i)
+
+    def _fetch_local(self) -> Any:
+        """Called in the consuming worker: fetch from the producers' object stores."""
+        values = ray.get(self.refs)
+        if self._shard is not None:
+            return values[0]
+        if self.merged:
+            return merge(values)
+        return values
+
+
+def merge(values: list) -> Any:
+    """Concatenate per-rank results: lists/tuples are chained, tensors and arrays
+    concatenated on dim 0, dicts merged key-wise; anything else stays a list."""
+    if not values:
+        return values
+    first = values[0]
+    if isinstance(first, (list, tuple)):
+        return [x for v in values for x in v]
+    mod = type(first).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        return torch.cat(values, dim=0)
+    if mod.startswith("numpy"):
+        import numpy as np
+
+        return np.concatenate(values, axis=0)
+    if isinstance(first, dict):
+        return {k: merge([v[k] for v in values]) for k in first}
+    return values

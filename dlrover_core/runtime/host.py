@@ -1,0 +1,195 @@
+"""The Ray actor that hosts one role instance's workload (or the driver).
+
+The JobMaster creates one ``WorkloadHost`` per role rank. The workload class is
+imported inside the worker, so an ImportError in user code is a failure of that
+instance (classified ``fatal``), never of the master. User-facing calls run in the
+default concurrency group (one at a time, in order); liveness calls run in the
+``monitor`` group beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import traceback
+from typing import Any
+
+import ray
+
+from dlrover_core.runtime.context import WorkerContext
+from dlrover_core.runtime.errors import WorkloadError
+
+
+def _qualname(exc: BaseException) -> str:
+    t = type(exc)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
+def _resolve_refs(value: Any) -> Any:
+    """Fetch the data behind ``DRef`` arguments here, worker-to-worker."""
+    from dlrover_core.runtime.dref import DRef
+
+    if isinstance(value, DRef):
+        return value._fetch_local()
+    return value
+
+
+class _HostBase:
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._phase = "init"
+        self._obj: Any = None
+
+    def _raise(self, exc: BaseException, role: str, rank: int, step: int) -> None:
+        raise WorkloadError(role, rank, self._phase, _qualname(exc), str(exc),
+                            "".join(traceback.format_exception(exc)), step) from None
+
+    # monitor group ------------------------------------------------------------
+    @ray.method(concurrency_group="monitor")
+    def node_info(self) -> dict:
+        """``node_id``, ``ip``, ``hostname``, ``pid`` of this actor."""
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "hostname": socket.gethostname(), "pid": os.getpid()}
+
+    @ray.method(concurrency_group="monitor")
+    def ping(self) -> float:
+        return time.time()
+
+    @ray.method(concurrency_group="monitor")
+    def wait_stopped(self) -> str:
+        """Blocks until the instance is told to stop; the master keeps one pending
+        call per instance, so the death of the actor is seen at once."""
+        self._stop.wait()
+        return "stopped"
+
+
+class WorkloadHost(_HostBase):
+    def __init__(self, workload_path: str, context: WorkerContext) -> None:
+        super().__init__()
+        os.environ.update(context.env())
+        self.context = context
+        self.workload_path = workload_path
+        self.workload: Any = None
+
+    def free_port(self) -> int:
+        """A free TCP port on this node (for the role's rendezvous)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, group_epoch: int = 0,
+              local_rank: int | None = None, local_world_size: int | None = None,
+              node_rank: int | None = None) -> dict:
+        """Import the workload, join the process group, run ``setup()``.
+
+        Returns ``{"invocations": {method: InvocationOptions}}`` for the driver.
+        Raises ``WorkloadError`` (phase ``setup``) when user code raises.
+        """
+        from dlrover_core.plugins.manager import get_plugin_manager
+        from dlrover_core.plugins.records import resolve
+        from dlrover_core.runtime.invocation import collect_invocations
+
+        ctx = self.context
+        ctx.master_addr, ctx.master_port, ctx.group_epoch = master_addr, master_port, group_epoch
+        if local_rank is not None:
+            ctx.local_rank, ctx.local_world_size, ctx.node_rank = (local_rank, local_world_size,
+                                                                   node_rank)
+        os.environ.update(ctx.env())
+        self._phase = "setup"
+        try:
+            cls = resolve(self.workload_path)
+            self.workload = cls(ctx)
+            pm = get_plugin_manager()
+            if ctx.backend:
+                backend = pm.get_backend(ctx.backend)
+                self.workload._backend = resolve(backend.session)(ctx)
+                self.workload._backend.setup()
+            pm.workload_setup(self.workload)
+            self.workload.setup()
+            pm.workload_started(self.workload)
+        except BaseException as exc:  # noqa: BLE001 - reported to the master, classified there
+            self._raise(exc, ctx.role, ctx.rank, -1)
+        self._phase = "run"
+        return {"invocations": collect_invocations(type(self.workload))}
+
+    def run(self) -> Any:
+        """The workload's ``run()`` (SPMD roles without a driver)."""
+        try:
+            return self.workload.run()
+        except BaseException as exc:  # noqa: BLE001
+            self._raise(exc, self.context.role, self.context.rank, self.workload._last_step)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``workload.<method>(*args, **kwargs)``; ``DRef`` arguments are fetched here."""
+        args = tuple(_resolve_refs(a) for a in args)
+        kwargs = {k: _resolve_refs(v) for k, v in kwargs.items()}
+        try:
+            return getattr(self.workload, method)(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001
+            self._raise(exc, self.context.role, self.context.rank,
+                        self.workload._last_step if self.workload else -1)
+
+    @ray.method(concurrency_group="monitor")
+    def shutdown(self) -> None:
+        """Tear down the workload and the process group (best effort)."""
+        self._stop.set()
+        w = self.workload
+        if w is None:
+            return
+        for fn in (w.teardown,
+                   (w._checkpointer.close if w._checkpointer else None),
+                   (w._backend.teardown if w._backend else None)):
+            if fn is None:
+                continue
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+
+
+class DriverHost(_HostBase):
+    """Hosts the ``BaseTrainer`` of an MPMD job."""
+
+    def __init__(self, driver_path: str, context: Any) -> None:
+        super().__init__()
+        self.context = context
+        self.driver_path = driver_path
+        self.trainer: Any = None
+
+    def setup(self) -> None:
+        from dlrover_core.plugins.records import resolve
+
+        self._phase = "setup"
+        try:
+            cls = resolve(self.driver_path)
+            self.trainer = cls(self.context)
+            self.trainer.init()
+        except BaseException as exc:  # noqa: BLE001
+            self._raise(exc, "driver", 0, -1)
+        self._phase = "run"
+
+    def run(self) -> Any:
+        try:
+            return self.trainer.fit()
+        except BaseException as exc:  # noqa: BLE001
+            self._raise(exc, "driver", 0, getattr(self.trainer, "_last_step", -1))
+
+    @ray.method(concurrency_group="monitor")
+    def shutdown(self) -> None:
+        self._stop.set()
+
+
+_MONITOR = {"monitor": 4}
+
+
+def remote_workload_host() -> Any:
+    """``WorkloadHost`` as a Ray actor class with a ``monitor`` concurrency group."""
+    return ray.remote(concurrency_groups=_MONITOR)(WorkloadHost)
+
+
+def remote_driver_host() -> Any:
+    """``DriverHost`` as a Ray actor class with a ``monitor`` concurrency group."""
+    return ray.remote(concurrency_groups=_MONITOR)(DriverHost)

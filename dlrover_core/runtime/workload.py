@@ -1,0 +1,160 @@
+"""``BaseWorkload``: the user's code for one role instance."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    from dlrover_core.checkpoint.checkpointer import Checkpointer
+    from dlrover_core.runtime.backend import BackendSession
+    from dlrover_core.runtime.context import WorkerContext
+
+log = logging.getLogger(__name__)
+
+
+class BaseWorkload:
+    """Base class of every role's workload. One instance per role rank, in its own
+    Ray actor process.
+
+    Lifecycle (called by dlrover, in the worker process):
+
+    1. ``__init__(context)``: store things only; do no heavy work.
+    2. the backend joins the role's process group (``self.backend``), then
+       :meth:`setup` runs: build the model, load data, restore a checkpoint.
+    3. SPMD roles without a driver: :meth:`run` is the training loop; returning
+       ends this instance successfully. Roles driven by a trainer: the driver calls
+       the workload's methods through ``RG_<ROLE>`` role groups.
+
+    Inside, :meth:`report` sends step metrics to the JobMaster, and
+    :attr:`checkpointer` saves and loads state through the job's saver.
+    """
+
+    def __init__(self, context: WorkerContext) -> None:
+        self._context = context
+        self._config = OmegaConf.create(context.config or {})
+        self._backend: BackendSession | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._master: Any = None
+        self._last_step = -1
+        self._started_at = time.time()
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def context(self) -> WorkerContext:
+        return self._context
+
+    @property
+    def config(self) -> DictConfig:
+        """The job's ``config`` merged with this role's ``config``."""
+        return self._config
+
+    @property
+    def name(self) -> str:
+        return self._context.name
+
+    @property
+    def role(self) -> str:
+        return self._context.role
+
+    @property
+    def rank(self) -> int:
+        return self._context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._context.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._context.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self._context.local_world_size
+
+    @property
+    def torch_master_addr(self) -> str:
+        return self._context.master_addr
+
+    @property
+    def torch_master_port(self) -> int:
+        return self._context.master_port
+
+    @property
+    def job_dir(self) -> str:
+        return self._context.job_dir
+
+    @property
+    def attempt(self) -> int:
+        """Restarts of this instance so far (0 on the first start)."""
+        return self._context.attempt
+
+    @property
+    def backend(self) -> BackendSession:
+        """The backend session (process group, ``wrap(model)``, ``device``).
+
+        Raises:
+            RuntimeError: the role has no ``backend`` in the job spec.
+        """
+        if self._backend is None:
+            raise RuntimeError(
+                f"role {self.role!r} has no backend; set roles.{self.role}.backend (e.g. fsdp)")
+        return self._backend
+
+    @property
+    def master_handle(self) -> Any:
+        """The JobMaster actor handle."""
+        if self._master is None:
+            import ray
+
+            from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+            self._master = ray.get_actor(master_actor_name(self._context.job),
+                                         namespace=MASTER_NAMESPACE)
+        return self._master
+
+    def is_actor_role(self) -> bool:
+        return self.role == "actor"
+
+    def get_device_collocation(self) -> str:
+        """Roles sharing this instance's devices, comma separated upper-case
+        (``"ACTOR,ROLLOUT"``), or ``""``."""
+        return self._context.collocation.upper()
+
+    # ------------------------------------------------------------------ user API
+    def setup(self) -> None:
+        """Build the model, data and optimizer; restore a checkpoint. Override."""
+
+    def run(self) -> Any:
+        """The training loop of an SPMD role without a driver. Override."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.run() is not implemented: role {self.role!r} has no driver,"
+            " so its workload must implement run()")
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """Saves and loads state through the job's saver (``checkpoint.saver``)."""
+        if self._checkpointer is None:
+            from dlrover_core.checkpoint.checkpointer import Checkpointer
+
+            self._checkpointer = Checkpointer.for_worker(self._context, self)
+        return self._checkpointer
+
+    def report(self, step: int, **metrics: float) -> None:
+        """Report that ``step`` finished, with scalar metrics (``loss``, ``val_loss``,
+        ``samples_per_s``...). Non-blocking: one message to the JobMaster."""
+        self._last_step = int(step)
+        clean = {}
+        for k, v in metrics.items():
+            try:
+                clean[k] = float(v)
+            except (TypeError, ValueError):
+                raise TypeError(f"report({k}={v!r}): metrics must be numbers") from None
+        self.master_handle.report.remote(self.role, self.rank, int(step), clean, time.time())
+
+    def teardown(self) -> None:
+        """Release what :meth:`setup` acquired. Override if needed."""

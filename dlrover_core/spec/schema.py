@@ -1,0 +1,118 @@
+"""The job spec schema (OmegaConf structured config).
+
+One schema, three ways in: a YAML file with ``key=value`` dot-list overrides
+(:func:`dlrover_core.spec.loader.load_spec`), the fluent
+:class:`dlrover_core.spec.builder.DLJobBuilder`, or a graph template that fills in
+roles, edges and the driver. Example::
+
+    name: nanogpt
+    template: sft
+    roles:
+      trainer: {workload: examples.nanogpt.workload:GPTWorkload, total: 2, per_node: 2,
+                backend: fsdp, resources: {cpu: 1, gpu: 0}}
+    checkpoint: {saver: disk, every_steps: 50, keep: 3}
+    config: {max_steps: 300}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ResourceSpec:
+    """Resources of one role instance: ``cpu`` and ``gpu`` (units, fractions allowed),
+    ``memory_mb`` (MiB, 0 = no reservation)."""
+
+    cpu: float = 1.0
+    gpu: float = 0.0
+    memory_mb: int = 0
+
+
+@dataclass
+class RoleSpec:
+    """One role: ``total`` instances, ``per_node`` of them on each node.
+
+    ``workload`` is the import path ``package.module:Class`` of a ``BaseWorkload``
+    subclass; ``backend`` names an SPMD backend (``ddp``, ``fsdp``) or is empty for
+    roles without a process group; ``config`` is merged over the job's ``config``
+    for this role only.
+    """
+
+    workload: str = MISSING
+    total: int = 1
+    per_node: int = 0  # 0: all instances on one node (per_node = total)
+    backend: Optional[str] = None
+    resources: ResourceSpec = field(default_factory=ResourceSpec)
+    env: Dict[str, str] = field(default_factory=dict)
+    config: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FailoverSpec:
+    """Failure handling budgets and timeouts.
+
+    ``max_restarts``: restarts of the job's actors allowed in all (process, role and
+    job level together) before the job fails. ``max_node_failures``: failures on one
+    node before it is marked bad. ``hang_timeout_s``: seconds without a step report
+    from a running role before it counts as hung (0 disables). ``pg_timeout_s``:
+    torch.distributed collective timeout in s.
+    """
+
+    max_restarts: int = 3
+    max_node_failures: int = 2
+    hang_timeout_s: float = 0.0
+    pg_timeout_s: float = 120.0
+
+
+@dataclass
+class CheckpointSpec:
+    """``saver``: a registered saver name (``disk``, ``flash``); ``dir``: where
+    committed steps go (default ``<job dir>/ckpt``); ``every_steps``: save interval
+    in steps (0: only when the workload asks); ``keep``: committed steps kept."""
+
+    saver: str = "disk"
+    dir: Optional[str] = None
+    every_steps: int = 0
+    keep: int = 3
+
+
+@dataclass
+class TuningSpec:
+    """Online tuning: ``tuner`` names a registered tuner; proposals are considered
+    every ``interval_steps`` steps."""
+
+    enabled: bool = False
+    tuner: Optional[str] = None
+    interval_steps: int = 50
+
+
+@dataclass
+class JobSpec:
+    """A whole job. ``edges`` are ``[src_role, dst_role]`` data-flow pairs;
+    ``collocation`` lists groups of roles that share bundles (devices); ``driver``
+    is the import path of a ``BaseTrainer`` subclass for MPMD jobs; ``env`` is the
+    global environment, overridden by a role's ``env``."""
+
+    name: str = MISSING
+    template: Optional[str] = None
+    dl_type: str = "SFT"
+    node_num: int = 0
+    device_per_node: int = 0
+    roles: Dict[str, RoleSpec] = field(default_factory=dict)
+    edges: List[List[str]] = field(default_factory=list)
+    driver: Optional[str] = None
+    collocation: List[List[str]] = field(default_factory=list)
+    placement: str = "pack"
+    failover: FailoverSpec = field(default_factory=FailoverSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    tuning: TuningSpec = field(default_factory=TuningSpec)
+    env: Dict[str, str] = field(default_factory=dict)
+    config: Any = field(default_factory=dict)
+
+
+#: ``dl_type`` values of the builder and the template each one selects by default.
+DL_TYPES = {"PRE": "sft", "SFT": "sft", "RL": "ppo", "MULTIMODAL": "multimodal", "ODL": "odl"}

@@ -1,0 +1,49 @@
+"""The Python reference manual as a character corpus.
+
+``pydoc_data.topics.topics`` ships with every CPython: about 465,000 characters,
+103 distinct symbols. The topics are joined in sorted-key order; the last 10% is
+held out for validation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_corpus() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[k] for k in sorted(topics))
+
+
+class CharDataset:
+    """Encoded train/validation splits and deterministic batch sampling.
+
+    Batches are a function of ``(seed, rank, step)`` only, so a resumed run sees
+    the same data stream as an uninterrupted one.
+    """
+
+    def __init__(self, val_fraction: float = 0.1) -> None:
+        text = load_corpus()
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        n_val = int(len(data) * val_fraction)
+        self.train, self.val = data[:-n_val], data[-n_val:]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def batch(self, split: str, batch_size: int, block_size: int, seed: int, rank: int,
+              step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``, ``y``: (batch_size, block_size) int64; ``y`` is ``x`` shifted by one."""
+        data = self.train if split == "train" else self.val
+        g = torch.Generator().manual_seed(hash((seed, rank, step, split)) & 0x7FFFFFFF)
+        ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
+        x = torch.stack([data[i:i + block_size] for i in ix])
+        y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix])
+        return x, y
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)

@@ -1,0 +1,3 @@
+"""DDP and FSDP2 backends for dlrover-core."""
+
+__version__ = "0.1.0"
