@@ -117,13 +117,17 @@ class ComputationGraph:
                                     "each role in at most one collocation group",
                                     f"already in collocation[{seen[r]}]")
                 seen[r] = gi
-            per_nodes = {self.roles[r].per_node for r in group}
-            if len(per_nodes) > 1:
-                raise SpecError(f"collocation[{gi}]", group, "roles with the same per_node",
+            lead = max(group, key=lambda r: self.roles[r].total)
+            per_node = self.roles[lead].per_node
+            odd = [r for r in group if self.roles[r].per_node != per_node
+                   and not (self.roles[r].total <= per_node
+                            and self.roles[r].per_node == self.roles[r].total)]
+            if odd:
+                raise SpecError(f"collocation[{gi}]", group,
+                                f"roles with the same per_node (or at most {per_node} instances)",
                                 "per_node differs: " + ", ".join(
                                     f"{r}={self.roles[r].per_node}" for r in group))
-            groups.append(CollocationGroup(tuple(group), max(self.roles[r].total for r in group),
-                                           per_nodes.pop()))
+            groups.append(CollocationGroup(tuple(group), self.roles[lead].total, per_node))
         for name in self.order:
             if name not in seen:
                 role = self.roles[name]

@@ -186,15 +186,25 @@ class PluginManager:
             info.status = "failed"
             info.error = f"{type(exc).__name__}: {exc}"
 
+        # stevedore caches entry points per namespace for the life of the process;
+        # drop it so that distributions installed since then are seen
+        NamedExtensionManager.ENTRY_POINT_CACHE.pop(ENTRY_POINT_GROUP, None)
         mgr = NamedExtensionManager(
             namespace=ENTRY_POINT_GROUP,
             names=wanted,
             invoke_on_load=False,
             on_load_failure_callback=on_failure,
         )
+        loaded = set()
         for ext in mgr.extensions:
             info = self._infos[ext.name]
             self.register(ext.plugin, ext.name, info.distribution, info.version)
+            loaded.add(ext.name)
+        for name in wanted:
+            info = self._infos[name]
+            if name not in loaded and info.status == "active":
+                info.status = "failed"
+                info.error = "entry point not found by stevedore"
 
     # ------------------------------------------------------------------ inspection
     def plugins(self) -> list[PluginInfo]:
@@ -234,10 +244,10 @@ class PluginManager:
                         continue
                     rec = replace(rec, provider=plugin_name)
                     if rec.name in records[kind]:
-                        other = records[kind][rec.name].provider
+                        a, b = sorted((records[kind][rec.name].provider, plugin_name))
                         clashes.append(
                             f"{_KIND_WORDS[kind]} {rec.name!r} is provided by both "
-                            f"plugin {other!r} and plugin {plugin_name!r}"
+                            f"plugin {a!r} and plugin {b!r}"
                         )
                         continue
                     records[kind][rec.name] = rec

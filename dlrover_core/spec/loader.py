@@ -66,9 +66,13 @@ def _convert(exc: OmegaConfBaseException, source: str) -> SpecError:
         msg = str(exc).splitlines()[0]
         m = re.search(r"Value '(.*?)'", msg)
         value = m.group(1) if m else value
-        m2 = re.search(r"could not be converted to (\w+)|of type '(\w+)'|to (\w+)$", msg)
-        wanted = next((g for g in (m2.groups() if m2 else ()) if g), None)
-        allowed = f"a value of type {wanted}" if wanted else "a value of the schema's type"
+        m2 = re.search(r"could not be converted to (\w+)", msg) or re.search(
+            r"to (\w+)$", msg)
+        wanted = m2.group(1) if m2 else None
+        words = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false",
+                 "String": "a string"}
+        allowed = words.get(wanted or "", f"a value of type {wanted}" if wanted
+                            else "a value of the schema's type")
         return SpecError(key, value, allowed, f"{msg} in {source}")
     return SpecError(key or "<spec>", None, "a valid job spec", f"{exc} in {source}")
 

@@ -1,0 +1,33 @@
+# make setup: .venv with torch==2.13.0 (first), the core and every plugin (editable)
+# make demo:  the nanoGPT pre-training job on the Python reference manual
+# make test:  every test suite, core and each plugin
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-core test-plugins clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[test]" $(foreach p,$(PLUGINS),-e $(p))
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/dlrover submit examples/nanogpt/job.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+	@set -e; for p in $(PLUGINS); do \
+	  echo "== $$p"; \
+	  $(BIN)/python -m pytest -q $${p}tests --rootdir $$p -c $${p}pyproject.toml $(PYTEST_ARGS); \
+	done
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,76 @@
+"""Workloads used by the core tests (imported by the Ray workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from dlrover_core import BaseTrainer, BaseWorkload, trainer_invocation
+
+
+def double_all(results):
+    return [r * 2 for r in results]
+
+
+def add_one(x):
+    return (x + 1,)
+
+
+class Echo(BaseWorkload):
+    def setup(self):
+        self.calls = []
+
+    def noop(self):
+        return None
+
+    def whoami(self):
+        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "env_rank": os.environ["RANK"], "role": self.role}
+
+    def take(self, items):
+        """Returns what this rank received."""
+        return list(items)
+
+    def take_kw(self, items=None, scale=1):
+        return [i * scale for i in items]
+
+    def produce(self, n):
+        return [self.rank * 100 + i for i in range(n)]
+
+    def consume(self, data):
+        return {"rank": self.rank, "data": data, "pid": os.getpid()}
+
+    @trainer_invocation(target="RANK0")
+    def only_rank0(self):
+        return self.rank
+
+    @trainer_invocation(timeout=0.5)
+    def slow(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+    @trainer_invocation(pre_func=add_one, post_func=double_all, auto_shard=False)
+    def incremented(self, x):
+        return x
+
+    @trainer_invocation(blocking=False)
+    def later(self, x):
+        return x * 10
+
+    def record(self, i):
+        self.calls.append(i)
+        return list(self.calls)
+
+    def fail(self):
+        raise ValueError("boom from rank %d" % self.rank)
+
+
+class PingDriver(BaseTrainer):
+    """An MPMD driver used by the job tests: producer results go to the consumer as DRefs."""
+
+    def fit(self):
+        refs = self.RG_PRODUCER.produce.options(blocking=False)(self.config.n)
+        got = self.RG_CONSUMER.consume.options(auto_shard=True)(refs)
+        self.report(0, consumed=float(sum(len(g["data"]) for g in got)))
+        assert self.get_role_groups() == ["consumer", "producer"]
+        return got
