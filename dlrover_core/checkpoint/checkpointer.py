@@ -51,7 +51,8 @@ class Checkpointer:
         import torch.distributed as dist
 
         saver = saver_cls(
-            SaverConfig(dir=directory, keep=int(ck.get("keep", 3)), job=ctx.job),
+            SaverConfig(dir=directory, keep=int(ck.get("keep", 3)), job=ctx.job,
+                        options=dict(ck.get("options") or {})),
             SaverContext(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                          role=ctx.role, distributed=dist.is_available() and dist.is_initialized()),
         )

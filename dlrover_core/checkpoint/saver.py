@@ -7,7 +7,7 @@ import os
 import re
 import shutil
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
@@ -20,11 +20,13 @@ def step_dir_name(step: int) -> str:
 @dataclass
 class SaverConfig:
     """``dir``: committed steps go to ``<dir>/step_<step>``; ``keep``: newest committed
-    steps kept; ``job``: job name (for shared-memory names)."""
+    steps kept; ``job``: job name (for shared-memory names); ``options``: the job's
+    ``checkpoint.options`` (saver-specific)."""
 
     dir: str
     keep: int = 3
     job: str = ""
+    options: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -49,10 +49,14 @@ class _HostBase:
     # monitor group ------------------------------------------------------------
     @ray.method(concurrency_group="monitor")
     def node_info(self) -> dict:
-        """``node_id``, ``ip``, ``hostname``, ``pid`` of this actor."""
+        """``node_id``, ``ip``, ``hostname``, ``pid``, ``placement_group_id`` (hex or
+        ``None``) and ``assigned_resources`` (Ray's names, e.g. ``CPU_group_0_<pg>``
+        tells the bundle index) of this actor."""
         ctx = ray.get_runtime_context()
+        pg = ctx.get_placement_group_id()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "hostname": socket.gethostname(), "pid": os.getpid()}
+                "hostname": socket.gethostname(), "pid": os.getpid(),
+                "placement_group_id": pg, "assigned_resources": ctx.get_assigned_resources()}
 
     @ray.method(concurrency_group="monitor")
     def ping(self) -> float:

@@ -72,12 +72,14 @@ class FailoverSpec:
 class CheckpointSpec:
     """``saver``: a registered saver name (``disk``, ``flash``); ``dir``: where
     committed steps go (default ``<job dir>/ckpt``); ``every_steps``: save interval
-    in steps (0: only when the workload asks); ``keep``: committed steps kept."""
+    in steps (0: only when the workload asks); ``keep``: committed steps kept;
+    ``options``: saver-specific settings (see the saver plugin's README)."""
 
     saver: str = "disk"
     dir: Optional[str] = None
     every_steps: int = 0
     keep: int = 3
+    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
