@@ -10,7 +10,8 @@ from typing import Any
 
 
 class EventLog:
-    """Append-only event log of a job.
+    """Append-only JSON-lines log of a job (``events.jsonl``; ``metrics.jsonl`` holds the
+    ``step`` records of rank 0 and the driver).
 
     Each line: ``{"ts": <unix s>, "event": <name>, ...fields}``. Events: ``job_started``,
     ``placement``, ``instance_started``, ``instance_failed``, ``failure_classified``,

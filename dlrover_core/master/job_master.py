@@ -117,6 +117,7 @@ class JobMaster:
         self.pm = get_plugin_manager()
         self.graph = ComputationGraph.from_spec(self.spec)
         self.events = EventLog(os.path.join(job_dir, "events.jsonl"))
+        self.metrics_log = EventLog(os.path.join(job_dir, "metrics.jsonl"))
         self.context = JobContext(os.path.join(job_dir, "context.sqlite"))
         self.failover = FailoverCoordinator(self.spec.failover, self.pm)
         self.state = JobState.PENDING
@@ -191,6 +192,8 @@ class JobMaster:
                 if step > self.step:
                     self.step = step
                     self.step_times.setdefault(step, ts)
+        if rank == 0:
+            self.metrics_log.emit("step", role=role, step=step, **metrics)
         self.pm.step_reported(self.name, role, rank, step, metrics)
 
     def checkpoint_saved(self, role: str, rank: int, step: int, seconds: float) -> None:
@@ -367,7 +370,9 @@ class JobMaster:
             self.invocations.setdefault(inst.role, res.get("invocations", {}))
             self.context.update_instance(inst.role, inst.rank, state="running")
             self.events.emit("instance_started", role=inst.role, rank=inst.rank, pid=inst.pid,
-                             node_id=inst.node_id, attempt=inst.attempt)
+                             node_id=inst.node_id, attempt=inst.attempt,
+                             placement_group_id=inst.info.get("placement_group_id"),
+                             bundle_index=bundle_index(inst.info.get("assigned_resources", {})))
         for inst in created:
             if self.graph.driver:
                 self._track(inst.handle.wait_stopped.remote(), "watch", inst)
@@ -568,11 +573,23 @@ class JobMaster:
         self.events.emit("job_finished", status=status.value, error=(error or None),
                          steps=self.summary["steps"], wall_s=self.summary["wall_s"])
         self.events.close()
+        self.metrics_log.close()
         try:
             self.pm.job_finished(self.name, self.summary)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         self._done.set()
+
+
+def bundle_index(assigned: dict[str, float]) -> int | None:
+    """The bundle index in Ray's assigned resource names (``CPU_group_<i>_<pg id>``)."""
+    for name in assigned:
+        parts = name.split("_group_")
+        if len(parts) == 2:
+            idx = parts[1].split("_", 1)[0]
+            if idx.isdigit():
+                return int(idx)
+    return None
 
 
 def _topology(members: list[Instance]) -> dict[int, tuple[int, int, int]]:

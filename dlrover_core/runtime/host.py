@@ -54,9 +54,14 @@ class _HostBase:
         tells the bundle index) of this actor."""
         ctx = ray.get_runtime_context()
         pg = ctx.get_placement_group_id()
+        try:  # Ray's per-bundle resource names (CPU_group_<bundle>_<pg>); no public API has them
+            assigned = dict(ray._private.worker.global_worker.core_worker.resource_ids())
+            assigned = {k: sum(a for _, a in v) for k, v in assigned.items()}
+        except Exception:  # noqa: BLE001
+            assigned = ctx.get_assigned_resources()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "hostname": socket.gethostname(), "pid": os.getpid(),
-                "placement_group_id": pg, "assigned_resources": ctx.get_assigned_resources()}
+                "placement_group_id": pg, "assigned_resources": assigned}
 
     @ray.method(concurrency_group="monitor")
     def ping(self) -> float:
