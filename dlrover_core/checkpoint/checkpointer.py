@@ -62,8 +62,9 @@ class Checkpointer:
             engine = resolve(pm.get_state_dict_engine(engine_name).engine)()
 
         def on_saved(step: int, seconds: float) -> None:
-            if workload is not None:
-                workload.master_handle.checkpoint_saved.remote(ctx.role, ctx.rank, step, seconds)
+            master = workload._master_or_none() if workload is not None else None
+            if master is not None:
+                master.checkpoint_saved.remote(ctx.role, ctx.rank, step, seconds)
 
         return cls(saver, engine, int(ck.get("every_steps", 0)), on_saved)
 

@@ -117,6 +117,15 @@ class BaseWorkload:
                                          namespace=MASTER_NAMESPACE)
         return self._master
 
+    def _master_or_none(self) -> Any:
+        """The master handle, or ``None`` outside a job (``dlrover_core.testing.spawn_role``)."""
+        if self._master is None:
+            try:
+                return self.master_handle
+            except ValueError:
+                return None
+        return self._master
+
     def is_actor_role(self) -> bool:
         return self.role == "actor"
 
@@ -154,7 +163,9 @@ class BaseWorkload:
                 clean[k] = float(v)
             except (TypeError, ValueError):
                 raise TypeError(f"report({k}={v!r}): metrics must be numbers") from None
-        self.master_handle.report.remote(self.role, self.rank, int(step), clean, time.time())
+        master = self._master_or_none()
+        if master is not None:
+            master.report.remote(self.role, self.rank, int(step), clean, time.time())
 
     def teardown(self) -> None:
         """Release what :meth:`setup` acquired. Override if needed."""
