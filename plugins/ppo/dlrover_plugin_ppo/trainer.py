@@ -1,0 +1,200 @@
+"""The driver of ``ppo`` and ``grpo`` jobs.
+
+Each iteration moves the experience between roles as ``DRef`` s, so the batch goes
+worker-to-worker and the driver only sees metadata (prompt ids) and scalars
+(losses, returns)::
+
+    batch  = rollout.generate(it, prompt_ids)         # DRef, one batch per rollout rank
+    scores = reward.score(batch)                      # DRef   (if a reward role)
+    ref    = reference.log_probs(batch)               # DRef   (if a reference role)
+    values = critic.values(batch)                     # DRef   (ppo)
+    adv    = actor.compute_advantages(batch, scores, ref, values)   # DRef on the actor
+    critic.update(adv); actor.update(adv)             # in parallel; scalar stats back
+    rollout.set_weights(actor.get_weights())          # actor rank 0 -> every rollout rank
+
+Auto-shard splits each ``DRef`` of ``m`` results over a consumer's ``n`` ranks in
+order (``m / n`` each), which the template's checks keep exact.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import time
+from typing import Any
+
+import ray
+
+from dlrover_core import BaseTrainer
+from dlrover_plugin_ppo.config import RLConfig
+
+_BUNDLE_RE = re.compile(r"_group_(\d+)_([0-9a-f]+)$")
+
+
+def bundle_of(assigned_resources: dict[str, float]) -> int | None:
+    """The placement-group bundle index from Ray's assigned resource names
+    (``CPU_group_<bundle>_<pg id>``), or ``None`` outside a bundle."""
+    for name in assigned_resources:
+        m = _BUNDLE_RE.search(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Combine per-rank stats: lists are concatenated in rank order, numbers averaged,
+    except counts named ``num_*``, which are summed."""
+    out: dict[str, Any] = {}
+    keys = {k for d in per_rank for k in d}
+    for k in sorted(keys):
+        vals = [d[k] for d in per_rank if k in d]
+        if isinstance(vals[0], (list, tuple)):
+            out[k] = [x for v in vals for x in v]
+        elif k.startswith("num_"):
+            out[k] = float(sum(vals))
+        else:
+            out[k] = float(sum(vals) / len(vals))
+    return out
+
+
+class PPOTrainer(BaseTrainer):
+    """Runs the PPO (``ppo`` template) or GRPO (``grpo``) loop over the job's roles.
+
+    Metrics reported each iteration (``summary.json`` keeps the last): ``iteration``,
+    ``mean_return`` (mean over the last ``rl.return_window`` finished episodes, when
+    the rollout reports ``episode_returns``), ``episodes``, the actor's
+    ``policy_loss``/``entropy``/``approx_kl``/``clip_frac``/``kl_ref``, the critic's
+    ``value_loss``/``explained_variance``, the reward's ``reward_mean``, the rollout's
+    numeric stats, ``iteration_s`` and ``elapsed_s``; with ``rl.evaluate`` also
+    ``<m>_before`` and ``<m>_after`` for each metric of the actor's ``evaluate()``.
+    """
+
+    def init(self) -> None:
+        self.algorithm = str(self.config.get("rl_algorithm", "ppo"))
+        self.rl = RLConfig.from_config(self.config, self.algorithm)
+        roles = set(self.get_role_groups())
+        if "actor" not in roles:
+            raise ValueError(f"an RL job needs an 'actor' role; this one has {sorted(roles)}")
+        self.has = {r: r in roles for r in ("rollout", "reference", "reward", "critic")}
+        self.gen = self.RG_ROLLOUT if self.has["rollout"] else self.RG_ACTOR
+        self.placement = self.record_placement()
+        self.returns: collections.deque[float] = collections.deque(maxlen=self.rl.return_window)
+        self.episodes = 0
+        self.sync_weights(initial=True)
+
+    # ------------------------------------------------------------------ placement
+    def record_placement(self) -> dict[str, Any]:
+        """Where each role instance actually runs, asked from the actors through Ray:
+        ``{role: [{"rank", "node_id", "pid", "placement_group_id", "bundle"}]}`` plus
+        ``driver`` (this process). Written to ``<job dir>/placement.json``."""
+        out: dict[str, Any] = {}
+        for role in self.get_role_groups():
+            infos = ray.get([h.node_info.remote() for h in self.actor_handles[role]])
+            out[role] = [{"rank": r, "node_id": i["node_id"], "pid": i["pid"],
+                          "placement_group_id": i["placement_group_id"],
+                          "bundle": bundle_of(i["assigned_resources"]),
+                          "resources": i["assigned_resources"]}
+                         for r, i in enumerate(infos)]
+        ctx = ray.get_runtime_context()
+        out["driver"] = {"pid": os.getpid(), "node_id": ctx.get_node_id()}
+        if self.job_dir:
+            os.makedirs(self.job_dir, exist_ok=True)
+            with open(os.path.join(self.job_dir, "placement.json"), "w") as f:
+                json.dump(out, f, indent=1)
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, initial: bool = False) -> None:
+        """Actor rank 0's weights to every rollout rank (and, first time, to the
+        reference when ``rl.sync_reference``), through the object store."""
+        need_rollout = self.has["rollout"]
+        need_ref = initial and self.has["reference"] and self.rl.sync_reference
+        if not (need_rollout or need_ref):
+            return
+        weights = self.RG_ACTOR.get_weights.options(blocking=False, target="RANK0")()
+        calls = []
+        if need_rollout:
+            calls.append(self.RG_ROLLOUT.set_weights.options(blocking=False)(weights))
+        if need_ref:
+            calls.append(self.RG_REFERENCE.set_weights.options(blocking=False)(weights))
+        for c in calls:
+            c.get()
+
+    # ------------------------------------------------------------------ one iteration
+    def prompt_ids(self, iteration: int) -> list[int] | None:
+        """Prompt ids of an iteration (``rl.prompts_per_iter`` consecutive integers), or
+        ``None`` when the rollout chooses its inputs."""
+        p = self.rl.prompts_per_iter
+        return list(range(iteration * p, (iteration + 1) * p)) if p else None
+
+    def iteration(self, it: int) -> dict[str, float]:
+        """Generate, score, reference log-probs, values, advantages, update critic and
+        actor, sync weights. Returns scalar metrics."""
+        t0 = time.perf_counter()
+        nb = {"blocking": False}
+        batch = self.gen.generate.options(**nb)(it, self.prompt_ids(it))
+        scores = self.RG_REWARD.score.options(**nb)(batch) if self.has["reward"] else None
+        ref = None
+        if self.has["reference"]:
+            ref = self.RG_REFERENCE.log_probs.options(**nb)(batch)
+        values = self.RG_CRITIC.values.options(**nb)(batch) if self.has["critic"] else None
+        adv = self.RG_ACTOR.compute_advantages.options(**nb)(batch, scores, ref, values)
+        critic_upd = self.RG_CRITIC.update.options(**nb)(adv) if self.has["critic"] else None
+        actor_upd = self.RG_ACTOR.update.options(**nb)(adv)
+        metrics: dict[str, float] = {}
+        metrics.update(aggregate(actor_upd.get()))
+        if critic_upd is not None:
+            c = aggregate(critic_upd.get())
+            c["critic_update_s"] = c.pop("update_s", 0.0)
+            metrics.update(c)
+        self.sync_weights()
+        gen_stats = aggregate(self.gen.stats())
+        returns = gen_stats.pop("episode_returns", [])
+        self.returns.extend(float(r) for r in returns)
+        self.episodes += len(returns)
+        metrics.update({k: v for k, v in gen_stats.items() if isinstance(v, float)})
+        if self.has["reward"]:
+            metrics.update({k: v for k, v in aggregate(self.RG_REWARD.stats()).items()
+                            if isinstance(v, float)})
+        if self.returns:
+            metrics["mean_return"] = sum(self.returns) / len(self.returns)
+        metrics["episodes"] = float(self.episodes)
+        metrics["iteration"] = float(it)
+        metrics["iteration_s"] = time.perf_counter() - t0
+        return metrics
+
+    def target_reached(self) -> bool:
+        t = self.rl.target_return
+        return (t is not None and len(self.returns) >= self.rl.return_window
+                and sum(self.returns) / len(self.returns) >= t)
+
+    def evaluate(self, suffix: str) -> dict[str, float]:
+        out = self.RG_ACTOR.evaluate.options(target="RANK0", blocking=True)()
+        return {f"{k}_{suffix}": float(v) for k, v in (out or {}).items()}
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        t_start = time.perf_counter()
+        final: dict[str, float] = {}
+        if self.rl.evaluate:
+            final.update(self.evaluate("before"))
+        metrics: dict[str, float] = {}
+        it = -1
+        for it in range(self.rl.iterations):
+            metrics = self.iteration(it)
+            metrics["elapsed_s"] = time.perf_counter() - t_start
+            metrics["target_reached"] = float(self.target_reached())
+            self.report(it, **{**metrics, **final})
+            if self.target_reached():
+                break
+            if self.rl.max_time_s and metrics["elapsed_s"] >= self.rl.max_time_s:
+                break
+        if self.rl.evaluate:
+            final.update(self.evaluate("after"))
+        final.update(metrics)
+        final["iterations"] = float(it + 1)
+        final["fit_s"] = time.perf_counter() - t_start
+        self.report(max(it, 0), **final)
+        return final
