@@ -67,7 +67,8 @@ class PPOTrainer(BaseTrainer):
     the rollout reports ``episode_returns``), ``episodes``, the actor's
     ``policy_loss``/``entropy``/``approx_kl``/``clip_frac``/``kl_ref``, the critic's
     ``value_loss``/``explained_variance``, the reward's ``reward_mean``, the rollout's
-    numeric stats, ``iteration_s`` and ``elapsed_s``; with ``rl.evaluate`` also
+    numeric stats (counts ``num_x`` per iteration, with running sums ``total_x``),
+    ``iteration_s`` and ``elapsed_s``; with ``rl.evaluate`` also
     ``<m>_before`` and ``<m>_after`` for each metric of the actor's ``evaluate()``.
     """
 
@@ -82,6 +83,7 @@ class PPOTrainer(BaseTrainer):
         self.placement = self.record_placement()
         self.returns: collections.deque[float] = collections.deque(maxlen=self.rl.return_window)
         self.episodes = 0
+        self.totals: dict[str, float] = {}
         self.sync_weights(initial=True)
 
     # ------------------------------------------------------------------ placement
@@ -144,7 +146,9 @@ class PPOTrainer(BaseTrainer):
         critic_upd = self.RG_CRITIC.update.options(**nb)(adv) if self.has["critic"] else None
         actor_upd = self.RG_ACTOR.update.options(**nb)(adv)
         metrics: dict[str, float] = {}
-        metrics.update(aggregate(actor_upd.get()))
+        a = aggregate(actor_upd.get())
+        a["actor_update_s"] = a.pop("update_s", 0.0)
+        metrics.update(a)
         if critic_upd is not None:
             c = aggregate(critic_upd.get())
             c["critic_update_s"] = c.pop("update_s", 0.0)
@@ -154,7 +158,13 @@ class PPOTrainer(BaseTrainer):
         returns = gen_stats.pop("episode_returns", [])
         self.returns.extend(float(r) for r in returns)
         self.episodes += len(returns)
-        metrics.update({k: v for k, v in gen_stats.items() if isinstance(v, float)})
+        for k, v in gen_stats.items():
+            if isinstance(v, float):
+                metrics[k] = v
+                if k.startswith("num_"):
+                    total = f"total_{k[4:]}"
+                    self.totals[total] = self.totals.get(total, 0.0) + v
+        metrics.update(self.totals)
         if self.has["reward"]:
             metrics.update({k: v for k, v in aggregate(self.RG_REWARD.stats()).items()
                             if isinstance(v, float)})
