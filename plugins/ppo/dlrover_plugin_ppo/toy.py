@@ -9,7 +9,7 @@ A learner should go from ``reward_mean`` = 1/actions to near 1 in a few iteratio
 
 Settings under ``config.toy``: ``contexts`` (4), ``steps`` (3), ``actions`` (4),
 ``rows`` (16: rows per rollout rank when the driver hands out no prompt ids), ``lr``
-(0.5), and ``trace_dir``: when set, each rollout batch and each weights message carries
+(0.2, Adam), and ``trace_dir``: when set, each rollout batch and each weights message carries
 a tracer that appends ``<tag> <pid>`` to ``<trace_dir>/trace.log`` in every process
 that deserialises it, so a test can check which processes the data went through.
 """
@@ -71,7 +71,7 @@ class _Toy:
         self.steps = int(c.get("steps", 3))
         self.actions = int(c.get("actions", 4))
         self.rows = int(c.get("rows", 16))
-        self.lr = float(c.get("lr", 0.5))
+        self.lr = float(c.get("lr", 0.2))
         trace_dir = c.get("trace_dir")
         self.trace_path = os.path.join(trace_dir, "trace.log") if trace_dir else None
         self.init_torch()
@@ -84,7 +84,7 @@ class ToyActor(_Toy, ActorWorkload):
     def setup(self) -> None:
         self.toy_setup()
         self.policy = TablePolicy(self.contexts, self.steps, self.actions)
-        self.optimizer = torch.optim.SGD(self.policy.parameters(), lr=self.lr)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.lr)
 
     def evaluate_actions(self, batch):
         d = self.policy.dist(batch["context"], batch["step"])
@@ -181,7 +181,7 @@ class ToyCritic(_Toy, CriticWorkload):
         self.toy_setup()
         self.value_net = torch.nn.Module()
         self.value_net.table = torch.nn.Parameter(torch.zeros(self.contexts, self.steps))
-        self.optimizer = torch.optim.SGD(self.value_net.parameters(), lr=self.lr)
+        self.optimizer = torch.optim.Adam(self.value_net.parameters(), lr=self.lr)
 
     def predict(self, batch):
         return self.value_net.table[batch["context"], batch["step"]]
