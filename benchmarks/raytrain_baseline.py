@@ -26,6 +26,26 @@ worker process. Rank 0 saves model + optimiser + step with ``torch.save`` every
 from ``ray.train.get_checkpoint()``.
 
 The last line of output is one JSON object; see ``run_raytrain``.
+
+What Ray Train (2.60, v2 is the default) does here, worth knowing when reading the
+numbers:
+
+- On the kill, the survivor's next gloo collective fails at once, but Ray Train only
+  acts when its controller next polls the workers (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``,
+  default 2 s). It then tears down the whole worker group and starts a new one: new
+  placement group, two new worker processes (imports, torch process group), and the
+  training function runs again from the top in both ranks.
+- A checkpoint counts only once the controller has polled the report off the worker:
+  ``report`` writes it to storage and queues it, and the queue holds one entry. So a
+  checkpoint reported less than one poll interval before the kill is on disk but not
+  registered, and the restart resumes from the one before (``resumed_from`` shows
+  which); and reports more often than the poll interval block the training loop
+  (``ckpt_report_s_max``).
+- ``ray.train.report`` is a barrier: every rank calls it, only rank 0 passes a
+  checkpoint.
+- Ray is started with ``PYTHONHASHSEED=0`` in its runtime env, because
+  ``CharDataset.batch`` seeds its generator with ``hash()`` of a tuple holding a str,
+  which differs per process otherwise.
 """
 
 from __future__ import annotations
