@@ -74,3 +74,31 @@ class PingDriver(BaseTrainer):
         self.report(0, consumed=float(sum(len(g["data"]) for g in got)))
         assert self.get_role_groups() == ["consumer", "producer"]
         return got
+
+
+class BrokenSetup(BaseWorkload):
+    """A user bug before the first step: a missing import."""
+
+    def setup(self):
+        import numpy_does_not_exist  # noqa: F401
+
+    def run(self):
+        return None
+
+
+class StepDriver(BaseTrainer):
+    """A driver that counts iterations, saving its state, and calls every role each step."""
+
+    def init(self):
+        self.state = self.load_state() or {"it": 0}
+
+    def fit(self):
+        import time as _t
+
+        while self.state["it"] < int(self.config.iterations):
+            self.RG_PRODUCER.noop.options(auto_shard=False)()
+            self.state["it"] += 1
+            self.save_state(self.state)
+            self.report(self.state["it"] - 1, it=float(self.state["it"]))
+            _t.sleep(float(self.config.get("sleep_s", 0.2)))
+        return self.state["it"]

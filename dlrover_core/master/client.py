@@ -66,7 +66,7 @@ def create_master(spec: DictConfig, job_dir: str) -> Any:
     if get_master(spec.name) is not None:
         raise RuntimeError(f"job {spec.name!r} is already running; `dlrover stop {spec.name}` "
                            "first, or choose another name")
-    cls = ray.remote(JobMaster)
+    cls = ray.remote(concurrency_groups={"report": 1})(JobMaster)
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
@@ -101,8 +101,8 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
             print(f"\ndetached; the job goes on. `dlrover status {spec.name}` to follow it",
                   file=sys.stderr)
             raise
-    try:
-        master.shutdown.remote()
+    try:  # the job ended and its hooks ran: free the name at once
+        ray.kill(master, no_restart=True)
     except Exception:  # noqa: BLE001
         pass
     if summary is None:

@@ -74,9 +74,6 @@ class FailoverCoordinator:
                                      verdict.classifier)
             level = "fatal"
         roles = [failure.role] if failure.role and level in ("process", "role") else []
-        if graph.driver and level in ("process", "role") and failure.role != "driver":
-            # the driver holds handles of the role's actors: restart the whole job
-            level = "job"
         self._log.append({"ts": time.time(), "role": failure.role, "rank": failure.rank,
                           "kind": failure.kind, "exc_type": failure.exc_type,
                           "level": level, "reason": verdict.reason, "step": failure.step})
@@ -84,6 +81,23 @@ class FailoverCoordinator:
         if level != "fatal":
             self.counts[level] = self.counts.get(level, 0) + 1
         return RecoveryAction(level, verdict, roles)
+
+    def snapshot(self) -> dict:
+        """JSON-friendly state, persisted in the JobContext."""
+        return {"counts": self.counts, "node_failures": self.node_failures,
+                "bad_nodes": sorted(self.bad_nodes), "log": self._log,
+                "recovery_s": self._recovery_s, "history": [vars(f) for f in self.history]}
+
+    def restore(self, snap: dict) -> None:
+        """Load :meth:`snapshot` output (after a master restart)."""
+        if not snap:
+            return
+        self.counts.update(snap.get("counts", {}))
+        self.node_failures = dict(snap.get("node_failures", {}))
+        self.bad_nodes = set(snap.get("bad_nodes", []))
+        self._log = list(snap.get("log", []))
+        self._recovery_s = list(snap.get("recovery_s", []))
+        self.history = [Failure(**f) for f in snap.get("history", [])]
 
     def _other_nodes(self, node_id: str) -> bool:
         import ray

@@ -140,6 +140,16 @@ class JobMaster:
         self.error = ""
         self.summary: dict | None = None
         self.total_steps = _int_or_none(OmegaConf.select(self.spec, "config.max_steps"))
+        self._last_node_check = 0.0
+        self._persist_every = 10
+        if _was_reconstructed() and self.context.get("state") not in (None, "succeeded",
+                                                                      "failed", "stopped"):
+            self._thread = threading.Thread(target=self._main, args=(True,), name="job-master",
+                                            daemon=True)
+            self._thread.start()
+        else:
+            self.context.clear()
+            self.context.set("started_at", self.started_at)
 
     # ================================================================== client API
     def start(self) -> str:
@@ -159,7 +169,7 @@ class JobMaster:
                 "total_steps": self.total_steps, "metrics": dict(self.metrics),
                 "restarts": self.failover.restart_counts(),
                 "elapsed_s": round((self.ended_at or time.time()) - self.started_at, 3),
-                "error": self.error, "summary": self.summary,
+                "error": self.error, "summary": self.summary if self._done.is_set() else None,
                 "instances": {i.label: {"state": i.state, "attempt": i.attempt, "pid": i.pid,
                                         "node_id": i.node_id, "step": i.last_step}
                               for i in self._all_instances()},
@@ -181,7 +191,9 @@ class JobMaster:
         ray.actor.exit_actor()
 
     # ================================================================== worker API
+    @ray.method(concurrency_group="report")
     def report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
+        """A step report from a worker (one at a time, in each sender's order)."""
         with self._lock:
             inst = self.driver if role == DRIVER else self.instances.get((role, rank))
             if inst is not None:
@@ -194,8 +206,12 @@ class JobMaster:
                     self.step_times.setdefault(step, ts)
         if rank == 0:
             self.metrics_log.emit("step", role=role, step=step, **metrics)
+            self.context.set("progress", {"step": self.step, "metrics": self.metrics})
+            if step % self._persist_every == 0:
+                self.context.set("step_times", self.step_times)
         self.pm.step_reported(self.name, role, rank, step, metrics)
 
+    @ray.method(concurrency_group="report")
     def checkpoint_saved(self, role: str, rank: int, step: int, seconds: float) -> None:
         if rank != 0:
             return
@@ -212,19 +228,28 @@ class JobMaster:
             self.state = new
             self.context.set("state", new.value)
 
-    def _main(self) -> None:
-        self.events.emit("job_started", job=self.name, roles={
-            r.name: {"total": r.total, "per_node": r.per_node, "backend": r.backend}
-            for r in self.graph.roles.values()}, driver=self.graph.driver)
-        self.context.set("spec", OmegaConf.to_container(self.spec))
+    def _set_state(self, new: JobState) -> None:
+        """Enter or leave RECOVERING (allowed from any live state)."""
+        with self._lock:
+            self.state = new
+        self.context.set("state", new.value)
+
+    def _main(self, reattach: bool = False) -> None:
         status, error = JobState.FAILED, ""
         try:
-            self._check_stop()
-            self._transition(JobState.PLACING)
-            self._place()
-            self._transition(JobState.STARTING)
-            self._guarded(self._start_everything)
-            self._transition(JobState.RUNNING)
+            if reattach:
+                self._reattach()
+            else:
+                self.events.emit("job_started", job=self.name, roles={
+                    r.name: {"total": r.total, "per_node": r.per_node, "backend": r.backend}
+                    for r in self.graph.roles.values()}, driver=self.graph.driver)
+                self.context.set("spec", OmegaConf.to_container(self.spec))
+                self._check_stop()
+                self._transition(JobState.PLACING)
+                self._place()
+                self._transition(JobState.STARTING)
+                self._guarded(self._start_everything)
+                self._transition(JobState.RUNNING)
             self._monitor()
             status = JobState.SUCCEEDED
         except _Stop:
@@ -249,14 +274,24 @@ class JobMaster:
             self._handle_failure(f.inst, f.exc)
 
     # ================================================================== placement
+    def _pg_name(self, group_name: str) -> str:
+        return f"dlrover-{self.name}-{group_name}"
+
     def _place(self) -> None:
         policy = self.pm.get_placement_policy(self.spec.placement)
         cluster = ClusterResources.from_ray(exclude=self.failover.bad_nodes)
         self.plan = policy.plan(self.graph, cluster)
+        alive_bad = sorted(self.failover.bad_nodes & {n.node_id for n in
+                                                      ClusterResources.from_ray().nodes})
         self.pgs = []
         for g in self.plan.groups:
+            kwargs: dict[str, Any] = {}
+            if alive_bad:  # keep bad (but alive) nodes out: Ray's default node-id label
+                kwargs["bundle_label_selector"] = [
+                    {"ray.io/node-id": f"!in({','.join(alive_bad)})"}] * len(g.bundles)
             self.pgs.append(placement_group(g.bundles, strategy=g.strategy,
-                                            name=f"dlrover-{self.name}-{g.name}"))
+                                            name=self._pg_name(g.name), lifetime="detached",
+                                            **kwargs))
         deadline = time.time() + PG_READY_TIMEOUT_S
         for pg, g in zip(self.pgs, self.plan.groups):
             while True:
@@ -308,6 +343,9 @@ class JobMaster:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.pgs[slot.pg], placement_group_bundle_index=slot.bundle),
             "max_restarts": 0,
+            # detached: a restarted master must find its workers alive (owned actors would
+            # die with their owner); the master kills them itself when the job ends
+            "lifetime": "detached",
         }
         if slot.resources.get("memory"):
             opts["memory"] = slot.resources["memory"]
@@ -344,40 +382,56 @@ class JobMaster:
                     f"{inst.label} did not answer within {timeout} s during start-up"))
         return [out[i] for i in range(len(pairs))]
 
-    def _start_roles(self, roles: list[str], attempts: dict[tuple[str, int], int]) -> None:
-        """Create, rendezvous and set up every instance of ``roles`` (in parallel)."""
-        created: list[Instance] = []
-        for role in roles:
-            for rank in range(self.graph.roles[role].total):
-                created.append(self._create_instance(role, rank, attempts.get((role, rank), 0)))
-        infos = self._get([(i, i.handle.node_info.remote()) for i in created])
-        for inst, info in zip(created, infos):
-            inst.node_id, inst.ip, inst.pid, inst.info = (info["node_id"], info["ip"],
-                                                          info["pid"], info)
-            self.context.update_instance(inst.role, inst.rank, node_id=inst.node_id, pid=inst.pid)
+    def _setup_members(self, members: list[Instance], fresh: list[Instance]) -> None:
+        """Rendezvous and ``setup()`` of some instances (all ranks of each role with a
+        backend; fresh ones need their node info first). Survivors are set up again
+        in place, in their running process."""
+        if fresh:
+            infos = self._get([(i, i.handle.node_info.remote()) for i in fresh])
+            for inst, info in zip(fresh, infos):
+                inst.node_id, inst.ip, inst.pid, inst.info = (info["node_id"], info["ip"],
+                                                              info["pid"], info)
+                self.context.update_instance(inst.role, inst.rank, node_id=inst.node_id,
+                                             pid=inst.pid)
         setups = []
-        for role in roles:
-            members = [i for i in created if i.role == role]
-            rank0 = members[0]
-            port = self._get([(rank0, rank0.handle.free_port.remote())])[0]
-            topo = _topology(members)
-            for inst in members:
-                setups.append((inst, inst.handle.setup.remote(
-                    rank0.ip, port, inst.attempt, *topo[inst.rank])))
+        for role in dict.fromkeys(i.role for i in members):
+            group = sorted((i for i in members if i.role == role), key=lambda i: i.rank)
+            addr, port = "", 0
+            if self.graph.roles[role].backend:
+                rank0 = self.instances[(role, 0)]
+                addr, port = rank0.ip, self._get([(rank0, rank0.handle.free_port.remote())])[0]
+            topo = _topology([self.instances[(role, k)]
+                              for k in range(self.graph.roles[role].total)])
+            for inst in group:
+                setups.append((inst, inst.handle.setup.remote(addr, port, inst.attempt,
+                                                              *topo[inst.rank])))
         results = self._get(setups)
         for (inst, _), res in zip(setups, results):
             inst.state = "running"
+            inst.last_report_ts = time.time()
             self.invocations.setdefault(inst.role, res.get("invocations", {}))
-            self.context.update_instance(inst.role, inst.rank, state="running")
+            self.context.update_instance(inst.role, inst.rank, state="running",
+                                         attempt=inst.attempt)
             self.events.emit("instance_started", role=inst.role, rank=inst.rank, pid=inst.pid,
                              node_id=inst.node_id, attempt=inst.attempt,
+                             in_place=inst not in fresh,
                              placement_group_id=inst.info.get("placement_group_id"),
                              bundle_index=bundle_index(inst.info.get("assigned_resources", {})))
-        for inst in created:
-            if self.graph.driver:
-                self._track(inst.handle.wait_stopped.remote(), "watch", inst)
-            else:
-                self._track(inst.handle.run.remote(), "run", inst)
+        for inst, _ in setups:
+            self._launch(inst)
+
+    def _launch(self, inst: Instance) -> None:
+        """Start the instance's work: ``run()`` (SPMD) or a liveness watch (MPMD)."""
+        if self.graph.driver:
+            self._track(inst.handle.wait_stopped.remote(), "watch", inst)
+        else:
+            self._track(inst.handle.run.remote(), "run", inst)
+
+    def _start_roles(self, roles: list[str], attempts: dict[tuple[str, int], int]) -> None:
+        """Create, rendezvous and set up every instance of ``roles`` (in parallel)."""
+        created = [self._create_instance(role, rank, attempts.get((role, rank), 0))
+                   for role in roles for rank in range(self.graph.roles[role].total)]
+        self._setup_members(created, created)
 
     def _start_driver(self, attempt: int = 0) -> None:
         groups = {role: RoleGroup(role, [self.instances[(role, k)].handle
@@ -391,11 +445,13 @@ class JobMaster:
             job_dir=self.job_dir, attempt=attempt)
         name = f"dlrover-{self.name}-driver-a{attempt}"
         handle = remote_driver_host().options(
-            name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0).remote(
+            name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,
+            lifetime="detached").remote(
             self.graph.driver, tctx)
         inst = Instance(DRIVER, 0, handle, name, attempt=attempt, state="starting",
                         generation=(self.driver.generation + 1) if self.driver else 0)
         self.driver = inst
+        self.context.set("driver", {"actor_name": name, "attempt": attempt})
         info = self._get([(inst, handle.node_info.remote())])[0]
         inst.node_id, inst.ip, inst.pid = info["node_id"], info["ip"], info["pid"]
         self._get([(inst, handle.setup.remote())])
@@ -413,11 +469,14 @@ class JobMaster:
     def _track(self, ref: Any, kind: str, inst: Instance) -> None:
         self.pending[ref] = (kind, inst.key, inst.generation)
 
-    # ================================================================== stopping actors
-    def _kill(self, insts: list[Instance], graceful: bool = False) -> None:
+    def _untrack(self, insts: list[Instance]) -> None:
         keys = {(i.key, i.generation) for i in insts}
         for ref in [r for r, (_, k, g) in self.pending.items() if (k, g) in keys]:
             del self.pending[ref]
+
+    # ================================================================== stopping actors
+    def _kill(self, insts: list[Instance], graceful: bool = False) -> None:
+        self._untrack(insts)
         if graceful:
             refs = [i.handle.shutdown.remote() for i in insts if i.handle is not None]
             if refs:
@@ -456,19 +515,25 @@ class JobMaster:
                 if inst is None or inst.generation != gen:
                     continue
                 try:
-                    ray.get(ref)
+                    out = ray.get(ref)
+                    if kind == "run_wait" and not out["ok"]:
+                        raise out["error"]
                 except Exception as exc:  # noqa: BLE001
                     self._handle_failure(inst, exc)
                     break  # pending changed
-                if kind == "run":
-                    inst.state = "succeeded"
-                    self.context.update_instance(inst.role, inst.rank, state="succeeded")
-                    self.events.emit("instance_finished", role=inst.role, rank=inst.rank,
-                                     step=inst.last_step)
-                    if inst.role != DRIVER:
-                        self.pm.workload_stopped(self.name, inst.role, inst.rank, "succeeded")
+                if kind in ("run", "run_wait"):
+                    self._instance_succeeded(inst)
+            self._check_nodes()
             if hang_s > 0:
                 self._check_hang(hang_s)
+
+    def _instance_succeeded(self, inst: Instance) -> None:
+        inst.state = "succeeded"
+        self.context.update_instance(inst.role, inst.rank, state="succeeded")
+        self.events.emit("instance_finished", role=inst.role, rank=inst.rank,
+                         step=inst.last_step)
+        if inst.role != DRIVER:
+            self.pm.workload_stopped(self.name, inst.role, inst.rank, "succeeded")
 
     def _finished(self) -> bool:
         if self.graph.driver:
@@ -476,10 +541,25 @@ class JobMaster:
         return bool(self.instances) and all(i.state == "succeeded"
                                             for i in self.instances.values())
 
+    def _check_nodes(self) -> None:
+        """A node that left the cluster is a ``node_lost`` failure of its instances."""
+        now = time.time()
+        if now - self._last_node_check < 1.0:
+            return
+        self._last_node_check = now
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for inst in self._all_instances():
+            if inst.state == "running" and inst.node_id and inst.node_id not in alive:
+                self._handle_failure(inst, None, Failure(
+                    "node_lost", inst.role, inst.rank, inst.node_id, "NodeLost",
+                    f"node {inst.node_id[:12]} left the Ray cluster", "", "run",
+                    inst.last_step, inst.attempt))
+                return
+
     def _check_hang(self, hang_s: float) -> None:
         now = time.time()
         for inst in list(self.instances.values()):
-            if inst.state != "running":
+            if inst.state != "running" or self.graph.driver:
                 continue
             since = max(inst.last_report_ts, self.failover.last_recovery_end, self.started_at)
             if now - since > hang_s:
@@ -490,18 +570,35 @@ class JobMaster:
                 return
 
     # ================================================================== failures
+    def _node_alive(self, node_id: str) -> bool:
+        return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+
     def _handle_failure(self, inst: Instance, exc: BaseException | None,
                         failure: Failure | None = None) -> None:
         while True:
             if failure is None:
                 failure = failure_from_exception(inst, exc)  # type: ignore[arg-type]
+                if failure.kind == "actor_died" and inst.node_id and \
+                        not self._node_alive(inst.node_id):
+                    failure = Failure("node_lost", failure.role, failure.rank, failure.node_id,
+                                      "NodeLost", f"node {inst.node_id[:12]} left the cluster: "
+                                      f"{failure.message}", "", failure.phase, failure.step,
+                                      failure.attempt)
+            if failure.role == DRIVER and failure.kind != "node_lost":
+                dead = self._dead_instances()
+                if dead:  # the driver failed because a role instance died: recover that
+                    inst, failure = dead[0], None
+                    exc = ray.exceptions.ActorDiedError()
+                    continue
             inst.state = "failed"
             self.context.update_instance(inst.role, inst.rank, state="failed")
             self.events.emit("instance_failed", role=failure.role, rank=failure.rank,
                              kind=failure.kind, exc_type=failure.exc_type,
                              message=failure.message[:2000], step=failure.step,
-                             node_id=failure.node_id, phase=failure.phase)
+                             node_id=failure.node_id, phase=failure.phase,
+                             attempt=failure.attempt)
             action = self.failover.decide(failure, self.graph)
+            self.context.set("failover", self.failover.snapshot())
             self.events.emit("failure_classified", role=failure.role, rank=failure.rank,
                              level=action.verdict.level, reason=action.verdict.reason,
                              classifier=action.verdict.classifier, action=action.level)
@@ -516,35 +613,177 @@ class JobMaster:
             except InstanceFailure as f:
                 inst, exc, failure = f.inst, f.exc, None
 
+    def _dead_instances(self, timeout: float = 2.0) -> list[Instance]:
+        """Role instances that do not answer a ping (dead actors)."""
+        live = [i for i in self.instances.values() if i.state == "running"]
+        probes = {i.handle.ping.remote(): i for i in live}
+        if not probes:
+            return []
+        ready, not_ready = ray.wait(list(probes), num_returns=len(probes), timeout=timeout)
+        dead = [probes[r] for r in not_ready]
+        for r in ready:
+            try:
+                ray.get(r)
+            except Exception:  # noqa: BLE001
+                dead.append(probes[r])
+        return sorted(dead, key=lambda i: (i.role, i.rank))
+
     def _recover(self, action: RecoveryAction, failure: Failure) -> None:
         t0 = time.time()
-        with self._lock:
-            self.state = JobState.RECOVERING
-        self.context.set("state", JobState.RECOVERING.value)
+        self._set_state(JobState.RECOVERING)
         self.events.emit("recovery_started", level=action.level, roles=action.roles,
                          role=failure.role, rank=failure.rank)
-        redo_from = self.step
+        step_at_failure = self.step
         if action.level == "node":
             self._kill(self._all_instances())
             self._remove_placement()
             self._place()
             self._start_everything(attempt_bump=1)
-        elif action.level == "job" or (self.graph.driver and action.level in ("role", "process")
-                                       and failure.role == DRIVER):
+        elif action.level == "job":
             self._kill(self._all_instances())
             self._start_everything(attempt_bump=1)
+        elif failure.role == DRIVER:
+            self._kill([self.driver])
+            self._start_driver(self.driver.attempt + 1)
         else:
-            roles = action.roles or [failure.role]
-            insts = [i for i in self.instances.values() if i.role in roles]
-            self._kill(insts)
-            self._start_roles(roles, {i.key: i.attempt + 1 for i in insts})
+            for role in action.roles:
+                ranks = [failure.rank] if action.level == "process" else \
+                    list(range(self.graph.roles[role].total))
+                self._restart_role(role, ranks)
+            if self.graph.driver:  # it held handles of the replaced actors
+                self._kill([self.driver])
+                self._start_driver(self.driver.attempt + 1)
         self.failover.recovered(action)
-        with self._lock:
-            self.state = JobState.RUNNING
-        self.context.set("state", JobState.RUNNING.value)
-        self.events.emit("recovery_finished", level=action.level, seconds=round(time.time() - t0, 3),
-                         step_at_failure=redo_from,
-                         resumed_from_checkpoint=dict(self.checkpoint_steps))
+        self.context.set("failover", self.failover.snapshot())
+        self._set_state(JobState.RUNNING)
+        resumed = {r: s for r, s in self.checkpoint_steps.items()}
+        lost = None
+        if failure.role in resumed and step_at_failure >= 0:
+            lost = max(0, step_at_failure + 1 - resumed[failure.role])
+        self.events.emit("recovery_finished", level=action.level,
+                         seconds=round(time.time() - t0, 3), step_at_failure=step_at_failure,
+                         resumed_from_checkpoint=resumed, steps_lost=lost)
+
+    def _restart_role(self, role: str, failed_ranks: list[int]) -> None:
+        """Replace the failed ranks of ``role``. A role with a process group re-forms
+        it: survivors whose processes are intact leave their failed run and are set up
+        again in place (new rendezvous, checkpoint reload) instead of being killed,
+        which saves a process start and the imports; stuck or dead ones are replaced."""
+        r = self.graph.roles[role]
+        members = [self.instances[(role, k)] for k in range(r.total)]
+        if r.backend and not self.spec.failover.in_place:
+            failed_ranks = list(range(r.total))
+        failed = [m for m in members if m.rank in failed_ranks]
+        others = [m for m in members if m.rank not in failed_ranks]
+        self._kill(failed)  # survivors blocked in a collective with them now fail fast
+        survivors: list[Instance] = []
+        if r.backend and others:
+            self._untrack(others)
+            grace = float(self.spec.failover.survivor_grace_s)
+            probes = {m.handle.wait_run.remote(grace): m for m in others}
+            ready, not_ready = ray.wait(list(probes), num_returns=len(probes),
+                                        timeout=grace + 5)
+            for ref in ready:
+                m = probes[ref]
+                try:
+                    done = ray.get(ref)["done"]
+                except Exception:  # noqa: BLE001 - dead too
+                    done = False
+                (survivors if done else failed).append(m)
+            failed += [probes[ref] for ref in not_ready]
+            self._kill([m for m in failed if m in others])
+        fresh = [self._create_instance(role, m.rank, m.attempt + 1) for m in failed]
+        for m in survivors:
+            m.attempt += 1
+            m.generation += 1
+        if r.backend:
+            self._setup_members(sorted(fresh + survivors, key=lambda i: i.rank), fresh)
+        else:
+            self._setup_members(fresh, fresh)
+
+    # ================================================================== master restart
+    def _reattach(self) -> None:
+        """After the master actor restarted: reload the context and re-attach to the
+        instances that are still alive; what died meanwhile is recovered as usual."""
+        t0 = time.time()
+        ctx = self.context
+        prev = ctx.get("state")
+        self.started_at = ctx.get("started_at", self.started_at)
+        progress = ctx.get("progress") or {}
+        self.step = progress.get("step", -1)
+        self.metrics = progress.get("metrics", {})
+        self.step_times = {int(k): v for k, v in (ctx.get("step_times") or {}).items()}
+        self.checkpoint_steps = ctx.get("checkpoint_steps") or {}
+        self.failover.restore(ctx.get("failover") or {})
+        self.state = JobState(prev)
+        policy = self.pm.get_placement_policy(self.spec.placement)
+        self.plan = policy.plan(self.graph, ClusterResources.from_ray(
+            exclude=self.failover.bad_nodes))
+        self.pgs = []
+        for g in self.plan.groups:
+            try:
+                self.pgs.append(ray.util.get_placement_group(self._pg_name(g.name)))
+            except ValueError:
+                self.pgs = []
+                break
+        records = {(r.role, r.rank): r for r in ctx.instances()}
+        attached, lost = [], []
+        for (role, rank), rec in records.items():
+            inst = Instance(role, rank, None, rec.actor_name, rec.node_id, pid=rec.pid,
+                            attempt=rec.attempt, state=rec.state, last_step=rec.last_step)
+            try:
+                inst.handle = ray.get_actor(rec.actor_name, namespace=MASTER_NAMESPACE)
+            except ValueError:
+                inst.handle = None
+            self.instances[(role, rank)] = inst
+        drv = ctx.get("driver")
+        if self.graph.driver and drv:
+            self.driver = Instance(DRIVER, 0, None, drv["actor_name"], attempt=drv["attempt"],
+                                   state="running")
+            try:
+                self.driver.handle = ray.get_actor(drv["actor_name"],
+                                                   namespace=MASTER_NAMESPACE)
+            except ValueError:
+                pass
+        self.events.emit("master_restarted", previous_state=prev,
+                         instances=len(self.instances))
+        if prev != JobState.RUNNING.value or len(self.pgs) != len(self.plan.groups) or \
+                len(records) != sum(r.total for r in self.graph.roles.values()):
+            # it died mid-transition: start the job over from its checkpoints
+            self._kill(self._all_instances())
+            self._remove_placement()
+            self.state = JobState.RECOVERING
+            self._place()
+            self._guarded(self._start_everything, 1)
+            self._set_state(JobState.RUNNING)
+            return
+        for inst in self._all_instances():
+            if inst.state == "succeeded":
+                attached.append(inst)
+                continue
+            alive = False
+            if inst.handle is not None:
+                try:
+                    info = ray.get(inst.handle.node_info.remote(), timeout=10)
+                    inst.node_id, inst.ip, inst.pid = info["node_id"], info["ip"], info["pid"]
+                    alive = True
+                except Exception:  # noqa: BLE001
+                    alive = False
+            if alive:
+                inst.state = "running"
+                inst.last_report_ts = time.time()
+                if inst.role != DRIVER and self.graph.driver:
+                    self._track(inst.handle.wait_stopped.remote(), "watch", inst)
+                else:
+                    self._track(inst.handle.wait_run.remote(), "run_wait", inst)
+                attached.append(inst)
+            else:
+                lost.append(inst)
+        self.events.emit("master_reattached", attached=[i.label for i in attached],
+                         lost=[i.label for i in lost], seconds=round(time.time() - t0, 3))
+        for inst in lost:
+            inst.state = "running"
+            self._handle_failure(inst, ray.exceptions.ActorDiedError())
 
     # ================================================================== the end
     def _finish(self, status: JobState, error: str) -> None:
@@ -602,6 +841,14 @@ def _topology(members: list[Instance]) -> dict[int, tuple[int, int, int]]:
         for local, inst in enumerate(insts):
             out[inst.rank] = (local, len(insts), node_rank)
     return out
+
+
+def _was_reconstructed() -> bool:
+    """True when Ray restarted this (master) actor after it died."""
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - outside an actor
+        return False
 
 
 def _int_or_none(v: Any) -> int | None:

@@ -46,7 +46,6 @@ class WorkerContext:
     attempt: int = 0
     master_addr: str = ""
     master_port: int = 0
-    group_epoch: int = 0
 
     @property
     def name(self) -> str:

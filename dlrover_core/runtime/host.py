@@ -40,7 +40,9 @@ class _HostBase:
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._phase = "init"
-        self._obj: Any = None
+        self._run_done = threading.Event()
+        self._run_done.set()  # nothing running yet
+        self._run_outcome: tuple[bool, Any] = (True, None)
 
     def _raise(self, exc: BaseException, role: str, rank: int, step: int) -> None:
         raise WorkloadError(role, rank, self._phase, _qualname(exc), str(exc),
@@ -67,6 +69,33 @@ class _HostBase:
     def ping(self) -> float:
         return time.time()
 
+    def _run_guarded(self, fn: Any, role: str, rank: int, step_of: Any) -> Any:
+        """Run ``fn`` as *the* run of this instance, remembering its outcome for
+        :meth:`wait_run` (a restarted master re-attaches through it)."""
+        self._run_done.clear()
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001
+            try:
+                self._raise(exc, role, rank, step_of())
+            except WorkloadError as werr:
+                self._run_outcome = (False, werr)
+                self._run_done.set()
+                raise
+        self._run_outcome = (True, result)
+        self._run_done.set()
+        return result
+
+    @ray.method(concurrency_group="monitor")
+    def wait_run(self, timeout: float | None = None) -> dict:
+        """Block until the current run ends (at once when none runs); returns
+        ``{"done": bool, "ok": bool, "result"|"error": ...}``."""
+        done = self._run_done.wait(timeout)
+        ok, value = self._run_outcome
+        out = {"done": done, "ok": ok}
+        out["result" if ok else "error"] = value
+        return out
+
     @ray.method(concurrency_group="monitor")
     def wait_stopped(self) -> str:
         """Blocks until the instance is told to stop; the master keeps one pending
@@ -89,7 +118,7 @@ class WorkloadHost(_HostBase):
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int, group_epoch: int = 0,
+    def setup(self, master_addr: str, master_port: int, attempt: int = 0,
               local_rank: int | None = None, local_world_size: int | None = None,
               node_rank: int | None = None) -> dict:
         """Import the workload, join the process group, run ``setup()``.
@@ -102,7 +131,10 @@ class WorkloadHost(_HostBase):
         from dlrover_core.runtime.invocation import collect_invocations
 
         ctx = self.context
-        ctx.master_addr, ctx.master_port, ctx.group_epoch = master_addr, master_port, group_epoch
+        if self.workload is not None:  # re-setup in place after a peer failed
+            self._teardown_workload()
+            self.workload = None
+        ctx.master_addr, ctx.master_port, ctx.attempt = master_addr, master_port, attempt
         if local_rank is not None:
             ctx.local_rank, ctx.local_world_size, ctx.node_rank = (local_rank, local_world_size,
                                                                    node_rank)
@@ -126,10 +158,9 @@ class WorkloadHost(_HostBase):
 
     def run(self) -> Any:
         """The workload's ``run()`` (SPMD roles without a driver)."""
-        try:
-            return self.workload.run()
-        except BaseException as exc:  # noqa: BLE001
-            self._raise(exc, self.context.role, self.context.rank, self.workload._last_step)
+        w = self.workload
+        return self._run_guarded(w.run, self.context.role, self.context.rank,
+                                 lambda: w._last_step)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``workload.<method>(*args, **kwargs)``; ``DRef`` arguments are fetched here."""
@@ -145,6 +176,9 @@ class WorkloadHost(_HostBase):
     def shutdown(self) -> None:
         """Tear down the workload and the process group (best effort)."""
         self._stop.set()
+        self._teardown_workload()
+
+    def _teardown_workload(self) -> None:
         w = self.workload
         if w is None:
             return
@@ -181,10 +215,8 @@ class DriverHost(_HostBase):
         self._phase = "run"
 
     def run(self) -> Any:
-        try:
-            return self.trainer.fit()
-        except BaseException as exc:  # noqa: BLE001
-            self._raise(exc, "driver", 0, getattr(self.trainer, "_last_step", -1))
+        t = self.trainer
+        return self._run_guarded(t.fit, "driver", 0, lambda: t._last_step)
 
     @ray.method(concurrency_group="monitor")
     def shutdown(self) -> None:

@@ -66,6 +66,52 @@ class BaseTrainer:
         """The main loop. Override."""
         raise NotImplementedError(f"{type(self).__name__}.fit() is not implemented")
 
+    # ------------------------------------------------------------------ driver state
+    @property
+    def _state_path(self) -> str:
+        import os
+
+        return os.path.join(self._context.job_dir or ".", "driver", "state.pkl")
+
+    def save_state(self, state: dict) -> None:
+        """Persist the driver's own state (iteration, RNG, data position...) so that a
+        restarted driver resumes (:meth:`load_state`). Atomic: temp file, fsync,
+        rename; a sha256 of the payload is checked on load. ``state`` must pickle."""
+        import hashlib
+        import os
+        import pickle
+
+        from dlrover_core.checkpoint.saver import fsync_dir
+
+        payload = pickle.dumps(state)
+        path = self._state_path
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+
+    def load_state(self) -> dict | None:
+        """The state last given to :meth:`save_state`, or ``None`` (first start, or a
+        file whose checksum does not match: it is ignored with a warning)."""
+        import hashlib
+        import logging
+        import os
+        import pickle
+
+        path = self._state_path
+        if not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            digest, _, payload = f.read().partition(b"\n")
+        if hashlib.sha256(payload).hexdigest().encode() != digest:
+            logging.getLogger(__name__).warning("driver state %s is corrupt; ignoring it", path)
+            return None
+        return pickle.loads(payload)
+
     def report(self, step: int, **metrics: float) -> None:
         """Report a finished driver step with scalar metrics to the JobMaster."""
         import time

@@ -59,13 +59,19 @@ class FailoverSpec:
     job level together) before the job fails. ``max_node_failures``: failures on one
     node before it is marked bad. ``hang_timeout_s``: seconds without a step report
     from a running role before it counts as hung (0 disables). ``pg_timeout_s``:
-    torch.distributed collective timeout in s.
+    torch.distributed collective timeout in s. ``in_place``: on a ``process``-level
+    failure in a role with a process group, keep the surviving ranks' processes and
+    re-form the group in them (False: restart every rank of the role).
+    ``survivor_grace_s``: how long survivors get to leave their failed collective
+    before they are replaced too.
     """
 
     max_restarts: int = 3
     max_node_failures: int = 2
     hang_timeout_s: float = 0.0
     pg_timeout_s: float = 120.0
+    in_place: bool = True
+    survivor_grace_s: float = 10.0
 
 
 @dataclass

@@ -70,11 +70,13 @@ class GPTWorkload(BaseWorkload):
 
     def _maybe_fault(self, step: int) -> None:
         """Test hook: ``config.fault`` = {"rank": r, "step": s, "kind": raise|kill|hang,
-        "attempt": a} injects a real fault in this rank at that step."""
+        "attempt": a} injects a real fault in this rank at that step, in restart attempt
+        ``a`` only (default 0; ``any``: every attempt, a deterministic bug)."""
         f = self.config.get("fault")
         if not f or int(f.rank) != self.rank or int(f.step) != step:
             return
-        if int(f.get("attempt", 0)) != self.attempt:
+        attempt = f.get("attempt", 0)
+        if attempt != "any" and int(attempt) != self.attempt:
             return
         if f.kind == "raise":
             raise RuntimeError(f"injected fault at step {step}")

@@ -1,0 +1,183 @@
+"""Real faults on a real local Ray cluster: SIGKILL, ray.kill, an exception, a hang, a
+fatal bug at start-up, a deterministic bug, the JobMaster killed, the driver killed.
+(Node removal runs in tests/test_node_failover.py, in its own multi-node cluster.)"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from dlrover_core import DLJobBuilder, load_spec
+from dlrover_core.master.client import create_master
+from dlrover_core.master.events import read_events
+from dlrover_core.runtime.context import MASTER_NAMESPACE
+
+EVERY = 4
+TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
+        "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
+        "config.warmup_steps=2", f"checkpoint.every_steps={EVERY}", "checkpoint.keep=2",
+        "failover.survivor_grace_s=3", "failover.pg_timeout_s=30"]
+
+
+def spec(name: str, steps: int = 16, *extra: str):
+    return load_spec("examples/nanogpt/job.yaml",
+                     TINY + [f"name={name}", f"config.max_steps={steps}",
+                             f"config.eval_every={steps}", *extra])
+
+
+def start(s, job_dir):
+    master = create_master(s, job_dir)
+    ray.get(master.start.remote())
+    return master
+
+
+def wait_step(master, step: int, timeout: float = 120) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            st = ray.get(master.status.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            time.sleep(0.2)
+            continue
+        if st["step"] >= step or st["summary"]:
+            return st
+        time.sleep(0.1)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def finish(master, timeout: float = 240) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            st = ray.get(master.status.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            time.sleep(0.3)
+            continue
+        if st["summary"]:
+            ray.kill(master, no_restart=True)
+            return st["summary"]
+        time.sleep(0.2)
+    raise TimeoutError("job did not finish")
+
+
+def steps_redone(job_dir: str, role: str = "trainer") -> int:
+    counts = collections.Counter(r["step"] for r in read_events(os.path.join(
+        job_dir, "metrics.jsonl")) if r["event"] == "step" and r["role"] == role)
+    return sum(c - 1 for c in counts.values())
+
+
+def events(job_dir: str, name: str | None = None) -> list[dict]:
+    ev = read_events(os.path.join(job_dir, "events.jsonl"))
+    return [e for e in ev if name is None or e["event"] == name]
+
+
+def assert_recovered(summary, job_dir, steps=16, level="process"):
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["steps"] == steps
+    assert summary["restarts"][level] >= 1
+    assert steps_redone(job_dir) <= EVERY
+    rec = events(job_dir, "recovery_finished")
+    assert rec and all(e["seconds"] > 0 for e in rec)
+    assert events(job_dir, "failure_classified")
+
+
+def test_sigkill_worker_process(ray_cluster, job_dir):
+    master = start(spec("ft-sigkill"), job_dir)
+    st = wait_step(master, 5)
+    pid = st["instances"]["trainer-1"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    summary = finish(master)
+    assert_recovered(summary, job_dir)
+    assert summary["restarts"]["total"] == 1
+    failed = events(job_dir, "instance_failed")[0]
+    assert failed["kind"] == "actor_died" and failed["rank"] == 1
+    restarted = [e for e in events(job_dir, "instance_started") if e["attempt"] == 1]
+    # the survivor re-formed the group in its own process; only rank 1 is a new process
+    assert {(e["rank"], e["in_place"]) for e in restarted} == {(0, True), (1, False)}
+    pids0 = {e["pid"] for e in events(job_dir, "instance_started") if e["rank"] == 0}
+    assert len(pids0) == 1
+
+
+def test_ray_kill_actor(ray_cluster, job_dir):
+    master = start(spec("ft-raykill"), job_dir)
+    wait_step(master, 5)
+    ray.kill(ray.get_actor("dlrover-ft-raykill-trainer-0-a0", namespace=MASTER_NAMESPACE))
+    summary = finish(master)
+    assert_recovered(summary, job_dir)
+    assert events(job_dir, "instance_failed")[0]["rank"] in (0, 1)
+
+
+def test_exception_at_step(ray_cluster, job_dir):
+    s = spec("ft-raise", 16, "config.fault={rank: 0, step: 6, kind: raise}")
+    summary = finish(start(s, job_dir))
+    assert_recovered(summary, job_dir)
+    failed = events(job_dir, "instance_failed")[0]
+    assert failed["kind"] == "user_error" and failed["exc_type"] == "RuntimeError"
+    assert "injected fault at step 6" in failed["message"]
+
+
+def test_hang_is_detected(ray_cluster, job_dir):
+    s = spec("ft-hang", 16, "config.fault={rank: 1, step: 6, kind: hang}",
+             "failover.hang_timeout_s=4")
+    summary = finish(start(s, job_dir))
+    assert_recovered(summary, job_dir)
+    assert events(job_dir, "instance_failed")[0]["kind"] == "hang"
+
+
+def test_fatal_bug_at_startup_stops_at_once(ray_cluster, job_dir):
+    s = spec("ft-fatal", 16, "roles.trainer.workload=tests.workloads:BrokenSetup")
+    summary = finish(start(s, job_dir))
+    assert summary["wall_s"] < 10  # from job start to stop: one attempt, no restart loop
+    assert summary["status"] == "failed"
+    assert summary["restarts"]["total"] == 0
+    assert "ModuleNotFoundError" in summary["error"]
+    assert "numpy_does_not_exist" in summary["error"]
+    assert "tests/workloads.py" in summary["error"]  # the user's traceback
+    assert events(job_dir, "failure_classified")[0]["level"] == "fatal"
+
+
+def test_deterministic_bug_becomes_fatal(ray_cluster, job_dir):
+    s = spec("ft-determ", 16, "config.fault={rank: 0, step: 6, kind: raise, attempt: any}")
+    summary = finish(start(s, job_dir))
+    assert summary["status"] == "failed"
+    assert "deterministic" in summary["error"]
+    levels = [e["level"] for e in events(job_dir, "failure_classified")]
+    assert levels == ["process", "role", "fatal"]
+
+
+def test_master_killed_mid_run(ray_cluster, job_dir):
+    master = start(spec("ft-master", 24), job_dir)
+    wait_step(master, 5)
+    ray.kill(master, no_restart=False)  # Ray restarts it; it re-attaches from SQLite
+    summary = finish(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["steps"] == 24
+    assert summary["restarts"]["total"] == 0
+    assert len(events(job_dir, "instance_started")) == 2  # workers were not restarted
+    assert events(job_dir, "master_restarted")
+    assert events(job_dir, "master_reattached")[0]["attached"] == ["trainer-0", "trainer-1"]
+
+
+def test_driver_killed_resumes_and_roles_keep_running(ray_cluster, job_dir):
+    job = (DLJobBuilder().name("ft-driver").trainer("tests.workloads", "StepDriver")
+           .config({"iterations": 30, "sleep_s": 0.1})
+           .workload("producer", "tests.workloads", "Echo").total(2).resource(cpu=0.5)
+           .build())
+    master = start(job.spec, job_dir)
+    wait_step(master, 5)
+    ray.kill(ray.get_actor("dlrover-ft-driver-driver-a0", namespace=MASTER_NAMESPACE))
+    summary = finish(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["metrics"]["it"] == 30.0
+    assert summary["restarts"]["process"] == 1
+    started = events(job_dir, "instance_started")
+    assert [e["attempt"] for e in started if e["role"] == "driver"] == [0, 1]
+    assert len([e for e in started if e["role"] == "producer"]) == 2  # not restarted
+    its = [r["step"] for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
+           if r["role"] == "driver"]
+    assert its[-1] == 29 and len(its) - len(set(its)) <= 1  # resumed from its saved state
