@@ -7,6 +7,8 @@ held out for validation.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 
@@ -39,7 +41,8 @@ class CharDataset:
               step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``, ``y``: (batch_size, block_size) int64; ``y`` is ``x`` shifted by one."""
         data = self.train if split == "train" else self.val
-        g = torch.Generator().manual_seed(hash((seed, rank, step, split)) & 0x7FFFFFFF)
+        # zlib.crc32, not hash(): str hashes differ between processes (PYTHONHASHSEED)
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{rank}/{step}/{split}".encode()))
         ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
         x = torch.stack([data[i:i + block_size] for i in ix])
         y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix])
