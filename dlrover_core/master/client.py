@@ -66,10 +66,14 @@ def create_master(spec: DictConfig, job_dir: str) -> Any:
     if get_master(spec.name) is not None:
         raise RuntimeError(f"job {spec.name!r} is already running; `dlrover stop {spec.name}` "
                            "first, or choose another name")
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     cls = ray.remote(concurrency_groups={"report": 1})(JobMaster)
+    here = ray.get_runtime_context().get_node_id()  # the submitting (head) node, if it can
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
     ).remote(OmegaConf.to_container(spec, resolve=True), job_dir)
 
 

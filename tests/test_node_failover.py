@@ -1,0 +1,38 @@
+"""A node leaves a 2-node cluster (``ray.cluster_utils.Cluster``, its own Ray in a
+subprocess): the job marks it bad, re-places its actors on the other node, finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dlrover_core.master.events import read_events
+
+
+@pytest.mark.slow
+def test_node_removed(tmp_path):
+    job_dir = tmp_path / "job"
+    out = subprocess.run([sys.executable, "-m", "tests.scenarios.node_loss", str(job_dir)],
+                         capture_output=True, text=True, timeout=420)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = res["summary"]
+    assert summary is not None
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["steps"] == 20
+    assert summary["restarts"]["node"] == 1
+    events = read_events(os.path.join(job_dir, "events.jsonl"))
+    classified = [e for e in events if e["event"] == "failure_classified"]
+    assert classified[0]["level"] == "node"
+    placements = [e for e in events if e["event"] == "placement"]
+    assert placements[-1]["excluded_nodes"] == [res["removed_node"]]
+    started = [e for e in events if e["event"] == "instance_started"]
+    after = [e for e in started if e["attempt"] == 1]
+    assert after and all(e["node_id"] != res["removed_node"] for e in after)
+    redone = [r["step"] for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
+              if r["event"] == "step"]
+    assert len(redone) - len(set(redone)) <= 4  # at most the checkpoint interval
