@@ -1,0 +1,3 @@
+"""The DeepSpeed backend for dlrover-core."""
+
+__version__ = "0.1.0"

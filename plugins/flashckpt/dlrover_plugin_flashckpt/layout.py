@@ -1,0 +1,262 @@
+"""State dict <-> raw bytes: the tensor table, the skeleton, and the in-place load.
+
+A state dict is a nested structure of dicts, lists and tuples whose leaves are
+tensors (``torch.Tensor`` or ``DTensor``) and small picklable values. Saving splits
+it into
+
+- the **tensor table**: one :class:`TensorEntry` per tensor leaf, in walk order, with
+  the dtype and shape of the bytes written (a ``DTensor`` contributes its local
+  shard, ``to_local()``) and the byte offset in the data area;
+- the **skeleton**: the same structure with every tensor replaced by a
+  :class:`TensorRef` (its index in the table); it carries every non-tensor value
+  (step, RNG state tuples, data position, optimizer hyper-parameters) and is pickled.
+
+The data area is the tensors' raw bytes, each at a 64-byte aligned offset, with no
+pickling of tensor data. Loading walks the saved skeleton and the live state dict
+together: a live tensor of the same dtype and shape receives the bytes in place; a
+missing one is created; any other difference raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGN = 64
+
+#: dtypes a table can name; ``str(torch.float32)`` -> ``"float32"``
+_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128",
+                "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+class LayoutError(ValueError):
+    """A saved state does not fit the live state dict (other model or world size)."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Placeholder of a tensor in a skeleton: its index in the tensor table."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a layout.
+
+    Attributes:
+        path: keys from the root of the state dict (``("model", "layers.0.w")``).
+        dtype: dtype name (``"float32"``). shape: shape of the bytes written (the local
+            shard of a ``DTensor``). offset: byte offset in the data area.
+        nbytes: ``numel * element_size``. kind: ``tensor`` or ``dtensor``.
+        global_shape: the ``DTensor``'s global shape (``()`` for plain tensors).
+    """
+
+    path: tuple
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    kind: str = "tensor"
+    global_shape: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        return f"{path_str(self.path)} {self.dtype}{list(self.shape)}"
+
+
+def path_str(path: tuple) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise TypeError(f"dtype {dtype} is not supported by the flash saver; supported: "
+                        + ", ".join(_DTYPE_NAMES))
+    return name
+
+
+def to_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
+
+
+def local_tensor(value: Any) -> torch.Tensor:
+    """The tensor whose bytes are saved: the local shard of a ``DTensor``."""
+    return value.to_local() if _is_dtensor(value) else value
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def walk(state: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Yield ``(path, tensor)`` for every tensor leaf, in a fixed order."""
+    if _is_tensor(state):
+        yield path, state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from walk(v, path + (k,))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from walk(v, path + (i,))
+
+
+def _check_plain(path: tuple, t: torch.Tensor) -> None:
+    import torch
+
+    if t.layout != torch.strided:
+        raise TypeError(f"{path_str(path)}: {t.layout} tensors are not supported by the flash "
+                        "saver (only dense strided tensors)")
+    if t.device.type == "meta":
+        raise TypeError(f"{path_str(path)}: a meta tensor has no data to save")
+
+
+def build_table(state: Any) -> tuple[list[TensorEntry], list[torch.Tensor], Any]:
+    """Split ``state`` into (tensor table, the tensors whose bytes are saved, skeleton).
+
+    Raises:
+        TypeError: a sparse or meta tensor, or an unsupported dtype (the message names
+            the path).
+    """
+    table: list[TensorEntry] = []
+    sources: list[torch.Tensor] = []
+    offset = 0
+
+    def conv(value: Any, path: tuple) -> Any:
+        nonlocal offset
+        if _is_tensor(value):
+            kind = "dtensor" if _is_dtensor(value) else "tensor"
+            t = local_tensor(value)
+            _check_plain(path, t)
+            nbytes = t.numel() * t.element_size()
+            table.append(TensorEntry(path, dtype_name(t.dtype), tuple(t.shape), offset, nbytes,
+                                     kind, tuple(value.shape) if kind == "dtensor" else ()))
+            sources.append(t)
+            offset += -(-nbytes // ALIGN) * ALIGN
+            return TensorRef(len(table) - 1)
+        if isinstance(value, dict):
+            items = [(k, conv(v, path + (k,))) for k, v in value.items()]
+            return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+        if isinstance(value, list):
+            return [conv(v, path + (i,)) for i, v in enumerate(value)]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(conv(v, path + (i,)) for i, v in enumerate(value))
+        if isinstance(value, tuple):  # namedtuple
+            return type(value)(*(conv(v, path + (i,)) for i, v in enumerate(value)))
+        return value
+
+    skeleton = conv(state, ())
+    return table, sources, skeleton
+
+
+def data_size(table: list[TensorEntry]) -> int:
+    """Bytes of the data area of ``table`` (aligned)."""
+    if not table:
+        return 0
+    last = table[-1]
+    return last.offset + -(-last.nbytes // ALIGN) * ALIGN
+
+
+def signature(table: list[TensorEntry]) -> bytes:
+    """16-byte digest of the paths, dtypes and shapes of ``table`` (same digest: the same
+    buffers can be reused)."""
+    h = hashlib.blake2b(digest_size=16)
+    for e in table:
+        h.update(repr((e.path, e.dtype, e.shape, e.kind)).encode())
+    return h.digest()
+
+
+def pack_meta(step: int, table: list[TensorEntry], skeleton: Any, extra: dict) -> bytes:
+    """The pickled meta block saved beside the data: step, table, skeleton, ``extra``."""
+    return pickle.dumps({"step": step, "table": table, "skeleton": skeleton, **extra},
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_meta(blob: bytes | memoryview) -> dict:
+    """Inverse of :func:`pack_meta`. Meta blocks are trusted data (like ``torch.load``
+    with ``weights_only=False``): load checkpoints only from your own jobs."""
+    return pickle.loads(blob)
+
+
+def tensor_view(buf: Any, base: int, entry: TensorEntry) -> torch.Tensor:
+    """A tensor sharing memory with ``buf`` (an mmap or bytes-like) at ``base + offset``."""
+    import torch
+
+    dtype = to_dtype(entry.dtype)
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=base + entry.offset)
+    return raw.view(dtype).view(entry.shape)
+
+
+def restore(template: Any, skeleton: Any, table: list[TensorEntry],
+            source: Callable[[TensorEntry], torch.Tensor], where: str) -> Any:
+    """Load a saved state into ``template`` in place; returns the (possibly new) root.
+
+    ``source(entry)`` returns a CPU tensor with the saved bytes of one table entry.
+    Live tensors (their local shard for a ``DTensor``) of the same dtype and shape are
+    overwritten in place; dicts and lists are updated in place; saved entries the
+    template lacks are created (cloned); non-tensor values are taken from the save.
+
+    Raises:
+        LayoutError: a live tensor differs in dtype or shape from the saved one, or the
+            template has a tensor the save does not have (``where`` names the source).
+    """
+    saved_paths = {e.path for e in table}
+    missing = [p for p, _ in walk(template) if p not in saved_paths]
+    if missing:
+        raise LayoutError(f"{where} has no tensor at {path_str(missing[0])} "
+                          f"({len(missing)} live tensors are missing from it); it was saved "
+                          "from another model")
+
+    def merge(live: Any, saved: Any) -> Any:
+        if isinstance(saved, TensorRef):
+            e = table[saved.index]
+            src = source(e)
+            if _is_tensor(live):
+                dst = local_tensor(live)
+                if dtype_name(dst.dtype) != e.dtype or tuple(dst.shape) != e.shape:
+                    raise LayoutError(
+                        f"{where}: {path_str(e.path)} is {e.dtype}{list(e.shape)} in the "
+                        f"checkpoint but {dtype_name(dst.dtype)}{list(dst.shape)} in the live "
+                        "state; a flash checkpoint restores into the same model and world size")
+                dst.copy_(src)
+                return live
+            return src.clone()
+        if isinstance(saved, dict):
+            if isinstance(live, dict):
+                for k, v in saved.items():
+                    live[k] = merge(live.get(k), v)
+                return live
+            return {k: merge(None, v) for k, v in saved.items()}
+        if isinstance(saved, list):
+            if isinstance(live, list) and len(live) == len(saved):
+                for i, v in enumerate(saved):
+                    live[i] = merge(live[i], v)
+                return live
+            return [merge(None, v) for v in saved]
+        if isinstance(saved, tuple):
+            lives = live if isinstance(live, tuple) and len(live) == len(saved) else (None,) * len(saved)
+            vals = [merge(a, b) for a, b in zip(lives, saved)]
+            return type(saved)(*vals) if hasattr(saved, "_fields") else tuple(vals)
+        return saved
+
+    import torch
+
+    with torch.no_grad():
+        return merge(template, skeleton)

@@ -1,0 +1,91 @@
+"""``checkpoint.options`` of the ``flash`` saver, validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dlrover_core.spec.errors import SpecError
+
+VERIFY_MODES = ("header", "data")
+
+
+@dataclass(frozen=True)
+class FlashOptions:
+    """Settings of the flash saver (``checkpoint.options`` in the job spec).
+
+    Attributes:
+        persist_every_steps: a saved step is written to the checkpoint directory when
+            ``step % persist_every_steps == 0``; the other saves live in shared memory
+            only (they still reach the disk at a breakpoint or at the end of the job).
+            Default 1: every save is persisted.
+        slots: shared-memory buffers per rank (double buffering with 2). A save never
+            overwrites a buffer that is being persisted; with no free buffer it skips
+            (logged), it never waits.
+        shm_dir: the tmpfs that holds the buffers (``/dev/shm``).
+        verify_memory: what a load from memory checks: ``header`` (state, step,
+            sequence number, crc32 of the layout and of the non-tensor state, the
+            same step on every rank) or ``data`` (also crc32 of every byte, about
+            2 GiB/s per core).
+        throttle_mib_s: cap on the persist bandwidth per node in MiB/s (0: no cap),
+            to leave disk bandwidth to the training job.
+        wait_timeout_s: how long ``wait()`` waits for a step to be committed.
+    """
+
+    persist_every_steps: int = 1
+    slots: int = 2
+    shm_dir: str = "/dev/shm"
+    verify_memory: str = "header"
+    throttle_mib_s: float = 0.0
+    wait_timeout_s: float = 600.0
+
+    @classmethod
+    def parse(cls, options: dict[str, Any] | None) -> FlashOptions:
+        """Validate ``checkpoint.options``.
+
+        Raises:
+            SpecError: an unknown key, or a value of the wrong type or range; the message
+                names ``checkpoint.options.<key>``, the value and what is allowed.
+        """
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        for key in options:
+            if key not in known:
+                raise SpecError(f"checkpoint.options.{key}", options[key],
+                                "one of " + ", ".join(sorted(known)),
+                                "unknown option of the flash saver")
+        out: dict[str, Any] = {}
+
+        def number(key: str, kind: type, lo: float, hi: float | None, what: str) -> None:
+            if key not in options:
+                return
+            v = options[key]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if ok and kind is int and float(v) != int(v):
+                ok = False
+            if ok and (v < lo or (hi is not None and v > hi)):
+                ok = False
+            if not ok:
+                raise SpecError(f"checkpoint.options.{key}", v, what)
+            out[key] = kind(v)
+
+        number("persist_every_steps", int, 1, None, "an integer >= 1")
+        number("slots", int, 1, 8, "an integer from 1 to 8")
+        number("throttle_mib_s", float, 0, None, "a number >= 0 (0: no cap)")
+        number("wait_timeout_s", float, 1e-3, None, "a number of seconds > 0")
+        if "shm_dir" in options:
+            v = options["shm_dir"]
+            if not isinstance(v, str) or not v.startswith("/"):
+                raise SpecError("checkpoint.options.shm_dir", v, "an absolute directory path "
+                                "on a tmpfs, e.g. /dev/shm")
+            out["shm_dir"] = v
+        if "verify_memory" in options:
+            v = options["verify_memory"]
+            if v not in VERIFY_MODES:
+                raise SpecError("checkpoint.options.verify_memory", v, " or ".join(VERIFY_MODES))
+            out["verify_memory"] = v
+        return cls(**out)
+
+    def is_due(self, step: int) -> bool:
+        """Whether ``step`` is persisted by the regular schedule."""
+        return step % self.persist_every_steps == 0

@@ -1,0 +1,75 @@
+"""Entry point of the ``flashckpt`` plugin. Imports nothing heavy: torch is imported by
+the saver in the worker process; the master-side hooks use Ray only.
+
+- ``dlrover_checkpoint_savers``: the ``flash`` saver.
+- ``dlrover_workload_failed`` (master): a trainer died or failed; persist the newest
+  step every rank of its role holds in memory and that is not on disk yet
+  (breakpoint save), before the recovery restarts the role.
+- ``dlrover_job_finished`` (master; also after ``dlrover stop``): persist what is not
+  on disk yet, stop the job's persisters and remove its shared-memory buffers.
+- ``dlrover_cli_commands``: ``dlrover flash ls`` and ``dlrover flash clean``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dlrover_core import CheckpointSaver, hookimpl
+
+log = logging.getLogger(__name__)
+
+#: seconds the master waits at job end for the persisters to write what is left
+FINISH_TIMEOUT_S = 120.0
+
+
+@hookimpl
+def dlrover_checkpoint_savers() -> list[CheckpointSaver]:
+    return [CheckpointSaver(
+        name="flash", saver="dlrover_plugin_flashckpt.saver:FlashSaver",
+        description="copy to shared memory in memcpy time, persist asynchronously from a "
+                    "per-node process, save at breakpoint, load from memory after a restart")]
+
+
+@hookimpl
+def dlrover_workload_failed(job: str, failure: Any, verdict: Any) -> None:
+    if not failure.role or failure.role == "driver":
+        return
+    try:
+        from dlrover_plugin_flashckpt.persister import breakpoint_save
+
+        result = breakpoint_save(job, failure.role)
+    except Exception as exc:  # noqa: BLE001 - a hook must never break the recovery
+        log.warning("flash breakpoint save for %s/%s failed: %s", job, failure.role, exc)
+        return
+    if result["step"] is not None:
+        log.warning("flash breakpoint save of %s/%s step %d: %s", job, failure.role,
+                    result["step"], result["claimed"])
+
+
+@hookimpl
+def dlrover_job_finished(job: str, summary: dict) -> None:
+    try:
+        import ray
+
+        from dlrover_plugin_flashckpt.persister import finish_job, persisters_of
+
+        if not ray.is_initialized():
+            return
+        run_id = ray.get_runtime_context().get_actor_id()
+        if not persisters_of(job):
+            from dlrover_plugin_flashckpt.hygiene import current_session, remove_job
+
+            remove_job("/dev/shm", job, run_id, current_session())
+            return
+        report = finish_job(job, run_id, FINISH_TIMEOUT_S)
+        log.info("flash checkpoint cleanup of %s: %s", job, report)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("flash checkpoint cleanup of %s failed: %s", job, exc)
+
+
+@hookimpl
+def dlrover_cli_commands(cli: Any) -> None:
+    from dlrover_plugin_flashckpt.cli import add_commands
+
+    add_commands(cli)

@@ -1,0 +1,367 @@
+"""Shared-memory buffers ("slots") of the flash saver, and their header protocol.
+
+One slot is one POSIX shared-memory file ``<shm_dir>/<name>`` (``/dev/shm``), laid
+out as::
+
+    [0, 4096)              header: fixed binary fields (struct ``_HDR``) at 0, and the
+                           identity block (JSON: job, role, rank, dir, session, run)
+                           at 512
+    [4096, 4096+meta_cap)  meta block: pickled tensor table + skeleton of the last save
+    [data_offset, ...)     data area: the tensors' raw bytes (see ``layout``)
+
+Names: ``dlrflash-<job>-<key>-r<rank>-s<slot>`` where ``key`` is a digest of the
+checkpoint directory (which already names the role), so two jobs or two test
+sessions on one machine never share a buffer.
+
+Slot states (``state`` field), changed only under the slot's lock (``flock`` on the
+file plus a thread lock), so a trainer and the node's persister never race:
+
+    EMPTY --save--> WRITING --copy done--> READY --persister claims--> PERSISTING
+      ^                ^                     |                            |
+      |                +-------save----------+          <--written--------+
+    created
+
+A save never takes a PERSISTING slot whose persister is alive (the header holds the
+persister's pid and process start time; a dead persister's claim is void). A
+WRITING slot whose writer died is garbage and is never loaded nor persisted. ``seq``
+grows by one at every save into the slot; a reader checks it again after copying to
+detect a concurrent overwrite.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+MAGIC = b"DLRFLSH1"
+VERSION = 1
+HEADER_SIZE = 4096
+IDENT_OFFSET = 512
+PAGE = 4096
+
+EMPTY, WRITING, READY, PERSISTING = 0, 1, 2, 3
+STATE_NAMES = {EMPTY: "empty", WRITING: "writing", READY: "ready", PERSISTING: "persisting"}
+
+NAME_PREFIX = "dlrflash-"
+_SAFE_RE = re.compile(r"[^A-Za-z0-9_.]+")
+
+
+class ShmSpaceError(MemoryError):
+    """The shared-memory filesystem has too little free space for the buffers."""
+
+
+@dataclass
+class Header:
+    """The binary header of a slot (see the module docstring for the protocol).
+
+    Attributes:
+        state: EMPTY/WRITING/READY/PERSISTING. seq: saves into this slot so far.
+        step: the step held (-1: none). meta_len/meta_crc: length and crc32 of the meta
+        block. data_len: bytes of the data area in use. meta_cap/data_cap/data_offset:
+        the layout. writer_pid/writer_start: the trainer process that wrote last (pid,
+        process start time in clock ticks). persister_pid/persister_start: the persister
+        holding a PERSISTING claim. data_crc/crc_seq: crc32 of the data area, computed by
+        the persister for save number ``crc_seq`` (0: none). persisted_seq: the save
+        number last written to the checkpoint directory. saved_at: unix time of the save.
+        due: 1 when the save is due for persistence. sig: layout signature (16 bytes).
+    """
+
+    magic: bytes = MAGIC
+    version: int = VERSION
+    state: int = EMPTY
+    seq: int = 0
+    step: int = -1
+    meta_len: int = 0
+    meta_crc: int = 0
+    data_len: int = 0
+    meta_cap: int = 0
+    data_cap: int = 0
+    data_offset: int = 0
+    writer_pid: int = 0
+    writer_start: int = 0
+    persister_pid: int = 0
+    persister_start: int = 0
+    data_crc: int = 0
+    crc_seq: int = 0
+    persisted_seq: int = 0
+    saved_at: float = 0.0
+    rank: int = 0
+    world_size: int = 1
+    due: int = 0
+    sig: bytes = b"\0" * 16
+
+
+_HDR = struct.Struct("<8sIIQqQIQQQQIQIQIQQdIII16s")
+_FIELDS = [f.name for f in fields(Header)]
+
+
+def proc_start(pid: int) -> int | None:
+    """Start time of process ``pid`` (clock ticks since boot), or ``None`` when it is gone.
+    A (pid, start) pair names one process even when pids are reused."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rfind(b")") + 2:].split()
+    try:
+        if rest[0] in (b"Z", b"X"):  # zombie / dead
+            return None
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def alive(pid: int, start: int) -> bool:
+    """Whether the process (``pid``, ``start``) is running on this machine."""
+    return pid > 0 and proc_start(pid) == start
+
+
+def my_identity() -> tuple[int, int]:
+    pid = os.getpid()
+    return pid, proc_start(pid) or 0
+
+
+def safe_name(s: str, limit: int = 40) -> str:
+    return _SAFE_RE.sub("_", s)[:limit] or "_"
+
+
+def dir_key(directory: str) -> str:
+    """10-hex digest of the absolute checkpoint directory."""
+    return hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:10]
+
+
+def job_prefix(job: str) -> str:
+    """Name prefix of every buffer of ``job``."""
+    return f"{NAME_PREFIX}{safe_name(job)}-"
+
+
+def slot_name(job: str, directory: str, rank: int, slot: int) -> str:
+    return f"{job_prefix(job)}{dir_key(directory)}-r{rank:05d}-s{slot}"
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+def shm_free_bytes(shm_dir: str) -> int:
+    return shutil.disk_usage(shm_dir).free
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_space(shm_dir: str, needed: int, what: str) -> None:
+    """Raise ``ShmSpaceError`` when ``shm_dir`` has less than ``needed`` bytes free.
+
+    The message says how much is needed, how much is free and how to get more.
+    """
+    free = shm_free_bytes(shm_dir)
+    if needed > free:
+        raise ShmSpaceError(
+            f"flash checkpoint needs {_gib(needed)} of shared memory in {shm_dir} for {what}, "
+            f"but only {_gib(free)} is free: enlarge {shm_dir} (docker run --shm-size, a "
+            "Memory-medium emptyDir on Kubernetes), free it (`dlrover flash clean`), or set "
+            "checkpoint.options.slots=1 to halve the need")
+
+
+class Segment:
+    """One slot buffer, mapped into this process.
+
+    Create with :meth:`create` or :meth:`attach`; the mapping is shared, writes are
+    seen at once by every process that maps the same file.
+    """
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, size: int) -> None:
+        self.path = path
+        self.name = os.path.basename(path)
+        self.fd = fd
+        self.mm = mm
+        self.size = size
+        self.inode = os.fstat(fd).st_ino
+        self._tlock = threading.RLock()
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def create(cls, path: str, meta_cap: int, data_cap: int, ident: dict, sig: bytes,
+               rank: int, world_size: int, populate: bool = True) -> Segment:
+        """Create (or replace) the buffer at ``path``: a temp file is sized with
+        ``posix_fallocate`` (so a full tmpfs fails here, not with SIGBUS later), given its
+        header, then renamed into place.
+
+        Raises:
+            ShmSpaceError: the tmpfs is full.
+        """
+        meta_cap = round_up(meta_cap)
+        data_offset = HEADER_SIZE + meta_cap
+        size = data_offset + round_up(max(data_cap, 1))
+        tmp = f"{path}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ShmSpaceError(
+                        f"flash checkpoint could not reserve {_gib(size)} in "
+                        f"{os.path.dirname(path)} ({_gib(shm_free_bytes(os.path.dirname(path)))}"
+                        " free); enlarge it or set checkpoint.options.slots=1") from None
+                raise
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mm = mmap.mmap(fd, size, flags=flags)
+            seg = cls(tmp, fd, mm, size)
+            blob = json.dumps(ident, sort_keys=True).encode()
+            if len(blob) > HEADER_SIZE - IDENT_OFFSET - 4:
+                raise ValueError(f"identity block too long ({len(blob)} bytes)")
+            mm[IDENT_OFFSET:IDENT_OFFSET + 4] = struct.pack("<I", len(blob))
+            mm[IDENT_OFFSET + 4:IDENT_OFFSET + 4 + len(blob)] = blob
+            wpid, wstart = my_identity()
+            seg.write_header(Header(meta_cap=meta_cap, data_cap=size - data_offset,
+                                    data_offset=data_offset, rank=rank, world_size=world_size,
+                                    sig=sig, writer_pid=wpid, writer_start=wstart))
+            os.rename(tmp, path)
+            seg.path, seg.name = path, os.path.basename(path)
+            return seg
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, path: str, populate: bool = False) -> Segment | None:
+        """Map an existing buffer; ``None`` when it is missing or not a flash buffer."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_SIZE:
+                os.close(fd)
+                return None
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mm = mmap.mmap(fd, size, flags=flags)
+        except OSError:
+            os.close(fd)
+            return None
+        if mm[:8] != MAGIC:
+            mm.close()
+            os.close(fd)
+            return None
+        return cls(path, fd, mm, size)
+
+    def replaced(self) -> bool:
+        """Whether the file at :attr:`path` is no longer the one mapped here."""
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except (BufferError, ValueError):
+            pass  # tensors still view it; the mapping goes with them
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    def unlink(self) -> None:
+        try:
+            if not self.replaced():
+                os.unlink(self.path)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ header
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive access to the header among threads and processes."""
+        with self._tlock:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def read_header(self) -> Header:
+        vals = _HDR.unpack_from(self.mm, 0)
+        return Header(**dict(zip(_FIELDS, vals)))
+
+    def write_header(self, h: Header) -> None:
+        _HDR.pack_into(self.mm, 0, *(getattr(h, f) for f in _FIELDS))
+
+    def ident(self) -> dict:
+        (n,) = struct.unpack_from("<I", self.mm, IDENT_OFFSET)
+        try:
+            return json.loads(bytes(self.mm[IDENT_OFFSET + 4:IDENT_OFFSET + 4 + n]))
+        except ValueError:
+            return {}
+
+    # ------------------------------------------------------------------ blocks
+    def meta_bytes(self, h: Header) -> bytes:
+        return bytes(self.mm[HEADER_SIZE:HEADER_SIZE + h.meta_len])
+
+    def write_meta(self, blob: bytes) -> None:
+        self.mm[HEADER_SIZE:HEADER_SIZE + len(blob)] = blob
+
+    def data_view(self, h: Header) -> memoryview:
+        return memoryview(self.mm)[h.data_offset:h.data_offset + h.data_len]
+
+
+def persister_alive(h: Header) -> bool:
+    return alive(h.persister_pid, h.persister_start)
+
+
+def effective_state(h: Header) -> int:
+    """The state with void claims resolved: a PERSISTING claim of a dead persister is
+    READY; a WRITING slot whose writer is gone stays WRITING (garbage)."""
+    if h.state == PERSISTING and not persister_alive(h):
+        return READY
+    return h.state
+
+
+def holds_step(h: Header) -> bool:
+    """The slot holds a complete save (READY, or being persisted)."""
+    return h.magic == MAGIC and effective_state(h) in (READY, PERSISTING) and h.step >= 0
+
+
+def list_segments(shm_dir: str, prefix: str = NAME_PREFIX) -> list[str]:
+    """Paths of flash buffers (and left-over temp files) in ``shm_dir``."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    return sorted(os.path.join(shm_dir, n) for n in names if n.startswith(prefix))
+
+
+def tmp_owner(path: str) -> int | None:
+    """The pid in the name of a temp buffer (``...tmp-<pid>``), else ``None``."""
+    m = re.search(r"\.tmp-(\d+)$", path)
+    return int(m.group(1)) if m else None
+
+
+def file_age_s(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
