@@ -103,6 +103,22 @@ def test_sigkill_worker_process(ray_cluster, job_dir):
     assert len(pids0) == 1
 
 
+def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):
+    master = start(spec("ft-standby", 400), job_dir)
+    deadline = time.time() + 120
+    while not ray.get(master.status.remote())["standby"].get("trainer"):
+        assert time.time() < deadline, "the standby never got warm"
+        time.sleep(0.2)
+    st = ray.get(master.status.remote())
+    os.kill(st["instances"]["trainer-1"]["pid"], signal.SIGKILL)
+    summary = finish(master)
+    assert_recovered(summary, job_dir, steps=400)
+    rec = events(job_dir, "recovery_finished")[0]
+    assert rec["phases"]["standby_used"] is True
+    new = [e for e in events(job_dir, "instance_started") if e["attempt"] == 1 and e["rank"] == 1]
+    assert new and new[0]["pid"] != st["instances"]["trainer-1"]["pid"]
+
+
 def test_ray_kill_actor(ray_cluster, job_dir):
     master = start(spec("ft-raykill"), job_dir)
     wait_step(master, 5)

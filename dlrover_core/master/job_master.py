@@ -141,6 +141,8 @@ class JobMaster:
         self.summary: dict | None = None
         self.total_steps = _int_or_none(OmegaConf.select(self.spec, "config.max_steps"))
         self._last_node_check = 0.0
+        self.standby: dict[str, tuple[Any, Any, str]] = {}  # role -> (handle, prepare ref, name)
+        self._standby_seq = 0
         self._persist_every = 10
         if _was_reconstructed() and self.context.get("state") not in (None, "succeeded",
                                                                       "failed", "stopped"):
@@ -173,6 +175,8 @@ class JobMaster:
                 "instances": {i.label: {"state": i.state, "attempt": i.attempt, "pid": i.pid,
                                         "node_id": i.node_id, "step": i.last_step}
                               for i in self._all_instances()},
+                "standby": {role: bool(ray.wait([ref], timeout=0)[0])
+                            for role, (_, ref, _) in list(self.standby.items())},
             }
 
     def stop(self) -> None:
@@ -386,6 +390,7 @@ class JobMaster:
         """Rendezvous and ``setup()`` of some instances (all ranks of each role with a
         backend; fresh ones need their node info first). Survivors are set up again
         in place, in their running process."""
+        t0 = time.time()
         if fresh:
             infos = self._get([(i, i.handle.node_info.remote()) for i in fresh])
             for inst, info in zip(fresh, infos):
@@ -405,7 +410,13 @@ class JobMaster:
             for inst in group:
                 setups.append((inst, inst.handle.setup.remote(addr, port, inst.attempt,
                                                               *topo[inst.rank])))
+        t_started = time.time()
         results = self._get(setups)
+        self._setup_phases = {"actors_started_s": round(t_started - t0, 3),
+                              "setup_s": round(time.time() - t_started, 3)}
+        for key in ("import_s", "process_group_s", "user_setup_s"):  # slowest rank's
+            self._setup_phases[key] = max((r.get("timings", {}).get(key, 0.0)
+                                           for r in results), default=0.0)
         for (inst, _), res in zip(setups, results):
             inst.state = "running"
             inst.last_report_ts = time.time()
@@ -465,6 +476,66 @@ class JobMaster:
         self._start_roles(list(self.graph.order), attempts)
         if self.graph.driver:
             self._start_driver((self.driver.attempt + attempt_bump) if self.driver else 0)
+        self._ensure_standbys()
+
+    # ================================================================== standbys
+    def _ensure_standbys(self) -> None:
+        """One warm spare per role with a process group (``failover.standby``), on the
+        node of the role's rank 0, holding no resources until it is promoted."""
+        if not self.spec.failover.standby:
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for role, r in self.graph.roles.items():
+            if not r.backend or role in self.standby:
+                continue
+            rank0 = self.instances.get((role, 0))
+            if rank0 is None or not rank0.node_id:
+                continue
+            self._standby_seq += 1
+            name = f"dlrover-{self.name}-{role}-standby-{self._standby_seq}"
+            env = {**dict(r.env), "OMP_NUM_THREADS": str(max(1, int(r.resources.cpu)))}
+            handle = remote_workload_host().options(
+                name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,
+                lifetime="detached", runtime_env={"env_vars": env},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(rank0.node_id, soft=True),
+            ).remote(r.workload, self._worker_context(role, 0, 0))
+            self.standby[role] = (handle, handle.prepare.remote(), name)
+
+    def _take_standby(self, role: str, rank: int, attempt: int) -> Instance | None:
+        """Promote the role's standby to ``rank`` if it is warm and alive."""
+        entry = self.standby.pop(role, None)
+        if entry is None:
+            self.events.emit("standby_unusable", role=role, reason="none")
+            return None
+        handle, prepared, name = entry
+        try:
+            ray.get(prepared, timeout=0.5)
+            ray.get(handle.assign.remote(self._worker_context(role, rank, attempt)), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - not warm yet, or dead: start a fresh one
+            self.events.emit("standby_unusable", role=role, actor=name,
+                             reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+            self._kill_actor(handle)
+            return None
+        prev = self.instances.get((role, rank))
+        inst = Instance(role, rank, handle, name, attempt=attempt, state="starting",
+                        generation=(prev.generation + 1) if prev else 0)
+        self.instances[(role, rank)] = inst
+        self.context.put_instance(InstanceRecord(role, rank, name, state="starting",
+                                                 attempt=attempt))
+        return inst
+
+    def _drop_standbys(self) -> None:
+        for handle, _, _ in self.standby.values():
+            self._kill_actor(handle)
+        self.standby.clear()
+
+    @staticmethod
+    def _kill_actor(handle: Any) -> None:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
 
     def _track(self, ref: Any, kind: str, inst: Instance) -> None:
         self.pending[ref] = (kind, inst.key, inst.generation)
@@ -634,6 +705,9 @@ class JobMaster:
         self.events.emit("recovery_started", level=action.level, roles=action.roles,
                          role=failure.role, rank=failure.rank)
         step_at_failure = self.step
+        self._phases = {}
+        if action.level in ("node", "job"):
+            self._drop_standbys()
         if action.level == "node":
             self._kill(self._all_instances())
             self._remove_placement()
@@ -662,7 +736,7 @@ class JobMaster:
             lost = max(0, step_at_failure + 1 - resumed[failure.role])
         self.events.emit("recovery_finished", level=action.level,
                          seconds=round(time.time() - t0, 3), step_at_failure=step_at_failure,
-                         resumed_from_checkpoint=resumed, steps_lost=lost)
+                         resumed_from_checkpoint=resumed, steps_lost=lost, phases=self._phases)
 
     def _restart_role(self, role: str, failed_ranks: list[int]) -> None:
         """Replace the failed ranks of ``role``. A role with a process group re-forms
@@ -675,6 +749,7 @@ class JobMaster:
             failed_ranks = list(range(r.total))
         failed = [m for m in members if m.rank in failed_ranks]
         others = [m for m in members if m.rank not in failed_ranks]
+        t0 = time.time()
         self._kill(failed)  # survivors blocked in a collective with them now fail fast
         survivors: list[Instance] = []
         if r.backend and others:
@@ -692,7 +767,11 @@ class JobMaster:
                 (survivors if done else failed).append(m)
             failed += [probes[ref] for ref in not_ready]
             self._kill([m for m in failed if m in others])
-        fresh = [self._create_instance(role, m.rank, m.attempt + 1) for m in failed]
+        t_survivors = time.time()
+        fresh = []
+        for m in sorted(failed, key=lambda i: i.rank):
+            inst = self._take_standby(role, m.rank, m.attempt + 1)
+            fresh.append(inst or self._create_instance(role, m.rank, m.attempt + 1))
         for m in survivors:
             m.attempt += 1
             m.generation += 1
@@ -700,6 +779,11 @@ class JobMaster:
             self._setup_members(sorted(fresh + survivors, key=lambda i: i.rank), fresh)
         else:
             self._setup_members(fresh, fresh)
+        self._ensure_standbys()
+        self._phases = {"survivors_s": round(t_survivors - t0, 3),
+                        "standby_used": any("standby" in i.actor_name for i in fresh),
+                        "replace_and_setup_s": round(time.time() - t_survivors, 3),
+                        **getattr(self, "_setup_phases", {})}
 
     # ================================================================== master restart
     def _reattach(self) -> None:
@@ -788,6 +872,7 @@ class JobMaster:
     # ================================================================== the end
     def _finish(self, status: JobState, error: str) -> None:
         try:
+            self._drop_standbys()
             self._kill(self._all_instances(), graceful=True)
         except Exception:  # noqa: BLE001
             traceback.print_exc()

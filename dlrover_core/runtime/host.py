@@ -112,6 +112,23 @@ class WorkloadHost(_HostBase):
         self.workload_path = workload_path
         self.workload: Any = None
 
+    def prepare(self) -> float:
+        """Standby only: import the workload class and run its ``warm_up()`` so that a
+        promoted standby skips the imports and first-use costs. Returns seconds."""
+        from dlrover_core.plugins.records import resolve
+
+        t0 = time.perf_counter()
+        cls = resolve(self.workload_path)
+        warm = getattr(cls, "warm_up", None)
+        if callable(warm):
+            warm()
+        return time.perf_counter() - t0
+
+    def assign(self, context: WorkerContext) -> None:
+        """Standby only: become the role instance described by ``context``."""
+        self.context = context
+        os.environ.update(context.env())
+
     def free_port(self) -> int:
         """A free TCP port on this node (for the role's rendezvous)."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -140,21 +157,28 @@ class WorkloadHost(_HostBase):
                                                                    node_rank)
         os.environ.update(ctx.env())
         self._phase = "setup"
+        t = [time.perf_counter()]
         try:
             cls = resolve(self.workload_path)
             self.workload = cls(ctx)
             pm = get_plugin_manager()
+            t.append(time.perf_counter())
             if ctx.backend:
                 backend = pm.get_backend(ctx.backend)
                 self.workload._backend = resolve(backend.session)(ctx)
                 self.workload._backend.setup()
+            t.append(time.perf_counter())
             pm.workload_setup(self.workload)
             self.workload.setup()
             pm.workload_started(self.workload)
+            t.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - reported to the master, classified there
             self._raise(exc, ctx.role, ctx.rank, -1)
         self._phase = "run"
-        return {"invocations": collect_invocations(type(self.workload))}
+        timings = {"import_s": t[1] - t[0], "process_group_s": t[2] - t[1],
+                   "user_setup_s": t[3] - t[2]}
+        return {"invocations": collect_invocations(type(self.workload)),
+                "timings": {k: round(v, 3) for k, v in timings.items()}}
 
     def run(self) -> Any:
         """The workload's ``run()`` (SPMD roles without a driver)."""

@@ -135,6 +135,12 @@ class BaseWorkload:
         return self._context.collocation.upper()
 
     # ------------------------------------------------------------------ user API
+    @classmethod
+    def warm_up(cls) -> None:
+        """Pay one-off process costs (imports, first use of the optimizer or kernels)
+        ahead of time, in a standby process that may later replace a failed rank
+        (``failover.standby``). No ``self``: the rank is not known yet. Optional."""
+
     def setup(self) -> None:
         """Build the model, data and optimizer; restore a checkpoint. Override."""
 

@@ -63,7 +63,9 @@ class FailoverSpec:
     failure in a role with a process group, keep the surviving ranks' processes and
     re-form the group in them (False: restart every rank of the role).
     ``survivor_grace_s``: how long survivors get to leave their failed collective
-    before they are replaced too.
+    before they are replaced too. ``standby``: keep one warm spare process per role with
+    a process group (no CPU reserved, imports done, ``warm_up()`` run) to replace a
+    failed rank without a process start.
     """
 
     max_restarts: int = 3
@@ -72,6 +74,7 @@ class FailoverSpec:
     pg_timeout_s: float = 120.0
     in_place: bool = True
     survivor_grace_s: float = 10.0
+    standby: bool = True
 
 
 @dataclass
