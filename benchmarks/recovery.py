@@ -55,8 +55,9 @@ def read_jsonl(path: str) -> list[dict]:
 
 def run_job(overrides: list[str], job_dir: str, kills: list[dict], poll_s: float = 0.05,
             timeout_s: float = 1800) -> dict:
-    """Run the nanogpt job; ``kills`` are {"after_step": s} or {"at_s": t} entries, each
-    SIGKILLs trainer rank 1's process once. Returns the summary plus kill times."""
+    """Run the nanogpt job for at most ``timeout_s`` (then stop it); ``kills`` are
+    {"after_step": s} or {"at_s": t} entries, each SIGKILLs trainer rank 1's process
+    once. Returns the summary plus kill times."""
     import ray
 
     from dlrover_core import load_spec
@@ -89,6 +90,9 @@ def run_job(overrides: list[str], job_dir: str, kills: list[dict], poll_s: float
                 kill_ts.append(time.time())
                 pending.pop(0)
         time.sleep(poll_s)
+    if summary is None:  # time is up: stop the job; its summary says "stopped"
+        ray.get(master.stop.remote())
+        summary = ray.get(master.wait.remote(120))
     ray.kill(master)
     return {"summary": summary, "kill_ts": kill_ts}
 
