@@ -246,7 +246,8 @@ class JobMaster:
             else:
                 self.events.emit("job_started", job=self.name, roles={
                     r.name: {"total": r.total, "per_node": r.per_node, "backend": r.backend}
-                    for r in self.graph.roles.values()}, driver=self.graph.driver)
+                    for r in self.graph.roles.values()}, driver=self.graph.driver,
+                    master_node_id=ray.get_runtime_context().get_node_id())
                 self.context.set("spec", OmegaConf.to_container(self.spec))
                 self._check_stop()
                 self._transition(JobState.PLACING)
@@ -866,6 +867,9 @@ class JobMaster:
         self.events.emit("master_reattached", attached=[i.label for i in attached],
                          lost=[i.label for i in lost], seconds=round(time.time() - t0, 3))
         for inst in lost:
+            current = self.driver if inst.role == DRIVER else self.instances.get(inst.key)
+            if current is not inst:
+                continue  # already replaced by the recovery of an earlier one
             inst.state = "running"
             self._handle_failure(inst, ray.exceptions.ActorDiedError())
 
