@@ -62,13 +62,13 @@ def _apply(algorithm: str, spec: Any) -> None:
     roles = spec.roles
     for producer, consumer in handoffs(roles):
         p, c = roles[producer].total, roles[consumer].total
-        if p % c:
+        if p >= 1 and c >= 1 and p % c:  # totals < 1 are reported by the core's validation
             raise SpecError(
                 f"roles.{producer}.total", p, f"a multiple of roles.{consumer}.total={c}",
                 f"the {p} results of {producer!r} are split in order over the {c} "
                 f"{consumer!r} ranks")
     gen = generator_role(roles)
-    if rl.prompts_per_iter and rl.prompts_per_iter < roles[gen].total:
+    if rl.prompts_per_iter and 1 <= rl.prompts_per_iter < roles[gen].total:
         raise SpecError("config.rl.prompts_per_iter", rl.prompts_per_iter,
                         f"0 or at least roles.{gen}.total={roles[gen].total}",
                         "every generating rank needs at least one prompt")

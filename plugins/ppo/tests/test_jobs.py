@@ -116,3 +116,24 @@ def test_short_cartpole_run_raises_the_return(ray_cluster, job_dir):
     assert returns[0] < 40  # a random policy balances the pole for about 20 steps
     assert returns[-1] > 2 * returns[0] and returns[-1] > 60
     assert summary["metrics"]["total_env_steps"] == 10 * 2 * 8 * 128
+
+
+@pytest.mark.slow
+def test_grpo_arith_example_raises_heldout_accuracy(ray_cluster, tmp_path):
+    """Both stages of examples/grpo_arith from their job files, GRPO shortened."""
+    from dlrover_core import load_spec
+    from dlrover_core.master.client import submit_job
+
+    ckpt = str(tmp_path / "policy.pt")
+    sft = load_spec("examples/grpo_arith/sft.yaml", [f"config.sft.save_to={ckpt}"])
+    s = submit_job(sft, job_dir=str(tmp_path / "sft"), progress=False)
+    assert s["status"] == "succeeded", s["error"]
+    assert os.path.exists(ckpt)
+    grpo = load_spec("examples/grpo_arith/grpo.yaml", [f"config.arith.init_checkpoint={ckpt}",
+                                                       "config.rl.iterations=30"])
+    g = submit_job(grpo, job_dir=str(tmp_path / "grpo"), progress=False)
+    assert g["status"] == "succeeded", g["error"]
+    m = g["metrics"]
+    assert m["accuracy_before"] == pytest.approx(s["metrics"]["accuracy"])
+    assert m["eval_problems_after"] == 500
+    assert m["accuracy_after"] >= m["accuracy_before"] + 0.05, m

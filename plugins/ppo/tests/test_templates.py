@@ -124,3 +124,9 @@ def test_rl_job_builder_and_dl_type_rl():
     assert plain.spec.driver == "dlrover_plugin_ppo.trainer:PPOTrainer"
     with pytest.raises(SpecError, match="template: 'a2c' is invalid; allowed: ppo, grpo"):
         RLJobBuilder("a2c")
+
+
+def test_a_zero_total_is_reported_by_the_core_not_a_crash():
+    with pytest.raises(SpecError, match=r"roles.reward.total: 0 is invalid; allowed: an integer >= 1"):
+        load_spec({"name": "g", "template": "grpo",
+                   "roles": roles("actor", "rollout", "reward", reward=0)})
