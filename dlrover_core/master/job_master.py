@@ -359,6 +359,10 @@ class JobMaster:
             opts["runtime_env"] = {"env_vars": env}
         handle = remote_workload_host().options(**opts).remote(
             r.workload, self._worker_context(role, rank, attempt))
+        return self._register(role, rank, handle, name, attempt)
+
+    def _register(self, role: str, rank: int, handle: Any, name: str, attempt: int) -> Instance:
+        """Make ``handle`` the (new generation of the) instance ``role``/``rank``."""
         prev = self.instances.get((role, rank))
         inst = Instance(role, rank, handle, name, attempt=attempt, state="starting",
                         generation=(prev.generation + 1) if prev else 0)
@@ -518,13 +522,7 @@ class JobMaster:
                              reason=f"{type(exc).__name__}: {str(exc)[:300]}")
             self._kill_actor(handle)
             return None
-        prev = self.instances.get((role, rank))
-        inst = Instance(role, rank, handle, name, attempt=attempt, state="starting",
-                        generation=(prev.generation + 1) if prev else 0)
-        self.instances[(role, rank)] = inst
-        self.context.put_instance(InstanceRecord(role, rank, name, state="starting",
-                                                 attempt=attempt))
-        return inst
+        return self._register(role, rank, handle, name, attempt)
 
     def _drop_standbys(self) -> None:
         for handle, _, _ in self.standby.values():
