@@ -170,7 +170,8 @@ class PPOTrainer(BaseTrainer):
                             if isinstance(v, float)})
         if self.returns:
             metrics["mean_return"] = sum(self.returns) / len(self.returns)
-        metrics["episodes"] = float(self.episodes)
+        if self.episodes:
+            metrics["episodes"] = float(self.episodes)
         metrics["iteration"] = float(it)
         metrics["iteration_s"] = time.perf_counter() - t0
         return metrics

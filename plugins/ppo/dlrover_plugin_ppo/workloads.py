@@ -125,6 +125,10 @@ class ActorWorkload(RLWorkload):
                 loss, st = algo.policy_loss(logprobs, mb["logprobs"], mb["advantages"], mask,
                                             rl.clip_ratio)
                 acc.setdefault("policy_loss", []).append(float(loss))
+                if entropy is None and rl.entropy_coef > 0:
+                    raise ValueError(
+                        f"config.rl.entropy_coef={rl.entropy_coef} needs the entropy, but "
+                        f"{type(self).__name__}.evaluate_actions returned None for it")
                 if entropy is not None:
                     ent = algo.masked_mean(entropy, mask)
                     loss = loss - rl.entropy_coef * ent
