@@ -275,12 +275,24 @@ class FlashPersister:
             common = steps if common is None else common & steps
         return common or set()
 
+    def _pending(self, regs: list[Registration], step: int) -> list[shm.Header] | None:
+        """Headers of the local ranks whose save of ``step`` is not written yet, or
+        ``None`` when some local rank does not hold ``step``."""
+        out = []
+        for r in regs:
+            found = self._rank_steps(r, pending_only=False).get(step)
+            if found is None:
+                return None
+            if found[1].persisted_seq != found[1].seq:
+                out.append(found[1])
+        return out
+
     def _needs_persist(self, role: str, step: int) -> bool:
         regs = [r for (ro, _), r in self._regs.items() if ro == role]
         newest = storage.newest_committed(regs[0].dir) if regs else None
         if newest is not None and newest >= step:
             return False
-        return step in self._common_steps(regs, pending_only=True)
+        return bool(self._pending(regs, step))
 
     def _claim(self, role: str, step: int) -> list[_Claim]:
         """Mark every local rank's slot holding ``step`` PERSISTING; all or nothing."""
@@ -328,13 +340,13 @@ class FlashPersister:
             if newest is not None:
                 forced.difference_update({s for s in forced if s <= newest})
             started = set(storage.pending_tmp_steps(regs[0].dir))
-            per_rank = [self._rank_steps(r, pending_only=True) for r in regs]
-            common = set.intersection(*(set(p) for p in per_rank)) if per_rank else set()
-            for step in common:
+            for step in self._common_steps(regs):
                 if newest is not None and step <= newest:
                     continue
-                due = all(p[step][1].due for p in per_rank)
-                if not (due or step in forced):
+                pending = self._pending(regs, step)
+                if not pending:
+                    continue
+                if not (all(h.due for h in pending) or step in forced):
                     continue
                 key = (step in forced, step in started, step)
                 if best is None or key > best[0]:
@@ -440,24 +452,38 @@ def remote_class() -> Any:
     return ray.remote(FlashPersister)
 
 
-def get_persister(job: str, create: bool = True) -> Any:
-    """The persister actor of ``job`` on this node (created when missing and ``create``),
-    or ``None``. Call from a process connected to Ray (a worker of the job)."""
+def get_persister(job: str, create: bool = True, timeout: float = 120.0) -> Any:
+    """The ready persister actor of ``job`` on this node (created when missing and
+    ``create``), or ``None``. Call from a process connected to Ray (a worker of the job).
+
+    Raises:
+        TimeoutError: no live persister could be had within ``timeout`` s.
+    """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = ray.get_runtime_context().get_node_id()
     name = persister_name(job, node_id)
-    try:
-        return ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        if not create:
-            return None
-    return remote_class().options(
-        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=16, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(job, hygiene.current_session(), node_id)
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            if not create:
+                return None
+            handle = remote_class().options(
+                name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_concurrency=16, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            ).remote(job, hygiene.current_session(), node_id)
+        try:
+            ray.get(handle.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return handle
+        except ray.exceptions.RayActorError as exc:  # a dead one whose name is not free yet
+            last = exc
+            time.sleep(0.2)
+    raise TimeoutError(f"no flash persister {name} within {timeout:g} s: {last}")
 
 
 def _alive_nodes() -> list[str]:

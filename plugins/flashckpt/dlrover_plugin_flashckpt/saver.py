@@ -86,6 +86,7 @@ class FlashSaver(Saver):
         self._meta_cap = 0
         self._data_len = 0
         self._persister: Any = None
+        self._notified: Any = None
         self._run_id: str | None = None
         self._newest_saved: int | None = None
         #: where the last :meth:`load` came from: ``memory``, ``disk`` or ``None``
@@ -133,17 +134,24 @@ class FlashSaver(Saver):
         Raises:
             RuntimeError: this process is not connected to Ray.
         """
-        if self._persister is None:
-            import ray
+        import ray
 
+        if self._notified is not None:  # the last notification tells if it is alive
+            ready, _ = ray.wait([self._notified], timeout=0)
+            if ready:
+                self._notified = None
+                try:
+                    ray.get(ready[0])
+                except ray.exceptions.RayActorError:
+                    log.warning("the flash persister of this node died; starting a new one")
+                    self._persister = None
+        if self._persister is None:
             from dlrover_plugin_flashckpt.persister import get_persister
 
             if not ray.is_initialized():
                 raise RuntimeError("the flash saver needs Ray for its per-node persister: run "
                                    "it inside a dlrover job, or call ray.init() first")
-            handle = get_persister(self.job)
-            ray.get(handle.ready.remote(), timeout=120)
-            self._persister = handle
+            self._persister = get_persister(self.job)
         return self._persister
 
     # ================================================================== layout
@@ -331,7 +339,7 @@ class FlashSaver(Saver):
             h.crc_seq = 0
             seg.write_header(h)
         self._newest_saved = step
-        persister.saved.remote(self._registration(), step)
+        self._notified = persister.saved.remote(self._registration(), step)
         self.last_save = {"step": step, "slot": slot, "copy_s": copy_s,
                           "total_s": time.perf_counter() - t0, "bytes": self._data_len}
 

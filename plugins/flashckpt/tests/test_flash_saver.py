@@ -1,0 +1,167 @@
+"""The flash saver with its real per-node persister actor on a local Ray cluster; the
+training process is this pytest process (one rank, no process group)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import ray
+import torch
+
+from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+from dlrover_plugin_flashckpt import hygiene, shm
+from dlrover_plugin_flashckpt.persister import finish_job, persisters_of
+from dlrover_plugin_flashckpt.saver import FlashSaver
+
+
+@pytest.fixture
+def job(ray_cluster):
+    name = f"flash-{uuid.uuid4().hex[:8]}"
+    yield name
+    finish_job(name, timeout=30)
+    assert not shm.list_segments("/dev/shm", shm.job_prefix(name))
+
+
+def make_saver(job: str, directory: str, **options) -> FlashSaver:
+    return FlashSaver(SaverConfig(dir=directory, keep=2, job=job,
+                                  options={"wait_timeout_s": 60, **options}), SaverContext())
+
+
+def state(seed: int, n: int = 4096) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(n, generator=g), "h": torch.randn(8, 8, generator=g).half()},
+            "optimizer": {"state": {0: {"step": torch.tensor(float(seed))}},
+                          "param_groups": [{"lr": 0.1 * seed}]},
+            "extra": {"step": seed, "rng": torch.get_rng_state()}}
+
+
+def blank(n: int = 4096) -> dict:
+    return {"model": {"w": torch.zeros(n), "h": torch.zeros(8, 8).half()},
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.0}]}, "extra": {"step": -1}}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (torch.equal(a["model"]["w"], b["model"]["w"])
+            and torch.equal(a["model"]["h"], b["model"]["h"])
+            and a["extra"]["step"] == b["extra"]["step"]
+            and torch.equal(a["optimizer"]["state"][0]["step"], b["optimizer"]["state"][0]["step"]))
+
+
+def test_save_wait_load_from_memory_and_disk(job, tmp_path):
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    s.save(1, state(1))
+    s.save(2, state(2))
+    s.wait()
+    assert s.committed_steps() == [1, 2] or s.committed_steps() == [2]
+    assert open(os.path.join(d, "latest")).read().strip() == "2"
+    s.close()
+
+    fresh = make_saver(job, d)  # a new process of the same rank would see the same buffers
+    got = blank()
+    assert fresh.load(got) == 2 and fresh.last_load_source == "memory"
+    assert same(got, state(2))
+    got = blank()
+    assert fresh.load(got, step=1) in (1, None)  # step 1 is pruned from memory, maybe on disk
+
+    hygiene.remove_job("/dev/shm", job)  # the node lost its memory
+    disk = make_saver(job, d)
+    got = blank()
+    assert disk.load(got) == 2 and disk.last_load_source == "disk"
+    assert same(got, state(2))
+
+
+def test_corrupted_shard_on_disk_is_skipped_for_the_previous_step(job, tmp_path, caplog):
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    for step in (1, 2):
+        s.save(step, state(step))
+        s.wait()
+    assert s.committed_steps() == [1, 2]
+    hygiene.remove_job("/dev/shm", job)
+    with open(os.path.join(d, "step_00000002", "rank_00000.data"), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    got = blank()
+    with caplog.at_level(logging.WARNING):
+        assert make_saver(job, d).load(got) == 1
+    assert same(got, state(1))
+    assert any("skipping checkpoint step 2" in r.message and "crc32" in r.message
+               for r in caplog.records)
+
+
+def test_persister_killed_mid_persist_leaves_previous_step_loadable(job, tmp_path):
+    d = str(tmp_path / "ckpt")
+    n = 4 << 20  # 16 MiB of float32, persisted at 2 MiB/s: the kill lands mid-write
+    first = make_saver(job, d)
+    first.save(1, state(1, n))
+    first.wait()
+    first.close()
+    s = make_saver(job, d, throttle_mib_s=2)
+    s.save(2, state(2, n))
+    persister = s.persister()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        cur = ray.get(persister.status.remote())["current"]
+        if cur and cur["step"] == 2 and cur["bytes"] > 0:
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail("the persist of step 2 did not start")
+    os.kill(ray.get(persister.status.remote())["pid"], signal.SIGKILL)
+    assert s.committed_steps() == [1]
+    assert os.path.isdir(os.path.join(d, ".step_00000002.tmp"))  # partial, never renamed
+
+    hygiene.remove_job("/dev/shm", job)
+    got = blank(n)
+    again = make_saver(job, d)
+    assert again.load(got) == 1 and again.last_load_source == "disk"
+    assert same(got, state(1, n))
+
+    # a new persister takes over; the next commit removes the unfinished directory
+    again.save(3, state(3, n))
+    again.wait()
+    assert again.committed_steps() == [1, 3]
+    assert sorted(os.listdir(d)) == ["latest", "step_00000001", "step_00000003"]
+
+
+def test_save_never_overwrites_a_buffer_being_persisted(job, tmp_path):
+    d = str(tmp_path / "ckpt")
+    n = 1 << 20  # 4 MiB at 2 MiB/s: step 2 stays in the persister for a while
+    s = make_saver(job, d, throttle_mib_s=2, persist_every_steps=2)
+    s.save(2, state(2, n))  # due: slot 0, being persisted
+    persister = s.persister()
+    deadline = time.monotonic() + 60
+    while not (ray.get(persister.status.remote())["current"] or {}).get("bytes"):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    s.save(3, state(3, n))  # not due: the free slot 1
+    s.save(4, state(4, n))  # due: may replace step 3 (not waiting for persistence)
+    s.save(5, state(5, n))  # not due, slot 1 holds step 4 waiting: skipped, logged
+    slots = {seg.read_header().step: shm.effective_state(seg.read_header()) for seg in s._segs}
+    assert slots == {2: shm.PERSISTING, 4: shm.READY}
+    assert [st for st, _ in s.skipped] == [5]
+    assert "being persisted" in s.skipped[0][1]
+    s.wait()
+    assert s.committed_steps()[-1] == 4
+    got = blank(n)
+    assert make_saver(job, d).load(got) == 4 and same(got, state(4, n))
+
+
+def test_new_layout_when_the_state_changes_and_stale_buffers_cleaned(job, tmp_path):
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d, slots=1)
+    s.save(1, state(1, 100))
+    inode = os.stat(s.paths[0]).st_ino
+    s.save(2, state(2, 100))
+    assert os.stat(s.paths[0]).st_ino == inode  # laid out once, reused
+    s.save(3, state(3, 5000))  # bigger tensors: a new buffer
+    assert os.stat(s.paths[0]).st_ino != inode
+    got = blank(5000)
+    s.wait()
+    assert make_saver(job, d, slots=1).load(got) == 3 and same(got, state(3, 5000))

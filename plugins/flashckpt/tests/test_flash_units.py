@@ -1,0 +1,216 @@
+"""Options, layout, shared-memory buffers and the on-disk commit, without Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dlrover_core.checkpoint.manifest import CorruptCheckpointError
+from dlrover_core.spec.errors import SpecError
+from dlrover_plugin_flashckpt import hygiene, layout, shm, storage
+from dlrover_plugin_flashckpt.options import FlashOptions
+
+
+# ----------------------------------------------------------------------------- options
+def test_options_defaults_and_values():
+    o = FlashOptions.parse({"persist_every_steps": 5, "slots": 3, "throttle_mib_s": 10})
+    assert (o.persist_every_steps, o.slots, o.throttle_mib_s) == (5, 3, 10.0)
+    assert o.is_due(10) and not o.is_due(7)
+    assert FlashOptions.parse(None) == FlashOptions()
+
+
+@pytest.mark.parametrize("options, key, allowed", [
+    ({"slot": 2}, "checkpoint.options.slot", "persist_every_steps"),
+    ({"slots": 0}, "checkpoint.options.slots", "from 1 to 8"),
+    ({"slots": 2.5}, "checkpoint.options.slots", "from 1 to 8"),
+    ({"persist_every_steps": "often"}, "checkpoint.options.persist_every_steps", ">= 1"),
+    ({"verify_memory": "all"}, "checkpoint.options.verify_memory", "header or data"),
+    ({"shm_dir": "shm"}, "checkpoint.options.shm_dir", "absolute"),
+    ({"throttle_mib_s": -1}, "checkpoint.options.throttle_mib_s", ">= 0"),
+])
+def test_bad_options_name_key_value_and_allowed(options, key, allowed):
+    with pytest.raises(SpecError) as e:
+        FlashOptions.parse(options)
+    msg = str(e.value)
+    assert msg.startswith(key) and repr(next(iter(options.values()))) in msg and allowed in msg
+
+
+# ----------------------------------------------------------------------------- layout
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(5, 7, generator=g), "b": torch.randn(7, generator=g).to(
+            torch.bfloat16), "mask": torch.rand(4, generator=g) > 0.5,
+            "t": torch.randn(6, 4, generator=g).t()},  # non-contiguous
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(
+            5, 7, generator=g)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95),
+                                                     "params": [0]}]},
+        "extra": {"step": 3, "rng": torch.get_rng_state(), "empty": torch.empty(0, 3),
+                  "pos": ("shard", 17)},
+    }
+
+
+def _pack(state):
+    table, sources, skeleton = layout.build_table(state)
+    buf = bytearray(layout.data_size(table))
+    for e, src in zip(table, sources):
+        layout.tensor_view(buf, 0, e).copy_(src)
+    return table, skeleton, buf
+
+
+def test_layout_round_trip_is_bit_exact_and_in_place():
+    state = _state()
+    table, skeleton, buf = _pack(state)
+    assert all(e.offset % layout.ALIGN == 0 for e in table)
+    live = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.5, "params": [0]}]},
+            "extra": {"step": 0, "rng": torch.zeros_like(state["extra"]["rng"]),
+                      "empty": torch.empty(0, 3)}}
+    w_before = live["model"]["w"]
+    out = layout.restore(live, skeleton, table, lambda e: layout.tensor_view(buf, 0, e), "test")
+    assert out is live and live["model"]["w"] is w_before  # same tensor, new bytes
+    flat_a = {k: v for k, v in layout.walk(state)}
+    flat_b = {k: v for k, v in layout.walk(live)}
+    assert flat_a.keys() == flat_b.keys()
+    for k in flat_a:
+        assert flat_a[k].dtype == flat_b[k].dtype and torch.equal(flat_a[k], flat_b[k]), k
+    assert live["extra"]["step"] == 3 and live["extra"]["pos"] == ("shard", 17)
+    assert live["optimizer"]["param_groups"][0] == {"lr": 0.1, "betas": (0.9, 0.95),
+                                                     "params": [0]}
+
+
+def test_layout_mismatch_names_the_tensor():
+    state = _state()
+    table, skeleton, buf = _pack(state)
+    live = _state()
+    live["model"]["w"] = torch.zeros(4, 7)
+    with pytest.raises(layout.LayoutError, match=r"model\.w is float32\[5, 7\].*\[4, 7\]"):
+        layout.restore(live, skeleton, table, lambda e: layout.tensor_view(buf, 0, e), "x")
+    live = _state()
+    live["model"]["new"] = torch.zeros(2)
+    with pytest.raises(layout.LayoutError, match=r"no tensor at model\.new"):
+        layout.restore(live, skeleton, table, lambda e: layout.tensor_view(buf, 0, e), "x")
+
+
+def test_layout_rejects_sparse_tensors():
+    with pytest.raises(TypeError, match="model.s"):
+        layout.build_table({"model": {"s": torch.eye(3).to_sparse()}})
+
+
+def test_signature_changes_with_shapes():
+    a = layout.build_table({"w": torch.zeros(3)})[0]
+    b = layout.build_table({"w": torch.zeros(4)})[0]
+    assert layout.signature(a) != layout.signature(b)
+    assert layout.signature(a) == layout.signature(layout.build_table({"w": torch.ones(3)})[0])
+
+
+# ----------------------------------------------------------------------------- shm
+@pytest.fixture
+def shm_path(request):
+    path = f"/dev/shm/{shm.NAME_PREFIX}unit-{os.getpid()}-{request.node.name[:30]}"
+    yield path
+    for p in shm.list_segments("/dev/shm", os.path.basename(path)):
+        os.unlink(p)
+
+
+def test_segment_header_and_ident_round_trip(shm_path):
+    seg = shm.Segment.create(shm_path, 100, 1000, {"job": "j", "dir": "/x"}, b"s" * 16, 1, 2)
+    assert os.path.getsize(shm_path) == shm.HEADER_SIZE + 4096 + 4096
+    other = shm.Segment.attach(shm_path)
+    h = seg.read_header()
+    assert (h.state, h.rank, h.world_size, h.sig, h.writer_pid) == (
+        shm.EMPTY, 1, 2, b"s" * 16, os.getpid())
+    with seg.locked():
+        h.state, h.step, h.seq = shm.READY, 7, 3
+        seg.write_header(h)
+    assert other.read_header().step == 7 and other.ident() == {"job": "j", "dir": "/x"}
+    assert shm.holds_step(other.read_header())
+    seg.close()
+    other.close()
+
+
+def test_claim_of_a_dead_persister_is_void(shm_path):
+    seg = shm.Segment.create(shm_path, 100, 100, {}, b"\0" * 16, 0, 1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)
+    h = seg.read_header()
+    h.state, h.step, h.persister_pid, h.persister_start = shm.PERSISTING, 4, pid, 12345
+    seg.write_header(h)
+    assert shm.effective_state(seg.read_header()) == shm.READY
+    h.persister_pid, h.persister_start = shm.my_identity()
+    seg.write_header(h)
+    assert shm.effective_state(seg.read_header()) == shm.PERSISTING
+    seg.close()
+
+
+def test_too_small_shm_says_needed_and_free():
+    free = shm.shm_free_bytes("/dev/shm")
+    with pytest.raises(shm.ShmSpaceError) as e:
+        shm.check_space("/dev/shm", free + (5 << 30), "2 buffers of trainer rank 0")
+    msg = str(e.value)
+    assert "needs" in msg and "GiB" in msg and "free" in msg and "slots=1" in msg
+    assert f"{(free + (5 << 30)) / 2**30:.2f} GiB" in msg
+
+
+def test_stale_buffers_of_dead_processes_are_removed(shm_path):
+    # a buffer written by a process that is gone (no job master, no persister)
+    code = (f"from dlrover_plugin_flashckpt import shm; "
+            f"shm.Segment.create({shm_path!r}, 10, 10, {{'job': 'gone'}}, bytes(16), 0, 1)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    live = shm.Segment.create(shm_path + "-live", 10, 10, {"job": "here"}, bytes(16), 0, 1)
+    reason = hygiene.stale_reason(shm_path, "")
+    assert reason and "gone" in reason
+    assert hygiene.stale_reason(shm_path + "-live", "") is None
+    removed = hygiene.remove_stale("/dev/shm", "")
+    assert os.path.basename(shm_path) in removed and not os.path.exists(shm_path)
+    assert os.path.exists(shm_path + "-live")
+    live.close()
+
+
+# ----------------------------------------------------------------------------- storage
+def _write(directory, step, world, payload=b"x" * 1000):
+    for r in range(world):
+        storage.write_shard(directory, step, r, world, b"meta%d" % r, memoryview(payload))
+
+
+def test_commit_needs_every_rank_and_is_verified(tmp_path):
+    d = str(tmp_path)
+    storage.write_shard(d, 5, 0, 2, b"m", memoryview(b"a" * 100))
+    assert not storage.try_commit(d, 5, 2, keep=2)
+    assert storage.newest_committed(d) is None and storage.pending_tmp_steps(d) == [5]
+    storage.write_shard(d, 5, 1, 2, b"m", memoryview(b"b" * 100))
+    assert storage.try_commit(d, 5, 2, keep=2)
+    step_dir = os.path.join(d, "step_00000005")
+    manifest = storage.verify_step(step_dir)
+    assert manifest["world_size"] == 2 and set(manifest["files"]) == {
+        "rank_00000.data", "rank_00000.meta", "rank_00001.data", "rank_00001.meta"}
+    assert sorted(os.listdir(step_dir)) == sorted(list(manifest["files"]) + ["manifest.json"])
+    assert open(os.path.join(d, "latest")).read().strip() == "5"
+    with open(os.path.join(step_dir, "rank_00001.data"), "r+b") as f:
+        f.write(b"c")
+    storage.verify_step(step_dir, ranks=[0])
+    with pytest.raises(CorruptCheckpointError, match="rank_00001.data crc32"):
+        storage.verify_step(step_dir, ranks=[1])
+    with pytest.raises(CorruptCheckpointError, match="world_size 2"):
+        storage.verify_step(step_dir, world_size=4)
+
+
+def test_commit_prunes_and_drops_older_unfinished_steps(tmp_path):
+    d = str(tmp_path)
+    for step in (1, 2, 3):
+        _write(d, step, 1)
+        assert storage.try_commit(d, step, 1, keep=2)
+    storage.write_shard(d, 4, 0, 2, b"m", memoryview(b"a"))  # rank 1 never comes
+    _write(d, 5, 1)
+    assert storage.try_commit(d, 5, 1, keep=2)
+    assert storage.newest_committed(d) == 5
+    assert sorted(os.listdir(d)) == ["latest", "step_00000003", "step_00000005"]
+    _write(d, 4, 1)  # an older step finishing late is dropped, not committed
+    assert not storage.try_commit(d, 4, 1, keep=2)
+    assert json.loads(open(os.path.join(d, "step_00000005", "manifest.json")).read())["step"] == 5
