@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def submit(job: str, overrides: list[str]) -> dict:
     cmd = [sys.executable, "-m", "dlrover_core.cli.main", "submit", os.path.join(HERE, job),
            "--no-progress", *overrides]
-    print("$", " ".join(cmd[2:]), file=sys.stderr, flush=True)
+    print("$ dlrover", " ".join(cmd[3:]), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     name = {"sft.yaml": "grpo-arith-sft", "grpo.yaml": "grpo-arith"}[job]
     with open(os.path.join("runs", name, "summary.json")) as f:
