@@ -1,0 +1,102 @@
+"""Flash checkpoints in real jobs run by the JobMaster: a trainer SIGKILLed right after a
+save (breakpoint save, restart from memory), ``stop`` and job-end cleanup, and stale
+buffers of a dead job removed at the next start."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import ray
+
+from dlrover_core import load_spec
+from dlrover_core.checkpoint.saver import committed_steps
+from dlrover_core.master.client import create_master, submit_job
+from dlrover_plugin_flashckpt import shm
+from dlrover_plugin_flashckpt.persister import persisters_of
+
+WORKLOAD = "dlrover_plugin_flashckpt.testing_workloads:CrashAfterSave"
+
+
+def spec(name: str, ckpt_dir: str, in_place: bool = True, **config):
+    return load_spec({
+        "name": name,
+        "roles": {"trainer": {"workload": WORKLOAD, "total": 2, "backend": "ddp",
+                              "resources": {"cpu": 0.5}}},
+        "failover": {"max_restarts": 2, "standby": False, "pg_timeout_s": 60,
+                     "in_place": in_place},
+        # persist_every_steps is large: only a breakpoint or the job end writes to disk
+        "checkpoint": {"saver": "flash", "dir": ckpt_dir, "every_steps": 2, "keep": 2,
+                       "options": {"persist_every_steps": 1000}},
+        "config": {"kill_step": -1, "kill_rank": 1, **config},
+    })
+
+
+def buffers(job: str) -> list[str]:
+    return shm.list_segments("/dev/shm", shm.job_prefix(job))
+
+
+def test_sigkill_after_save_is_persisted_at_breakpoint_and_restored_from_memory(
+        ray_cluster, job_dir):
+    name = f"flashjob-{uuid.uuid4().hex[:6]}"
+    ckpt = os.path.join(job_dir, "ckpt")
+    # in_place=False: the survivor is killed too, so no trainer closes its saver and
+    # only the breakpoint save (in the master's failure hook) can put step 4 on disk
+    summary = submit_job(spec(name, ckpt, in_place=False, max_steps=8, kill_step=4),
+                         job_dir=job_dir, progress=False)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["restarts"]["total"] == 1
+    m = summary["metrics"]
+    assert m["resumed_from"] == 4.0  # the step saved right before the SIGKILL
+    assert m["from_memory"] == 1.0  # ... loaded from shared memory by the restarted ranks
+    assert m["on_disk"] == 4.0  # ... and committed meanwhile by the breakpoint save
+    # step 4 by the breakpoint, step 8 by the job end; nothing else was due
+    assert committed_steps(os.path.join(ckpt, "trainer")) == [4, 8]
+    assert buffers(name) == [] and persisters_of(name) == {}
+
+
+def test_stop_persists_the_newest_step_and_removes_buffers(ray_cluster, job_dir):
+    name = f"flashstop-{uuid.uuid4().hex[:6]}"
+    ckpt = os.path.join(job_dir, "ckpt")
+    master = create_master(spec(name, ckpt, max_steps=100_000), job_dir)
+    ray.get(master.start.remote())
+    deadline = time.monotonic() + 120
+    while ray.get(master.status.remote())["step"] < 6:
+        assert time.monotonic() < deadline, "the job did not reach step 6"
+        time.sleep(0.1)
+    assert len(buffers(name)) == 4  # 2 ranks x 2 slots
+    ray.get(master.stop.remote())  # what `dlrover stop` does
+    summary = ray.get(master.wait.remote(180))
+    master.shutdown.remote()
+    assert summary["status"] == "stopped"
+    steps = committed_steps(os.path.join(ckpt, "trainer"))
+    assert steps and steps[-1] >= 6
+    assert buffers(name) == [] and persisters_of(name) == {}
+
+
+def test_buffers_of_a_dead_job_are_removed_at_the_next_start(ray_cluster, job_dir, tmp_path):
+    dead = f"flashdead-{uuid.uuid4().hex[:6]}"
+    master = create_master(spec(dead, str(tmp_path / "dead"), max_steps=100_000), job_dir)
+    ray.get(master.start.remote())
+    deadline = time.monotonic() + 120
+    while len(buffers(dead)) < 4:
+        assert time.monotonic() < deadline, "the job did not save"
+        time.sleep(0.1)
+    # the whole job dies without its end: master, persister and trainers killed
+    for handle in persisters_of(dead).values():
+        ray.kill(handle, no_restart=True)
+    ray.kill(master, no_restart=True)
+    for k in (0, 1):
+        try:
+            ray.kill(ray.get_actor(f"dlrover-{dead}-trainer-{k}-a0", namespace="dlrover"))
+        except ValueError:
+            pass  # already gone with its owner
+    assert len(buffers(dead)) == 4  # left behind
+
+    name = f"flashnext-{uuid.uuid4().hex[:6]}"
+    summary = submit_job(spec(name, str(tmp_path / "next"), max_steps=4), job_dir=str(
+        tmp_path / "next_job"), progress=False)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert buffers(dead) == []
