@@ -78,9 +78,10 @@ def test_grpo_collocated_roles_share_bundles_and_data_skips_the_driver(ray_clust
     assert driver not in set().union(*seen.values())
 
 
-def test_ppo_separated_roles_get_their_own_placement_groups(ray_cluster, job_dir):
+def test_ppo_separated_roles_get_their_own_placement_groups(ray_cluster, job_dir, tmp_path):
     job = (RLJobBuilder("ppo").name("ppo-separate")
            .rl(iterations=10, evaluate=True, epochs=2, minibatches=2)
+           .config({"toy": {"trace_dir": str(tmp_path)}})
            .actor(TOY, "ToyActor").resource(cpu=0.25)
            .critic(TOY, "ToyCritic").resource(cpu=0.25)
            .rollout(TOY, "ToyRollout").total(2).resource(cpu=0.25)
@@ -98,6 +99,12 @@ def test_ppo_separated_roles_get_their_own_placement_groups(ray_cluster, job_dir
     assert sorted(i["bundle"] for i in p["rollout"]) == [0, 1]
     whole = [v for k, v in p["actor"][0]["resources"].items() if k.startswith("CPU_group_0_")]
     assert whole == [pytest.approx(0.25)]  # not shared: the full bundle
+    # rollout batches reach actor, critic and reward directly; the critic also gets the
+    # actor's advantage batch (which carries the same tracer); never the driver
+    seen = traces(str(tmp_path))
+    consumers = {p[r][0]["pid"] for r in ("actor", "critic", "reward")}
+    assert seen["batch-0"] == seen["batch-1"] == consumers
+    assert p["driver"]["pid"] not in set().union(*seen.values())
 
 
 def test_short_cartpole_run_raises_the_return(ray_cluster, job_dir):
