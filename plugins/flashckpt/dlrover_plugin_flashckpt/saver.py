@@ -218,39 +218,22 @@ class FlashSaver(Saver):
             self._views.append([layout.tensor_view(seg.mm, h.data_offset, e) for e in table])
 
     def _pin(self, sources: list[Any]) -> bool:
-        """Register the buffers with CUDA (page-locked) when the state is on a GPU, so
-        the device-to-host copies are DMA transfers. Returns whether they are pinned."""
+        """Page-lock the buffers for CUDA when the state is on a GPU, so the
+        device-to-host copies are DMA transfers. Returns whether they are pinned."""
         if not any(getattr(t, "is_cuda", False) for t in sources):
             return False
-        if self._pinned:
-            return True
-        import torch
-
-        try:
-            for seg in self._segs:
-                base = torch.frombuffer(seg.mm, dtype=torch.uint8)  # type: ignore[union-attr]
-                rc = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), 0)
-                if int(rc) != 0:
-                    raise RuntimeError(f"cudaHostRegister returned {rc}")
-                self._pinned.append(base)
-        except Exception as exc:  # noqa: BLE001 - pageable copies still work
-            log.warning("could not pin the flash buffers for CUDA copies (%s); copies are "
-                        "synchronous", exc)
-            self._unpin()
-            return False
+        if not self._pinned:
+            try:
+                self._pinned = shm.pin_buffers([s for s in self._segs if s is not None])
+            except Exception as exc:  # noqa: BLE001 - pageable copies still work
+                log.warning("could not pin the flash buffers for CUDA copies (%s); copies are "
+                            "synchronous", exc)
+                return False
         return True
 
     def _unpin(self) -> None:
-        if not self._pinned:
-            return
-        import torch
-
-        for base in self._pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
-            except Exception:  # noqa: BLE001
-                pass
-        self._pinned = []
+        if self._pinned:
+            shm.unpin_buffers(self._pinned)
 
     # ================================================================== save
     def _pick_slot(self, step: int, due: bool) -> int | None:

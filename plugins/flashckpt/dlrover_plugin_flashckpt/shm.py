@@ -328,6 +328,42 @@ class Segment:
         return memoryview(self.mm)[h.data_offset:h.data_offset + h.data_len]
 
 
+def pin_buffers(segments: list[Segment]) -> list:
+    """Page-lock ``segments`` for CUDA (``cudaHostRegister``), so that device-to-host
+    copies into them are DMA transfers that ``copy_(non_blocking=True)`` can overlap.
+    Returns handles for :func:`unpin_buffers`.
+
+    Raises:
+        RuntimeError: CUDA refused (the message has its error code).
+    """
+    import torch
+
+    bases = []
+    try:
+        for seg in segments:
+            base = torch.frombuffer(seg.mm, dtype=torch.uint8)
+            rc = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of {seg.name} returned {rc}")
+            bases.append(base)
+    except BaseException:
+        unpin_buffers(bases)
+        raise
+    return bases
+
+
+def unpin_buffers(bases: list) -> None:
+    """Undo :func:`pin_buffers`."""
+    import torch
+
+    for base in bases:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
+        except Exception:  # noqa: BLE001
+            pass
+    bases.clear()
+
+
 def persister_alive(h: Header) -> bool:
     return alive(h.persister_pid, h.persister_start)
 

@@ -1,0 +1,348 @@
+"""Flash checkpoint vs the usual ways to save and load a training state.
+
+For each state size (float32 tensors, 16 of them per state), in one run:
+
+- ``memcpy_gib_s``: ``Tensor.copy_`` of the state into preallocated tensors: the
+  physical bound of a save into memory on this machine;
+- ``flash_save_gib_s``: the blocking time of ``FlashSaver.save`` (steady state: both
+  shared-memory slots laid out and faulted in; the persister's disk write of the
+  previous save is waited for, untimed, so that it does not compete for the cores);
+- ``torch_save_fsync_gib_s``: ``torch.save`` to a file on local disk + ``fsync``;
+- ``dcp_save_gib_s``: ``torch.distributed.checkpoint.save`` (one process) with
+  ``sync_files=True``;
+- ``load_memory_gib_s``: ``FlashSaver.load`` into a preallocated state by a fresh
+  saver (new mappings, as a restarted process has), header checks included;
+- ``torch_load_gib_s``: ``torch.load`` of the ``torch.save`` file after its pages were
+  dropped from the page cache (``posix_fadvise(DONTNEED)``), i.e. from the disk;
+  ``torch_load_warm_gib_s`` is the same from the page cache.
+
+Each figure is the median of ``--repeat`` runs. With a CUDA GPU the state is also
+measured GPU-resident (``gpu`` list: device-to-pinned-host copy bound, flash save,
+load back into GPU tensors). The last line of output is one JSON object.
+
+    .venv/bin/python benchmarks/flash_checkpoint.py [--sizes-mib 256,1024] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+GIB = float(1 << 30)
+N_TENSORS = 16
+
+
+def make_state(size_mib: int, device: str = "cpu") -> dict:
+    n = (size_mib << 20) // 4 // N_TENSORS
+    g = torch.Generator().manual_seed(size_mib)
+    return {"model": {f"layer{i}.weight": torch.randn(n, generator=g).to(device)
+                      for i in range(N_TENSORS)},
+            "extra": {"step": 0}}
+
+
+def like(state: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "extra": {"step": -1}}
+
+
+def nbytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state["model"].values())
+
+
+def median_s(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def flash_saver(job: str, directory: str):
+    from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+    from dlrover_plugin_flashckpt.saver import FlashSaver
+
+    return FlashSaver(SaverConfig(dir=directory, keep=1, job=job, options={}), SaverContext())
+
+
+def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    state = make_state(size_mib)
+    total = nbytes(state)
+    gib = total / GIB
+    out: dict[str, Any] = {"size_mib": size_mib}
+
+    dst = like(state)
+
+    def memcpy() -> None:
+        for k, v in state["model"].items():
+            dst["model"][k].copy_(v)
+
+    memcpy()  # fault the destination in
+    out["memcpy_gib_s"] = gib / median_s(memcpy, repeat)
+    del dst
+
+    ckpt = os.path.join(work, f"flash{size_mib}")
+    saver = flash_saver(job, ckpt)
+    step = [0]
+
+    def flash_save() -> None:
+        step[0] += 1
+        saver.save(step[0], state)
+
+    first = median_s(flash_save, 1)  # lays out and faults in slot 0
+    saver.wait()
+    median_s(flash_save, 1, saver.wait)  # slot 1
+    saver.wait()
+    out["flash_save_gib_s"] = gib / median_s(flash_save, repeat, saver.wait)
+    out["flash_save_first_gib_s"] = gib / first
+    saver.wait()
+
+    def flash_load() -> None:
+        fresh = flash_saver(job, ckpt)
+        got = fresh.load(template)
+        assert got == step[0] and fresh.last_load_source == "memory", (got, fresh.last_load_source)
+        fresh.close()
+
+    template = like(state)
+    flash_load()
+    out["load_memory_gib_s"] = gib / median_s(flash_load, repeat)
+    assert torch.equal(template["model"]["layer0.weight"], state["model"]["layer0.weight"])
+    del template
+    saver.close()
+
+    path = os.path.join(work, f"state{size_mib}.pt")
+
+    def torch_save() -> None:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    out["torch_save_fsync_gib_s"] = gib / median_s(torch_save, repeat)
+
+    def torch_load() -> None:
+        loaded = torch.load(path, weights_only=True)
+        assert loaded["model"]["layer0.weight"].numel() == state["model"]["layer0.weight"].numel()
+
+    out["torch_load_gib_s"] = gib / median_s(torch_load, repeat, lambda: drop_cache(path))
+    torch_load()
+    out["torch_load_warm_gib_s"] = gib / median_s(torch_load, repeat)
+    os.unlink(path)
+
+    dcp_dir = os.path.join(work, f"dcp{size_mib}")
+
+    def dcp_save() -> None:
+        shutil.rmtree(dcp_dir, ignore_errors=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir, sync_files=True),
+                 no_dist=True)
+
+    out["dcp_save_gib_s"] = gib / median_s(dcp_save, repeat)
+    shutil.rmtree(dcp_dir, ignore_errors=True)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return out
+
+
+def bench_gpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
+    state = make_state(size_mib, "cuda")
+    gib = nbytes(state) / GIB
+    out: dict[str, Any] = {"size_mib": size_mib, "device": torch.cuda.get_device_name()}
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+              for k, v in state["model"].items()}
+
+    def d2h() -> None:
+        for k, v in state["model"].items():
+            pinned[k].copy_(v, non_blocking=True)
+        torch.cuda.synchronize()
+
+    d2h()
+    out["d2h_pinned_gib_s"] = gib / median_s(d2h, repeat)
+    del pinned
+    ckpt = os.path.join(work, f"gpuflash{size_mib}")
+    saver = flash_saver(job, ckpt)
+    step = [0]
+
+    def flash_save() -> None:
+        step[0] += 1
+        saver.save(step[0], state)
+
+    median_s(flash_save, 2, saver.wait)
+    saver.wait()
+    out["flash_save_gib_s"] = gib / median_s(flash_save, repeat, saver.wait)
+    saver.wait()
+    template = like(state)
+
+    def flash_load() -> None:
+        fresh = flash_saver(job, ckpt)
+        assert fresh.load(template) == step[0] and fresh.last_load_source == "memory"
+        torch.cuda.synchronize()
+        fresh.close()
+
+    flash_load()
+    out["load_memory_gib_s"] = gib / median_s(flash_load, repeat)
+    saver.close()
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return out
+
+
+def bench_gpu_copy_path(size_mib: int, repeat: int) -> dict:
+    """The blocking part of a flash save of a GPU-resident state, with the saver's own
+    pieces (tensor table, shared-memory slot, ``shm.pin_buffers``, ``copy_``) but no
+    persister: for machines without Ray (``--gpu-copy-path``)."""
+    from dlrover_plugin_flashckpt import layout, shm
+
+    state = make_state(size_mib, "cuda")
+    gib = nbytes(state) / GIB
+    out: dict[str, Any] = {"size_mib": size_mib, "device": torch.cuda.get_device_name(),
+                           "mode": "copy path, no persister"}
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+              for k, v in state["model"].items()}
+
+    def d2h() -> None:
+        for k, v in state["model"].items():
+            pinned[k].copy_(v, non_blocking=True)
+        torch.cuda.synchronize()
+
+    d2h()
+    out["d2h_pinned_gib_s"] = gib / median_s(d2h, repeat)
+    del pinned
+    table, _, skeleton = layout.build_table(state)
+    path = f"/dev/shm/{shm.NAME_PREFIX}gpubench-{os.getpid()}-{size_mib}"
+    seg = shm.Segment.create(path, 4096, layout.data_size(table), {"job": "gpubench"},
+                             layout.signature(table), 0, 1)
+    try:
+        h = seg.read_header()
+        views = [layout.tensor_view(seg.mm, h.data_offset, e) for e in table]
+
+        def save(non_blocking: bool) -> Callable[[], None]:
+            def run() -> None:
+                _, sources, _ = layout.build_table(state)  # as every save does
+                for dst, src in zip(views, sources):
+                    dst.copy_(src, non_blocking=non_blocking)
+                torch.cuda.synchronize()
+            return run
+
+        save(False)()
+        out["flash_save_unpinned_gib_s"] = gib / median_s(save(False), repeat)
+        bases = shm.pin_buffers([seg])
+        save(True)()
+        out["flash_save_gib_s"] = gib / median_s(save(True), repeat)
+        template = like(state)
+        by_path = {e.path: v for e, v in zip(table, views)}
+
+        def load() -> None:
+            layout.restore(template, skeleton, table, lambda e: by_path[e.path], "bench")
+            torch.cuda.synchronize()
+
+        load()
+        out["load_memory_gib_s"] = gib / median_s(load, repeat)
+        assert torch.equal(template["model"]["layer0.weight"], state["model"]["layer0.weight"])
+        shm.unpin_buffers(bases)
+        del views, template
+    finally:
+        seg.close()
+        os.unlink(path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes-mib", default="256,1024",
+                   help="comma-separated state sizes in MiB (float32)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure (median)")
+    p.add_argument("--gpu-copy-path", action="store_true",
+                   help="only the GPU-resident state, through the save's copy path without "
+                        "Ray or a persister (for a GPU machine without Ray)")
+    p.add_argument("--dir", default=None, help="local-disk work directory (default: a temp "
+                   "dir under the current directory)")
+    args = p.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes_mib.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--sizes-mib {args.sizes_mib!r}: use integers separated by commas, e.g. 256,1024")
+    if not sizes or min(sizes) < N_TENSORS * 4 // 1024 + 1:
+        p.error(f"--sizes-mib {args.sizes_mib!r}: sizes must be >= 1 MiB")
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: use an integer >= 1")
+
+    if args.gpu_copy_path:
+        if not torch.cuda.is_available():
+            p.error("--gpu-copy-path needs a CUDA GPU")
+        gpu = []
+        for size in sizes:
+            g = bench_gpu_copy_path(size, args.repeat)
+            gpu.append({k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
+            print(f"{size:5d} MiB on {g['device']}: D2H pinned {g['d2h_pinned_gib_s']:.2f} GiB/s"
+                  f" | flash save {g['flash_save_gib_s']:.2f} (unpinned "
+                  f"{g['flash_save_unpinned_gib_s']:.2f}) | load memory -> GPU "
+                  f"{g['load_memory_gib_s']:.2f}", file=sys.stderr, flush=True)
+        print(json.dumps({"gpu": gpu}))
+        return 0
+
+    import ray
+
+    from dlrover_core.master.client import init_ray
+    from dlrover_plugin_flashckpt.persister import finish_job
+
+    ray_tmp = tempfile.mkdtemp(prefix="dlrbench", dir="/tmp")
+    work = tempfile.mkdtemp(prefix="flashbench", dir=args.dir or os.getcwd())
+    job = f"flashbench-{os.getpid()}"
+    init_ray(None, num_cpus=2, _temp_dir=ray_tmp)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    results, gpu = [], []
+    try:
+        for size in sizes:
+            r = bench_cpu(size, work, args.repeat, job)
+            results.append(r)
+            print(f"{size:5d} MiB  memcpy {r['memcpy_gib_s']:6.2f} GiB/s | flash save "
+                  f"{r['flash_save_gib_s']:6.2f} (first {r['flash_save_first_gib_s']:.2f}) | "
+                  f"torch.save+fsync {r['torch_save_fsync_gib_s']:5.2f} | dcp "
+                  f"{r['dcp_save_gib_s']:5.2f} | load memory {r['load_memory_gib_s']:6.2f} | "
+                  f"torch.load disk {r['torch_load_gib_s']:5.2f} (page cache "
+                  f"{r['torch_load_warm_gib_s']:.2f})", file=sys.stderr, flush=True)
+        if torch.cuda.is_available():
+            for size in sizes:
+                g = bench_gpu(size, work, args.repeat, job)
+                gpu.append(g)
+                print(f"{size:5d} MiB on {g['device']}: D2H pinned {g['d2h_pinned_gib_s']:.2f} "
+                      f"GiB/s | flash save {g['flash_save_gib_s']:.2f} | load memory -> GPU "
+                      f"{g['load_memory_gib_s']:.2f}", file=sys.stderr, flush=True)
+    finally:
+        finish_job(job, timeout=60)
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    for r in results + gpu:
+        for k, v in r.items():
+            if isinstance(v, float):
+                r[k] = round(v, 3)
+    line: dict[str, Any] = {"results": results}
+    if gpu:
+        line["gpu"] = gpu
+    print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
