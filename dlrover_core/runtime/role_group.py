@@ -48,10 +48,12 @@ def shard_value(value: Any, n: int, key: str) -> list[Any]:
     """
     if isinstance(value, DRef):
         m = len(value)
+        # one result per rank: pass Ray's own ObjectRef, which Ray resolves before the
+        # call starts (the bytes move worker-to-worker, as with raw Ray)
         if m == n:
-            return [value.shard(i) for i in range(n)]
+            return list(value.refs)
         if m == 1:
-            return [value.shard(0)] * n
+            return [value.refs[0]] * n
         if m % n:
             raise ValueError(f"auto_shard of argument {key}: a DRef of {m} results cannot be split "
                              f"over {n} ranks (need a multiple of {n}, or 1)")
