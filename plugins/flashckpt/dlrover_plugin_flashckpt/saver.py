@@ -205,8 +205,10 @@ class FlashSaver(Saver):
                                                    self.rank, self.world_size)
         else:  # buffers of an earlier process of this rank (a restart): fault them in
             for i, p in enumerate(self.paths):
-                self._segs[i].close()  # type: ignore[union-attr]
-                self._segs[i] = shm.Segment.attach(p, populate=True)
+                seg = self._segs[i]
+                if seg is not None and not seg.populated:
+                    seg.close()
+                    self._segs[i] = shm.Segment.attach(p, populate=True)
         self._ident()
         self._sig = sig
         self._meta_cap = min(s.read_header().meta_cap for s in self._segs if s is not None)
@@ -344,8 +346,15 @@ class FlashSaver(Saver):
         return {s: i for s, (i, _) in out.items()}
 
     def _load_memory(self, state_dict: dict, step: int, slot: int) -> None:
-        seg = self._segs[slot]
-        assert seg is not None
+        # map the slot again with its page tables filled in one pass (MAP_POPULATE): a
+        # fresh process would otherwise take a page fault per 4 KiB during the copy
+        old = self._segs[slot]
+        seg = shm.Segment.attach(self.paths[slot], populate=True)
+        if seg is None:
+            raise _TornRead(f"flash buffer {self.paths[slot]} disappeared")
+        if old is not None:
+            old.close()
+        self._segs[slot] = seg
         where = f"flash buffer {seg.name} (step {step})"
         with seg.locked():
             h = seg.read_header()

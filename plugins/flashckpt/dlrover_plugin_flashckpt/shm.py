@@ -187,8 +187,11 @@ class Segment:
     seen at once by every process that maps the same file.
     """
 
-    def __init__(self, path: str, fd: int, mm: mmap.mmap, size: int) -> None:
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, size: int,
+                 populated: bool = False) -> None:
         self.path = path
+        #: the page tables were filled at mapping time (MAP_POPULATE)
+        self.populated = populated
         self.name = os.path.basename(path)
         self.fd = fd
         self.mm = mm
@@ -224,7 +227,7 @@ class Segment:
                 raise
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             mm = mmap.mmap(fd, size, flags=flags)
-            seg = cls(tmp, fd, mm, size)
+            seg = cls(tmp, fd, mm, size, populate)
             blob = json.dumps(ident, sort_keys=True).encode()
             if len(blob) > HEADER_SIZE - IDENT_OFFSET - 4:
                 raise ValueError(f"identity block too long ({len(blob)} bytes)")
@@ -266,7 +269,7 @@ class Segment:
             mm.close()
             os.close(fd)
             return None
-        return cls(path, fd, mm, size)
+        return cls(path, fd, mm, size, populate)
 
     def replaced(self) -> bool:
         """Whether the file at :attr:`path` is no longer the one mapped here."""
