@@ -13,6 +13,18 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
+def _clone(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, dict):
+        return type(v)((k, _clone(x)) for k, x in v.items())
+    if isinstance(v, list):
+        return [_clone(x) for x in v]
+    if isinstance(v, tuple) and not hasattr(v, "_fields"):
+        return tuple(_clone(x) for x in v)
+    return v
+
+
 class ZeroTrainer(BaseWorkload):
     """A tiny regression model under DeepSpeed ZeRO (``config.stage``, default 2) with a
     torch AdamW. Methods are called by the tests through the host's ``call``."""
@@ -51,6 +63,18 @@ class ZeroTrainer(BaseWorkload):
 
     def load(self) -> int | None:
         return self.checkpointer.load(**self.objects())
+
+    def snapshot(self) -> None:
+        """Keep a copy of the engine's state dict (tensors cloned)."""
+        from dlrover_plugin_deepspeed.engine import DeepSpeedEngineState
+
+        self._snap = _clone(DeepSpeedEngineState().state_dict(self.objects()))
+
+    def restore(self) -> None:
+        """Load the snapshot back through the engine."""
+        from dlrover_plugin_deepspeed.engine import DeepSpeedEngineState
+
+        DeepSpeedEngineState().load_state_dict(self.objects(), _clone(self._snap))
 
     def flat_state(self) -> dict:
         """Every tensor of the engine's state dict, flattened to ``path -> tensor``."""
