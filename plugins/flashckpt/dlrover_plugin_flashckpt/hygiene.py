@@ -83,10 +83,12 @@ def stale_reason(path: str, session: str,
 
 
 def remove_stale(shm_dir: str, session: str,
-                 master_alive: Callable[[str, str], bool] | None = None) -> list[str]:
-    """Remove stale flash buffers in ``shm_dir``; return the removed names (logged)."""
+                 master_alive: Callable[[str, str], bool] | None = None,
+                 prefix: str = shm.NAME_PREFIX) -> list[str]:
+    """Remove stale flash buffers (names starting with ``prefix``) in ``shm_dir``;
+    return the removed names (logged)."""
     removed = []
-    for path in shm.list_segments(shm_dir):
+    for path in shm.list_segments(shm_dir, prefix):
         reason = stale_reason(path, session, master_alive)
         if reason is None:
             continue

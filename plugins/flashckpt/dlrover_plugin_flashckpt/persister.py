@@ -329,6 +329,25 @@ class FlashPersister:
                     h.crc_seq = h.persisted_seq = c.seq
                 c.seg.write_header(h)
 
+    def _retire_obsolete(self, regs: list[Registration], newest: int | None) -> None:
+        """Mark saves at or below the newest committed step as persisted: they will
+        never be written, and a save must not keep them as "waiting for the disk"."""
+        if newest is None:
+            return
+        for r in regs:
+            for path in r.slots:
+                seg = self._seg(path)
+                if seg is None:
+                    continue
+                h = seg.read_header()
+                if h.state != shm.READY or h.persisted_seq == h.seq or h.step > newest:
+                    continue
+                with seg.locked():
+                    h = seg.read_header()
+                    if h.state == shm.READY and h.step <= newest:
+                        h.persisted_seq = h.seq
+                        seg.write_header(h)
+
     def _pick(self) -> tuple[str, int] | None:
         """The next (role, step) to persist, or ``None``."""
         roles = sorted({ro for ro, _ in self._regs})
@@ -336,6 +355,7 @@ class FlashPersister:
         for role in roles:
             regs = [r for (ro, _), r in self._regs.items() if ro == role]
             newest = storage.newest_committed(regs[0].dir)
+            self._retire_obsolete(regs, newest)
             forced = self._forced.get(role, set())
             if newest is not None:
                 forced.difference_update({s for s in forced if s <= newest})

@@ -73,7 +73,6 @@ def test_torch_state_round_trip(job, tmp_path, backend):
                {"ckpt": ckpt})
 
 
-@pytest.mark.slow
 def test_deepspeed_zero2_round_trip(job, tmp_path):
     pytest.importorskip("deepspeed")
     ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}

@@ -165,3 +165,22 @@ def test_new_layout_when_the_state_changes_and_stale_buffers_cleaned(job, tmp_pa
     got = blank(5000)
     s.wait()
     assert make_saver(job, d, slots=1).load(got) == 3 and same(got, state(3, 5000))
+
+
+def test_verify_memory_data_catches_corrupted_memory_and_falls_back_to_disk(job, tmp_path,
+                                                                            caplog):
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d, verify_memory="data")
+    s.save(1, state(1))
+    s.wait()  # the persister records the crc32 of the data it wrote
+    seg = shm.Segment.attach(s.paths[0])
+    h = seg.read_header()
+    assert h.crc_seq == h.seq and h.step == 1
+    seg.mm[h.data_offset + 10] ^= 0xFF  # a flipped bit in memory
+    seg.close()
+    got = blank()
+    fresh = make_saver(job, d, verify_memory="data")
+    with caplog.at_level(logging.WARNING):
+        assert fresh.load(got) == 1
+    assert fresh.last_load_source == "disk" and same(got, state(1))
+    assert any("crc32 of the data" in r.message for r in caplog.records)

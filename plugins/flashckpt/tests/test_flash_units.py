@@ -167,7 +167,7 @@ def test_stale_buffers_of_dead_processes_are_removed(shm_path):
     reason = hygiene.stale_reason(shm_path, "")
     assert reason and "gone" in reason
     assert hygiene.stale_reason(shm_path + "-live", "") is None
-    removed = hygiene.remove_stale("/dev/shm", "")
+    removed = hygiene.remove_stale("/dev/shm", "", prefix=os.path.basename(shm_path))
     assert os.path.basename(shm_path) in removed and not os.path.exists(shm_path)
     assert os.path.exists(shm_path + "-live")
     live.close()
@@ -214,3 +214,20 @@ def test_commit_prunes_and_drops_older_unfinished_steps(tmp_path):
     _write(d, 4, 1)  # an older step finishing late is dropped, not committed
     assert not storage.try_commit(d, 4, 1, keep=2)
     assert json.loads(open(os.path.join(d, "step_00000005", "manifest.json")).read())["step"] == 5
+
+
+def test_cli_lists_and_cleans_stale_buffers(shm_path, capsys):
+    from dlrover_core.cli.main import main
+
+    code = (f"from dlrover_plugin_flashckpt import shm; "
+            f"shm.Segment.create({shm_path!r}, 10, 10, {{'job': 'gone', 'role': 't'}}, "
+            f"bytes(16), 3, 4)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert main(["flash", "ls", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["name"] == os.path.basename(shm_path)]
+    assert rows == [{"name": os.path.basename(shm_path), "job": "gone", "role": "t", "rank": 3,
+                     "step": -1, "state": "empty", "bytes": os.path.getsize(shm_path),
+                     "session": None, "run_id": None}]
+    assert main(["flash", "clean"]) == 0
+    assert f"removed {os.path.basename(shm_path)}" in capsys.readouterr().out
+    assert not os.path.exists(shm_path)
