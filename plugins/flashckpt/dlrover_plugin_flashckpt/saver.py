@@ -30,6 +30,7 @@ manifest is loaded; a corrupt step is skipped with a warning.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 import zlib
@@ -290,8 +291,13 @@ class FlashSaver(Saver):
             ValueError: a negative step. TypeError: an unsupported tensor.
             ShmSpaceError: ``options.shm_dir`` has too little space (says how much).
         """
-        if not isinstance(step, int) or step < 0:
+        try:
+            ok = operator.index(step) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
             raise ValueError(f"step {step!r} is invalid: use an integer >= 0")
+        step = operator.index(step)
         t0 = time.perf_counter()
         table, sources, skeleton = layout.build_table(state_dict)
         sig = layout.signature(table)
