@@ -153,7 +153,7 @@ def test_save_never_overwrites_a_buffer_being_persisted(job, tmp_path):
     assert make_saver(job, d).load(got) == 4 and same(got, state(4, n))
 
 
-def test_new_layout_when_the_state_changes_and_stale_buffers_cleaned(job, tmp_path):
+def test_buffers_laid_out_once_and_again_when_the_state_changes(job, tmp_path):
     d = str(tmp_path / "ckpt")
     s = make_saver(job, d, slots=1)
     s.save(1, state(1, 100))
