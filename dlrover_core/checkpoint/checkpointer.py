@@ -52,7 +52,8 @@ class Checkpointer:
 
         saver = saver_cls(
             SaverConfig(dir=directory, keep=int(ck.get("keep", 3)), job=ctx.job,
-                        options=dict(ck.get("options") or {})),
+                        options=dict(ck.get("options") or {}), run_id=ctx.run_id,
+                        job_dir=ctx.job_dir),
             SaverContext(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                          role=ctx.role, distributed=dist.is_available() and dist.is_initialized()),
         )

@@ -21,12 +21,15 @@ def step_dir_name(step: int) -> str:
 class SaverConfig:
     """``dir``: committed steps go to ``<dir>/step_<step>``; ``keep``: newest committed
     steps kept; ``job``: job name (for shared-memory names); ``options``: the job's
-    ``checkpoint.options`` (saver-specific)."""
+    ``checkpoint.options`` (saver-specific); ``run_id``: this run of the job (see
+    ``WorkerContext.run_id``); ``job_dir``: the job directory."""
 
     dir: str
     keep: int = 3
     job: str = ""
     options: dict = field(default_factory=dict)
+    run_id: str = ""
+    job_dir: str = ""
 
 
 @dataclass

@@ -140,6 +140,10 @@ class JobMaster:
         self.error = ""
         self.summary: dict | None = None
         self.total_steps = _int_or_none(OmegaConf.select(self.spec, "config.max_steps"))
+        try:
+            self.run_id = ray.get_runtime_context().get_actor_id() or ""
+        except Exception:  # noqa: BLE001 - not in an actor (unit use)
+            self.run_id = ""
         self._last_node_check = 0.0
         self.standby: dict[str, tuple[Any, Any, str]] = {}  # role -> (handle, prepare ref, name)
         self._standby_seq = 0
@@ -335,7 +339,7 @@ class JobMaster:
             checkpoint=OmegaConf.to_container(self.spec.checkpoint),
             failover=OmegaConf.to_container(self.spec.failover),
             tuning=OmegaConf.to_container(self.spec.tuning),
-            job_dir=self.job_dir, attempt=attempt)
+            job_dir=self.job_dir, attempt=attempt, run_id=self.run_id)
 
     def _create_instance(self, role: str, rank: int, attempt: int) -> Instance:
         r = self.graph.roles[role]
@@ -672,7 +676,7 @@ class JobMaster:
             self.events.emit("failure_classified", role=failure.role, rank=failure.rank,
                              level=action.verdict.level, reason=action.verdict.reason,
                              classifier=action.verdict.classifier, action=action.level)
-            self.pm.workload_failed(self.name, failure, action.verdict)
+            self.pm.workload_failed(self.name, failure, action.verdict, self.events.emit)
             if action.level == "fatal":
                 detail = f"\n{failure.traceback}" if failure.traceback else ""
                 raise JobFailed(f"{action.verdict.reason}. {failure.exc_type}: "
@@ -896,14 +900,14 @@ class JobMaster:
         self.context.set("state", status.value)
         self.context.set("summary", self.summary)
         atomic_write_json(os.path.join(self.job_dir, "summary.json"), self.summary)
+        try:
+            self.pm.job_finished(self.name, self.summary, self.events.emit)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
         self.events.emit("job_finished", status=status.value, error=(error or None),
                          steps=self.summary["steps"], wall_s=self.summary["wall_s"])
         self.events.close()
         self.metrics_log.close()
-        try:
-            self.pm.job_finished(self.name, self.summary)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
         self._done.set()
 
 

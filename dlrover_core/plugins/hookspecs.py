@@ -151,13 +151,22 @@ def dlrover_workload_stopped(job: str, role: str, rank: int, status: str) -> Non
 
 
 @hookspec
-def dlrover_workload_failed(job: str, failure: Failure, verdict: FailureVerdict) -> None:
-    """A failure was classified; ``verdict.level`` is the recovery that follows. Master process."""
+def dlrover_workload_failed(job: str, failure: Failure, verdict: FailureVerdict,
+                            emit: Any) -> None:
+    """A failure was classified; ``verdict.level`` is the recovery that follows; it runs
+    before the recovery starts. Master process.
+
+    Args:
+        emit: ``emit(event: str, **fields)`` appends an event to the job's
+            ``events.jsonl`` (e.g. what a breakpoint save did).
+    """
 
 
 @hookspec
-def dlrover_job_finished(job: str, summary: dict) -> None:
-    """The job ended; ``summary`` is what ``summary.json`` holds. Master process."""
+def dlrover_job_finished(job: str, summary: dict, emit: Any) -> None:
+    """The job ended (also after ``dlrover stop``); ``summary`` is what ``summary.json``
+    holds. Master process. ``emit`` as in :func:`dlrover_workload_failed`; the
+    ``job_finished`` event comes after this hook's events."""
 
 
 # --------------------------------------------------------------------------- failure classification

@@ -339,11 +339,17 @@ class PluginManager:
     def workload_stopped(self, job: str, role: str, rank: int, status: str) -> None:
         self._pm.hook.dlrover_workload_stopped(job=job, role=role, rank=rank, status=status)
 
-    def workload_failed(self, job: str, failure: Failure, verdict: FailureVerdict) -> None:
-        self._pm.hook.dlrover_workload_failed(job=job, failure=failure, verdict=verdict)
+    def workload_failed(self, job: str, failure: Failure, verdict: FailureVerdict,
+                        emit: Any = None) -> None:
+        self._pm.hook.dlrover_workload_failed(job=job, failure=failure, verdict=verdict,
+                                              emit=emit or _no_emit)
 
-    def job_finished(self, job: str, summary: dict) -> None:
-        self._pm.hook.dlrover_job_finished(job=job, summary=summary)
+    def job_finished(self, job: str, summary: dict, emit: Any = None) -> None:
+        self._pm.hook.dlrover_job_finished(job=job, summary=summary, emit=emit or _no_emit)
+
+
+def _no_emit(event: str, **fields: Any) -> None:
+    """The ``emit`` hooks get outside a JobMaster: events go nowhere."""
 
 
 def _dist_version(dist: str) -> str:

@@ -128,9 +128,14 @@ class CheckpointSaver(_Record):
     Attributes:
         saver: import path of a ``dlrover_core.checkpoint.saver.Saver`` subclass,
             constructed in the worker process as ``cls(config, context)``.
+        validate_options: optional ``(options: dict) -> None`` that checks the job's
+            ``checkpoint.options`` when the spec is loaded, before anything starts; it
+            raises ``SpecError`` (or ``ValueError``) naming the key, value and what is
+            allowed. It must import nothing heavy.
     """
 
     saver: str = ""
+    validate_options: Callable[[dict], None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

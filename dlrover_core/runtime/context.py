@@ -27,6 +27,8 @@ class WorkerContext:
         checkpoint / failover: the ``checkpoint`` and ``failover`` sections (dicts).
         job_dir: absolute path of the job directory.
         attempt: how many times this instance was restarted (0 at first start).
+        run_id: identifies this run of the job (the JobMaster's actor id, hex; the same
+            after a master restart, new for every submission).
     """
 
     job: str
@@ -46,6 +48,7 @@ class WorkerContext:
     attempt: int = 0
     master_addr: str = ""
     master_port: int = 0
+    run_id: str = ""
 
     @property
     def name(self) -> str:

@@ -215,9 +215,18 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
     except UnknownPluginError as exc:
         raise SpecError("placement", spec.placement, "an installed placement policy", str(exc)) from None
     try:
-        pm.get_saver(spec.checkpoint.saver)
+        saver = pm.get_saver(spec.checkpoint.saver)
     except UnknownPluginError as exc:
         raise SpecError("checkpoint.saver", spec.checkpoint.saver, "an installed saver", str(exc)) from None
+    if saver.validate_options is not None:
+        options = OmegaConf.to_container(spec.checkpoint.options)
+        try:
+            saver.validate_options(options)
+        except SpecError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise SpecError("checkpoint.options", options,
+                            f"options of saver {saver.name!r}", str(exc)) from None
     if spec.checkpoint.every_steps < 0:
         raise SpecError("checkpoint.every_steps", spec.checkpoint.every_steps, "an integer >= 0")
     if spec.checkpoint.keep < 1:

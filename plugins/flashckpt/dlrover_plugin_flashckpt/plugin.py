@@ -23,16 +23,24 @@ log = logging.getLogger(__name__)
 FINISH_TIMEOUT_S = 120.0
 
 
+def validate_options(options: dict) -> None:
+    """``checkpoint.options`` of the flash saver, checked when the spec is loaded."""
+    from dlrover_plugin_flashckpt.options import FlashOptions
+
+    FlashOptions.parse(options)
+
+
 @hookimpl
 def dlrover_checkpoint_savers() -> list[CheckpointSaver]:
     return [CheckpointSaver(
         name="flash", saver="dlrover_plugin_flashckpt.saver:FlashSaver",
+        validate_options=validate_options,
         description="copy to shared memory in memcpy time, persist asynchronously from a "
                     "per-node process, save at breakpoint, load from memory after a restart")]
 
 
 @hookimpl
-def dlrover_workload_failed(job: str, failure: Any, verdict: Any) -> None:
+def dlrover_workload_failed(job: str, failure: Any, verdict: Any, emit: Any) -> None:
     if not failure.role or failure.role == "driver":
         return
     try:
@@ -45,10 +53,12 @@ def dlrover_workload_failed(job: str, failure: Any, verdict: Any) -> None:
     if result["step"] is not None:
         log.warning("flash breakpoint save of %s/%s step %d: %s", job, failure.role,
                     result["step"], result["claimed"])
+        emit("flash_breakpoint_save", role=failure.role, step=result["step"],
+             claimed=result["claimed"])
 
 
 @hookimpl
-def dlrover_job_finished(job: str, summary: dict) -> None:
+def dlrover_job_finished(job: str, summary: dict, emit: Any) -> None:
     try:
         import ray
 
@@ -64,6 +74,7 @@ def dlrover_job_finished(job: str, summary: dict) -> None:
             return
         report = finish_job(job, run_id, FINISH_TIMEOUT_S)
         log.info("flash checkpoint cleanup of %s: %s", job, report)
+        emit("flash_cleanup", report=report)
     except Exception as exc:  # noqa: BLE001
         log.warning("flash checkpoint cleanup of %s failed: %s", job, exc)
 

@@ -117,7 +117,7 @@ class FlashSaver(Saver):
         from dlrover_plugin_flashckpt import hygiene
 
         if self._run_id is None:
-            self._run_id = hygiene.master_run_id(self.job) or ""
+            self._run_id = self.config.run_id or hygiene.master_run_id(self.job) or ""
         return {"job": self.job, "role": self.context.role, "rank": self.rank,
                 "world_size": self.world_size, "dir": self.dir,
                 "session": hygiene.current_session(), "run_id": self._run_id}

@@ -231,3 +231,18 @@ def test_cli_lists_and_cleans_stale_buffers(shm_path, capsys):
     assert main(["flash", "clean"]) == 0
     assert f"removed {os.path.basename(shm_path)}" in capsys.readouterr().out
     assert not os.path.exists(shm_path)
+
+
+def test_bad_options_fail_when_the_spec_loads():
+    """checkpoint.options are checked by load_spec, before anything starts."""
+    from dlrover_core import SpecError, load_spec
+
+    with pytest.raises(SpecError, match=r"checkpoint\.options\.slots"):
+        load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
+                                                "checkpoint.options.slots=0"])
+    with pytest.raises(SpecError, match=r"checkpoint\.options\.bogus"):
+        load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
+                                                "checkpoint.options.bogus=1"])
+    spec = load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
+                                                   "checkpoint.options.slots=3"])
+    assert spec.checkpoint.options.slots == 3
