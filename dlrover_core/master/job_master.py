@@ -859,6 +859,12 @@ class JobMaster:
             if alive:
                 inst.state = "running"
                 inst.last_report_ts = time.time()
+                if inst.role != DRIVER:  # reports sent while the master was down are lost
+                    prog = ray.get(inst.handle.progress.remote(), timeout=10)
+                    if inst.rank == 0 and prog["step"] > self.step:
+                        self.step = prog["step"]
+                        self.metrics.update(prog["metrics"])
+                    inst.last_step = max(inst.last_step, prog["step"])
                 if inst.role != DRIVER and self.graph.driver:
                     self._track(inst.handle.wait_stopped.remote(), "watch", inst)
                 else:

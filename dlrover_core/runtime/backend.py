@@ -35,3 +35,54 @@ class BackendSession:
 
     def teardown(self) -> None:
         """Leave the process group. Must not raise when the group is broken."""
+
+
+class TorchDistributedSession(BackendSession):
+    """A torch.distributed process group per role: ``init_method=tcp://`` at the role's
+    rendezvous (``MASTER_ADDR``/``MASTER_PORT``), ``rank``/``world_size`` of the role,
+    the job's ``failover.pg_timeout_s``; NCCL on ``cuda:<local_rank % visible GPUs>``
+    when CUDA is available, else gloo on the CPU. Backends built on torch.distributed
+    (DDP, FSDP, DeepSpeed) subclass it. torch is imported here only when used."""
+
+    @property
+    def device(self) -> Any:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def dist_backend(self) -> str:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+    @property
+    def timeout(self) -> Any:
+        """The collective timeout, a ``datetime.timedelta``."""
+        import datetime
+
+        return datetime.timedelta(seconds=float(self.context.failover.get("pg_timeout_s", 120)))
+
+    def setup(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        ctx = self.context
+        if torch.cuda.is_available():
+            torch.cuda.set_device(ctx.local_rank % torch.cuda.device_count())
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(
+            self.dist_backend, init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}",
+            rank=ctx.rank, world_size=ctx.world_size, timeout=self.timeout)
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group cannot always be destroyed
+                pass

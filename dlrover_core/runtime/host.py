@@ -124,6 +124,14 @@ class WorkloadHost(_HostBase):
             warm()
         return time.perf_counter() - t0
 
+    @ray.method(concurrency_group="monitor")
+    def progress(self) -> dict:
+        """The last step this instance reported and its metrics (for a restarted master)."""
+        w = self.workload
+        if w is None:
+            return {"step": -1, "metrics": {}}
+        return {"step": w._last_step, "metrics": dict(w._last_metrics)}
+
     def assign(self, context: WorkerContext) -> None:
         """Standby only: become the role instance described by ``context``."""
         self.context = context

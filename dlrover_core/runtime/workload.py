@@ -40,6 +40,7 @@ class BaseWorkload:
         self._checkpointer: Checkpointer | None = None
         self._master: Any = None
         self._last_step = -1
+        self._last_metrics: dict[str, float] = {}
         self._started_at = time.time()
 
     # ------------------------------------------------------------------ identity
@@ -162,15 +163,15 @@ class BaseWorkload:
     def report(self, step: int, **metrics: float) -> None:
         """Report that ``step`` finished, with scalar metrics (``loss``, ``val_loss``,
         ``samples_per_s``...). Non-blocking: one message to the JobMaster."""
-        self._last_step = int(step)
         clean = {}
         for k, v in metrics.items():
             try:
                 clean[k] = float(v)
             except (TypeError, ValueError):
                 raise TypeError(f"report({k}={v!r}): metrics must be numbers") from None
+        self._last_step, self._last_metrics = int(step), clean
         master = self._master_or_none()
-        if master is not None:
+        if master is not None:  # lost while the master restarts: it asks for progress()
             master.report.remote(self.role, self.rank, int(step), clean, time.time())
 
     def teardown(self) -> None:

@@ -13,14 +13,12 @@ role's env sets ``DLROVER_DS_SHM_COMM=1``.
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dlrover_core.runtime.backend import BackendSession
+from dlrover_core.runtime.backend import TorchDistributedSession
 
 
 def _disable_cpu_shm_comm() -> None:
@@ -32,32 +30,17 @@ def _disable_cpu_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-class DeepSpeedSession(BackendSession):
+class DeepSpeedSession(TorchDistributedSession):
     """Process group + ``deepspeed.initialize`` for one rank."""
 
-    @property
-    def device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def setup(self) -> None:
-        ctx = self.context
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(ctx.local_rank % torch.cuda.device_count())
-        else:
+        if not torch.cuda.is_available():
             _disable_cpu_shm_comm()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        timeout = datetime.timedelta(seconds=float(ctx.failover.get("pg_timeout_s", 120)))
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}",
-                                rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+        super().setup()
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo",
-                                   dist_init_required=False, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=self.dist_backend, dist_init_required=False,
+                                   timeout=self.timeout)
 
     def wrap(self, model: torch.nn.Module, optimizer: Any = None, config: dict | None = None,
              **kwargs: Any) -> Any:
@@ -86,10 +69,3 @@ class DeepSpeedSession(BackendSession):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                dist_init_required=False, **kwargs)
         return engine
-
-    def teardown(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group cannot always be destroyed
-                pass

@@ -1,55 +1,16 @@
-"""Backend sessions: join the role's process group, wrap models.
-
-The process group is created from the role's rendezvous (``MASTER_ADDR``,
-``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) with ``init_method=tcp://`` and the
-job's ``failover.pg_timeout_s``. The device is ``cuda:<LOCAL_RANK % visible>``
-with NCCL when CUDA is available, else the CPU with gloo.
-"""
+"""Backend sessions ``ddp`` and ``fsdp``: the role's process group comes from
+``TorchDistributedSession`` (gloo on the CPU, NCCL on GPU); these wrap models."""
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dlrover_core.runtime.backend import BackendSession
-
-
-class TorchDistSession(BackendSession):
-    """Common process-group handling of the torch backends."""
-
-    @property
-    def device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    @property
-    def dist_backend(self) -> str:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-
-    def setup(self) -> None:
-        ctx = self.context
-        if torch.cuda.is_available():
-            torch.cuda.set_device(ctx.local_rank % torch.cuda.device_count())
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        timeout = datetime.timedelta(seconds=float(ctx.failover.get("pg_timeout_s", 120)))
-        dist.init_process_group(
-            self.dist_backend, init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}",
-            rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
-
-    def teardown(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group cannot always be destroyed
-                pass
+from dlrover_core.runtime.backend import TorchDistributedSession
 
 
-class DDPSession(TorchDistSession):
+class DDPSession(TorchDistributedSession):
     def wrap(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         """``DistributedDataParallel`` over the role's group (``kwargs`` go to DDP)."""
         from torch.nn.parallel import DistributedDataParallel
@@ -61,7 +22,7 @@ class DDPSession(TorchDistSession):
         return DistributedDataParallel(model, device_ids=ids, **kwargs)
 
 
-class FSDPSession(TorchDistSession):
+class FSDPSession(TorchDistributedSession):
     def wrap(self, model: torch.nn.Module, shard_modules: tuple[type, ...] | None = None,
              **kwargs: Any) -> torch.nn.Module:
         """FSDP2: ``fully_shard`` each submodule of a type in ``shard_modules`` (e.g. the
