@@ -31,7 +31,7 @@ from dlrover_core.graph.graph import ComputationGraph
 from dlrover_core.master.context import InstanceRecord, JobContext
 from dlrover_core.master.events import EventLog
 from dlrover_core.master.failover import FailoverCoordinator, JobFailed, RecoveryAction
-from dlrover_core.master.placement import ClusterResources, PlacementError
+from dlrover_core.master.placement import ClusterResources, PlacementError, bundle_index
 from dlrover_core.master.states import TRANSITIONS, JobState
 from dlrover_core.plugins.manager import get_plugin_manager
 from dlrover_core.plugins.records import Failure
@@ -915,17 +915,6 @@ class JobMaster:
         self.events.close()
         self.metrics_log.close()
         self._done.set()
-
-
-def bundle_index(assigned: dict[str, float]) -> int | None:
-    """The bundle index in Ray's assigned resource names (``CPU_group_<i>_<pg id>``)."""
-    for name in assigned:
-        parts = name.split("_group_")
-        if len(parts) == 2:
-            idx = parts[1].split("_", 1)[0]
-            if idx.isdigit():
-                return int(idx)
-    return None
 
 
 def _topology(members: list[Instance]) -> dict[int, tuple[int, int, int]]:

@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def bundle_index(assigned: dict[str, float]) -> int | None:
+    """The placement-group bundle an actor runs in, from Ray's per-bundle resource names
+    (``CPU_group_<bundle>_<pg id>``, as ``WorkloadHost.node_info()`` reports them), or
+    ``None`` outside a bundle."""
+    for name in assigned:
+        parts = name.split("_group_")
+        if len(parts) == 2:
+            idx = parts[1].split("_", 1)[0]
+            if idx.isdigit():
+                return int(idx)
+    return None
+
+
 class PlacementError(RuntimeError):
     """The graph cannot be placed on the cluster (the message says what is short)."""
 

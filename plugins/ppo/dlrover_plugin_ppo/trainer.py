@@ -21,27 +21,14 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
 import time
 from typing import Any
 
 import ray
 
 from dlrover_core import BaseTrainer
+from dlrover_core.master.placement import bundle_index
 from dlrover_plugin_ppo.config import RLConfig
-
-_BUNDLE_RE = re.compile(r"_group_(\d+)_([0-9a-f]+)$")
-
-
-def bundle_of(assigned_resources: dict[str, float]) -> int | None:
-    """The placement-group bundle index from Ray's assigned resource names
-    (``CPU_group_<bundle>_<pg id>``), or ``None`` outside a bundle."""
-    for name in assigned_resources:
-        m = _BUNDLE_RE.search(name)
-        if m:
-            return int(m.group(1))
-    return None
-
 
 def aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Combine per-rank stats: lists are concatenated in rank order, numbers averaged,
@@ -84,7 +71,14 @@ class PPOTrainer(BaseTrainer):
         self.returns: collections.deque[float] = collections.deque(maxlen=self.rl.return_window)
         self.episodes = 0
         self.totals: dict[str, float] = {}
-        self.sync_weights(initial=True)
+        self.start_it, self.final_before = 0, None
+        state = self.load_state()  # a restarted driver resumes where it was
+        if state is not None:
+            self.start_it = state["it"] + 1
+            self.returns.extend(state["returns"])
+            self.episodes, self.totals = state["episodes"], state["totals"]
+            self.final_before = state["final_before"]
+        self.sync_weights(initial=state is None)
 
     # ------------------------------------------------------------------ placement
     def record_placement(self) -> dict[str, Any]:
@@ -96,7 +90,7 @@ class PPOTrainer(BaseTrainer):
             infos = ray.get([h.node_info.remote() for h in self.actor_handles[role]])
             out[role] = [{"rank": r, "node_id": i["node_id"], "pid": i["pid"],
                           "placement_group_id": i["placement_group_id"],
-                          "bundle": bundle_of(i["assigned_resources"]),
+                          "bundle": bundle_index(i["assigned_resources"]),
                           "resources": i["assigned_resources"]}
                          for r, i in enumerate(infos)]
         ctx = ray.get_runtime_context()
@@ -189,15 +183,20 @@ class PPOTrainer(BaseTrainer):
     def fit(self) -> dict[str, float]:
         t_start = time.perf_counter()
         final: dict[str, float] = {}
-        if self.rl.evaluate:
+        if self.final_before is not None:
+            final.update(self.final_before)
+        elif self.rl.evaluate:
             final.update(self.evaluate("before"))
         metrics: dict[str, float] = {}
-        it = -1
-        for it in range(self.rl.iterations):
+        it = self.start_it - 1
+        for it in range(self.start_it, self.rl.iterations):
             metrics = self.iteration(it)
             metrics["elapsed_s"] = time.perf_counter() - t_start
             metrics["target_reached"] = float(self.target_reached())
             self.report(it, **{**metrics, **final})
+            self.save_state({"it": it, "returns": list(self.returns),
+                             "episodes": self.episodes, "totals": self.totals,
+                             "final_before": final})
             if self.target_reached():
                 break
             if self.rl.max_time_s and metrics["elapsed_s"] >= self.rl.max_time_s:

@@ -8,6 +8,7 @@ import os
 from collections import defaultdict
 
 import pytest
+import ray
 
 from dlrover_plugin_ppo.builder import RLJobBuilder
 
@@ -144,3 +145,37 @@ def test_grpo_arith_example_raises_heldout_accuracy(ray_cluster, tmp_path):
     assert m["accuracy_before"] == pytest.approx(s["metrics"]["accuracy"])
     assert m["eval_problems_after"] == 500
     assert m["accuracy_after"] >= m["accuracy_before"] + 0.05, m
+
+
+def test_killed_driver_resumes_from_its_saved_iteration(ray_cluster, job_dir):
+    """The PPO driver dies mid-run: it restarts alone, resumes at the iteration after
+    the last one it saved, and the roles keep running (not restarted)."""
+    import time
+
+    from dlrover_core.master.client import create_master
+    from dlrover_core.runtime.context import MASTER_NAMESPACE
+
+    job = (RLJobBuilder("ppo").name("ppo-driver-kill")
+           .rl(iterations=30, evaluate=False, epochs=1, minibatches=1)
+           .actor(TOY, "ToyActor").resource(cpu=0.25)
+           .critic(TOY, "ToyCritic").resource(cpu=0.25)
+           .rollout(TOY, "ToyRollout").total(2).resource(cpu=0.25)
+           .build())
+    master = create_master(job.spec, job_dir)
+    ray.get(master.start.remote())
+    deadline = time.time() + 120
+    while ray.get(master.status.remote())["step"] < 3:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    ray.kill(ray.get_actor("dlrover-ppo-driver-kill-driver-a0", namespace=MASTER_NAMESPACE))
+    summary = ray.get(master.wait.remote(180))
+    ray.kill(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["metrics"]["iterations"] == 30.0
+    assert summary["restarts"]["process"] == 1
+    its = [m["step"] for m in step_metrics(job_dir)]
+    assert its[-1] == 29 and len(its) - len(set(its)) <= 1  # resumed, not started over
+    started = [e for e in map(json.loads, open(os.path.join(job_dir, "events.jsonl")))
+               if e["event"] == "instance_started"]
+    assert [e["attempt"] for e in started if e["role"] == "driver"] == [0, 1]
+    assert all(e["attempt"] == 0 for e in started if e["role"] != "driver")
