@@ -27,8 +27,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-__all__ = ["fake_dist", "job_dir", "make_fake_dist", "plugin_manager", "ray_cluster",
-           "start_test_ray"]
+__all__ = ["fake_dist", "job_dir", "make_fake_dist", "plugin_manager", "poll_status",
+           "ray_cluster", "spawn_role", "start_test_ray"]
 
 
 def start_test_ray(num_cpus: int | None = None, **kwargs) -> str:
@@ -127,3 +127,28 @@ def spawn_role(role: str, workload: str, world_size: int, config: dict | None = 
     port = ray.get(handles[0].free_port.remote())
     ray.get([h.setup.remote(info["ip"], port) for h in handles])
     return handles
+
+
+def poll_status(master, until: Callable[[dict], bool], timeout: float = 240,
+                interval: float = 0.1) -> dict:
+    """Poll ``master.status()`` until ``until(status)`` holds; returns that status.
+    A master that is restarting (``RayActorError``) is waited for.
+
+    Raises:
+        TimeoutError: ``until`` did not hold within ``timeout`` s.
+    """
+    import time
+
+    import ray
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            st = ray.get(master.status.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(interval)
+            continue
+        if until(st):
+            return st
+        time.sleep(interval)
+    raise TimeoutError(f"the job's status did not reach the condition within {timeout} s")

@@ -16,6 +16,7 @@ from dlrover_core import DLJobBuilder, load_spec
 from dlrover_core.master.client import create_master
 from dlrover_core.master.events import read_events
 from dlrover_core.runtime.context import MASTER_NAMESPACE
+from dlrover_core.testing import poll_status
 
 EVERY = 4
 TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
@@ -37,32 +38,13 @@ def start(s, job_dir):
 
 
 def wait_step(master, step: int, timeout: float = 120) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            st = ray.get(master.status.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            time.sleep(0.2)
-            continue
-        if st["step"] >= step or st["summary"]:
-            return st
-        time.sleep(0.1)
-    raise TimeoutError(f"step {step} not reached")
+    return poll_status(master, lambda st: st["step"] >= step or st["summary"], timeout)
 
 
 def finish(master, timeout: float = 240) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            st = ray.get(master.status.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            time.sleep(0.3)
-            continue
-        if st["summary"]:
-            ray.kill(master, no_restart=True)
-            return st["summary"]
-        time.sleep(0.2)
-    raise TimeoutError("job did not finish")
+    summary = poll_status(master, lambda st: st["summary"], timeout)["summary"]
+    ray.kill(master, no_restart=True)
+    return summary
 
 
 def steps_redone(job_dir: str, role: str = "trainer") -> int:
