@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,7 +147,6 @@ class JobMaster:
             self.run_id = ""
         self._last_node_check = 0.0
         self.standby: dict[str, tuple[Any, Any, str]] = {}  # role -> (handle, prepare ref, name)
-        self._standby_seq = 0
         self._persist_every = 10
         if _was_reconstructed() and self.context.get("state") not in (None, "succeeded",
                                                                       "failed", "stopped"):
@@ -501,8 +501,9 @@ class JobMaster:
             rank0 = self.instances.get((role, 0))
             if rank0 is None or not rank0.node_id:
                 continue
-            self._standby_seq += 1
-            name = f"dlrover-{self.name}-{role}-standby-{self._standby_seq}"
+            # unique across master restarts: an earlier master's standby may still hold
+            # an older name until _reattach kills it
+            name = f"dlrover-{self.name}-{role}-standby-{uuid.uuid4().hex[:8]}"
             env = {**dict(r.env), "OMP_NUM_THREADS": str(max(1, int(r.resources.cpu)))}
             handle = remote_workload_host().options(
                 name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,
@@ -510,10 +511,12 @@ class JobMaster:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(rank0.node_id, soft=True),
             ).remote(r.workload, self._worker_context(role, 0, 0))
             self.standby[role] = (handle, handle.prepare.remote(), name)
+        self.context.set("standbys", [name for _, _, name in self.standby.values()])
 
     def _take_standby(self, role: str, rank: int, attempt: int) -> Instance | None:
         """Promote the role's standby to ``rank`` if it is warm and alive."""
         entry = self.standby.pop(role, None)
+        self.context.set("standbys", [name for _, _, name in self.standby.values()])
         if entry is None:
             self.events.emit("standby_unusable", role=role, reason="none")
             return None
@@ -532,6 +535,7 @@ class JobMaster:
         for handle, _, _ in self.standby.values():
             self._kill_actor(handle)
         self.standby.clear()
+        self.context.set("standbys", [])
 
     @staticmethod
     def _kill_actor(handle: Any) -> None:
@@ -834,6 +838,12 @@ class JobMaster:
                 pass
         self.events.emit("master_restarted", previous_state=prev,
                          instances=len(self.instances))
+        for name in ctx.get("standbys") or []:  # the old master's spares: start afresh
+            try:
+                self._kill_actor(ray.get_actor(name, namespace=MASTER_NAMESPACE))
+            except ValueError:
+                pass
+        ctx.set("standbys", [])
         if prev != JobState.RUNNING.value or len(self.pgs) != len(self.plan.groups) or \
                 len(records) != sum(r.total for r in self.graph.roles.values()):
             # it died mid-transition: start the job over from its checkpoints
@@ -880,6 +890,7 @@ class JobMaster:
                 continue  # already replaced by the recovery of an earlier one
             inst.state = "running"
             self._handle_failure(inst, ray.exceptions.ActorDiedError())
+        self._ensure_standbys()
 
     # ================================================================== the end
     def _finish(self, status: JobState, error: str) -> None:
