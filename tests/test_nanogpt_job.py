@@ -96,3 +96,33 @@ def test_cli_submit_exit_codes(ray_cluster, tmp_path):
     assert summary["status"] == "failed"
     assert "AttributeError" in summary["error"] and "NoSuchClass" in summary["error"]
     assert summary["restarts"]["total"] == 0  # fatal at setup: no restart loop
+
+
+def test_cli_status_and_stop(ray_cluster, tmp_path, capsys):
+    """`dlrover status NAME` reports a running job; `dlrover stop NAME` stops it and the
+    submitting side gets the `stopped` summary."""
+    import threading
+    import time
+
+    from dlrover_core.cli.main import main
+    from dlrover_core.master.client import get_master
+
+    result = {}
+    job_dir = str(tmp_path / "j")
+    t = threading.Thread(target=lambda: result.update(summary=submit_job(
+        tiny_spec(100000, "name=cli-stop"), job_dir=job_dir, progress=False)))
+    t.start()
+    deadline = time.time() + 120
+    while get_master("cli-stop") is None or not os.path.exists(
+            os.path.join(job_dir, "metrics.jsonl")) or os.path.getsize(
+            os.path.join(job_dir, "metrics.jsonl")) == 0:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    assert main(["status", "cli-stop", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["state"] == "running" and st["step"] >= 0
+    assert main(["stop", "cli-stop"]) == 0
+    assert "cli-stop: stopped" in capsys.readouterr().out
+    t.join(120)
+    assert result["summary"]["status"] == "stopped"
+    assert main(["status", "cli-stop", "--job-dir", job_dir]) == 0  # from summary.json

@@ -95,7 +95,7 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     master = create_master(spec, job_dir)
     ray.get(master.start.remote())
     try:
-        summary = follow(master, progress=progress)
+        summary = follow(master, progress=progress, job_dir=job_dir)
     except KeyboardInterrupt:
         if address is None:
             print("\nstopping the job ...", file=sys.stderr)
@@ -116,8 +116,10 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     return summary
 
 
-def follow(master: Any, progress: bool = True, poll_s: float = 0.5) -> dict:
-    """Poll the master until the job ends, drawing a progress bar; return the summary."""
+def follow(master: Any, progress: bool = True, poll_s: float = 0.5,
+           job_dir: str | None = None) -> dict | None:
+    """Poll the master until the job ends, drawing a progress bar; return the summary
+    (read from ``job_dir`` when the master is gone, e.g. after ``dlrover stop``)."""
     import ray
 
     from dlrover_core.cli.progress import JobProgress
@@ -128,12 +130,27 @@ def follow(master: Any, progress: bool = True, poll_s: float = 0.5) -> dict:
             try:
                 st = ray.get(master.status.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                if _gone(master):
+                    return read_summary(job_dir) if job_dir else None
                 time.sleep(poll_s)  # the master is restarting
                 continue
             bar.update(st)
             if st["summary"] is not None:
                 return st["summary"]
             time.sleep(poll_s)
+
+
+def _gone(master: Any) -> bool:
+    """True when the master actor is dead for good (not restarting)."""
+    import ray
+
+    try:
+        ray.get(master.status.remote(), timeout=30)
+        return False
+    except ray.exceptions.ActorDiedError:
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False  # unavailable for now: restarting
 
 
 def read_summary(job_dir: str) -> dict | None:
