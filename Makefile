@@ -1,4 +1,5 @@
-# make setup: .venv with torch==2.13.0 (first), the core and every plugin (editable)
+# make setup: Debian packages the tests need, then .venv with torch==2.13.0 (first),
+#             the core and every plugin (editable, with its `test` extra)
 # make demo:  the nanoGPT pre-training job on the Python reference manual
 # make test:  every test suite, core and each plugin
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -7,16 +8,22 @@ BIN := $(VENV)/bin
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Debian packages the test suites need (the odl plugin's Redis Streams cases run a real redis-server)
+APT_PACKAGES := redis-server
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup demo test test-core test-plugins clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
+	@for pkg in $(APT_PACKAGES); do \
+	  dpkg -s $$pkg >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $(APT_PACKAGES); break; }; \
+	done
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test]" $(foreach p,$(PLUGINS),-e $(p))
+	$(BIN)/python -m pip install -q -e ".[test]" $(foreach p,$(PLUGINS),-e "$(p:%/=%)[test]")
 	touch $(STAMP)
 
 demo: setup
