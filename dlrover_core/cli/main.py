@@ -14,16 +14,14 @@ stopped, 2 bad input (invalid spec, unknown name).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Sequence
 
-from rich.console import Console
-
 from dlrover_core import __version__
+from dlrover_core.cli.output import console_for, print_json, print_table
 
-err = Console(stderr=True)
+err = console_for(stderr=True)
 
 
 def _pm():
@@ -35,18 +33,13 @@ def _pm():
 def cmd_plugins_list(args: argparse.Namespace) -> int:
     infos = [i.as_dict() for i in _pm().plugins()]
     if args.json:
-        print(json.dumps(infos, indent=1))
+        print_json(infos)
         return 0
-    from rich.table import Table
-
-    t = Table(title="dlrover plugins")
-    for col in ("name", "version", "distribution", "status", "provides", "error"):
-        t.add_column(col)
-    for i in infos:
-        style = {"active": "green", "blocked": "yellow", "failed": "red"}[i["status"]]
-        t.add_row(i["name"], i["version"], i["distribution"], f"[{style}]{i['status']}[/]",
-                  ", ".join(i["provides"]), i["error"])
-    Console().print(t)
+    style = {"active": "green", "blocked": "yellow", "failed": "red"}
+    print_table(("name", "version", "distribution", "status", "provides", "error"),
+                ((i["name"], i["version"], i["distribution"],
+                  f"[{style[i['status']]}]{i['status']}[/]", ", ".join(i["provides"]),
+                  i["error"]) for i in infos), title="dlrover plugins")
     return 0
 
 
@@ -58,18 +51,13 @@ def cmd_templates_list(args: argparse.Namespace) -> int:
              "edges": [list(e) for e in t.edges], "driver": t.driver}
             for t in templates.values()]
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print_json(rows)
         return 0
-    from rich.table import Table
-
-    t = Table(title="graph templates")
-    for col in ("name", "plugin", "roles (* required)", "driver", "description"):
-        t.add_column(col)
-    for r in rows:
-        t.add_row(r["name"], r["provider"],
+    print_table(("name", "plugin", "roles (* required)", "driver", "description"),
+                ((r["name"], r["provider"],
                   ", ".join(x["name"] + ("*" if x["required"] else "") for x in r["roles"]),
-                  r["driver"] or "-", r["description"])
-    Console().print(t)
+                  r["driver"] or "-", r["description"]) for r in rows),
+                title="graph templates")
     return 0
 
 
@@ -97,7 +85,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if summary is None:
         err.print("the job ended without a summary")
         return 1
-    print_summary(summary)
+    if args.json:
+        print_json(summary)
+    else:
+        print_summary(summary)
     job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
     err.print(f"job directory: {job_dir}")
     return 0 if summary.get("status") == "succeeded" else 1
@@ -132,7 +123,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             return 2
         st = {"name": args.name, "state": summary["status"], "summary": summary}
     if args.json:
-        print(json.dumps(st, indent=1, default=str))
+        print_json(st)
     else:
         from dlrover_core.cli.progress import print_summary
 
@@ -195,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--job-dir", default=None, help="job directory (default runs/NAME)")
             s.add_argument("--no-progress", action="store_true", help="no progress bar")
             s.add_argument("--verbose", "-v", action="store_true", help="show worker logs")
+            s.add_argument("--json", action="store_true",
+                           help="print the final summary as JSON instead of a table")
         s.set_defaults(func=func)
 
     st = sub.add_parser("status", help="state of a job")
@@ -218,12 +211,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dlrover_core.spec.errors import SpecError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         return int(args.func(args) or 0)
     except (SpecError, UnknownPluginError, PluginError, FileNotFoundError) as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
+    except BrokenPipeError:  # `dlrover ... | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def parse_args(parser: argparse.ArgumentParser,
+               argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` allowing options and ``key=value`` overrides in any order.
+
+    argparse stops filling a ``nargs="*"`` positional at the first option, so
+    ``submit job.yaml --job-dir D lr=1e-3`` leaves ``lr=1e-3`` unrecognized; for a
+    command with ``overrides`` those leftovers are appended to them in the order
+    given. Anything else left over (an unknown ``--option``) is an error, as before.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides"):
+        unknown = [x for x in extra if x.startswith("-")]
+        if not unknown:
+            args.overrides = list(args.overrides or []) + extra
+            extra = []
+    if extra:
+        parser.error("unrecognized arguments: " + " ".join(extra))
+    return args
 
 
 if __name__ == "__main__":

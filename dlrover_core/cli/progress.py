@@ -6,18 +6,35 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column
+
+from dlrover_core.cli.output import console_for
+
+#: Below this console width (columns) the bar itself is left out, so that the step
+#: count and the metrics keep their room.
+NARROW_WIDTH = 100
 
 
 class JobProgress:
-    """A progress bar: step / total, loss, samples/s, restarts, elapsed time."""
+    """A progress bar: step / total, loss, samples/s, restarts, elapsed time.
+
+    The step count (``400/400``) is never cut: on a console narrower than
+    :data:`NARROW_WIDTH` the bar is left out and the metrics fold onto more lines;
+    when stderr is not a terminal the final state prints in full on one line.
+    """
 
     def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
         self.enabled = enabled
-        self.console = console or Console(stderr=True)
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-            console=self.console, disable=not enabled, transient=False)
+        self.console = console or console_for(stderr=True)
+        columns: list[Any] = [TextColumn("[bold]{task.description}",
+                                         table_column=Column(no_wrap=True))]
+        if self.console.width >= NARROW_WIDTH:
+            columns.append(BarColumn())
+        columns += [MofNCompleteColumn(table_column=Column(no_wrap=True)),
+                    TextColumn("{task.fields[info]}", table_column=Column(overflow="fold")),
+                    TimeElapsedColumn(table_column=Column(no_wrap=True))]
+        self._progress = Progress(*columns, console=self.console, disable=not enabled,
+                                  transient=False)
         self._task: Any = None
 
     def __enter__(self) -> JobProgress:
@@ -48,10 +65,10 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     """The end-of-job summary table."""
     from rich.table import Table
 
-    console = console or Console()
+    console = console or console_for()
     t = Table(title=f"job {summary.get('name')}: {summary.get('status')}", show_header=False)
-    t.add_column("key", style="bold")
-    t.add_column("value")
+    t.add_column("key", style="bold", no_wrap=True)
+    t.add_column("value", overflow="fold")
     t.add_row("steps", str(summary.get("steps")))
     t.add_row("wall time", f"{summary.get('wall_s', 0):.1f} s")
     r = summary.get("restarts") or {}
