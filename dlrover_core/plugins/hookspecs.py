@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         GraphTemplate,
         PlacementPolicy,
         StateDictEngine,
+        StreamSource,
         Tuner,
     )
     from dlrover_core.runtime.workload import BaseWorkload
@@ -110,6 +111,19 @@ def dlrover_tuners() -> list[Tuner]:
         @hookimpl
         def dlrover_tuners():
             return [Tuner(name="mbs", tuner="dlrover_plugin_mine.tuner:MicroBatchTuner")]
+    """
+
+
+@hookspec
+def dlrover_stream_sources() -> list[StreamSource]:
+    """Return stream sources (what the ``odl`` template's ``source`` role reads:
+    ``config.odl.source.kind`` names one). Called once per process, on load.
+
+    Example::
+
+        @hookimpl
+        def dlrover_stream_sources():
+            return [StreamSource(name="redis", source="dlrover_plugin_odl.redis_source:RedisStreamSource")]
     """
 
 

@@ -30,6 +30,7 @@ from dlrover_core.plugins.records import (
     GraphTemplate,
     PlacementPolicy,
     StateDictEngine,
+    StreamSource,
     Tuner,
 )
 
@@ -92,6 +93,7 @@ _KINDS: dict[str, tuple[str, type]] = {
     "saver": ("dlrover_checkpoint_savers", CheckpointSaver),
     "placement": ("dlrover_placement_policies", PlacementPolicy),
     "tuner": ("dlrover_tuners", Tuner),
+    "stream_source": ("dlrover_stream_sources", StreamSource),
 }
 
 _KIND_WORDS = {
@@ -101,6 +103,7 @@ _KIND_WORDS = {
     "saver": "checkpoint saver",
     "placement": "placement policy",
     "tuner": "tuner",
+    "stream_source": "stream source",
 }
 
 
@@ -313,6 +316,13 @@ class PluginManager:
 
     def get_tuner(self, name: str) -> Tuner:
         return self._get("tuner", name)
+
+    def stream_sources(self) -> dict[str, StreamSource]:
+        return self._all("stream_source")
+
+    def get_stream_source(self, name: str) -> StreamSource:
+        """Raises ``UnknownPluginError`` listing the installed stream sources."""
+        return self._get("stream_source", name)
 
     # ------------------------------------------------------------------ calls
     def add_cli_commands(self, subparsers: Any) -> None:

@@ -163,6 +163,25 @@ class Tuner(_Record):
 
 
 @dataclass(frozen=True)
+class StreamSource(_Record):
+    """A stream source for streaming jobs (the ``odl`` template's ``source`` role):
+    an in-cluster replay, a broker such as Redis Streams.
+
+    Attributes:
+        source: import path of the source class, constructed in the ``source`` role's
+            worker process; its interface is ``dlrover_plugin_odl.source.StreamSourceBase``
+            (``seek``, ``read``, ``commit``, ``close``).
+        validate_options: optional ``(options: dict) -> None`` that checks the job's
+            ``config.odl.source.options`` when the spec is loaded; it raises ``SpecError``
+            (or ``ValueError``) naming the key, value and what is allowed. It must import
+            nothing heavy.
+    """
+
+    source: str = ""
+    validate_options: Callable[[dict], None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class Failure:
     """What failed, as seen by the JobMaster.
 
