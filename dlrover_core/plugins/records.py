@@ -102,10 +102,18 @@ class Backend(_Record):
             worker process with the ``WorkerContext``; it sets up the role's process
             group and wraps models.
         state_dict_engine: name of the ``StateDictEngine`` record its checkpoints use.
+        validate_role: optional ``(role: str, role_spec: dict, config: dict) -> None``
+            called when the spec is loaded, before anything starts, for every role
+            that selects this backend; ``role_spec`` is ``roles.<role>`` and
+            ``config`` the job's ``config`` merged with the role's (plain dicts). It
+            raises ``SpecError`` (or ``ValueError``) naming the key, value and what is
+            allowed (e.g. a tensor-parallel size that does not divide ``total``). It
+            must import nothing heavy.
     """
 
     session: str = ""
     state_dict_engine: str = "dcp"
+    validate_role: Callable[[str, dict, dict], None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,19 @@ def _apply_template(spec: DictConfig, template: Any) -> None:
         template.apply(spec)
 
 
+def _validate_backend_role(backend: Any, role: str, r: DictConfig, job_config: Any) -> None:
+    """Run a backend's ``validate_role`` (its own checks of a role, e.g. parallel sizes)."""
+    role_spec = OmegaConf.to_container(r, resolve=True)
+    config = OmegaConf.to_container(OmegaConf.merge(job_config, r.config or {}), resolve=True)
+    try:
+        backend.validate_role(role, role_spec, config)
+    except SpecError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise SpecError(f"roles.{role}.backend", r.backend,
+                        f"a role that backend {backend.name!r} can run", str(exc)) from None
+
+
 def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
     """Semantic checks beyond types. Raises :class:`SpecError`."""
     from dlrover_core.graph.graph import ComputationGraph
@@ -205,9 +218,11 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
                 raise SpecError(f"{k}.resources.{res}", v, "a number >= 0")
         if r.backend is not None:
             try:
-                pm.get_backend(r.backend)
+                backend = pm.get_backend(r.backend)
             except UnknownPluginError as exc:
                 raise SpecError(f"{k}.backend", r.backend, "an installed backend", str(exc)) from None
+            if backend.validate_role is not None:
+                _validate_backend_role(backend, role, r, spec.config)
     if spec.driver is not None and not _IMPORT_PATH.match(spec.driver):
         raise SpecError("driver", spec.driver, "an import path 'package.module:Class'")
     try:
