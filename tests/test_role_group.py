@@ -7,6 +7,7 @@ import pytest
 import ray
 
 from dlrover_core.runtime import DRef, InvocationTimeout, RoleGroup, WorkloadError
+from dlrover_core.runtime.invocation import DEFAULT_OPTIONS, remote_methods
 from dlrover_core.runtime.role_group import shard_value
 from dlrover_core.testing import spawn_role
 
@@ -105,3 +106,33 @@ def test_user_error_carries_traceback(groups):
     err = e.value
     assert err.exc_type == "ValueError" and "boom from rank" in err.message
     assert "tests/workloads.py" in err.traceback and "in fail" in err.traceback
+
+
+@pytest.mark.parametrize("method, why", [
+    ("__setattr__", "private and dunder names"), ("__class__", "private and dunder names"),
+    ("_private", "private and dunder names"), ("setup", "lifecycle methods"),
+    ("doubled_rank", "not a method"), ("greeting", "not a method"),
+    ("calls", "no such method"), ("missing", "no such method")])
+def test_only_public_methods_are_callable(groups, method, why):
+    alpha, _ = groups
+    h = alpha.handles[0]
+    with pytest.raises(WorkloadError) as e:
+        ray.get(h.call.remote(method, "x"))
+    assert e.value.exc_type == "AttributeError"
+    assert f"Echo.{method}: not callable through a role group" in e.value.message
+    assert why in e.value.message
+    assert "allowed: the public methods of the workload: consume, fail," in e.value.message
+    with pytest.raises(WorkloadError, match="not callable"):  # through the role group too
+        alpha._invoke(method, DEFAULT_OPTIONS, (), {})
+    # the workload was left alone: a dunder did not set anything
+    assert ray.get(h.call.remote("whoami"))["rank"] == 0
+
+
+def test_remote_methods_of_a_class():
+    from tests.workloads import Echo
+
+    names = remote_methods(Echo)
+    assert "whoami" in names and "report" in names and "only_rank0" in names
+    for absent in ("setup", "teardown", "warm_up", "doubled_rank", "greeting", "_private",
+                   "__init__", "rank", "config", "checkpointer"):
+        assert absent not in names

@@ -17,8 +17,17 @@ def add_one(x):
 
 
 class Echo(BaseWorkload):
+    greeting = "hello"  # a class attribute: not callable through a role group
+
     def setup(self):
         self.calls = []
+
+    @property
+    def doubled_rank(self):
+        return 2 * self.rank
+
+    def _private(self):
+        return "private"
 
     def noop(self):
         return None

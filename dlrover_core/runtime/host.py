@@ -195,11 +195,26 @@ class WorkloadHost(_HostBase):
                                  lambda: w._last_step)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``workload.<method>(*args, **kwargs)``; ``DRef`` arguments are fetched here."""
+        """Call ``workload.<method>(*args, **kwargs)``; ``DRef`` arguments are fetched here.
+
+        Only public methods of the workload are callable (no ``_private`` names, no
+        dunders, no properties or data attributes, not ``setup``/``teardown``/
+        ``warm_up``): anything else raises ``WorkloadError`` with ``exc_type``
+        ``AttributeError`` naming the method and listing the allowed ones.
+        """
+        from dlrover_core.runtime.invocation import resolve_remote_method
+
+        try:
+            if self.workload is None:
+                raise RuntimeError(f"{method!s} called before setup(): the workload of "
+                                   f"{self.context.role}-{self.context.rank} does not exist yet")
+            fn = resolve_remote_method(self.workload, method)
+        except (AttributeError, RuntimeError) as exc:
+            self._raise(exc, self.context.role, self.context.rank, -1)
         args = tuple(_resolve_refs(a) for a in args)
         kwargs = {k: _resolve_refs(v) for k, v in kwargs.items()}
         try:
-            return getattr(self.workload, method)(*args, **kwargs)
+            return fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001
             self._raise(exc, self.context.role, self.context.rank,
                         self.workload._last_step if self.workload else -1)

@@ -90,3 +90,49 @@ def collect_invocations(cls: type) -> dict[str, InvocationOptions]:
         if opts is not None and not name.startswith("_"):
             out[name] = opts
     return out
+# driven by the host itself (setup before the first call, teardown at the end,
+# warm_up in a standby); never callable through ``WorkloadHost.call``
+LIFECYCLE_METHODS = frozenset({"setup", "teardown", "warm_up"})
+
+
+def remote_methods(cls: type) -> list[str]:
+    """Names of the methods of ``cls`` that a driver may call through a role group:
+    public (no leading ``_``), defined as functions (plain, static or class methods;
+    properties and data attributes are not methods), minus :data:`LIFECYCLE_METHODS`.
+    Sorted."""
+    out = []
+    for name in dir(cls):
+        if name.startswith("_") or name in LIFECYCLE_METHODS:
+            continue
+        attr = inspect.getattr_static(cls, name, None)
+        if isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr):
+            out.append(name)
+    return sorted(out)
+
+
+def resolve_remote_method(workload: Any, method: Any) -> Callable[..., Any]:
+    """The bound method ``workload.<method>`` if a driver may call it (see
+    :func:`remote_methods`).
+
+    Raises:
+        AttributeError: ``method`` is not a string, is private or a dunder
+            (``"__setattr__"``), is a lifecycle method, names a property or a data
+            attribute, or does not exist; the message lists the callable methods.
+    """
+    cls = type(workload)
+    allowed = remote_methods(cls)
+    if not isinstance(method, str) or method not in allowed:
+        if isinstance(method, str) and method.startswith("_"):
+            why = "private and dunder names are not callable remotely"
+        elif method in LIFECYCLE_METHODS:
+            why = "lifecycle methods are called by dlrover only"
+        elif isinstance(method, str) and hasattr(cls, method):
+            why = "it is not a method (a property or a data attribute)"
+        else:
+            why = "no such method"
+        raise AttributeError(
+            f"{cls.__name__}.{method!s}: not callable through a role group ({why}); "
+            f"allowed: the public methods of the workload: {', '.join(allowed) or '(none)'}")
+    return getattr(workload, method)
+
+

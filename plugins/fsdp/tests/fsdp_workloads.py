@@ -70,6 +70,12 @@ class Sharded(BaseWorkload):
     def load(self) -> int | None:
         return self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
 
+    def use_checkpoint_dir(self, job_dir: str) -> None:
+        """Save and load under ``job_dir`` with the disk saver (keep 2), from now on."""
+        self._context.job_dir = job_dir
+        self._context.checkpoint = {"saver": "disk", "keep": 2}
+        self._checkpointer = None
+
     def scramble(self) -> None:
         with torch.no_grad():
             for p in self.model.parameters():

@@ -39,8 +39,6 @@ def roles(ray_cluster, tmp_path):
 
     def start(backend):
         hs = spawn_role("trainer", W, 2, backend=backend, job=f"fsdp-{backend}")
-        for h in hs:  # point the checkpointer at a fresh directory
-            ray.get(h.call.remote("__setattr__", "_checkpointer", None))
         made.extend(hs)
         return hs
 
@@ -68,8 +66,7 @@ def test_fsdp2_matches_ddp(roles):
 @pytest.mark.parametrize("backend", ["fsdp", "ddp"])
 def test_sharded_checkpoint_round_trip_bit_exact(roles, backend, tmp_path):
     hs = roles(backend)
-    for h in hs:
-        ray.get(h.call.remote("__setattr__", "_context", _ctx_with_dir(h, tmp_path)))
+    _call(hs, "use_checkpoint_dir", str(tmp_path))
     _call(hs, "train", 3)
     before = _call(hs, "full_state")[0]
     _call(hs, "save", 3)
@@ -81,9 +78,3 @@ def test_sharded_checkpoint_round_trip_bit_exact(roles, backend, tmp_path):
     for k in before:
         assert torch.equal(before[k], after[k]), k
 
-
-def _ctx_with_dir(handle, tmp_path):
-    ctx = ray.get(handle.call.remote("__getattribute__", "_context"))
-    ctx.job_dir = str(tmp_path)
-    ctx.checkpoint = {"saver": "disk", "keep": 2}
-    return ctx
