@@ -82,14 +82,6 @@ def trainer_invocation(
     return deco
 
 
-def collect_invocations(cls: type) -> dict[str, InvocationOptions]:
-    """Options of every decorated public method of ``cls``."""
-    out = {}
-    for name, fn in inspect.getmembers(cls, predicate=callable):
-        opts = getattr(fn, _ATTR, None)
-        if opts is not None and not name.startswith("_"):
-            out[name] = opts
-    return out
 # driven by the host itself (setup before the first call, teardown at the end,
 # warm_up in a standby); never callable through ``WorkloadHost.call``
 LIFECYCLE_METHODS = frozenset({"setup", "teardown", "warm_up"})
@@ -136,3 +128,11 @@ def resolve_remote_method(workload: Any, method: Any) -> Callable[..., Any]:
     return getattr(workload, method)
 
 
+def collect_invocations(cls: type) -> dict[str, InvocationOptions]:
+    """Options of every decorated public method of ``cls``."""
+    out = {}
+    for name, fn in inspect.getmembers(cls, predicate=callable):
+        opts = getattr(fn, _ATTR, None)
+        if opts is not None and not name.startswith("_"):
+            out[name] = opts
+    return out
