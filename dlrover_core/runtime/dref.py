@@ -1,9 +1,18 @@
 """``DRef``: results that stay on the workers that produced them.
 
-A non-blocking role-group call returns a ``DRef``: one Ray ``ObjectRef`` per rank,
-held in the object stores of the producing workers. Passing a ``DRef`` to another
-role's call moves the data worker-to-worker (the consumer's host fetches it); the
-driver never holds the bytes unless it calls :meth:`DRef.get`.
+A non-blocking role-group call returns a ``DRef``: one Ray ``ObjectRef`` per rank.
+Passing a ``DRef`` to another role's call hands the consumer references, not data.
+
+Where the bytes live depends on their size, as Ray decides it:
+
+- a result above Ray's inline-object limit (``max_direct_call_object_size``,
+  100 KiB by default; ``RAY_max_direct_call_object_size`` changes it) stays in the
+  object store of the producing worker's node and moves worker-to-worker when the
+  consumer's host fetches it: the driver never holds those bytes unless it calls
+  :meth:`DRef.get`;
+- a smaller result is returned inline to the caller, so it is held in the driver's
+  process memory (the driver owns the ref) and travels driver -> consumer inside the
+  consuming call. For small results this is cheaper than the object store.
 """
 
 from __future__ import annotations

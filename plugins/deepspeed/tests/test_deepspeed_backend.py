@@ -43,6 +43,24 @@ def test_zero2_trains_and_engine_state_round_trips(ray_cluster):
             ray.kill(h, no_restart=True)
 
 
+def test_zero3_checkpoint_is_refused_with_the_stage(ray_cluster):
+    """The README's promise: ZeRO-3 trains, but its checkpoint is refused, clearly."""
+    from dlrover_core.runtime.errors import WorkloadError
+    from dlrover_core.testing import spawn_role
+
+    hs = spawn_role("trainer", WORKLOAD, 1, {"stage": 3}, backend="deepspeed", job="dstest3")
+    try:
+        assert len(call(hs, "train", 2)[0]) == 2
+        with pytest.raises(WorkloadError) as e:
+            call(hs, "snapshot")
+        assert e.value.exc_type == "NotImplementedError"
+        assert "ZeRO stage 3 is not supported" in e.value.message
+        assert "use zero_optimization.stage 0, 1 or 2" in e.value.message
+    finally:
+        for h in hs:
+            ray.kill(h, no_restart=True)
+
+
 def test_engine_rejects_what_is_not_a_deepspeed_engine():
     from dlrover_plugin_deepspeed.engine import DeepSpeedEngineState
 
