@@ -1,0 +1,181 @@
+"""Character-level GPT pre-training under the ``megatron`` backend.
+
+On the CPU (the default here): :class:`~examples.megatron_gpt.model.TensorParallelCharGPT`,
+built from megatron-core's tensor-parallel layers, at ``tensor_parallel`` ranks over
+gloo. With CUDA and ``config.model: gpt``: megatron-core's ``GPTModel``
+(:mod:`examples.megatron_gpt.gpt`), with TP and PP.
+
+Data: the Python reference manual (``examples.nanogpt.data.CharDataset``, 103
+symbols, the last 10% held out). Every rank of a tensor-parallel group reads the same
+batch (batches are a function of ``(seed, data-parallel rank, step)``); gradients are
+averaged over the data-parallel ranks by the backend's DDP.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from dlrover_core import BaseWorkload
+from examples.megatron_gpt.model import CharGPTShape, TensorParallelCharGPT
+from examples.nanogpt.data import CharDataset
+
+
+class MegatronGPTWorkload(BaseWorkload):
+    @classmethod
+    def warm_up(cls) -> None:
+        """In a standby process: import megatron-core and load the data."""
+        import megatron.core.tensor_parallel  # noqa: F401
+
+        CharDataset()
+
+    def setup(self) -> None:
+        c = self.config
+        self.data = CharDataset()
+        self.shape = CharGPTShape(vocab_size=int(c.get("padded_vocab_size", 128)),
+                                  block_size=int(c.block_size), num_layers=int(c.num_layers),
+                                  num_attention_heads=int(c.num_attention_heads),
+                                  hidden_size=int(c.hidden_size))
+        if self.data.vocab_size > self.shape.vocab_size:
+            raise ValueError(f"config.padded_vocab_size {self.shape.vocab_size} is smaller "
+                             f"than the data's {self.data.vocab_size} symbols")
+        # the backend seeded this rank (equal within a TP group); the model's weights
+        # are drawn whole from that seed and then split, so any TP size starts the same
+        if c.get("model", "tp_char_gpt") == "gpt":
+            from examples.megatron_gpt.gpt import build_gpt_model
+
+            model = build_gpt_model(self.shape, self.backend)
+        else:
+            model = TensorParallelCharGPT(self.shape)
+        self.num_params = _num_params(model)
+        self.model = self.backend.wrap(model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=float(c.lr),
+                                     weight_decay=float(c.get("weight_decay", 0.1)),
+                                     betas=(0.9, 0.95))
+        self.extra = {"step": 0}
+        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
+        self.start_step = int(self.extra["step"]) if loaded is not None else 0
+        self.resumed_from = loaded
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up for ``warmup_steps``, then cosine decay to ``lr / 10``."""
+        c = self.config
+        lr, warm, total = float(c.lr), int(c.get("warmup_steps", 20)), int(c.max_steps)
+        if step < warm:
+            return lr * (step + 1) / warm
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def _batch(self, split: str, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data.batch(split, int(self.config.batch_size), self.shape.block_size, seed,
+                               self.backend.dp_rank, step)
+        return x.to(self.backend.device), y.to(self.backend.device)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss (nats/char) over ``eval_batches`` batches per
+        data-parallel rank, averaged over them."""
+        n = int(self.config.get("eval_batches", 8))
+        self.model.eval()
+        total = torch.zeros(1)
+        for i in range(n):
+            x, y = self._batch("val", i, 0)
+            total += self.model(x, y).detach().float().cpu()
+        self.model.train()
+        total /= n
+        if self.backend.dp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(total, group=ps.get_data_parallel_group())
+            total /= self.backend.dp_size
+        return float(total)
+
+    def _maybe_fault(self, step: int) -> None:
+        """Test hook: ``config.fault`` = {"rank": r, "step": s, "kind": raise|kill} injects
+        a real fault in this rank at that step, in restart attempt ``attempt`` (default 0)."""
+        f = self.config.get("fault")
+        if not f or int(f.rank) != self.rank or int(f.step) != step:
+            return
+        if int(f.get("attempt", 0)) != self.attempt:
+            return
+        if f.kind == "raise":
+            raise RuntimeError(f"injected fault at step {step}")
+        if f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def run(self) -> dict:
+        c = self.config
+        max_steps, eval_every = int(c.max_steps), int(c.eval_every)
+        seed = int(c.get("seed", 1337))
+        samples = int(c.batch_size) * self.backend.dp_size
+        step = self.start_step
+        t_last, val = time.perf_counter(), float("nan")
+        while step < max_steps:
+            self._maybe_fault(step)
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr_at(step)
+            x, y = self._batch("train", step, seed)
+            loss = self.model(x, y)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            _clip_grad_norm(self.model, 1.0)
+            self.opt.step()
+            step += 1
+            now = time.perf_counter()
+            metrics = {"loss": loss.item(), "lr": self.lr_at(step - 1),
+                       "samples_per_s": samples / max(now - t_last, 1e-9)}
+            t_last = now
+            if step % eval_every == 0 or step == max_steps:
+                val = self.evaluate()
+                metrics["val_loss"] = val
+                t_last = time.perf_counter()
+            if self.resumed_from is not None:
+                metrics["resumed_from_step"] = self.resumed_from
+            self.report(step - 1, **metrics)
+            self.extra["step"] = step
+            self.checkpointer.maybe_save(step, model=self.model, optimizer=self.opt,
+                                         extra=self.extra)
+        if math.isnan(val):
+            val = self.evaluate()
+            self.report(step - 1, val_loss=val)
+        return {"val_loss": val, "steps": step, "params": self.num_params}
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    """Parameters of the whole model: TP-split ones counted at their global size."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for p in model.parameters())
+
+
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip by the global gradient norm over the whole model: squares of TP-split
+    gradients are summed over the tensor-parallel group, replicated ones counted once
+    (Megatron-LM's ``clip_grad_norm_fp32``). Returns the norm before clipping."""
+    from megatron.core import parallel_state as ps
+
+    split, whole = torch.zeros(1), torch.zeros(1)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().float().pow(2).sum().cpu()
+        if getattr(p, "tensor_model_parallel", False):
+            split += sq
+        else:
+            whole += sq
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(split, group=ps.get_tensor_model_parallel_group())
+    norm = float((split + whole).sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
