@@ -44,3 +44,18 @@ def dlrover_classify_failure(failure: Failure, history: list[Failure]) -> Failur
     from dlrover_core.builtin.failure import classify
 
     return classify(failure, history)
+
+
+@hookimpl
+def dlrover_tuners() -> list:
+    from dlrover_core.plugins.records import Tuner
+
+    return [
+        Tuner(name="dataloader_workers",
+              tuner="dlrover_core.tuning.builtin_tuners:DataloaderWorkersTuner",
+              description="raise dataloader.num_workers while data wait is a large share "
+                          "of the step"),
+        Tuner(name="micro_batch", tuner="dlrover_core.tuning.builtin_tuners:MicroBatchTuner",
+              description="grow the micro-batch (global batch kept) while throughput rises "
+                          "and memory allows"),
+    ]

@@ -252,13 +252,9 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
         raise SpecError("failover.hang_timeout_s", spec.failover.hang_timeout_s, "seconds >= 0 (0 = off)")
     if spec.failover.pg_timeout_s <= 0:
         raise SpecError("failover.pg_timeout_s", spec.failover.pg_timeout_s, "seconds > 0")
-    if spec.tuning.enabled:
-        if not spec.tuning.tuner:
-            raise SpecError("tuning.tuner", None, "a tuner name when tuning.enabled is true")
-        try:
-            pm.get_tuner(spec.tuning.tuner)
-        except UnknownPluginError as exc:
-            raise SpecError("tuning.tuner", spec.tuning.tuner, "an installed tuner", str(exc)) from None
+    from dlrover_core.tuning.spec import validate_tuning
+
+    validate_tuning(spec, pm)
     for i, group in enumerate(spec.collocation):
         if not OmegaConf.is_list(group):
             raise SpecError(f"collocation[{i}]", group, "a list of role names")

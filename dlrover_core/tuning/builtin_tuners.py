@@ -1,0 +1,130 @@
+"""The core's tuners, registered through ``dlrover_tuners`` like any plugin's.
+
+- ``dataloader_workers``: raise ``dataloader.num_workers`` (0 -> 1 -> 2 -> 4 -> ...)
+  while the data wait is more than ``data_wait_share`` of the step, up to
+  ``max_num_workers``; a reverted raise ends the search at the last kept value.
+- ``micro_batch``: double ``dataloader.batch_size`` and halve
+  ``optimizer.grad_accum_steps`` (the global batch stays) while throughput rises by at
+  least ``min_gain`` per doubling and the predicted memory peak stays below the
+  capacity minus ``memory_headroom``; up to ``max_micro_batch``. It waits while the
+  step is dominated by data wait (more than ``max_data_wait_share``): a bigger
+  micro-batch does not help an input-bound step. With ``keep_global_batch: false`` it
+  may also double the global batch (the learning rate then follows
+  ``tuning.lr_scaling``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dlrover_core.tuning.config import TuningConfig
+from dlrover_core.tuning.tuner import TunerBase, WindowSummary
+
+
+def _check_range(options: dict, key: str, low: float, high: float | None = None) -> None:
+    if key not in options:
+        return
+    v = options[key]
+    if v < low or (high is not None and v > high):
+        allowed = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{key}: {v!r} is invalid; allowed: a number {allowed}")
+
+
+class DataloaderWorkersTuner(TunerBase):
+    defaults = {"max_num_workers": 8, "data_wait_share": 0.1}
+
+    def __init__(self, options: dict | None = None) -> None:
+        super().__init__(options)
+        self.ceiling = int(self.options["max_num_workers"])
+
+    @classmethod
+    def validate_options(cls, options: dict) -> None:
+        super().validate_options(options)
+        _check_range(options, "max_num_workers", 0, 256)
+        _check_range(options, "data_wait_share", 0.0, 1.0)
+
+    def propose(self, window: WindowSummary, current: TuningConfig) -> dict | None:
+        nw = current.dataloader.num_workers
+        if window.data_wait_share <= self.options["data_wait_share"] or nw >= self.ceiling:
+            return None
+        return {"dataloader": {"num_workers": min(self.ceiling, max(1, nw * 2))}}
+
+    def feedback(self, change: dict, accepted: bool, before: WindowSummary,
+                 after: WindowSummary | None) -> None:
+        if not accepted:  # the raise did not pay: stay below it from now on
+            self.ceiling = min(self.ceiling, int(change["dataloader"]["num_workers"]) - 1)
+
+    def state_dict(self) -> dict:
+        return {"ceiling": self.ceiling}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ceiling = int(state.get("ceiling", self.ceiling))
+
+
+class MicroBatchTuner(TunerBase):
+    defaults = {"max_micro_batch": 256, "memory_headroom": 0.1, "min_gain": 0.02,
+                "max_data_wait_share": 0.3, "keep_global_batch": True}
+
+    def __init__(self, options: dict | None = None) -> None:
+        super().__init__(options)
+        self.done = False
+        self.seen: dict[int, float] = {}  # micro-batch -> memory peak (bytes)
+
+    @classmethod
+    def validate_options(cls, options: dict) -> None:
+        super().validate_options(options)
+        _check_range(options, "max_micro_batch", 1)
+        _check_range(options, "memory_headroom", 0.0, 0.9)
+        _check_range(options, "min_gain", 0.0, 1.0)
+        _check_range(options, "max_data_wait_share", 0.0, 1.0)
+
+    def predicted_memory(self, micro_batch: int) -> float:
+        """Memory peak expected at ``micro_batch`` (bytes): a line through the two
+        largest micro-batches measured, else (one point) a peak in proportion to the
+        micro-batch (conservative: most of a CPU process's RSS does not grow)."""
+        pts = sorted(self.seen.items())
+        if not pts:
+            return 0.0
+        if len(pts) >= 2:
+            (m1, p1), (m2, p2) = pts[-2], pts[-1]
+            slope = max(0.0, (p2 - p1) / (m2 - m1))
+            return p2 + slope * (micro_batch - m2)
+        m, p = pts[-1]
+        return p * micro_batch / m
+
+    def propose(self, window: WindowSummary, current: TuningConfig) -> dict | None:
+        if self.done or window.data_wait_share > self.options["max_data_wait_share"]:
+            return None
+        mb, accum = current.dataloader.batch_size, current.optimizer.grad_accum_steps
+        new_mb = mb * 2
+        if new_mb > self.options["max_micro_batch"]:
+            return None
+        keep = self.options["keep_global_batch"]
+        if keep and accum % 2:
+            return None  # cannot double the micro-batch and keep the global batch
+        limit = window.memory_capacity_bytes * (1.0 - self.options["memory_headroom"])
+        self.seen[mb] = window.memory_bytes
+        if limit and self.predicted_memory(new_mb) > limit:
+            return None
+        change: dict[str, Any] = {"dataloader": {"batch_size": new_mb}}
+        if keep:
+            change["optimizer"] = {"grad_accum_steps": accum // 2}
+        return change
+
+    def feedback(self, change: dict, accepted: bool, before: WindowSummary,
+                 after: WindowSummary | None) -> None:
+        if not accepted:
+            self.done = True
+            return
+        if after is not None:
+            self.seen[int(change["dataloader"]["batch_size"])] = after.memory_bytes
+            gain = after.samples_per_s / max(before.samples_per_s, 1e-9) - 1.0
+            if gain < self.options["min_gain"]:
+                self.done = True  # kept (not worse) but no longer paying: stop growing
+
+    def state_dict(self) -> dict:
+        return {"done": self.done, "seen": {str(k): v for k, v in self.seen.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done = bool(state.get("done", False))
+        self.seen = {int(k): float(v) for k, v in (state.get("seen") or {}).items()}

@@ -1,0 +1,340 @@
+"""The master side of online tuning: metric collector + strategy generator (seed 001).
+
+:class:`TuningController` lives in the JobMaster. The master hands it every step
+report (:meth:`~TuningController.on_report`) and the ranks' first call
+(:meth:`~TuningController.sync`); the ranks poll :meth:`~TuningController.current`
+and switch at a common step boundary (see :mod:`dlrover_core.tuning.session`).
+
+The loop, per tuned role::
+
+    baseline window (interval_steps steps of version N, rank 0's reports)
+      -> every tuner proposes (tuning.tuners order; a tuner that raises is skipped)
+      -> merged into version N+1                        event tuning_proposed
+      -> ranks report steps under N+1                   event tuning_applied
+      -> warmup_steps skipped, then one window measured
+      -> guard: kept (the window is the new baseline)   event tuning_accepted
+                or reverted to N's settings as N+2      event tuning_reverted
+                (and a fresh baseline is measured)
+
+A proposal whose settings were reverted before is not tried again. The controller's
+state (current and previous config, phase, baseline figures, history, rejected
+settings, each tuner's state) is written to the job's store (``JobContext``, key
+``tuning``) at every change, so a restarted master continues from the current
+version. It never raises into the master: a tuner's exception becomes a
+``tuning_tuner_failed`` event.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any, Callable
+
+from dlrover_core.tuning.config import TuningConfig, TuningConfigError
+from dlrover_core.tuning.guard import Guard
+from dlrover_core.tuning.lr_scaling import scaled_learning_rate
+from dlrover_core.tuning.tuner import TunerBase, WindowSummary
+
+log = logging.getLogger(__name__)
+
+STORE_KEY = "tuning"
+
+
+def _no_emit(event: str, **fields: Any) -> None:
+    """Events go nowhere (a controller outside a JobMaster)."""
+
+
+class TuningController:
+    """Collects step metrics of one role and turns them into config versions.
+
+    Args:
+        tuners: ``(name, tuner)`` pairs in priority order (an earlier tuner's change to
+            a key wins over a later one's).
+        role: the tuned role (reports of other roles are ignored).
+        world_size: ranks of that role.
+        interval_steps: steps per measurement window (>= 1).
+        warmup_steps: steps skipped after a switch before measuring (>= 0).
+        guard: decides whether a tried change stays.
+        lr_scaling: ``linear``/``sqrt``/``none`` (see :mod:`~dlrover_core.tuning.lr_scaling`).
+        store: an object with ``get(key, default)`` and ``set(key, value)`` (the
+            JobContext) or ``None``.
+        emit: ``emit(event, **fields)`` for ``events.jsonl``.
+    """
+
+    def __init__(self, tuners: list[tuple[str, TunerBase]], role: str, world_size: int = 1,
+                 interval_steps: int = 20, warmup_steps: int = 2, guard: Guard | None = None,
+                 lr_scaling: str = "linear", store: Any = None,
+                 emit: Callable[..., Any] | None = None) -> None:
+        if interval_steps < 1:
+            raise ValueError(f"interval_steps={interval_steps} is invalid; allowed: >= 1")
+        self.tuners = tuners
+        for name, t in tuners:
+            t.name = name
+        self.role, self.world_size = role, world_size
+        self.interval_steps, self.warmup_steps = interval_steps, warmup_steps
+        self.guard = guard or Guard()
+        self.lr_scaling = lr_scaling
+        self.store, self.emit = store, emit or _no_emit
+        self.config: TuningConfig | None = None
+        self.previous: TuningConfig | None = None
+        self.phase = "baseline"          # baseline | trial
+        self.baseline: WindowSummary | None = None
+        self.trial_changes: dict[str, dict] = {}
+        self.applied_step: int | None = None  # first step reported under the current version
+        self.history: list[dict] = []
+        self.rejected: list[dict] = []   # settings reverted once, never proposed again
+        self._window: list[tuple[int, dict]] = []
+        self._memory: dict[int, float] = {}
+        self._capacity: dict[int, float] = {}
+        self._restore()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_spec(cls, spec: Any, plugin_manager: Any, store: Any = None,
+                  emit: Callable[..., Any] | None = None) -> TuningController | None:
+        """The controller of a validated job spec, or ``None`` when tuning is off.
+        Tuner classes are resolved through the plugin manager's ``dlrover_tuners``.
+
+        Raises:
+            UnknownPluginError: a tuner name nobody provides (the spec loader checks
+                this before anything starts).
+        """
+        from dlrover_core.plugins.records import resolve
+        from dlrover_core.tuning.spec import tuned_role
+
+        t = spec.tuning
+        if not t.enabled:
+            return None
+        options = dict(t.options or {})
+        tuners = []
+        for name in t.tuners:
+            rec = plugin_manager.get_tuner(name)
+            cls_ = resolve(rec.tuner)
+            tuners.append((name, cls_(dict(options.get(name) or {}))))
+        role = tuned_role(spec)
+        g = t.guard
+        return cls(tuners, role=role, world_size=int(spec.roles[role].total),
+                   interval_steps=int(t.interval_steps), warmup_steps=int(t.warmup_steps),
+                   guard=Guard(float(g.tolerance), int(g.memory_limit_bytes),
+                               float(g.memory_headroom)),
+                   lr_scaling=str(t.lr_scaling), store=store, emit=emit)
+
+    # ------------------------------------------------------------------ worker API
+    def sync(self, role: str, rank: int, initial: dict) -> dict | None:
+        """A rank's first call: the current config as a dict. The first call of the
+        tuned role makes ``initial`` (the workload's own settings) version 0; later
+        calls (other ranks, restarted workers) get the current version.
+
+        Raises:
+            TuningConfigError: ``initial`` is not a valid config.
+        """
+        if role != self.role:
+            return None
+        if self.config is None:
+            self.config = TuningConfig.from_dict({**initial, "version": 0})
+            self.history.append({"version": 0, "kind": "initial",
+                                 "settings": self.config.settings()})
+            self.emit("tuning_started", role=role, tuners=[n for n, _ in self.tuners],
+                      interval_steps=self.interval_steps, config=self.config.to_dict())
+            self._persist()
+        return self.config.to_dict()
+
+    def current(self) -> dict | None:
+        """The current config as a dict (``None`` before the first :meth:`sync`)."""
+        return None if self.config is None else self.config.to_dict()
+
+    def on_report(self, role: str, rank: int, step: int, metrics: dict) -> None:
+        """One step report. Uses ``tuning_version`` and the step metrics of
+        :mod:`dlrover_core.tuning.metrics`; reports without ``tuning_version`` or of
+        another version than the current one are ignored."""
+        try:
+            self._on_report(role, rank, step, metrics)
+        except Exception:  # noqa: BLE001 - tuning must never stop the job
+            log.exception("tuning controller failed on a report")
+            self.emit("tuning_error", error=traceback.format_exc()[-2000:])
+
+    def _on_report(self, role: str, rank: int, step: int, metrics: dict) -> None:
+        if role != self.role or self.config is None:
+            return
+        v = metrics.get("tuning_version")
+        if v is None or int(v) != self.config.version:
+            return
+        mem = metrics.get("cuda_max_allocated_bytes", metrics.get("peak_rss_bytes"))
+        if rank != 0:
+            if mem is not None:
+                self._memory[rank] = max(self._memory.get(rank, 0.0), float(mem))
+            if "memory_capacity_bytes" in metrics:
+                self._capacity[rank] = float(metrics["memory_capacity_bytes"])
+            return
+        if self.applied_step is None or step < self.applied_step:
+            first = self.applied_step is None
+            self.applied_step = step  # first report under this version (or a restart)
+            self._reset_window()
+            if first and self.config.version > 0:
+                self.emit("tuning_applied", version=self.config.version, step=step,
+                          config=self.config.to_dict())
+            self._persist()
+        if step < self.applied_step + self.warmup_steps:
+            return
+        if self._window and step <= self._window[-1][0]:
+            self._reset_window()  # resumed from a checkpoint: measure afresh
+        if mem is not None:
+            self._memory[0] = max(self._memory.get(0, 0.0), float(mem))
+        if "memory_capacity_bytes" in metrics:
+            self._capacity[0] = float(metrics["memory_capacity_bytes"])
+        self._window.append((step, dict(metrics)))
+        if len(self._window) >= self.interval_steps:
+            self._close_window()
+
+    # ------------------------------------------------------------------ the loop
+    def _reset_window(self) -> None:
+        self._window, self._memory, self._capacity = [], {}, {}
+
+    def _close_window(self) -> None:
+        assert self.config is not None
+        window = WindowSummary.from_reports(self.config.version, self._window, self._memory,
+                                            self._capacity, self.world_size)
+        self._reset_window()
+        if self.phase == "trial" and self.baseline is not None:
+            verdict = self.guard.judge(self.baseline, window)
+            figures = {"before": self.baseline.as_dict(), "after": window.as_dict()}
+            for name, t in self.tuners:
+                if name in self.trial_changes:
+                    self._feedback(name, t, self.trial_changes[name], verdict.keep, window)
+            if verdict.keep:
+                self._mark(self.config.version, "accepted", window)
+                self.emit("tuning_accepted", version=self.config.version,
+                          reason=verdict.reason, **figures)
+                self.baseline, self.phase = window, "baseline"
+            else:
+                assert self.previous is not None
+                reverted = self.config
+                self.rejected.append(reverted.settings())
+                self._mark(reverted.version, "reverted", window)
+                self.config = self.previous.with_version(reverted.version + 1)
+                self.previous = reverted
+                self.history.append({"version": self.config.version, "kind": "revert",
+                                     "reverts": reverted.version,
+                                     "settings": self.config.settings()})
+                self.emit("tuning_reverted", version=self.config.version,
+                          reverted_version=reverted.version, reason=verdict.reason,
+                          config=self.config.to_dict(), **figures)
+                self.phase, self.baseline, self.applied_step = "baseline", None, None
+                self.trial_changes = {}
+                self._persist()
+                return
+        else:
+            self.baseline, self.phase = window, "baseline"
+        self.trial_changes = {}
+        self._propose(window)
+        self._persist()
+
+    def _feedback(self, name: str, tuner: TunerBase, change: dict, keep: bool,
+                  after: WindowSummary | None) -> None:
+        try:
+            tuner.feedback(change, keep, self.baseline, after)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001
+            self._tuner_failed(name, "feedback", exc)
+
+    def _tuner_failed(self, name: str, call: str, exc: BaseException) -> None:
+        log.warning("tuner %s.%s raised %s: %s", name, call, type(exc).__name__, exc)
+        self.emit("tuning_tuner_failed", tuner=name, call=call,
+                  error=f"{type(exc).__name__}: {exc}",
+                  traceback="".join(traceback.format_exception(exc))[-2000:])
+
+    def _propose(self, window: WindowSummary) -> None:
+        assert self.config is not None
+        merged: dict[str, dict] = {}
+        claimed: dict[tuple[str, str], str] = {}
+        by_tuner: dict[str, dict] = {}
+        for name, tuner in self.tuners:
+            try:
+                change = tuner.propose(window, self.config)
+                if not change:
+                    continue
+                self.config.updated(change)  # validates keys and values
+            except Exception as exc:  # noqa: BLE001 - a broken tuner is skipped, not fatal
+                self._tuner_failed(name, "propose", exc)
+                continue
+            keys = {(s, k) for s, kv in change.items() for k in kv}
+            if any(k in claimed for k in keys):
+                continue  # an earlier tuner already changes one of these keys
+            for s, k in keys:
+                claimed[(s, k)] = name
+                merged.setdefault(s, {})[k] = change[s][k]
+            by_tuner[name] = change
+        if not merged:
+            return
+        new = self.config.updated(merged, version=self.config.version + 1)
+        old_gb, new_gb = (self.config.global_batch(self.world_size),
+                          new.global_batch(self.world_size))
+        if old_gb != new_gb and "learning_rate" not in merged.get("optimizer", {}):
+            new = new.updated({"optimizer": {"learning_rate": scaled_learning_rate(
+                self.config.optimizer.learning_rate, old_gb, new_gb, self.lr_scaling)}})
+        if new.same_settings(self.config) or new.settings() in self.rejected:
+            for name, t in self.tuners:  # tell them it will not be tried
+                if name in by_tuner and new.settings() in self.rejected:
+                    self._feedback(name, t, by_tuner[name], False, None)
+            return
+        self.previous, self.config = self.config, new
+        self.phase, self.trial_changes, self.applied_step = "trial", by_tuner, None
+        self.history.append({"version": new.version, "kind": "proposal",
+                             "tuners": sorted(by_tuner), "settings": new.settings()})
+        self.emit("tuning_proposed", version=new.version, from_version=self.previous.version,
+                  tuners=sorted(by_tuner), changes=self.previous.diff(new),
+                  config=new.to_dict(), before=window.as_dict())
+
+    def _mark(self, version: int, status: str, window: WindowSummary) -> None:
+        for h in self.history:
+            if h["version"] == version:
+                h["status"] = status
+                h["samples_per_s"] = round(window.samples_per_s, 3)
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        return {
+            "config": self.current(),
+            "previous": None if self.previous is None else self.previous.to_dict(),
+            "phase": self.phase,
+            "baseline": None if self.baseline is None else self.baseline.as_dict(),
+            "trial_changes": self.trial_changes, "applied_step": self.applied_step,
+            "history": self.history, "rejected": self.rejected,
+            "tuners": {n: t.state_dict() for n, t in self.tuners},
+        }
+
+    def _persist(self) -> None:
+        if self.store is not None:
+            self.store.set(STORE_KEY, self.state_dict())
+
+    def _restore(self) -> None:
+        state = self.store.get(STORE_KEY) if self.store is not None else None
+        if not state or not state.get("config"):
+            return
+        self.config = TuningConfig.from_dict(state["config"])
+        if state.get("previous"):
+            self.previous = TuningConfig.from_dict(state["previous"])
+        self.phase = state.get("phase", "baseline")
+        if state.get("baseline"):
+            self.baseline = WindowSummary(**state["baseline"])
+        self.trial_changes = state.get("trial_changes") or {}
+        self.applied_step = state.get("applied_step")
+        self.history = state.get("history") or []
+        self.rejected = state.get("rejected") or []
+        for name, t in self.tuners:
+            try:
+                t.load_state_dict((state.get("tuners") or {}).get(name) or {})
+            except Exception as exc:  # noqa: BLE001
+                self._tuner_failed(name, "load_state_dict", exc)
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> dict:
+        """For ``summary.json``: the final ``version`` and ``config``, how many versions
+        were ``proposed``, ``accepted`` and ``reverted``, and the ``history``."""
+        return {
+            "version": None if self.config is None else self.config.version,
+            "config": self.current(),
+            "proposed": sum(1 for h in self.history if h["kind"] == "proposal"),
+            "accepted": sum(1 for h in self.history if h.get("status") == "accepted"),
+            "reverted": sum(1 for h in self.history if h.get("status") == "reverted"),
+            "history": self.history,
+        }

@@ -1,0 +1,275 @@
+"""``ElasticDataLoader``: a ``torch.utils.data.DataLoader`` whose ``batch_size``,
+``num_workers`` and ``pin_memory`` can change between steps without losing or repeating
+a sample of the epoch, and whose position is part of the checkpoint.
+
+How the position is kept: every epoch has one permutation of the dataset's indices
+(seeded by ``(seed, epoch)``, the same on every rank). The ranks consume it in
+lock-step: rank ``r`` of ``W`` takes positions ``r, r+W, r+2W, ...`` of what is left,
+so after each rank consumed ``k`` samples the first ``k*W`` entries of the
+permutation are done (``global_position``). A change of settings drops the current
+``DataLoader`` iterator (batches it had prefetched were never handed out, so they are
+not counted) and a new one starts at the position. A different ``world_size`` after a
+restart re-deals the rest of the epoch over the new ranks. Every rank must change
+``batch_size`` at the same step boundary (the tuning session guarantees it), and the
+tail of an epoch that does not divide by ``world_size`` is skipped (as
+``DistributedSampler(drop_last=True)``) so that ranks stay in step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    from dlrover_core.tuning.metrics import StepTimer
+
+STATE_VERSION = 1
+
+
+class _IndexBatches:
+    """Batch sampler over a fixed list of indices (what one loader iterator serves)."""
+
+    def __init__(self, indices: list[int], batch_size: int) -> None:
+        self.indices, self.batch_size = indices, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i in range(0, len(self.indices), self.batch_size):
+            yield self.indices[i:i + self.batch_size]
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+
+class ElasticDataLoader:
+    """A re-configurable loader over a map-style dataset (``__len__`` and ``__getitem__``).
+
+    Args:
+        dataset: map-style dataset of ``len(dataset)`` samples.
+        batch_size: samples per micro-batch on this rank.
+        num_workers, pin_memory, collate_fn, prefetch_factor, timeout,
+            multiprocessing_context: as ``torch.utils.data.DataLoader``.
+        shuffle: a new permutation per epoch (``False``: index order).
+        seed: permutation seed; must be the same on every rank.
+        rank, world_size: this rank among the data-parallel ranks.
+        drop_last: drop an epoch's last micro-batch when it is smaller than ``batch_size``.
+    Raises:
+        ValueError: a bad argument (named), or a dataset smaller than ``world_size``.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, num_workers: int = 0,
+                 pin_memory: bool = False, shuffle: bool = True, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, drop_last: bool = False,
+                 collate_fn: Callable | None = None, prefetch_factor: int | None = None,
+                 timeout: float = 0, multiprocessing_context: Any = None) -> None:
+        n = len(dataset)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} / world_size {world_size} is invalid; "
+                             "allowed: 0 <= rank < world_size")
+        if n < world_size:
+            raise ValueError(f"the dataset has {n} samples, fewer than world_size={world_size}")
+        _check_settings(batch_size, num_workers)
+        self.dataset = dataset
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+        self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
+        self.drop_last = drop_last
+        self.collate_fn, self.prefetch_factor, self.timeout = collate_fn, prefetch_factor, timeout
+        self.multiprocessing_context = multiprocessing_context
+        self.epoch = 0
+        self._base = 0           # global position where the current shard starts
+        self._offset = 0         # samples of this rank's shard handed out
+        self._shard: list[int] | None = None
+        self._it: Iterator | None = None
+        self._served = 0         # shard position the current iterator started at
+        self.rebuilds = 0        # iterators created (1 + one per change / epoch)
+
+    # ------------------------------------------------------------------ position
+    @property
+    def global_position(self) -> int:
+        """Entries of this epoch's permutation consumed by all ranks together."""
+        return self._base + self._offset * self.world_size
+
+    @property
+    def position(self) -> int:
+        """Samples this rank consumed in the current epoch."""
+        return self._offset
+
+    def __len__(self) -> int:
+        """Samples per rank per epoch (after the tail that does not divide by world_size)."""
+        return len(self.dataset) // self.world_size
+
+    def _permutation(self) -> list[int]:
+        import torch
+
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _ensure_shard(self) -> list[int]:
+        if self._shard is None:
+            rest = self._permutation()[self._base:]
+            usable = len(rest) - len(rest) % self.world_size
+            self._shard = rest[:usable][self.rank::self.world_size]
+        return self._shard
+
+    # ------------------------------------------------------------------ settings
+    def reconfigure(self, batch_size: int | None = None, num_workers: int | None = None,
+                    pin_memory: bool | None = None) -> bool:
+        """Change settings from the next batch on. Returns ``True`` when anything changed.
+
+        Batches the old iterator prefetched are dropped, not skipped: they are loaded
+        again by the new one. Call it on every rank at the same step boundary.
+
+        Raises:
+            ValueError: ``batch_size < 1`` or ``num_workers < 0``.
+        """
+        new = (batch_size if batch_size is not None else self.batch_size,
+               num_workers if num_workers is not None else self.num_workers,
+               pin_memory if pin_memory is not None else self.pin_memory)
+        _check_settings(new[0], new[1])
+        if new == (self.batch_size, self.num_workers, self.pin_memory):
+            return False
+        self.batch_size, self.num_workers, self.pin_memory = new
+        self._drop_iterator()
+        return True
+
+    def _drop_iterator(self) -> None:
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def _new_iterator(self) -> Iterator:
+        from torch.utils.data import DataLoader
+
+        shard = self._ensure_shard()
+        rest = shard[self._offset:]
+        if self.drop_last:
+            rest = rest[:len(rest) - len(rest) % self.batch_size]
+        kwargs: dict[str, Any] = {}
+        if self.num_workers > 0:
+            if self.prefetch_factor is not None:
+                kwargs["prefetch_factor"] = self.prefetch_factor
+            if self.multiprocessing_context is not None:
+                kwargs["multiprocessing_context"] = self.multiprocessing_context
+            kwargs["timeout"] = self.timeout
+        loader = DataLoader(self.dataset, batch_sampler=_IndexBatches(rest, self.batch_size),
+                            num_workers=self.num_workers, pin_memory=self.pin_memory,
+                            collate_fn=self.collate_fn, **kwargs)
+        self._served = self._offset
+        self._stop_at = self._offset + len(rest)
+        self.rebuilds += 1
+        return iter(loader)
+
+    # ------------------------------------------------------------------ iteration
+    def prefetch_depth(self) -> int | None:
+        """Batches loaded and waiting in the current iterator's queue (``None`` without
+        loader worker processes). Reads the iterator's internal queue: a measurement,
+        never used for correctness."""
+        it = self._it
+        if it is None or self.num_workers == 0:
+            return None
+        try:
+            ready = sum(1 for v in it._task_info.values() if len(v) == 2)  # noqa: SLF001
+            return ready + it._data_queue.qsize()  # noqa: SLF001
+        except (AttributeError, NotImplementedError):
+            return None
+
+    def next_batch(self, timer: StepTimer | None = None) -> Any:
+        """The next micro-batch; a finished epoch rolls over into the next one.
+        With ``timer``, the wait is charged to its ``data`` phase and the queue depth
+        recorded."""
+        if timer is None:
+            return self._next()
+        timer.note_prefetch_depth(self.prefetch_depth())
+        with timer.phase("data"):
+            return self._next()
+
+    def _next(self) -> Any:
+        for _ in range(2):
+            if self._it is None:
+                if self._remaining() <= 0:
+                    self._next_epoch()
+                    continue
+                self._it = self._new_iterator()
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._drop_iterator()
+                self._next_epoch()
+                continue
+            self._offset = min(self._offset + self.batch_size, self._stop_at)
+            return batch
+        raise RuntimeError("the dataset yields no batch (is batch_size larger than an "
+                           "epoch with drop_last=True?)")
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self._base, self._offset, self._shard = 0, 0, None
+
+    def _remaining(self) -> int:
+        remaining = len(self._ensure_shard()) - self._offset
+        if self.drop_last:
+            remaining -= remaining % self.batch_size
+        return remaining
+
+    def epoch_iter(self, timer: StepTimer | None = None) -> Iterator[Any]:
+        """Yield the batches left in the current epoch (all of the next one when the
+        current one is used up), then stop."""
+        if self._remaining() <= 0:
+            self._drop_iterator()
+            self._next_epoch()
+        epoch = self.epoch
+        while self.epoch == epoch and self._remaining() > 0:
+            yield self.next_batch(timer)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """``epoch``, ``global_position``, ``seed``, ``dataset_len``, ``world_size`` and
+        the current settings; a plain dict of ints/bools (put it in the checkpoint's
+        ``extra``)."""
+        return {"state_version": STATE_VERSION, "epoch": self.epoch,
+                "global_position": self.global_position, "seed": self.seed,
+                "shuffle": self.shuffle, "dataset_len": len(self.dataset),
+                "world_size": self.world_size, "batch_size": self.batch_size,
+                "num_workers": self.num_workers, "pin_memory": self.pin_memory}
+
+    def load_state_dict(self, state: dict, settings: bool = False) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, possibly of another
+        world size). ``settings=True`` also takes its batch_size/num_workers/pin_memory.
+
+        Raises:
+            ValueError: the state is of another dataset length, seed or shuffle mode,
+                or its position is outside the epoch.
+        """
+        for key, mine in (("dataset_len", len(self.dataset)), ("seed", self.seed),
+                          ("shuffle", self.shuffle)):
+            if state.get(key) != mine:
+                raise ValueError(f"loader state {key}={state.get(key)!r} does not match this "
+                                 f"loader's {key}={mine!r}; allowed: the same dataset and seed")
+        pos = int(state["global_position"])
+        if not 0 <= pos <= len(self.dataset):
+            raise ValueError(f"loader state global_position={pos} is outside 0..{len(self.dataset)}")
+        self._drop_iterator()
+        self.epoch = int(state["epoch"])
+        self._base, self._offset, self._shard = pos, 0, None
+        if settings:
+            self.reconfigure(int(state["batch_size"]), int(state["num_workers"]),
+                             bool(state["pin_memory"]))
+
+    def close(self) -> None:
+        """Stop the loader worker processes (a new iterator starts on the next batch)."""
+        self._drop_iterator()
+
+    def __del__(self) -> None:
+        try:
+            self._drop_iterator()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _check_settings(batch_size: Any, num_workers: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} is invalid; allowed: an integer >= 1")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers={num_workers!r} is invalid; allowed: an integer >= 0")

@@ -1,0 +1,205 @@
+"""Per-step metrics of a worker: where the time of a training step goes.
+
+A step (one optimizer step, i.e. ``grad_accum_steps`` micro-batches) is split into
+
+- ``data_wait_s``: time blocked waiting for the next batch (the input pipeline),
+- ``compute_s``: forward and backward,
+- ``optimizer_s``: the optimizer step and what the backend communicates around it
+  (gradient reduction that did not overlap with backward, clipping),
+- ``step_s``: wall time from the start of the step to its end (>= the sum above; the
+  rest is the training loop's own overhead, reported as ``other_s``),
+
+plus ``samples_per_s`` (global samples of the step / ``step_s``), ``peak_rss_bytes``
+(the training process's peak resident set *during this step*: Linux's ``VmHWM``, reset
+at each step start by writing ``5`` to ``/proc/self/clear_refs``; where that is not
+possible, the process's lifetime peak from ``getrusage``; loader worker processes are
+not included), ``cuda_max_allocated_bytes`` (``torch.cuda.max_memory_allocated`` of the
+step, its peak statistics reset at step start, when CUDA is in use),
+``memory_capacity_bytes`` (what this rank may use: the CUDA device's memory, else the
+node's RAM (or cgroup limit) divided by ``local_world_size``) and ``prefetch_depth``
+(batches ready in the loader's queue when the step asked for one, from
+:class:`~dlrover_core.tuning.dataloader.ElasticDataLoader`).
+
+Units: seconds, bytes, samples/s. Timing uses ``time.perf_counter``; on a GPU the
+phases are synchronised with ``torch.cuda.synchronize`` only when ``cuda_sync=True``
+(otherwise asynchronous kernels are charged to the phase that waits for them).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+PHASES = ("data", "compute", "optimizer")
+_PHASE_KEYS = {"data": "data_wait_s", "compute": "compute_s", "optimizer": "optimizer_s"}
+
+#: The metric names :meth:`StepTimer.end_step` reports (``cuda_max_allocated_bytes`` and
+#: ``prefetch_depth`` only when known).
+METRIC_NAMES = ("data_wait_s", "compute_s", "optimizer_s", "other_s", "step_s",
+                "samples_per_s", "peak_rss_bytes", "cuda_max_allocated_bytes",
+                "memory_capacity_bytes", "prefetch_depth")
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS mark (Linux ``/proc/self/clear_refs``); returns
+    whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes since the last
+    :func:`reset_peak_rss` (``VmHWM``), else since the process started (``ru_maxrss``,
+    KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def memory_capacity_bytes(local_world_size: int = 1) -> int:
+    """Memory one rank may use, in bytes: the current CUDA device's total memory when
+    CUDA is initialised, else the node's physical RAM (or the cgroup v2 ``memory.max``
+    when lower) divided by ``local_world_size``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            raw = f.read().strip()
+        if raw != "max":
+            total = min(total, int(raw))
+    except (OSError, ValueError):
+        pass
+    return int(total // max(1, local_world_size))
+
+
+def cuda_max_allocated_bytes() -> int | None:
+    """``torch.cuda.max_memory_allocated()`` when torch is imported and CUDA is
+    initialised, else ``None`` (never initialises CUDA itself)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
+class StepTimer:
+    """Accumulates phase times within a step and turns them into metrics.
+
+    Usage::
+
+        timer = StepTimer()
+        timer.start_step()
+        with timer.phase("data"):
+            x, y = next(batches)
+        with timer.phase("compute"):
+            loss = model(x, y); loss.backward()
+        with timer.phase("optimizer"):
+            opt.step()
+        metrics = timer.end_step(samples=global_batch)   # dict of floats for report()
+
+    A phase may be entered several times in a step (once per micro-batch); the times add.
+
+    Args:
+        cuda_sync: call ``torch.cuda.synchronize()`` at each phase end (exact GPU phase
+            times at the cost of a sync).
+    """
+
+    def __init__(self, cuda_sync: bool = False, local_world_size: int = 1) -> None:
+        self.cuda_sync = cuda_sync
+        self.local_world_size = local_world_size
+        self._capacity: int | None = None
+        self._t0: float | None = None
+        self._acc = dict.fromkeys(PHASES, 0.0)
+        self._prefetch: list[int] = []
+        self.last: dict[str, float] = {}
+
+    def start_step(self) -> None:
+        """Mark the start of a step (also called implicitly by the first phase)."""
+        reset_peak_rss()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+        self._t0 = time.perf_counter()
+        self._acc = dict.fromkeys(PHASES, 0.0)
+        self._prefetch = []
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name`` (``data``, ``compute`` or ``optimizer``).
+
+        Raises:
+            ValueError: an unknown phase name.
+        """
+        if name not in self._acc:
+            raise ValueError(f"phase {name!r} is unknown; allowed: {', '.join(PHASES)}")
+        if self._t0 is None:
+            self.start_step()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda_sync:
+                _cuda_sync()
+            self._acc[name] += time.perf_counter() - t
+
+    def add(self, name: str, seconds: float) -> None:
+        """Charge ``seconds`` to phase ``name`` (time measured elsewhere)."""
+        if name not in self._acc:
+            raise ValueError(f"phase {name!r} is unknown; allowed: {', '.join(PHASES)}")
+        if self._t0 is None:
+            self.start_step()
+        self._acc[name] += float(seconds)
+
+    def note_prefetch_depth(self, depth: int | None) -> None:
+        """Record the loader's ready-batch count seen when a batch was requested."""
+        if depth is not None:
+            self._prefetch.append(int(depth))
+
+    def end_step(self, samples: int) -> dict[str, float]:
+        """Close the step; returns its metrics (see the module docstring).
+
+        Args:
+            samples: samples the step consumed over all ranks (the global batch).
+        Raises:
+            RuntimeError: no step was started.
+        """
+        if self._t0 is None:
+            raise RuntimeError("end_step() without start_step() or a phase")
+        step_s = max(time.perf_counter() - self._t0, 1e-9)
+        out = {_PHASE_KEYS[p]: self._acc[p] for p in PHASES}
+        out["step_s"] = step_s
+        out["other_s"] = max(0.0, step_s - sum(self._acc.values()))
+        out["samples_per_s"] = samples / step_s
+        out["peak_rss_bytes"] = float(peak_rss_bytes())
+        cuda = cuda_max_allocated_bytes()
+        if cuda is not None:
+            out["cuda_max_allocated_bytes"] = float(cuda)
+        if self._capacity is None:
+            self._capacity = memory_capacity_bytes(self.local_world_size)
+        out["memory_capacity_bytes"] = float(self._capacity)
+        if self._prefetch:
+            out["prefetch_depth"] = sum(self._prefetch) / len(self._prefetch)
+        self._t0 = None
+        self.last = out
+        return out
+
+
+def _cuda_sync() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

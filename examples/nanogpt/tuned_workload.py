@@ -1,0 +1,136 @@
+"""nanoGPT with an input pipeline that is the bottleneck, tuned while it trains.
+
+Same model and validation as :mod:`examples.nanogpt.workload`; the training batches
+come from :class:`~examples.nanogpt.stored_data.StoredCharWindows` (storage latency
+per sample) through an :class:`~dlrover_core.tuning.ElasticDataLoader`. A
+:class:`~dlrover_core.tuning.TuningSession` times every step (data wait / compute /
+optimizer) and, with ``tuning.enabled``, switches micro-batch, gradient accumulation
+and loader workers at a step boundary that all ranks share. The global batch per
+rank is ``micro_batch * grad_accum_steps`` (kept by the micro-batch tuner). The loader
+position is saved with every checkpoint, so a restarted rank continues the epoch.
+
+Extra config keys: ``micro_batch``, ``grad_accum_steps``, ``num_workers`` (the
+starting settings), ``read_latency_s``, ``activation_checkpointing`` (bool), and, for
+tests, ``record_samples`` (a directory: each rank appends one JSON line per step with
+the sample ids it trained on).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from dlrover_core.tuning import ElasticDataLoader, TuningSession, gradient_sync
+from examples.nanogpt.data import CharDataset
+from examples.nanogpt.model import GPT, Block, GPTConfig
+from examples.nanogpt.stored_data import StoredCharWindows
+from examples.nanogpt.workload import GPTWorkload
+
+
+class TunedGPTWorkload(GPTWorkload):
+    def setup(self) -> None:
+        c = self.config
+        seed = int(c.get("seed", 1337))
+        torch.manual_seed(seed)
+        self.data = CharDataset()  # validation batches and the vocabulary
+        self.train_set = StoredCharWindows(int(c.block_size),
+                                           float(c.get("read_latency_s", 0.002)))
+        self.cfg = GPTConfig(vocab_size=self.data.vocab_size, block_size=int(c.block_size),
+                             n_layer=int(c.n_layer), n_head=int(c.n_head), n_embd=int(c.n_embd))
+        model = GPT(self.cfg)
+        self.num_params = model.num_params()
+        self.model = self.backend.wrap(model, shard_modules=(Block,)) \
+            if self.context.backend == "fsdp" else self.backend.wrap(model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=float(c.lr),
+                                     weight_decay=float(c.get("weight_decay", 0.1)),
+                                     betas=(0.9, 0.95))
+        mb, nw = int(c.get("micro_batch", 8)), int(c.get("num_workers", 0))
+        self.loader = ElasticDataLoader(self.train_set, batch_size=mb, num_workers=nw,
+                                        seed=seed, rank=self.rank, world_size=self.world_size)
+        self.tuning = TuningSession.for_workload(self, {
+            "dataloader": {"batch_size": mb, "num_workers": nw},
+            "optimizer": {"learning_rate": float(c.lr),
+                          "grad_accum_steps": int(c.get("grad_accum_steps", 4))},
+            "parallelism": {"activation_checkpointing": bool(c.get("activation_checkpointing",
+                                                                   False))}})
+        self.extra = {"step": 0}
+        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra,
+                                        data=self.loader)
+        self.start_step = int(self.extra["step"]) if loaded is not None else 0
+        self.resumed_from = loaded
+        blocks = [m for m in self.model.modules() if isinstance(m, Block)]
+        self.tuning.attach(loader=self.loader, model=self.model, blocks=blocks)
+        self._record = None
+        if c.get("record_samples"):
+            os.makedirs(str(c.record_samples), exist_ok=True)
+            self._record = open(os.path.join(str(c.record_samples), f"rank{self.rank}.jsonl"),
+                                "a", buffering=1)
+
+    def lr_at(self, step: int) -> float:
+        """The tuned peak learning rate with the warm-up and cosine decay of the base."""
+        c = self.config
+        lr, warm, total = self.tuning.learning_rate, int(c.get("warmup_steps", 20)), \
+            int(c.max_steps)
+        if step < warm:
+            return lr * (step + 1) / warm
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def run(self) -> dict:
+        c = self.config
+        max_steps, eval_every = int(c.max_steps), int(c.eval_every)
+        device = self.backend.device
+        step, val = self.start_step, float("nan")
+        while step < max_steps:
+            self._maybe_fault(step)
+            self.tuning.boundary(step)
+            timer, accum = self.tuning.timer, self.tuning.grad_accum_steps
+            timer.start_step()
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr_at(step)
+            loss_sum, ids = 0.0, []
+            for i in range(accum):
+                x, y, sid = self.loader.next_batch(timer)
+                ids += sid.tolist()
+                with timer.phase("compute"), gradient_sync(self.model, i == accum - 1):
+                    _, loss = self.model(x.to(device), y.to(device))
+                    (loss / accum).backward()
+                loss_sum += loss.item()
+            with timer.phase("optimizer"):
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+            metrics = {"loss": loss_sum / accum, "lr": self.lr_at(step),
+                       **self.tuning.end_step()}
+            if self._record is not None:
+                self._record.write(json.dumps({"rank": self.rank, "step": step,
+                                               "attempt": self.attempt,
+                                               "version": self.tuning.version,
+                                               "micro_batch": self.tuning.micro_batch,
+                                               "epoch": self.loader.epoch, "ids": ids}) + "\n")
+            step += 1
+            if step % eval_every == 0 or step == max_steps:
+                val = self.evaluate()
+                metrics["val_loss"] = val
+            if self.resumed_from is not None:
+                metrics["resumed_from_step"] = self.resumed_from
+            self.report(step - 1, **metrics)
+            self.extra["step"] = step
+            self.checkpointer.maybe_save(step, model=self.model, optimizer=self.opt,
+                                         extra=self.extra, data=self.loader)
+        if math.isnan(val):
+            val = self.evaluate()
+            self.report(step - 1, val_loss=val)
+        return {"val_loss": val, "steps": step, "params": self.num_params,
+                "tuning_version": self.tuning.version}
+
+    def teardown(self) -> None:
+        self.loader.close()
+        if self._record is not None:
+            self._record.close()
+        if dist.is_initialized():
+            pass  # the backend leaves the process group

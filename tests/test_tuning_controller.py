@@ -1,0 +1,217 @@
+"""The master side of tuning, driven by synthetic step reports: proposals, the guard
+(kept, reverted for throughput, reverted for memory), a tuner that raises, a restart
+from the persisted JobContext (real SQLite), spec validation, and a tuner that comes
+from a third-party plugin distribution (entry point, no pip).
+
+The reports come from a small performance model of an input-bound job (no training
+runs here; real jobs run in tests/test_tuning_job.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlrover_core import SpecError, load_spec
+from dlrover_core.master.context import JobContext
+from dlrover_core.plugins.manager import PluginManager, reset_plugin_manager
+from dlrover_core.tuning.builtin_tuners import DataloaderWorkersTuner, MicroBatchTuner
+from dlrover_core.tuning.controller import TuningController
+from dlrover_core.tuning.guard import Guard
+from dlrover_core.tuning.tuner import TunerBase
+
+GLOBAL = 64  # samples per rank per optimizer step
+INITIAL = {"dataloader": {"batch_size": 4, "num_workers": 0},
+           "optimizer": {"learning_rate": 1e-3, "grad_accum_steps": 16}}
+
+
+def model_step(cfg: dict, best_workers: int = 2, mem_per_sample: float = 1e7) -> dict:
+    """Step metrics of a job reading 10 ms per sample: without workers the reads add
+    to the compute; with workers they overlap it and each other, but more than
+    ``best_workers`` triple the compute (contention). Each micro-batch costs 20 ms of
+    fixed overhead, so fewer, larger micro-batches compute faster."""
+    mb, nw = cfg["dataloader"]["batch_size"], cfg["dataloader"]["num_workers"]
+    accum = cfg["optimizer"]["grad_accum_steps"]
+    compute = GLOBAL * 0.002 + accum * 0.02
+    if nw > best_workers:
+        compute *= 3
+    read = GLOBAL * 0.01
+    step = read + compute if nw == 0 else max(read / nw, compute)
+    data = step - compute
+    return {"tuning_version": cfg["version"], "step_s": step, "data_wait_s": data,
+            "compute_s": compute, "optimizer_s": 0.0, "samples_per_s": 2 * GLOBAL / step,
+            "peak_rss_bytes": 1e8 + mb * mem_per_sample, "memory_capacity_bytes": 2e9}
+
+
+def drive(ctl: TuningController, steps: int, start: int = 0, **model_kw) -> None:
+    for step in range(start, start + steps):
+        cfg = ctl.current()
+        for rank in (1, 0):
+            ctl.on_report("trainer", rank, step, model_step(cfg, **model_kw))
+
+
+def controller(events: list, store=None, tuners=None, **kw) -> TuningController:
+    tuners = tuners or [("dataloader_workers", DataloaderWorkersTuner({"max_num_workers": 16})),
+                        ("micro_batch", MicroBatchTuner({"max_micro_batch": 64}))]
+    ctl = TuningController(tuners, role="trainer", world_size=2, interval_steps=4,
+                           warmup_steps=1, store=store,
+                           emit=lambda e, **f: events.append({"event": e, **f}), **kw)
+    ctl.sync("trainer", 0, INITIAL)
+    return ctl
+
+
+def names(events: list) -> list[str]:
+    return [e["event"] for e in events]
+
+
+def test_the_loop_raises_workers_then_the_micro_batch_and_keeps_the_global_batch():
+    events: list = []
+    ctl = controller(events)
+    assert ctl.current()["version"] == 0
+    drive(ctl, 120)
+    cfg = ctl.current()
+    assert cfg["dataloader"]["num_workers"] == 2  # 4, then 3 were tried and reverted
+    assert cfg["dataloader"]["batch_size"] == 16
+    assert cfg["dataloader"]["batch_size"] * cfg["optimizer"]["grad_accum_steps"] == GLOBAL
+    assert cfg["optimizer"]["learning_rate"] == 1e-3  # global batch kept: lr untouched
+    ev = names(events)
+    assert ev[0] == "tuning_started"
+    assert ev.count("tuning_proposed") == ctl.summary()["proposed"] >= 4
+    rev = [e for e in events if e["event"] == "tuning_reverted"]
+    assert rev and rev[0]["after"]["samples_per_s"] < rev[0]["before"]["samples_per_s"]
+    proposed_workers = [e["config"]["dataloader"]["num_workers"] for e in events
+                        if e["event"] == "tuning_proposed" and "dataloader" in e["changes"]
+                        and "num_workers" in e["changes"]["dataloader"]]
+    assert proposed_workers == [1, 2, 4, 3]  # never again after their reverts
+    applied = [e for e in events if e["event"] == "tuning_applied"]
+    assert [e["version"] for e in applied] == sorted({e["version"] for e in applied})
+    versions = [e["version"] for e in events if "version" in e and e["event"] != "tuning_started"]
+    assert versions == sorted(versions)  # versions only grow, a revert is a new one
+    s = ctl.summary()
+    assert (s["version"], s["accepted"], s["reverted"]) == (cfg["version"], 3, 2)
+
+
+def test_memory_over_the_limit_is_reverted():
+    events: list = []
+    mbt = MicroBatchTuner({"max_micro_batch": 64, "max_data_wait_share": 1.0})
+    ctl = controller(events, tuners=[("micro_batch", mbt)],
+                     guard=Guard(memory_limit_bytes=int(1e8 + 10 * 1e7)))
+    drive(ctl, 60)
+    rev = [e for e in events if e["event"] == "tuning_reverted"]
+    assert rev and "memory peak" in rev[0]["reason"]
+    assert ctl.current()["dataloader"]["batch_size"] == 8  # 16 needs 2.6e8 > 2e8 bytes
+    assert mbt.done and mbt.predicted_memory(16) == pytest.approx(2.6e8)
+
+
+def test_a_tuner_that_raises_is_skipped_and_the_others_still_tune():
+    class Broken(TunerBase):
+        def propose(self, window, current):
+            raise RuntimeError("tuner bug")
+
+    events: list = []
+    ctl = controller(events, tuners=[("broken", Broken()),
+                                     ("dataloader_workers", DataloaderWorkersTuner())])
+    drive(ctl, 30)
+    failed = [e for e in events if e["event"] == "tuning_tuner_failed"]
+    assert failed and failed[0]["tuner"] == "broken" and "tuner bug" in failed[0]["error"]
+    assert ctl.current()["dataloader"]["num_workers"] >= 2
+
+
+def test_a_restarted_master_continues_from_the_persisted_version(tmp_path):
+    events: list = []
+    store = JobContext(str(tmp_path / "context.sqlite"))
+    ctl = controller(events, store=store)
+    drive(ctl, 23)
+    before = ctl.current()
+    assert before["version"] >= 2
+    store.close()
+    # a new controller (a restarted master) on the same SQLite file
+    store2 = JobContext(str(tmp_path / "context.sqlite"))
+    events2: list = []
+    ctl2 = controller(events2, store=store2)
+    assert ctl2.current() == before  # sync() does not reset it to the workload's initial
+    assert ctl2.phase == ctl.phase and ctl2.history == ctl.history
+    assert ctl2.tuners[0][1].ceiling == ctl.tuners[0][1].ceiling
+    drive(ctl2, 40, start=23)
+    assert ctl2.current()["version"] > before["version"]
+    assert "tuning_started" not in names(events2)
+
+
+# ---------------------------------------------------------------------------- spec
+
+def _load(*overrides: str):
+    return load_spec("examples/nanogpt/job_tuned.yaml", ["tuning.enabled=true", *overrides])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("tuning.interval_steps=0", "tuning.interval_steps: 0 is invalid; allowed: an integer >= 1"),
+    ("tuning.lr_scaling=cubic", "tuning.lr_scaling: 'cubic' is invalid; allowed: linear, sqrt"),
+    ("tuning.tuners=[dataloader_workers,nope]",
+     "tuning.tuners[1]: 'nope' is invalid (unknown tuner 'nope'; installed: "
+     "dataloader_workers, micro_batch"),
+    ("tuning.options.dataloader_workers.max_num_workers=-1",
+     "tuning.options.dataloader_workers.max_num_workers: -1 is invalid"),
+    ("tuning.options.micro_batch.speed=2", "speed: unknown option; allowed: keep_global_batch"),
+    ("tuning.options.micro_batch.max_micro_batch=big", "max_micro_batch: 'big' is invalid"),
+    ("tuning.options.nope.x=1", "tuning.options.nope: {'x': 1} is invalid; allowed: options "
+     "of an installed tuner: dataloader_workers, micro_batch"),
+    ("tuning.guard.tolerance=1.5", "tuning.guard.tolerance: 1.5 is invalid"),
+    ("tuning.role=critic", "tuning.role: 'critic' is invalid; allowed: a role of the job: trainer"),
+    ("tuning.speed=1", "tuning.speed: 'speed' is invalid (unknown key"),
+])
+def test_spec_errors_name_the_key(override, message):
+    with pytest.raises(SpecError) as e:
+        _load(override)
+    assert message in str(e.value)
+
+
+def test_valid_tuning_spec_and_controller_from_it():
+    spec = _load("tuning.interval_steps=5")
+    ctl = TuningController.from_spec(spec, PluginManager())
+    assert [n for n, _ in ctl.tuners] == ["dataloader_workers", "micro_batch"]
+    assert ctl.tuners[0][1].options["max_num_workers"] == 4 and ctl.interval_steps == 5
+    assert ctl.role == "trainer" and ctl.world_size == 2 and ctl.lr_scaling == "sqrt"
+    off = load_spec("examples/nanogpt/job_tuned.yaml")
+    assert TuningController.from_spec(off, PluginManager()) is None
+
+
+THIRD_PARTY = """
+from dlrover_core import Tuner, hookimpl
+from dlrover_core.tuning.tuner import TunerBase
+
+
+class PinMemoryTuner(TunerBase):
+    defaults = {"after_version": 0}
+
+    def propose(self, window, current):
+        if not current.dataloader.pin_memory and current.version >= self.options["after_version"]:
+            return {"dataloader": {"pin_memory": True}}
+        return None
+
+
+@hookimpl
+def dlrover_tuners():
+    return [Tuner(name="pin_memory", tuner="pinmem_fake_mod:PinMemoryTuner",
+                  description="a third-party tuner")]
+"""
+
+
+def test_a_third_party_tuner_from_an_entry_point(fake_dist):
+    fake_dist("dlrover-plugin-pinmem", "pinmem", THIRD_PARTY)
+    pm = PluginManager()
+    reset_plugin_manager(pm)
+    try:
+        assert pm.get_tuner("pin_memory").provider == "pinmem"
+        spec = _load("tuning.tuners=[pin_memory,dataloader_workers]",
+                     "tuning.interval_steps=4", "tuning.warmup_steps=1")
+        with pytest.raises(SpecError, match="after_version: 'x' is invalid"):
+            _load("tuning.tuners=[pin_memory]", "tuning.options={pin_memory: {after_version: x}}")
+        events: list = []
+        ctl = TuningController.from_spec(spec, pm, emit=lambda e, **f: events.append(
+            {"event": e, **f}))
+        ctl.sync("trainer", 0, INITIAL)
+        drive(ctl, 12)
+        first = [e for e in events if e["event"] == "tuning_proposed"][0]
+        assert first["tuners"] == ["dataloader_workers", "pin_memory"]
+        assert first["changes"]["dataloader"]["pin_memory"] == [False, True]
+        assert ctl.current()["dataloader"]["pin_memory"] is True
+    finally:
+        reset_plugin_manager(None)

@@ -1,0 +1,183 @@
+"""ElasticDataLoader, TuningConfig, the step timer, gradient accumulation, LR scaling
+and the parallelism switches, in one process (real DataLoader worker processes, real
+torch; the FSDP2 switch runs on a real gloo group in tests/test_tuning_job.py)."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from dlrover_core.tuning import (
+    ActivationCheckpointing,
+    ElasticDataLoader,
+    StepTimer,
+    TuningConfig,
+    TuningConfigError,
+    grad_accum_steps_for,
+    scaled_learning_rate,
+)
+from dlrover_core.tuning.config import ParallelismSettings
+from dlrover_core.tuning.parallelism import apply_parallelism
+
+
+class Ids(Dataset):
+    """Sample i is the tensor [i]."""
+
+    def __init__(self, n: int, sleep_s: float = 0.0) -> None:
+        self.n, self.sleep_s = n, sleep_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return torch.tensor([i])
+
+
+def ids_of(batch: torch.Tensor) -> list[int]:
+    return batch.view(-1).tolist()
+
+
+# (batch_size, num_workers) for each successive stretch of batches
+SCHEDULE = [(4, 0, 3), (8, 2, 2), (3, 1, 4), (5, 2, 100)]
+
+
+def consume_epoch(loader: ElasticDataLoader) -> list[int]:
+    seen: list[int] = []
+    epoch = loader.epoch
+    for bs, nw, count in SCHEDULE:
+        loader.reconfigure(batch_size=bs, num_workers=nw)
+        for _ in range(count):
+            if loader.epoch != epoch or loader.position >= len(loader):
+                return seen
+            seen += ids_of(loader.next_batch())
+    return seen
+
+
+def test_batch_size_and_workers_change_mid_epoch_without_loss_or_repeat():
+    n, world = 101, 2
+    loaders = [ElasticDataLoader(Ids(n), batch_size=4, seed=7, rank=r, world_size=world)
+               for r in range(world)]
+    seen = [consume_epoch(lo) for lo in loaders]
+    counts = collections.Counter(seen[0] + seen[1])
+    assert max(counts.values()) == 1, "a sample was repeated"
+    assert len(counts) == n - n % world == 100, "a sample was lost"
+    assert set(seen[0]).isdisjoint(seen[1])
+    assert loaders[0].rebuilds >= len(SCHEDULE)  # every change made a new iterator
+    assert seen[0] != sorted(seen[0])  # shuffled
+    # the next epoch is another permutation, again complete
+    nxt = [ids_of(b) for b in loaders[0].epoch_iter()]
+    assert loaders[0].epoch == 1
+    assert len(sum(nxt, [])) == 50 and sum(nxt, []) != seen[0]
+
+
+def test_position_survives_a_checkpoint_and_a_world_size_change():
+    n = 64
+    a = [ElasticDataLoader(Ids(n), batch_size=4, num_workers=1, seed=3, rank=r, world_size=2)
+         for r in range(2)]
+    first = []
+    for _ in range(3):
+        for lo in a:
+            first += ids_of(lo.next_batch())
+    state = a[0].state_dict()
+    assert state["global_position"] == 24 and a[1].state_dict()["global_position"] == 24
+    for lo in a:
+        lo.close()
+    # resume on ONE rank with another batch size: it gets exactly the rest of the epoch
+    b = ElasticDataLoader(Ids(n), batch_size=5, seed=3, rank=0, world_size=1)
+    b.load_state_dict(state)
+    rest = sum((ids_of(x) for x in b.epoch_iter()), [])
+    assert sorted(first + rest) == list(range(n))
+    with pytest.raises(ValueError, match="seed=3 does not match"):
+        ElasticDataLoader(Ids(n), batch_size=5, seed=4).load_state_dict(state)
+
+
+def test_prefetch_depth_and_data_wait_are_measured():
+    loader = ElasticDataLoader(Ids(40, sleep_s=0.01), batch_size=2, num_workers=2, seed=0)
+    timer = StepTimer()
+    timer.start_step()
+    loader.next_batch(timer)
+    time.sleep(0.2)  # the workers fill the queue meanwhile
+    loader.next_batch(timer)
+    with timer.phase("compute"):
+        pass
+    m = timer.end_step(samples=4)
+    assert m["data_wait_s"] > m["compute_s"]
+    assert m["prefetch_depth"] > 0  # the second request found ready batches
+    assert m["samples_per_s"] == pytest.approx(4 / m["step_s"])
+    assert m["peak_rss_bytes"] > 10 * 2**20 and m["memory_capacity_bytes"] > m["peak_rss_bytes"]
+    assert loader.prefetch_depth() is not None
+    loader.reconfigure(num_workers=0)
+    assert loader.prefetch_depth() is None
+    with pytest.raises(ValueError, match="phase 'io' is unknown"):
+        with timer.phase("io"):
+            pass
+    with pytest.raises(ValueError, match="batch_size=0 is invalid"):
+        loader.reconfigure(batch_size=0)
+
+
+def test_tuning_config_round_trip_and_named_errors():
+    cfg = TuningConfig.from_dict({"version": 2, "dataloader": {"batch_size": 8},
+                                  "optimizer": {"grad_accum_steps": 4}})
+    assert cfg.global_batch(world_size=2) == 64
+    again = TuningConfig.from_dict(cfg.to_dict())
+    assert again == cfg
+    new = cfg.updated({"dataloader": {"num_workers": 3}}, version=3)
+    assert new.version == 3 and cfg.diff(new) == {"dataloader": {"num_workers": [0, 3]}}
+    with pytest.raises(TuningConfigError, match=r"dataloader\.batch_size: 0 is invalid; "
+                                                r"allowed: an integer >= 1"):
+        cfg.updated({"dataloader": {"batch_size": 0}})
+    with pytest.raises(TuningConfigError, match=r"optimizer\.momentum: unknown key; allowed: "
+                                                r"grad_accum_steps, learning_rate"):
+        cfg.updated({"optimizer": {"momentum": 0.9}})
+    with pytest.raises(TuningConfigError, match="model: unknown TuningConfig section"):
+        TuningConfig.from_dict({"model": {}})
+
+
+def test_learning_rate_rules_and_accumulation():
+    assert scaled_learning_rate(0.1, 256, 1024, "linear") == pytest.approx(0.4)
+    assert scaled_learning_rate(0.1, 256, 1024, "sqrt") == pytest.approx(0.2)
+    assert scaled_learning_rate(0.1, 256, 1024, "none") == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="lr_scaling 'cubic' is invalid"):
+        scaled_learning_rate(0.1, 1, 2, "cubic")
+    assert grad_accum_steps_for(64, 8, 2) == 4
+    with pytest.raises(ValueError, match="not a multiple"):
+        grad_accum_steps_for(64, 6, 2)
+
+
+def _grads(micro: int, accum: int, checkpointed: bool = False) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    ac = ActivationCheckpointing([model[0], model[2]], enabled=checkpointed)
+    data = torch.randn(micro * accum, 8, generator=torch.Generator().manual_seed(1))
+    for i in range(accum):
+        x = data[i * micro:(i + 1) * micro]
+        (model(x).pow(2).mean() / accum).backward()
+    assert ac.recomputed == (2 * accum if checkpointed else 0)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_gradient_accumulation_keeps_the_global_batch_gradient():
+    ref = _grads(16, 1)
+    for micro, accum in ((8, 2), (4, 4)):
+        for a, b in zip(ref, _grads(micro, accum)):
+            torch.testing.assert_close(a, b)
+    for a, b in zip(ref, _grads(8, 2, checkpointed=True)):  # recompute: same gradient
+        torch.testing.assert_close(a, b)
+
+
+def test_parallelism_switches_refuse_what_the_model_lacks():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs an FSDP2 model"):
+        apply_parallelism(ParallelismSettings(reshard_after_forward=True), model)
+    with pytest.raises(ValueError, match="register its blocks"):
+        apply_parallelism(ParallelismSettings(activation_checkpointing=True), model)
+    ac = ActivationCheckpointing([model])
+    assert apply_parallelism(ParallelismSettings(activation_checkpointing=True), model, ac) \
+        == {"activation_checkpointing": True}
+    assert apply_parallelism(ParallelismSettings(activation_checkpointing=True), model, ac) == {}
