@@ -1,0 +1,145 @@
+"""The ``config.odl`` section of an ``odl`` job: the stream, its buffers and delivery.
+
+Pure Python (no torch), so the template's ``apply`` can validate a spec in the
+client before anything starts. The driver and every workload read the same
+section with :meth:`ODLConfig.from_config`.
+
+Example (YAML)::
+
+    config:
+      odl:
+        source: {kind: replay, options: {records: examples.odl_shuttle.data:shuttle_records}}
+        batch_size: 64        # records per chunk (one source read)
+        buffer: 4             # chunks between source and trainer, at most
+        publish_every: 50     # trainer steps between published model versions
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from dlrover_core.spec.errors import SpecError
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """``kind``: a registered stream source (``replay``, ``redis`` or a plugin's);
+    ``options``: that source's settings (see its README)."""
+
+    kind: str = "replay"
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ODLConfig:
+    """Settings of a streaming job (all optional).
+
+    Stream:
+        source: :class:`SourceConfig`. batch_size: records per chunk, the unit the
+            source reads and a preprocess instance transforms; each trainer rank
+            trains one chunk per step. buffer: chunks held between the source and
+            the trainer at most (being read, being preprocessed, or waiting), so at
+            most ``buffer * batch_size`` records are in flight: a slow trainer slows
+            the source (backpressure). read_timeout_s: how long one read waits for
+            records before returning fewer (or none).
+    Ending (the first that holds; all 0 with an endless source: run until stopped):
+        max_records: records trained. max_time_s: seconds of streaming.
+        idle_timeout_s: seconds without a new record (an idle broker).
+    Delivery and models:
+        publish_every: trainer steps between published model versions (0: only at
+            the end), written to ``<job dir>/published``. report_every: driver steps
+            between metric reports. window: records in the sliding prequential
+            accuracy. log_record_ids: every trainer rank appends the ids it trained
+            to ``<job dir>/odl/trained/`` (to count lost and duplicated records).
+    """
+
+    source: SourceConfig = field(default_factory=SourceConfig)
+    batch_size: int = 64
+    buffer: int = 4
+    read_timeout_s: float = 1.0
+    max_records: int = 0
+    max_time_s: float = 0.0
+    idle_timeout_s: float = 0.0
+    publish_every: int = 50
+    report_every: int = 1
+    window: int = 1000
+    log_record_ids: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> ODLConfig:
+        """Read ``config.odl`` (a mapping or OmegaConf node; missing: defaults).
+
+        Raises:
+            SpecError: an unknown key or a value out of range, naming
+                ``config.odl.<key>``.
+        """
+        raw = _plain(config.get("odl") if config is not None else None) or {}
+        if not isinstance(raw, Mapping):
+            raise SpecError("config.odl", raw, "a mapping of ODL settings")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for k in raw:
+            if k not in known:
+                raise SpecError(f"config.odl.{k}", raw[k], "one of " + ", ".join(sorted(known)))
+        src = raw.get("source") or {}
+        if isinstance(src, str):
+            src = {"kind": src}
+        if not isinstance(src, Mapping):
+            raise SpecError("config.odl.source", src, "a mapping {kind, options}")
+        for k in src:
+            if k not in ("kind", "options"):
+                raise SpecError(f"config.odl.source.{k}", src[k], "kind, options")
+        options = src.get("options") or {}
+        if not isinstance(options, Mapping):
+            raise SpecError("config.odl.source.options", options, "a mapping")
+        kind = src.get("kind", "replay")
+        if not isinstance(kind, str) or not kind:
+            raise SpecError("config.odl.source.kind", kind, "the name of a stream source")
+        values: dict[str, Any] = {"source": SourceConfig(kind, dict(options))}
+        for k, v in raw.items():
+            if k == "source":
+                continue
+            want = type(getattr(cls(), k))
+            if want is bool:
+                if not isinstance(v, bool):
+                    raise SpecError(f"config.odl.{k}", v, "true or false")
+            elif want is int:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise SpecError(f"config.odl.{k}", v, "an integer")
+            elif want is float:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise SpecError(f"config.odl.{k}", v, "a number (seconds)")
+                v = float(v)
+            values[k] = v
+        out = cls(**values)
+        out.check()
+        return out
+
+    def check(self) -> None:
+        """Range checks. Raises ``SpecError``."""
+        for k in ("batch_size", "buffer", "report_every", "window"):
+            if getattr(self, k) < 1:
+                raise SpecError(f"config.odl.{k}", getattr(self, k), "an integer >= 1")
+        for k in ("max_records", "publish_every"):
+            if getattr(self, k) < 0:
+                raise SpecError(f"config.odl.{k}", getattr(self, k), "an integer >= 0 (0: off)")
+        for k in ("max_time_s", "idle_timeout_s"):
+            if getattr(self, k) < 0:
+                raise SpecError(f"config.odl.{k}", getattr(self, k), "seconds >= 0 (0: off)")
+        if self.read_timeout_s <= 0:
+            raise SpecError("config.odl.read_timeout_s", self.read_timeout_s, "seconds > 0")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf comes with dlrover-core
+        pass
+    return value

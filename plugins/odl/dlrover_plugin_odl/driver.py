@@ -1,0 +1,287 @@
+"""The driver of ``odl`` jobs: streams chunks source -> preprocess -> trainer (+ eval).
+
+Per chunk (``config.odl.batch_size`` records of one partition)::
+
+    meta  = source[p].read(batch_size)         # records stay in the object store
+    batch = preprocess[j].process(meta.data)   # worker-to-worker; j round-robin
+    trainer[r].train_step(step, batch, ...)    # one chunk per trainer rank per step
+    eval[k].score(batch)                       # optional, newest published model
+
+Backpressure: at most ``config.odl.buffer`` chunks are between the source and the
+trainer (read, in preprocessing, or waiting); the driver asks a source for the
+next chunk only when one leaves, so a slow trainer slows the source and at most
+``buffer * batch_size`` records are in flight. Chunks of one partition are read,
+and trained, in order.
+
+Delivery (at-least-once): the trainer checkpoints its progress with the stream
+offsets (partition -> position of the last trained record) in the same commit as
+its model. A (re)started driver asks trainer rank 0 for the progress of the model
+in memory (after a trainer restart: the checkpoint it loaded) and seeks every
+source partition there. When the trainer reports a newly committed checkpoint, the
+driver tells each source partition to ``commit`` its offset (Redis: ``XACK``).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from dlrover_core import BaseTrainer
+from dlrover_plugin_odl.config import ODLConfig
+
+
+@dataclass
+class _Chunk:
+    partition: int
+    read: Any                  # ObjectRef of the source's metadata
+    meta: dict | None = None
+    batch: Any = None          # ObjectRef of the preprocessed chunk
+    empty: bool = False
+
+
+class ODLTrainer(BaseTrainer):
+    """Runs the stream until the source ends or ``max_records`` / ``max_time_s`` /
+    ``idle_timeout_s`` is reached.
+
+    Metrics reported every ``config.odl.report_every`` steps (``summary.json`` keeps
+    the last): ``records`` (trained, all restarts included), ``prequential_accuracy``
+    (correct test-then-train predictions / records), ``window_accuracy`` (over the
+    last ``window`` records), ``records_per_s`` (records trained by this driver
+    attempt / its seconds), ``loss``, ``buffered_records`` (records the sources have
+    read minus records trained, from the sources' own counters: the backpressure
+    bound), ``in_flight_chunks``, ``max_in_flight_chunks``, ``source_read_records``
+    and the sources' other counters (``broker_reconnects``...), ``committed_step``,
+    ``published_version``; with an ``eval`` role ``eval_accuracy``, ``eval_records``,
+    ``eval_version``.
+    """
+
+    def init(self) -> None:
+        self.odl = ODLConfig.from_config(self.config)
+        groups = self._context.role_groups
+        for role in ("source", "preprocess", "trainer"):
+            if role not in groups:
+                raise ValueError(f"an odl job needs a {role!r} role; it has {sorted(groups)}")
+        self.sources = list(groups["source"].handles)
+        self.preprocess = list(groups["preprocess"].handles)
+        self.trainers = list(groups["trainer"].handles)
+        self.evals = list(groups["eval"].handles) if "eval" in groups else []
+        if self.odl.buffer < len(self.trainers):
+            raise ValueError(f"config.odl.buffer={self.odl.buffer} is smaller than the "
+                             f"{len(self.trainers)} trainer ranks: a step needs one chunk each")
+        progress = ray.get(self.trainers[0].call.remote("resume_state"))
+        self.step = int(progress["step"])
+        self.records = int(progress["records"])
+        self.correct = int(progress["correct"])
+        self.offsets: dict[str, Any] = dict(progress["offsets"])
+        self.restored_step = progress.get("restored_step")
+        ray.get([h.call.remote("seek", self.offsets.get(str(p)))
+                 for p, h in enumerate(self.sources)])
+
+    # ------------------------------------------------------------------ the pipeline
+    def _refill(self, fifo: collections.deque, exhausted: set) -> None:
+        n = len(self.sources)
+        while len(fifo) < self.odl.buffer and len(exhausted) < n:
+            p = self._next_partition
+            self._next_partition = (p + 1) % n
+            if p in exhausted:
+                continue
+            fifo.append(_Chunk(p, self.sources[p].call.remote("read", self.odl.batch_size)))
+
+    def _resolve(self, c: _Chunk, exhausted: set) -> None:
+        """Fetch the chunk's metadata (blocking) and start its preprocessing."""
+        if c.meta is not None:
+            return
+        c.meta = ray.get(c.read)
+        if c.meta["end"]:
+            exhausted.add(c.partition)
+        if not c.meta["n"]:
+            c.empty = True
+            return
+        self._last_record_t = time.monotonic()
+        j = self._next_pre
+        self._next_pre = (j + 1) % len(self.preprocess)
+        c.batch = self.preprocess[j].call.remote("process", c.meta["data"][0])
+
+    def _resolve_ready(self, fifo: collections.deque, exhausted: set) -> None:
+        """Start preprocessing every chunk whose read has finished (no waiting)."""
+        pending = [c.read for c in fifo if c.meta is None]
+        if not pending:
+            return
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        ready_set = set(ready)
+        for c in fifo:
+            if c.meta is None and c.read in ready_set:
+                self._resolve(c, exhausted)
+
+    def _take_step_chunks(self, fifo: collections.deque, exhausted: set) -> list[_Chunk]:
+        """The next chunk for each trainer rank, in stream order (fewer at the end)."""
+        out: list[_Chunk] = []
+        while len(out) < len(self.trainers):
+            idx = len(out)
+            if idx >= len(fifo):
+                self._refill(fifo, exhausted)
+                if idx >= len(fifo):
+                    break  # every partition has ended
+            c = fifo[idx]
+            self._resolve(c, exhausted)
+            if c.empty:
+                del fifo[idx]
+                if self._stop_reason() is not None:
+                    break
+                continue
+            out.append(c)
+        return out
+
+    def _stop_reason(self) -> str | None:
+        o = self.odl
+        if o.max_records and self.records >= o.max_records:
+            return "max_records"
+        if o.max_time_s and time.monotonic() - self._t0 >= o.max_time_s:
+            return "max_time_s"
+        if o.idle_timeout_s and time.monotonic() - self._last_record_t >= o.idle_timeout_s:
+            return "idle_timeout_s"
+        return None
+
+    # ------------------------------------------------------------------ commits and eval
+    def _commit(self, committed: dict | None) -> None:
+        if not committed:
+            return
+        ray.get(self._commit_refs)  # surface a failed commit of the previous round
+        self._commit_refs = [self.sources[int(p)].call.remote("commit", pos)
+                             for p, pos in committed["offsets"].items()
+                             if int(p) < len(self.sources)]
+        self.committed_step = committed["step"]
+
+    def _score(self, chunks: list[_Chunk]) -> None:
+        for c in chunks:
+            k = self._next_eval
+            self._next_eval = (k + 1) % len(self.evals)
+            self._eval_refs.append(self.evals[k].call.remote("score", c.batch))
+        while len(self._eval_refs) > self.odl.buffer:
+            self._eval_add(ray.get(self._eval_refs.popleft()))
+
+    def _eval_add(self, out: dict) -> None:
+        self._eval["n"] += out["n"]
+        self._eval["correct"] += out["correct"]
+        self._eval["unscored"] += out["unscored"]
+        self._eval["version"] = max(self._eval["version"], out["version"])
+
+    def _source_stats(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for st in ray.get([h.call.remote("stats") for h in self.sources]):
+            for k, v in st.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        return totals
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        self._t0 = self._last_record_t = time.monotonic()
+        self._next_partition = self._next_pre = self._next_eval = 0
+        self._commit_refs: list = []
+        self._eval_refs: collections.deque = collections.deque()
+        self._eval = {"n": 0, "correct": 0, "unscored": 0, "version": -1}
+        self.committed_step = self.restored_step if self.restored_step is not None else -1
+        self.published = -1
+        fifo: collections.deque[_Chunk] = collections.deque()
+        exhausted: set[int] = set()
+        window: collections.deque[tuple[int, int]] = collections.deque()
+        win_n = win_c = 0
+        start_records, max_in_flight = self.records, 0
+        self._src_base = self._source_stats().get("source_read_records", 0.0)
+        metrics: dict[str, float] = {}
+        reason = None
+        while True:
+            reason = self._stop_reason()
+            if reason is not None:
+                break
+            self._refill(fifo, exhausted)
+            max_in_flight = max(max_in_flight, len(fifo))
+            self._resolve_ready(fifo, exhausted)
+            chunks = self._take_step_chunks(fifo, exhausted)
+            if not chunks:
+                if not fifo and len(exhausted) == len(self.sources):
+                    reason = "end_of_stream"
+                    break
+                continue
+            offsets = dict(self.offsets)
+            for c in chunks:
+                offsets[str(c.partition)] = c.meta["last"]
+            records = self.records + sum(c.meta["n"] for c in chunks)
+            calls = [h.call.remote("train_step", self.step,
+                                   chunks[r].batch if r < len(chunks) else None, offsets, records)
+                     for r, h in enumerate(self.trainers)]
+            if self.evals:
+                self._score(chunks)
+            self._resolve_ready(fifo, exhausted)   # overlap preprocessing with training
+            results = ray.get(calls)
+            for _ in chunks:
+                fifo.popleft()
+            self.step += 1
+            self.offsets, self.records = offsets, records
+            n = sum(r["n"] for r in results)
+            c_ok = sum(r["correct"] for r in results)
+            self.correct += c_ok
+            window.append((n, c_ok))
+            win_n, win_c = win_n + n, win_c + c_ok
+            while window and win_n - window[0][0] >= self.odl.window:
+                a, b = window.popleft()
+                win_n, win_c = win_n - a, win_c - b
+            self._commit(results[0]["committed"])
+            if self.step % self.odl.report_every == 0:
+                metrics = self._metrics(results, start_records, len(fifo), max_in_flight,
+                                        win_n, win_c)
+                self.report(self.step, **metrics)
+        # end: commit everything trained, publish the final model
+        outs = ray.get([h.call.remote("finish") for h in self.trainers])
+        self._commit(outs[0]["committed"])
+        ray.get(self._commit_refs)
+        self.published = outs[0]["published"] if outs[0]["published"] is not None else -1
+        while self._eval_refs:
+            self._eval_add(ray.get(self._eval_refs.popleft()))
+        metrics = self._metrics([], start_records, len(fifo), max_in_flight, win_n, win_c)
+        metrics["stop_reason_end_of_stream"] = float(reason == "end_of_stream")
+        metrics["steps"] = float(self.step)
+        self.report(self.step, **metrics)
+        return metrics
+
+    def _metrics(self, results: list[dict], start_records: int, in_flight: int,
+                 max_in_flight: int, win_n: int, win_c: int) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        losses = [r["loss"] for r in results if r["n"]]
+        src = self._source_stats()
+        m: dict[str, float] = {
+            "records": float(self.records),
+            "prequential_accuracy": self.correct / self.records if self.records else 0.0,
+            "window_accuracy": win_c / win_n if win_n else 0.0,
+            "records_per_s": (self.records - start_records) / elapsed,
+            "in_flight_chunks": float(in_flight),
+            "max_in_flight_chunks": float(max_in_flight),
+            "committed_step": float(self.committed_step),
+            "published_version": float(max(self.published, self._latest_published())),
+            **src,
+        }
+        if "source_read_records" in src:
+            read = src["source_read_records"] - self._src_base
+            m["buffered_records"] = read - (self.records - start_records)
+        if losses:
+            m["loss"] = sum(losses) / len(losses)
+        if self.evals:
+            e = self._eval
+            m["eval_records"] = float(e["n"])
+            m["eval_unscored"] = float(e["unscored"])
+            m["eval_version"] = float(e["version"])
+            if e["n"]:
+                m["eval_accuracy"] = e["correct"] / e["n"]
+        return m
+
+    def _latest_published(self) -> int:
+        import os
+
+        from dlrover_plugin_odl.publish import latest_version
+
+        v = latest_version(os.path.join(self.job_dir or ".", "published"))
+        return -1 if v is None else v

@@ -1,0 +1,138 @@
+"""Entry point of the ``odl`` plugin: the ``odl`` graph template and the stream
+sources ``replay`` (embedded, in-cluster) and ``redis`` (Redis Streams).
+
+Imports nothing heavy (no torch, no redis-py): the driver, workloads and sources
+are named by import path and loaded only in the processes that run them.
+
+``odl``: ``source`` -> ``preprocess`` -> ``trainer``, with an optional ``eval``.
+The template fills in ``source`` (the built-in :class:`SourceWorkload`) and
+``preprocess`` (the default :class:`PreprocessWorkload`) when the job leaves them
+out; ``trainer`` is required. The driver :class:`dlrover_plugin_odl.driver.ODLTrainer`
+streams chunks through the roles with bounded buffers and at-least-once delivery.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dlrover_core import GraphTemplate, RoleTemplate, SpecError, hookimpl
+from dlrover_core.plugins.records import StreamSource
+
+DRIVER = "dlrover_plugin_odl.driver:ODLTrainer"
+SOURCE_WORKLOAD = "dlrover_plugin_odl.workloads:SourceWorkload"
+PREPROCESS_WORKLOAD = "dlrover_plugin_odl.workloads:PreprocessWorkload"
+
+_ROLES = {
+    "source": "reads the stream (config.odl.source.kind): seek, read, commit",
+    "preprocess": "records -> tensors, stateless: process",
+    "trainer": "prequential online training, checkpoints with the offsets, publishes "
+               "model versions (required): train_step",
+    "eval": "scores the live stream with the newest published model: score",
+}
+
+
+def apply_odl(spec: Any) -> None:
+    """Template defaults and checks for ``odl``, before anything starts:
+
+    - ``config.odl`` is read (see :class:`~dlrover_plugin_odl.config.ODLConfig`) and
+      written back with its defaults;
+    - ``config.odl.source.kind`` must be an installed stream source, whose
+      ``validate_options`` checks ``config.odl.source.options``;
+    - ``roles.source`` / ``roles.preprocess`` left out get the built-in workloads
+      (0.5 CPU each); a ``source`` without ``workload`` gets the built-in one;
+    - ``checkpoint.every_steps`` >= 1 (the offsets are committed with the trainer's
+      checkpoint); ``config.odl.buffer`` >= ``roles.trainer.total``; a trainer with
+      several ranks needs a ``backend`` (``ddp``).
+
+    Raises ``SpecError``.
+    """
+    from omegaconf import OmegaConf
+
+    from dlrover_core.plugins.manager import UnknownPluginError
+    from dlrover_plugin_odl.config import ODLConfig
+    from dlrover_plugin_odl.registry import get_stream_source
+
+    if spec.config is None or not OmegaConf.is_dict(spec.config):
+        if spec.config not in (None, {}):
+            raise SpecError("config", spec.config, "a mapping (the job config)")
+        spec.config = {}
+    odl = ODLConfig.from_config(spec.config)
+    try:
+        record = get_stream_source(odl.source.kind)
+    except UnknownPluginError as exc:
+        raise SpecError("config.odl.source.kind", odl.source.kind, "an installed stream source",
+                        str(exc)) from None
+    if record.validate_options is not None:
+        try:
+            record.validate_options(dict(odl.source.options))
+        except SpecError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise SpecError("config.odl.source.options", odl.source.options,
+                            f"options of the {odl.source.kind!r} stream source", str(exc)) from None
+    spec.config.odl = odl.as_dict()
+    for role, workload in (("source", SOURCE_WORKLOAD), ("preprocess", PREPROCESS_WORKLOAD)):
+        if role not in spec.roles:
+            from dlrover_core.spec.schema import RoleSpec
+
+            node = OmegaConf.structured(RoleSpec)
+            node.workload = workload
+            node.resources.cpu = 0.5
+            spec.roles[role] = node
+        elif role == "source" and OmegaConf.is_missing(spec.roles[role], "workload"):
+            spec.roles[role].workload = workload
+    if spec.checkpoint.every_steps < 1:
+        raise SpecError("checkpoint.every_steps", spec.checkpoint.every_steps,
+                        "an integer >= 1 in an odl job",
+                        "the stream offsets are committed with the trainer's checkpoint")
+    trainer = spec.roles.trainer
+    if odl.buffer < trainer.total:
+        raise SpecError("config.odl.buffer", odl.buffer,
+                        f"at least roles.trainer.total={trainer.total}",
+                        "each trainer rank takes one chunk per step")
+    if trainer.total > 1 and not trainer.backend:
+        raise SpecError("roles.trainer.backend", trainer.backend,
+                        "a backend such as ddp when roles.trainer.total > 1",
+                        f"{trainer.total} trainer ranks must train one model together")
+
+
+@hookimpl
+def dlrover_graph_templates() -> list[GraphTemplate]:
+    return [GraphTemplate(
+        name="odl",
+        description="online learning: source -> preprocess -> trainer (+ eval) as a stream "
+                    "with bounded buffers; offsets committed with the trainer checkpoint",
+        roles=(RoleTemplate("source", False, _ROLES["source"]),
+               RoleTemplate("preprocess", False, _ROLES["preprocess"]),
+               RoleTemplate("trainer", True, _ROLES["trainer"]),
+               RoleTemplate("eval", False, _ROLES["eval"])),
+        edges=(("source", "preprocess"), ("preprocess", "trainer"), ("preprocess", "eval")),
+        driver=DRIVER,
+        apply=apply_odl,
+    )]
+
+
+def _validate_replay(options: dict) -> None:
+    from dlrover_plugin_odl.source import validate_replay_options
+
+    validate_replay_options(options)
+
+
+def _validate_redis(options: dict) -> None:
+    from dlrover_plugin_odl.redis_source import validate_redis_options
+
+    validate_redis_options(options)
+
+
+@hookimpl
+def dlrover_stream_sources() -> list[StreamSource]:
+    return [
+        StreamSource(name="replay", source="dlrover_plugin_odl.source:ReplaySource",
+                     description="embedded: replays an iterable (a dataset, a generator) "
+                                 "inside the cluster",
+                     validate_options=_validate_replay),
+        StreamSource(name="redis", source="dlrover_plugin_odl.redis_source:RedisStreamSource",
+                     description="Redis Streams consumer group; XACK after the checkpoint "
+                                 "commit (needs the redis extra)",
+                     validate_options=_validate_redis),
+    ]

@@ -1,0 +1,231 @@
+"""The ``redis`` stream source: Redis Streams with a consumer group.
+
+Each ``source`` instance is one consumer (``<consumer_prefix><partition>``) of the
+group ``group`` on the stream ``stream``. New entries come from ``XREADGROUP ... >``
+(Redis hands each entry to one consumer and keeps it in that consumer's pending
+entries list); an entry is acknowledged (``XACK``) only when the driver reports that
+a committed trainer checkpoint holds it (:meth:`RedisStreamSource.commit`). After a
+restart, :meth:`RedisStreamSource.seek` re-reads this consumer's pending entries
+after the checkpointed position (``XREADGROUP ... <id>``) before new ones, so no
+entry is lost and only entries trained after the last checkpoint are trained twice.
+
+Entries hold the record as JSON in the field ``record`` (:func:`produce` writes
+them that way); other entries become a dict of their decoded fields.
+
+A broker that is down or unreachable is retried every 0.5 s for
+``reconnect_timeout_s``; then :class:`BrokerUnavailable` names the address.
+
+redis-py is an optional dependency: ``pip install 'dlrover-plugin-odl[redis]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Iterable
+
+from dlrover_core.spec.errors import SpecError
+from dlrover_plugin_odl.source import ReadResult, StreamSourceBase
+
+log = logging.getLogger(__name__)
+
+_OPTIONS = {
+    "host": "127.0.0.1", "port": 6379, "db": 0, "stream": None, "group": "dlrover",
+    "consumer_prefix": "", "reconnect_timeout_s": 60.0, "socket_timeout_s": 5.0,
+}
+
+
+class BrokerUnavailable(ConnectionError):
+    """The Redis broker could not be reached within ``reconnect_timeout_s``."""
+
+
+def validate_redis_options(options: dict) -> None:
+    """Options: ``stream`` (required), ``host`` (127.0.0.1), ``port`` (6379), ``db``
+    (0), ``group`` (``dlrover``), ``consumer_prefix`` (default ``<job>-``),
+    ``reconnect_timeout_s`` (60), ``socket_timeout_s`` (5). Raises ``SpecError``."""
+    for k in options:
+        if k not in _OPTIONS:
+            raise SpecError(f"config.odl.source.options.{k}", options[k],
+                            "options of the redis source: " + ", ".join(sorted(_OPTIONS)))
+    stream = options.get("stream")
+    if not isinstance(stream, str) or not stream:
+        raise SpecError("config.odl.source.options.stream", stream, "the name of a Redis stream")
+    port = options.get("port", 6379)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise SpecError("config.odl.source.options.port", port, "a TCP port 1-65535")
+    for k in ("reconnect_timeout_s", "socket_timeout_s"):
+        v = options.get(k, _OPTIONS[k])
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise SpecError(f"config.odl.source.options.{k}", v, "seconds > 0")
+    for k in ("host", "group"):
+        v = options.get(k, _OPTIONS[k])
+        if not isinstance(v, str) or not v:
+            raise SpecError(f"config.odl.source.options.{k}", v, "a non-empty string")
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError:
+        raise ImportError("the redis stream source needs redis-py: "
+                          "pip install 'dlrover-plugin-odl[redis]'") from None
+    return redis
+
+
+def produce(client: Any, stream: str, records: Iterable[dict]) -> list[str]:
+    """Append ``records`` to ``stream`` (``XADD``, field ``record`` = JSON); returns the
+    entry ids. ``client`` is a ``redis.Redis``."""
+    pipe = client.pipeline(transaction=False)
+    for rec in records:
+        pipe.xadd(stream, {"record": json.dumps(rec)})
+    return [i.decode() if isinstance(i, bytes) else i for i in pipe.execute()]
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ``"<ms>-<seq>"`` as a sortable tuple."""
+    ms, _, seq = str(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+class RedisStreamSource(StreamSourceBase):
+    """One consumer of a Redis Streams consumer group (see the module docstring)."""
+
+    def __init__(self, options: dict, partition: int, num_partitions: int, job: str = "") -> None:
+        super().__init__(options, partition, num_partitions, job)
+        validate_redis_options(self.options)
+        opts = {**_OPTIONS, **self.options}
+        self.host, self.port = str(opts["host"]), int(opts["port"])
+        self.stream, self.group = str(opts["stream"]), str(opts["group"])
+        prefix = opts["consumer_prefix"] or f"{job or 'dlrover'}-"
+        self.consumer = f"{prefix}{partition}"
+        self.reconnect_timeout_s = float(opts["reconnect_timeout_s"])
+        redis = _import_redis()
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._response_error = redis.exceptions.ResponseError
+        self.client = redis.Redis(host=self.host, port=self.port, db=int(opts["db"]),
+                                  socket_timeout=float(opts["socket_timeout_s"]),
+                                  socket_connect_timeout=float(opts["socket_timeout_s"]))
+        self.read_records = 0
+        self.acked = 0
+        self.reconnects = 0
+        self.outage_s = 0.0
+        self._pending_cursor: str | None = "0"
+        self._with_retry(self._ensure_group)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # ------------------------------------------------------------------ broker access
+    def _with_retry(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn``; while the broker is unreachable, retry every 0.5 s for
+        ``reconnect_timeout_s``, then raise :class:`BrokerUnavailable`."""
+        t0 = None
+        while True:
+            try:
+                out = fn(*args)
+                if t0 is not None:
+                    self.outage_s += time.monotonic() - t0
+                    log.warning("redis broker at %s is back after %.1f s", self.address,
+                                time.monotonic() - t0)
+                return out
+            except self._errors as exc:
+                now = time.monotonic()
+                if t0 is None:
+                    t0 = now
+                    self.reconnects += 1
+                    log.warning("redis broker at %s (stream %r) is unreachable (%s); retrying "
+                                "for %.0f s", self.address, self.stream, exc,
+                                self.reconnect_timeout_s)
+                if now - t0 >= self.reconnect_timeout_s:
+                    raise BrokerUnavailable(
+                        f"redis broker at {self.address} (stream {self.stream!r}, group "
+                        f"{self.group!r}) is unreachable for {now - t0:.1f} s: {exc}; start it "
+                        f"or fix config.odl.source.options.host/port") from None
+                time.sleep(0.5)
+            except self._response_error as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("consumer group %r of stream %r is gone (broker restarted without "
+                            "its data?); creating it again", self.group, self.stream)
+                self._ensure_group()
+
+    def _ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except self._response_error as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ------------------------------------------------------------------ the interface
+    def seek(self, position: Any | None) -> None:
+        """Re-deliver this consumer's pending entries after ``position`` (all of them
+        when ``None``), then continue with new entries."""
+        self._pending_cursor = str(position) if position is not None else "0"
+
+    def _xread(self, start: str, count: int, block_ms: int | None) -> list:
+        out = self.client.xreadgroup(self.group, self.consumer, {self.stream: start},
+                                     count=count, block=block_ms)
+        return out[0][1] if out else []
+
+    def read(self, max_records: int, timeout_s: float) -> ReadResult:
+        positions: list[str] = []
+        records: list[dict] = []
+        entries: list = []
+        if self._pending_cursor is not None:
+            entries = self._with_retry(self._xread, self._pending_cursor, max_records, None)
+            if entries:
+                self._pending_cursor = _text(entries[-1][0])
+            else:
+                self._pending_cursor = None  # pending ones re-delivered; now new entries
+        if self._pending_cursor is None and not entries:
+            entries = self._with_retry(self._xread, ">", max_records,
+                                       max(1, int(timeout_s * 1000)))
+        for entry_id, fields in entries:
+            if fields is None:  # deleted from the stream while pending
+                continue
+            eid = _text(entry_id)
+            positions.append(eid)
+            records.append(_decode(eid, fields))
+        self.read_records += len(records)
+        return ReadResult(positions, records, False)
+
+    def _ack_upto(self, position: str) -> int:
+        n = 0
+        while True:
+            pending = self.client.xpending_range(self.stream, self.group, min="-", max=position,
+                                                 count=1000, consumername=self.consumer)
+            ids = [p["message_id"] for p in pending]
+            if ids:
+                n += self.client.xack(self.stream, self.group, *ids)
+            if len(ids) < 1000:
+                return n
+
+    def commit(self, position: Any) -> None:
+        """``XACK`` this consumer's pending entries up to ``position``."""
+        self.acked += self._with_retry(self._ack_upto, str(position))
+
+    def stats(self) -> dict[str, float]:
+        return {"source_read_records": float(self.read_records),
+                "source_acked": float(self.acked),
+                "broker_reconnects": float(self.reconnects),
+                "broker_outage_s": float(self.outage_s)}
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _decode(entry_id: str, fields: dict) -> dict:
+    f = {_text(k): _text(v) for k, v in fields.items()}
+    rec = json.loads(f["record"]) if "record" in f else f
+    if isinstance(rec, dict) and "id" not in rec:
+        rec["id"] = entry_id
+    return rec

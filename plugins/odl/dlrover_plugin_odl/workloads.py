@@ -1,0 +1,296 @@
+"""Workloads of the ``odl`` roles: what the driver (:mod:`dlrover_plugin_odl.driver`)
+calls, and what you subclass.
+
+==========  =============================================  ==============================
+role        you provide                                    the driver calls
+==========  =============================================  ==============================
+source      nothing: :class:`SourceWorkload` reads the     ``seek``, ``read``, ``commit``,
+            stream source ``config.odl.source.kind``        ``stats``
+preprocess  ``transform(records) -> batch`` (default:      ``process``
+            ``x`` and ``y`` of each record as tensors)
+trainer     ``build_model()``; optionally                  ``resume_state``, ``train_step``,
+            ``build_optimizer``, ``loss``, ``predict``      ``finish``
+eval        ``build_model()``; optionally ``predict``       ``score``
+==========  =============================================  ==============================
+
+A *chunk* is what one source read returns: up to ``config.odl.batch_size`` records
+of one partition. A batch is a dict of tensors with dim 0 = records (``x``:
+float32 ``[N, features]``, ``y``: int64 ``[N]`` by default).
+
+The trainer is prequential (test-then-train, Gama et al., 2013): each chunk is
+scored by the current model before the model trains on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from dlrover_core import BaseWorkload
+from dlrover_plugin_odl.config import ODLConfig
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+# ---------------------------------------------------------------------------- source
+class SourceWorkload(BaseWorkload):
+    """The ``source`` role: one partition of the stream source named by
+    ``config.odl.source.kind`` (partition = rank)."""
+
+    def setup(self) -> None:
+        from dlrover_core.plugins.records import resolve
+        from dlrover_plugin_odl.registry import get_stream_source
+
+        self.odl = ODLConfig.from_config(self.config)
+        record = get_stream_source(self.odl.source.kind)
+        cls = resolve(record.source)
+        self.stream = cls(dict(self.odl.source.options), self.rank, self.world_size,
+                          self.context.job)
+
+    def seek(self, position: Any | None) -> None:
+        self.stream.seek(position)
+
+    def read(self, max_records: int) -> dict:
+        """Read one chunk. Returns its metadata ``{"partition", "n", "first", "last",
+        "end"}``; the records stay in the object store, referenced by ``data``
+        (a one-element list holding the ``ObjectRef``, so the driver never fetches
+        them)."""
+        import ray
+
+        r = self.stream.read(max_records, self.odl.read_timeout_s)
+        meta: dict[str, Any] = {"partition": self.rank, "n": len(r.records), "end": r.end,
+                                "first": r.positions[0] if r.positions else None,
+                                "last": r.positions[-1] if r.positions else None}
+        if r.records:
+            meta["data"] = [ray.put({"partition": self.rank, "positions": r.positions,
+                                     "records": r.records})]
+        return meta
+
+    def commit(self, position: Any) -> None:
+        self.stream.commit(position)
+
+    def stats(self) -> dict[str, float]:
+        return self.stream.stats()
+
+    def teardown(self) -> None:
+        stream = getattr(self, "stream", None)
+        if stream is not None:
+            stream.close()
+
+
+# ---------------------------------------------------------------------------- preprocess
+class PreprocessWorkload(BaseWorkload):
+    """The ``preprocess`` role: turns a chunk's records into a batch. Stateless, so
+    any instance can take any chunk and a restarted one loses nothing."""
+
+    def transform(self, records: list[dict]) -> dict[str, torch.Tensor]:
+        """Records -> batch. Default: ``x`` (float32 ``[N, F]``) from each record's
+        ``x`` (a list of numbers) and ``y`` (int64 ``[N]``) from its ``y``. Override."""
+        x = torch.tensor([r["x"] for r in records], dtype=torch.float32)
+        y = torch.tensor([int(r["y"]) for r in records], dtype=torch.int64)
+        return {"x": x, "y": y}
+
+    def process(self, chunk: dict) -> dict:
+        """``{"partition", "positions", "records"}`` -> ``{"partition", "n", "ids",
+        "batch"}``."""
+        records = chunk["records"]
+        return {"partition": chunk["partition"], "n": len(records),
+                "ids": [r.get("id") for r in records], "batch": self.transform(records)}
+
+
+# ---------------------------------------------------------------------------- trainer
+class OnlineTrainerWorkload(BaseWorkload):
+    """The ``trainer`` role: prequential online training, checkpoints that hold the
+    stream offsets, published model versions.
+
+    Progress (``step``: steps trained, ``records``, ``correct``: prequentially
+    correct predictions, ``offsets``: partition -> position of the last record
+    trained) is saved in the same checkpoint as the model and optimizer
+    (``extra["stream"]``, one atomic commit of the job's saver), every
+    ``checkpoint.every_steps`` steps. ``config.lr`` (default 1e-3) and
+    ``config.seed`` (default 0) are read by the defaults below.
+    """
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError(f"{type(self).__name__}.build_model() is not implemented")
+
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=float(self.config.get("lr", 1e-3)))
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """Mean cross-entropy of ``model(batch["x"])`` (logits ``[N, C]``) vs ``batch["y"]``."""
+        return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+    def predict(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """Predicted labels ``[N]`` (argmax of the logits)."""
+        return model(batch["x"]).argmax(dim=-1)
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self) -> None:
+        torch.manual_seed(int(self.config.get("seed", 0)))
+        self.odl = ODLConfig.from_config(self.config)
+        model = self.build_model()
+        self.model = self.backend.wrap(model) if self.context.backend else model
+        self.optimizer = self.build_optimizer(self.model)
+        self.progress: dict[str, Any] = {"step": 0, "records": 0, "correct": 0, "offsets": {}}
+        extra = {"stream": json.dumps(self.progress)}
+        loaded = self.checkpointer.load(model=self.model, optimizer=self.optimizer, extra=extra)
+        if loaded is not None:
+            self.progress = json.loads(extra["stream"])
+        self.restored_step = loaded
+        self._awaiting: dict[int, dict] = {}   # saved step -> offsets, until committed
+        self._committed_step = loaded if loaded is not None else -1
+        self._id_log = None
+        if self.odl.log_record_ids and self.job_dir:
+            d = os.path.join(self.job_dir, "odl", "trained")
+            os.makedirs(d, exist_ok=True)
+            self._id_log = open(os.path.join(d, f"rank{self.rank}.txt"), "a")
+        self.published: int | None = None
+
+    def resume_state(self) -> dict:
+        """Progress of the model as it is in memory now: after a restart, that of
+        the checkpoint it loaded. The driver resumes the stream after ``offsets``."""
+        return {**self.progress, "restored_step": self.restored_step}
+
+    def _save(self, step: int) -> None:
+        extra = {"stream": json.dumps(self.progress)}
+        self.checkpointer.save(step, model=self.model, optimizer=self.optimizer, extra=extra)
+        self._awaiting[step] = dict(self.progress["offsets"])
+
+    def _newly_committed(self) -> dict | None:
+        """The newest saved step the saver has committed since the last call, with its
+        offsets, or ``None``."""
+        if not self._awaiting:
+            return None
+        done = [s for s in self.checkpointer.saver.committed_steps() if s in self._awaiting]
+        if not done:
+            return None
+        step = max(done)
+        offsets = self._awaiting[step]
+        for s in [s for s in self._awaiting if s <= step]:
+            del self._awaiting[s]
+        self._committed_step = step
+        return {"step": step, "offsets": offsets}
+
+    def train_step(self, step: int, chunk: dict | None, offsets: dict, records: int) -> dict:
+        """Score ``chunk`` with the current model, then train on it (one optimizer
+        step; an empty chunk still joins the gradient all-reduce).
+
+        Before training, the state after ``step`` steps is checkpointed when
+        ``checkpoint.every_steps`` divides ``step``. Afterwards the progress is
+        ``step + 1`` with the stream ``offsets`` and ``records`` (global totals) the
+        driver passes.
+
+        Returns:
+            ``{"n", "correct", "loss", "committed"}``: records of this rank's chunk,
+            prequentially correct ones, the loss, and ``{"step", "offsets"}`` of a
+            checkpoint committed since the last call (or ``None``).
+        Raises:
+            RuntimeError: the driver and the trainer disagree on the step.
+        """
+        if step != self.progress["step"]:
+            raise RuntimeError(f"train_step({step}) but the trainer is at step "
+                               f"{self.progress['step']}: driver and trainer are out of sync")
+        if step > 0 and self.checkpointer.every_steps and step % self.checkpointer.every_steps == 0:
+            self._save(step)
+        n = int(chunk["n"]) if chunk else 0
+        self.model.train()
+        correct = torch.zeros((), dtype=torch.int64)
+        if n:
+            batch = chunk["batch"]
+            with torch.no_grad():
+                correct = (self.predict(self.model, batch) == batch["y"]).sum()
+            loss = self.loss(self.model, batch)
+        else:
+            loss = sum(p.sum() for p in self.model.parameters()) * 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        if self.context.backend:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.all_reduce(correct)
+        if self._id_log is not None and n:
+            self._id_log.write("".join(f"{i}\n" for i in chunk["ids"]))
+            self._id_log.flush()
+        self.progress = {"step": step + 1, "records": int(records),
+                         "correct": int(self.progress["correct"]) + int(correct),
+                         "offsets": dict(offsets)}
+        if self.rank == 0 and self.odl.publish_every and (step + 1) % self.odl.publish_every == 0:
+            self._publish()
+        return {"n": n, "correct": int(correct) if self.rank == 0 else 0,
+                "loss": float(loss.detach()) if n else float("nan"),
+                "committed": self._newly_committed()}
+
+    def _publish(self) -> None:
+        from dlrover_plugin_odl.publish import publish
+
+        step = int(self.progress["step"])
+        publish(os.path.join(self.job_dir or ".", "published"), step,
+                unwrap(self.model).state_dict(),
+                {"step": step, "records": self.progress["records"], "time": time.time()})
+        self.published = step
+
+    def finish(self) -> dict:
+        """End of the stream: checkpoint the final progress (so everything trained is
+        committed) and publish the final model. Returns ``{"committed", "published"}``."""
+        step = int(self.progress["step"])
+        if step > 0 and step not in self._awaiting and step != self._committed_step:
+            self._save(step)
+        self.checkpointer.wait()
+        if self.rank == 0 and step > 0 and self.published != step:
+            self._publish()
+        if self._id_log is not None:
+            self._id_log.close()
+            self._id_log = None
+        return {"committed": self._newly_committed(), "published": self.published}
+
+
+# ---------------------------------------------------------------------------- eval
+class EvalWorkload(BaseWorkload):
+    """The optional ``eval`` role: scores the live stream with the newest published
+    model version (reloaded whenever a newer one appears). Records that arrive
+    before any version is published are counted as ``unscored``."""
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError(f"{type(self).__name__}.build_model() is not implemented")
+
+    def predict(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return model(batch["x"]).argmax(dim=-1)
+
+    def setup(self) -> None:
+        self.model = self.build_model()
+        self.model.eval()
+        self.directory = os.path.join(self.job_dir or ".", "published")
+        self.version: int | None = None
+        self.counts: collections.Counter = collections.Counter()
+
+    def _refresh(self) -> None:
+        from dlrover_plugin_odl.publish import latest_version, load_latest
+
+        latest = latest_version(self.directory)
+        if latest is None or latest == self.version:
+            return
+        got = load_latest(self.directory)
+        if got is not None and got[0] != self.version:
+            self.model.load_state_dict(got[1])
+            self.version = got[0]
+
+    def score(self, chunk: dict) -> dict:
+        """``{"n", "correct", "unscored", "version"}`` for one preprocessed chunk."""
+        self._refresh()
+        n = int(chunk["n"])
+        if self.version is None:
+            return {"n": 0, "correct": 0, "unscored": n, "version": -1}
+        with torch.no_grad():
+            correct = int((self.predict(self.model, chunk["batch"]) == chunk["batch"]["y"]).sum())
+        return {"n": n, "correct": correct, "unscored": 0, "version": self.version}
