@@ -1,0 +1,194 @@
+"""The driver of ``multimodal`` jobs.
+
+Per step the driver holds only sample ids and scalars; the samples are read and
+encoded by the encoder roles and reach the trainer ranks worker to worker::
+
+    ids = the step's share of this epoch's permutation of the train split
+    for each encoder role:                               # non-blocking: DRefs
+        frozen    -> role.embed("train", ids)            # [n, d] embeddings (cached)
+        trainable -> role.inputs("train", ids)           # preprocessed samples
+    trainer.train_step(step, ids, {modality: refs})      # every rank fetches its share
+
+The encoder calls of the next ``prefetch`` steps are issued before the trainer's
+step is awaited, so encoding overlaps training. The trainer counts its own steps
+(``trained_steps``): a restarted driver resumes where the trainer is, so a
+replaced encoder (process-level recovery) costs the trainer nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import time
+from typing import Any
+
+import ray
+
+from dlrover_core import BaseTrainer
+from dlrover_plugin_multimodal.config import TRAINER, MultimodalConfig
+from dlrover_plugin_multimodal.dataset import load_dataset
+from dlrover_plugin_multimodal.handoff import EncodedRefs
+
+
+def _bundle_index(assigned: dict[str, float]) -> int | None:
+    try:
+        from dlrover_core.placement import bundle_index
+    except ImportError:  # the core before placement moved out of master/
+        from dlrover_core.master.placement import bundle_index
+    return bundle_index(assigned)
+
+
+def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Average each scalar over the ranks that reported it; ``samples`` is summed and
+    ``step_s`` / ``fetch_s`` take the slowest rank."""
+    out: dict[str, float] = {}
+    for k in sorted({k for d in per_rank for k in d}):
+        vals = [float(d[k]) for d in per_rank if k in d]
+        if k == "samples":
+            out[k] = sum(vals)
+        elif k in ("step_s", "fetch_s"):
+            out[k] = max(vals)
+        else:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+class MultimodalDriver(BaseTrainer):
+    """Runs a ``multimodal`` job: streams batches from the encoder roles to the trainer.
+
+    Metrics reported each step (``summary.json`` keeps the last): the trainer's
+    ``loss`` and other metrics averaged over ranks, ``epoch``, ``samples_per_s``,
+    ``step_s``, ``fetch_s`` (slowest trainer rank); at each epoch's end, per encoder
+    role, ``<role>_embedded``, ``<role>_cache_hits``, ``<role>_cache_misses`` summed
+    over its ranks (counts since each rank's process started). With
+    ``config.multimodal.evaluate``, every metric ``m`` of the trainer's
+    ``evaluate`` as ``m_untrained`` (before the first step) and ``m`` (after the last).
+    """
+
+    def init(self) -> None:
+        self.mm = MultimodalConfig.from_config(self.config)
+        self.dataset = load_dataset(self.mm.dataset, self.mm.modalities, self.mm.data_options)
+        self.train_ids = [int(i) for i in self.dataset.sample_ids("train")]
+        bs = self.mm.batch_size
+        self.steps_per_epoch = len(self.train_ids) // bs
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"config.multimodal.batch_size={bs} is larger than the train split "
+                             f"({len(self.train_ids)} samples)")
+        self.total_steps = self.mm.max_steps or self.mm.epochs * self.steps_per_epoch
+        self.groups = {enc.role: getattr(self, f"RG_{enc.role.upper()}")
+                       for enc in self.mm.encoders.values()}
+        self.trainer = getattr(self, f"RG_{TRAINER.upper()}")
+        self.placement = self.record_placement()
+        steps = [int(s) for s in self.trainer.trained_steps()]
+        if len(set(steps)) != 1:
+            raise RuntimeError(f"trainer ranks disagree on the steps taken: {steps}")
+        self.start_step = steps[0]
+        state = self.load_state() or {}
+        self.untrained: dict[str, float] | None = state.get("untrained")
+
+    # ------------------------------------------------------------------ placement
+    def record_placement(self) -> dict[str, Any]:
+        """Where each role instance runs, as Ray reports it from the actors:
+        ``{role: [{"rank", "node_id", "pid", "placement_group_id", "bundle",
+        "resources"}]}`` plus ``driver``; written to ``<job dir>/placement.json``."""
+        out: dict[str, Any] = {}
+        for role, handles in self.actor_handles.items():
+            infos = ray.get([h.node_info.remote() for h in handles])
+            out[role] = [{"rank": r, "node_id": i["node_id"], "pid": i["pid"],
+                          "placement_group_id": i["placement_group_id"],
+                          "bundle": _bundle_index(i["assigned_resources"]),
+                          "resources": i["assigned_resources"]}
+                         for r, i in enumerate(infos)]
+        out["driver"] = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        if self.job_dir:
+            os.makedirs(self.job_dir, exist_ok=True)
+            tmp = os.path.join(self.job_dir, "placement.json.tmp")
+            with open(tmp, "w") as f:
+                json.dump(out, f, indent=1)
+            os.replace(tmp, os.path.join(self.job_dir, "placement.json"))
+        return out
+
+    # ------------------------------------------------------------------ data
+    def batch_ids(self, step: int) -> list[int]:
+        """The sample ids of ``step``: slice ``step % steps_per_epoch`` of epoch
+        ``step // steps_per_epoch`` 's permutation of the train split (seeded by
+        ``seed`` and the epoch, so every driver computes the same)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        perm = list(self.train_ids)
+        random.Random(self.mm.seed * 1_000_003 + epoch).shuffle(perm)
+        bs = self.mm.batch_size
+        return perm[k * bs:(k + 1) * bs]
+
+    def encode(self, split: str, ids: list[int],
+               modalities: tuple[str, ...] | None = None) -> dict[str, EncodedRefs]:
+        """Start every encoder role on ``ids`` of ``split`` (non-blocking); returns the
+        references the trainer fetches from, by modality."""
+        out = {}
+        for m in modalities or self.mm.modalities:
+            enc = self.mm.encoder_of(m)
+            group = self.groups[enc.role]
+            method = "inputs" if enc.trainable else "embed"
+            dref = getattr(group, method).options(blocking=False, auto_shard=True)(split, ids)
+            out[m] = EncodedRefs.from_dref(dref, len(ids), m,
+                                           "inputs" if enc.trainable else "embeddings")
+        return out
+
+    def encoder_stats(self) -> dict[str, float]:
+        """``<role>_<counter>`` summed over each encoder role's ranks."""
+        out: dict[str, float] = {}
+        for role, group in self.groups.items():
+            for d in group.stats():
+                for k, v in d.items():
+                    out[f"{role}_{k}"] = out.get(f"{role}_{k}", 0.0) + float(v)
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        """The trainer's ``evaluate`` (rank 0) on the dataset's ``eval_inputs``."""
+        eval_ids = {m: (split, [int(i) for i in ids])
+                    for m, (split, ids) in self.dataset.eval_inputs().items()}
+        if not eval_ids:
+            return {}
+        refs = {}
+        for m, (split, ids) in eval_ids.items():
+            refs.update(self.encode(split, ids, (m,)))
+        return self.trainer.evaluate.options(target="RANK0", auto_shard=False)(eval_ids, refs)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        t_start = time.perf_counter()
+        if self.mm.evaluate and self.untrained is None and self.start_step == 0:
+            self.untrained = {f"{k}_untrained": v for k, v in self.evaluate().items()}
+            self.save_state({"untrained": self.untrained})
+        final: dict[str, float] = dict(self.untrained or {})
+        queued: collections.deque[tuple[int, list[int], dict]] = collections.deque()
+        next_issue = self.start_step
+        metrics: dict[str, float] = {}
+        last = self.start_step - 1
+        for step in range(self.start_step, self.total_steps):
+            while next_issue < self.total_steps and next_issue <= step + self.mm.prefetch:
+                ids = self.batch_ids(next_issue)
+                queued.append((next_issue, ids, self.encode("train", ids)))
+                next_issue += 1
+            s, ids, refs = queued.popleft()
+            assert s == step
+            t0 = time.perf_counter()
+            per_rank = self.trainer.train_step.options(auto_shard=False)(step, ids, refs)
+            metrics = mean_over_ranks(per_rank)
+            wall = time.perf_counter() - t0
+            metrics["epoch"] = float(step // self.steps_per_epoch)
+            metrics["samples_per_s"] = metrics.get("samples", len(ids)) / max(wall, 1e-9)
+            metrics["elapsed_s"] = time.perf_counter() - t_start
+            if (step + 1) % self.steps_per_epoch == 0 or step + 1 == self.total_steps:
+                metrics.update(self.encoder_stats())
+            self.report(step, **metrics, **final)
+            last = step
+        after = self.evaluate() if self.mm.evaluate else {}
+        final = {**metrics, **final, **after, "steps": float(self.total_steps),
+                 "fit_s": time.perf_counter() - t_start}
+        self.report(max(last, 0), **final)
+        return final
+
+
+__all__ = ["MultimodalDriver", "mean_over_ranks"]

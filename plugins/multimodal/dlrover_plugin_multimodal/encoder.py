@@ -1,0 +1,162 @@
+"""``EncoderWorkload``: the base class of a modality's encoder role.
+
+You provide, in a subclass:
+
+- :meth:`EncoderWorkload.build_encoder` (a classmethod): the encoder network. A
+  frozen encoder builds it in its own process (load pretrained weights here); a
+  trainable one is built by the trainer into its model, from the same method.
+- :meth:`EncoderWorkload.preprocess` (optional): raw samples from the dataset ->
+  the network's input (tokenise, scale pixels). It runs in the encoder role.
+- :meth:`EncoderWorkload.forward` (optional): run the network on preprocessed
+  inputs (default ``module(inputs)``); frozen encoders only.
+
+The driver calls ``embed`` (frozen) or ``inputs`` (trainable) with a step's
+``(split, ids)``; the role group splits the ids over the role's ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from dlrover_core import BaseWorkload
+from dlrover_plugin_multimodal.cache import EmbeddingCache
+from dlrover_plugin_multimodal.config import MultimodalConfig
+from dlrover_plugin_multimodal.dataset import MultimodalDataset, load_dataset
+
+
+class MultimodalWorkload(BaseWorkload):
+    """What every role of a ``multimodal`` job shares: :attr:`mm` (the validated
+    ``config.multimodal``), :attr:`dataset`, and :meth:`init_torch`."""
+
+    _mm: MultimodalConfig | None = None
+    _dataset: MultimodalDataset | None = None
+
+    @property
+    def mm(self) -> MultimodalConfig:
+        if self._mm is None:
+            self._mm = MultimodalConfig.from_config(self.config)
+        return self._mm
+
+    @property
+    def dataset(self) -> MultimodalDataset:
+        """The job's dataset, built in this process on first use."""
+        if self._dataset is None:
+            mm = self.mm
+            self._dataset = load_dataset(mm.dataset, mm.modalities, mm.data_options)
+        return self._dataset
+
+    def init_torch(self, offset: int = 0) -> int:
+        """Intra-op threads from ``config.torch_threads`` (default 1: roles share few
+        cores) and a torch seed ``config.multimodal.seed + offset + 17 * rank``.
+        Returns the seed."""
+        torch.set_num_threads(int(self.config.get("torch_threads", 1)))
+        seed = self.mm.seed + offset + 17 * self.rank
+        torch.manual_seed(seed)
+        return seed
+
+
+class EncoderWorkload(MultimodalWorkload):
+    """One modality's encoder role (see the module docstring).
+
+    Attributes (after ``setup``):
+        encoder: the role's :class:`~dlrover_plugin_multimodal.config.EncoderConfig`
+            (``modality``, ``trainable``, ``cache``).
+        module: the frozen network (``None`` for a trainable encoder, whose network
+            lives in the trainer).
+        cache: the :class:`EmbeddingCache` (``None`` when off).
+    """
+
+    module: torch.nn.Module | None = None
+    cache: EmbeddingCache | None = None
+
+    # ------------------------------------------------------------------ override
+    @classmethod
+    def build_encoder(cls, config: Any) -> torch.nn.Module:
+        """The encoder network. ``config``: the job config (``DictConfig``). Called in
+        this role's process for a frozen encoder and in the trainer for a trainable
+        one. Override."""
+        raise NotImplementedError(f"{cls.__name__}.build_encoder(config)")
+
+    def preprocess(self, raw: Any) -> Any:
+        """Raw samples (what the dataset's ``load`` returns, ``n`` of them) -> the
+        network's input, ``n`` rows. Default: unchanged."""
+        return raw
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        """Frozen encoders: ``[n, d]`` float embeddings of preprocessed inputs.
+        Default: ``self.module(inputs)``."""
+        assert self.module is not None
+        return self.module(inputs)
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self) -> None:
+        self.init_torch(offset=1000)
+        self.encoder = self.mm.encoders[self.role]
+        self.embedded = 0  # samples run through the network in this process
+        _ = self.dataset
+        if self.encoder.trainable:
+            return
+        self.module = self.build_encoder(self.config)
+        self.module.eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        self.cache = EmbeddingCache() if self.encoder.cache else None
+
+    # ------------------------------------------------------------------ driver calls
+    def embed(self, split: str, ids: Sequence[int]) -> dict[str, Any]:
+        """Frozen encoders: ``{"ids": [n] int64, "embeddings": [n, d] float32}`` of the
+        ``ids`` of ``split``, in order; with the cache, only samples never seen by
+        this process are run through the network (``torch.inference_mode``).
+
+        Raises:
+            RuntimeError: the encoder is trainable (call ``inputs``).
+        """
+        if self.encoder.trainable:
+            raise RuntimeError(f"{self.role} is trainable: its network runs in the trainer; "
+                               "the driver calls inputs(), not embed()")
+        ids = [int(i) for i in ids]
+        with torch.inference_mode():
+            if self.cache is None:
+                emb = self._run(split, ids)
+            else:
+                rows, missing = self.cache.lookup(split, ids)
+                if missing:
+                    miss_ids = [ids[p] for p in missing]
+                    new = self._run(split, miss_ids)
+                    self.cache.put(split, miss_ids, new)
+                    for p, row in zip(missing, new):
+                        rows[p] = row
+                emb = torch.stack(rows) if rows else torch.zeros(0)
+        return {"ids": torch.tensor(ids, dtype=torch.int64),
+                "embeddings": emb.detach().float().contiguous()}
+
+    def inputs(self, split: str, ids: Sequence[int]) -> dict[str, Any]:
+        """Trainable encoders: ``{"ids": [n] int64, "inputs": preprocessed samples}``
+        for the trainer's copy of the network."""
+        ids = [int(i) for i in ids]
+        raw = self.dataset.load(self.encoder.modality, split, ids)
+        return {"ids": torch.tensor(ids, dtype=torch.int64), "inputs": self.preprocess(raw)}
+
+    def stats(self) -> dict[str, float]:
+        """Counters since this process started: ``embedded`` (samples run through the
+        network), ``cache_hits``, ``cache_misses``, ``cache_size``."""
+        out = {"embedded": float(self.embedded)}
+        if self.cache is not None:
+            out.update(cache_hits=float(self.cache.hits), cache_misses=float(self.cache.misses),
+                       cache_size=float(len(self.cache)))
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, split: str, ids: list[int]) -> torch.Tensor:
+        raw = self.dataset.load(self.encoder.modality, split, ids)
+        out = self.forward(self.preprocess(raw))
+        if out.shape[0] != len(ids):
+            raise ValueError(f"{type(self).__name__}.forward returned {out.shape[0]} rows "
+                             f"for {len(ids)} samples")
+        self.embedded += len(ids)
+        return out
+
+
+__all__ = ["EncoderWorkload", "MultimodalWorkload"]
