@@ -21,6 +21,7 @@ from dlrover_core.plugins.records import StreamSource
 DRIVER = "dlrover_plugin_odl.driver:ODLTrainer"
 SOURCE_WORKLOAD = "dlrover_plugin_odl.workloads:SourceWorkload"
 PREPROCESS_WORKLOAD = "dlrover_plugin_odl.workloads:PreprocessWorkload"
+EDGES = (("source", "preprocess"), ("preprocess", "trainer"), ("preprocess", "eval"))
 
 _ROLES = {
     "source": "reads the stream (config.odl.source.kind): seek, read, commit",
@@ -81,6 +82,8 @@ def apply_odl(spec: Any) -> None:
             spec.roles[role] = node
         elif role == "source" and OmegaConf.is_missing(spec.roles[role], "workload"):
             spec.roles[role].workload = workload
+    if all(tuple(e) in EDGES for e in spec.edges):  # the template's own: redo with the new roles
+        spec.edges = [list(e) for e in EDGES if e[0] in spec.roles and e[1] in spec.roles]
     if spec.checkpoint.every_steps < 1:
         raise SpecError("checkpoint.every_steps", spec.checkpoint.every_steps,
                         "an integer >= 1 in an odl job",
@@ -106,7 +109,7 @@ def dlrover_graph_templates() -> list[GraphTemplate]:
                RoleTemplate("preprocess", False, _ROLES["preprocess"]),
                RoleTemplate("trainer", True, _ROLES["trainer"]),
                RoleTemplate("eval", False, _ROLES["eval"])),
-        edges=(("source", "preprocess"), ("preprocess", "trainer"), ("preprocess", "eval")),
+        edges=EDGES,
         driver=DRIVER,
         apply=apply_odl,
     )]

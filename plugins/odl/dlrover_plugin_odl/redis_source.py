@@ -103,9 +103,14 @@ class RedisStreamSource(StreamSourceBase):
         redis = _import_redis()
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._response_error = redis.exceptions.ResponseError
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # no retries inside redis-py: _with_retry handles (and counts) outages
         self.client = redis.Redis(host=self.host, port=self.port, db=int(opts["db"]),
                                   socket_timeout=float(opts["socket_timeout_s"]),
-                                  socket_connect_timeout=float(opts["socket_timeout_s"]))
+                                  socket_connect_timeout=float(opts["socket_timeout_s"]),
+                                  retry=Retry(NoBackoff(), 0))
         self.read_records = 0
         self.acked = 0
         self.reconnects = 0
