@@ -1,11 +1,13 @@
 """The ``dlrover`` command.
 
     dlrover plugins list [--json]
+    dlrover plugin new NAME --kind KIND [--dir DIR] [--force]
     dlrover templates list [--json]
     dlrover validate JOB.yaml [key=value ...]
     dlrover submit JOB.yaml [key=value ...] [--address ADDR] [--job-dir DIR]
     dlrover status NAME [--address ADDR] [--job-dir DIR] [--json]
     dlrover stop NAME [--address ADDR]
+    dlrover hooks [--json] [--write FILE]
 
 Exit codes: 0 success (``submit``: the job succeeded), 1 the job failed or was
 stopped, 2 bad input (invalid spec, unknown name).
@@ -19,6 +21,7 @@ import sys
 from typing import Sequence
 
 from dlrover_core import __version__
+from dlrover_core.cli import hooks_doc, plugin_new
 from dlrover_core.cli.output import console_for, print_json, print_table
 
 err = console_for(stderr=True)
@@ -162,11 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dlrover-core {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    plugins = sub.add_parser("plugins", help="installed plugins")
+    plugins = sub.add_parser("plugins", aliases=["plugin"],
+                             help="installed plugins; a new plugin package")
     psub = plugins.add_subparsers(dest="sub", required=True)
     pl = psub.add_parser("list", help="list plugins with status and what they provide")
     pl.add_argument("--json", action="store_true", help="a sorted JSON list")
     pl.set_defaults(func=cmd_plugins_list)
+    plugin_new.add_parser(psub)
 
     templates = sub.add_parser("templates", help="graph templates")
     tsub = templates.add_subparsers(dest="sub", required=True)
@@ -202,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--address", default=None)
     sp.set_defaults(func=cmd_stop)
 
+    hooks_doc.add_parser(sub)
     _pm().add_cli_commands(sub)
     return p
 
