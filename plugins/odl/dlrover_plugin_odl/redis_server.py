@@ -54,6 +54,7 @@ class LocalRedisServer:
         self.port = port or free_port()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="odl-redis-")
+        os.makedirs(self.data_dir, exist_ok=True)
         self.proc: subprocess.Popen | None = None
 
     @property

@@ -1,0 +1,240 @@
+"""Whole odl jobs on one real local Ray cluster (shared by this module): backpressure,
+SIGKILLed trainer and preprocess workers with every record id counted, Redis Streams
+through a broker that goes down and comes back, and a stream source from a plugin
+distribution outside the core, found through its entry point."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import importlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import ray
+
+from dlrover_core import load_spec
+from dlrover_core.master.client import create_master
+from dlrover_core.plugins.manager import reset_plugin_manager
+from dlrover_core.testing import make_fake_dist, poll_status, start_test_ray
+from dlrover_plugin_odl.publish import load_latest
+
+TOY = "dlrover_plugin_odl.toy"
+
+# a stream source in its own distribution: registered through the dlrover.plugins
+# entry point and the dlrover_stream_sources hook, unknown to the core and to odl
+COUNTDOWN = '''
+from dlrover_core import hookimpl
+from dlrover_core.plugins.records import StreamSource
+from dlrover_plugin_odl.source import ReadResult, StreamSourceBase
+
+
+@hookimpl
+def dlrover_stream_sources():
+    return [StreamSource(name="countdown", source="countdown_fake_mod:Countdown",
+                         description="ids n-1 .. 0, for tests")]
+
+
+class Countdown(StreamSourceBase):
+    def seek(self, position):
+        self.next = 0 if position is None else int(position) + 1
+
+    def read(self, max_records, timeout_s):
+        n = int(self.options["n"])
+        pos = [i for i in range(self.next, n) if i % self.num_partitions == self.partition]
+        pos = pos[:max_records]
+        if pos:
+            self.next = pos[-1] + 1
+        recs = [{"id": n - 1 - i, "x": [float(i % 7) - 3.0, 1.0, -1.0, 0.5], "y": i % 2}
+                for i in pos]
+        return ReadResult(pos, recs, end=not pos or pos[-1] + self.num_partitions >= n)
+'''
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One Ray cluster for the module; its workers see the fake plugin distribution."""
+    dist_dir = tmp_path_factory.mktemp("dists")
+    make_fake_dist(dist_dir, "dlrover-plugin-countdown", "countdown", COUNTDOWN)
+    old_pp = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(dist_dir)] + ([old_pp] if old_pp else []))
+    sys.path.insert(0, str(dist_dir))
+    importlib.invalidate_caches()
+    reset_plugin_manager(None)
+    started = False
+    if not ray.is_initialized():
+        temp_dir = start_test_ray()
+        started = True
+    yield
+    if started:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    sys.path.remove(str(dist_dir))
+    if old_pp is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old_pp
+    reset_plugin_manager(None)
+
+
+def odl_spec(name, odl, roles=None, every=5, **config):
+    roles = {"trainer": {"workload": f"{TOY}:ToyTrainer", "resources": {"cpu": 0.5}},
+             **(roles or {})}
+    return load_spec({"name": name, "template": "odl", "roles": roles,
+                      "checkpoint": {"every_steps": every, "keep": 2},
+                      "failover": {"max_restarts": 5},
+                      "config": {"lr": 0.02, "odl": {"log_record_ids": True, **odl}, **config}})
+
+
+def start(spec, job_dir):
+    master = create_master(spec, job_dir)
+    ray.get(master.start.remote())
+    return master
+
+
+def finish(master, timeout=400):
+    summary = poll_status(master, lambda st: st["summary"], timeout)["summary"]
+    ray.kill(master, no_restart=True)
+    return summary
+
+
+def wait_records(master, n, timeout=300):
+    return poll_status(master, lambda st: st["metrics"].get("records", 0) >= n or st["summary"],
+                       timeout)
+
+
+def trained_ids(job_dir):
+    ids = []
+    for path in glob.glob(os.path.join(job_dir, "odl", "trained", "rank*.txt")):
+        with open(path) as f:
+            ids += [line.strip() for line in f if line.strip()]
+    return collections.Counter(ids)
+
+
+def driver_rows(job_dir):
+    with open(os.path.join(job_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r for r in rows if r.get("role") == "driver"]
+
+
+def events(job_dir, name):
+    with open(os.path.join(job_dir, "events.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e["event"] == name]
+
+
+# ---------------------------------------------------------------------------- backpressure
+def test_slow_trainer_slows_an_endless_source_to_the_buffer_bound(cluster, job_dir):
+    batch, buffer = 8, 3
+    spec = odl_spec("odl-backpressure", {
+        "source": {"kind": "replay", "options": {"records": f"{TOY}:endless_records"}},
+        "batch_size": batch, "buffer": buffer, "max_records": 320, "report_every": 1,
+        "publish_every": 0, "log_record_ids": False}, every=20,
+        toy={"step_sleep_s": 0.15})
+    summary = finish(start(spec, job_dir))
+    assert summary["status"] == "succeeded", summary["error"]
+    m = summary["metrics"]
+    assert m["records"] == 320
+    rows = driver_rows(job_dir)
+    buffered = [r["buffered_records"] for r in rows]
+    # the source process's own read counter never runs ahead of training by more than
+    # the buffer, although the source could produce without end ...
+    assert max(buffered) <= buffer * batch
+    assert m["source_read_records"] <= 320 + buffer * batch
+    # ... and the buffer did fill up: the trainer was the bottleneck
+    assert max(r["max_in_flight_chunks"] for r in rows) == buffer
+    assert max(buffered) >= (buffer - 1) * batch
+
+
+# ---------------------------------------------------------------------------- at-least-once
+@pytest.mark.slow
+def test_sigkill_trainer_and_preprocess_lose_no_record(cluster, job_dir):
+    n, batch, every = 2400, 16, 5
+    spec = odl_spec("odl-kills", {
+        "source": {"kind": "replay", "options": {"records": f"{TOY}:toy_records",
+                                                  "kwargs": {"n": n, "drift_at": 1200}}},
+        "batch_size": batch, "buffer": 4, "publish_every": 10, "report_every": 1},
+        roles={"source": {"total": 2, "resources": {"cpu": 0.25}},
+               "preprocess": {"workload": "dlrover_plugin_odl.workloads:PreprocessWorkload",
+                              "total": 2, "resources": {"cpu": 0.25}},
+               "eval": {"workload": f"{TOY}:ToyEval", "resources": {"cpu": 0.25}}},
+        every=every, toy={"step_sleep_s": 0.03})
+    master = start(spec, job_dir)
+    st = wait_records(master, 500)
+    assert not st["summary"], "the stream ended before the first kill"
+    os.kill(st["instances"]["trainer-0"]["pid"], signal.SIGKILL)
+    st = poll_status(master, lambda s: s["restarts"].get("total", 0) >= 1 and
+                     s["metrics"].get("records", 0) >= 1300 or s["summary"], 300)
+    assert not st["summary"], "the stream ended before the second kill"
+    os.kill(st["instances"]["preprocess-1"]["pid"], signal.SIGKILL)
+    summary = finish(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["restarts"]["total"] == 2
+    failed = {(e["role"], e["kind"]) for e in events(job_dir, "instance_failed")}
+    assert {("trainer", "actor_died"), ("preprocess", "actor_died")} <= failed
+
+    counts = trained_ids(job_dir)
+    lost = set(map(str, range(n))) - set(counts)
+    duplicated = sum(c - 1 for c in counts.values())
+    assert not lost, f"{len(lost)} records never trained"
+    # trained twice: only what the killed trainer trained after its last checkpoint
+    # (at most every_steps chunks); a preprocess kill re-sends nothing the trainer had
+    assert duplicated <= every * batch, duplicated
+    m = summary["metrics"]
+    assert m["records"] == n and m["stop_reason_end_of_stream"] == 1.0
+    assert m["prequential_accuracy"] > 0.8  # it learned, also after the drift
+    assert m["eval_records"] > 0 and m["eval_version"] >= 10
+    version, state, meta = load_latest(os.path.join(job_dir, "published"))
+    assert version == m["steps"] and meta["records"] == n and "0.weight" in state
+
+
+# ---------------------------------------------------------------------------- redis
+@pytest.mark.slow
+def test_redis_stream_with_the_broker_down_and_back(cluster, job_dir, tmp_path):
+    from dlrover_plugin_odl.redis_server import LocalRedisServer
+    from dlrover_plugin_odl.redis_source import produce
+
+    n = 1200
+    with LocalRedisServer(data_dir=str(tmp_path / "redis")) as srv:
+        produce(srv.client(), "events", [{"id": i, "x": [float(i % 5) - 2, 1.0, 0.0, -1.0],
+                                          "y": int(i % 5 > 2)} for i in range(n)])
+        spec = odl_spec("odl-redis", {
+            "source": {"kind": "redis", "options": {
+                "port": srv.port, "stream": "events", "group": "trainers",
+                "reconnect_timeout_s": 120}},
+            "batch_size": 16, "buffer": 4, "max_records": n, "read_timeout_s": 0.2,
+            "publish_every": 0}, roles={"source": {"total": 2, "resources": {"cpu": 0.25}}},
+            toy={"step_sleep_s": 0.03})
+        master = start(spec, job_dir)
+        st = wait_records(master, 300)
+        assert not st["summary"], "the stream ended before the broker went down"
+        srv.stop()
+        time.sleep(4)
+        srv.start()
+        summary = finish(master)
+        assert summary["status"] == "succeeded", summary["error"]
+        counts = trained_ids(job_dir)
+        assert set(counts) == set(map(str, range(n)))  # nothing lost
+        m = summary["metrics"]
+        assert m["broker_reconnects"] >= 1
+        # everything trained is in the final committed checkpoint, and acknowledged
+        assert srv.client().xpending("events", "trainers")["pending"] == 0
+        assert m["source_acked"] >= n
+
+
+# ---------------------------------------------------------------------------- plugin source
+def test_a_stream_source_from_another_distribution_via_its_entry_point(cluster, job_dir):
+    n = 600
+    spec = odl_spec("odl-countdown", {"source": {"kind": "countdown", "options": {"n": n}},
+                                      "batch_size": 32, "publish_every": 5},
+                    roles={"eval": {"workload": f"{TOY}:ToyEval", "resources": {"cpu": 0.25}}})
+    summary = finish(start(spec, job_dir))
+    assert summary["status"] == "succeeded", summary["error"]
+    counts = trained_ids(job_dir)
+    assert sorted(counts, key=int) == [str(i) for i in range(n)] and max(counts.values()) == 1
+    m = summary["metrics"]
+    assert m["records"] == n and m["eval_records"] + m["eval_unscored"] == n
