@@ -135,11 +135,17 @@ class MultimodalDriver(BaseTrainer):
                                            "inputs" if enc.trainable else "embeddings")
         return out
 
-    def encoder_stats(self) -> dict[str, float]:
+    def request_encoder_stats(self) -> dict[str, Any]:
+        """Start ``stats()`` on every encoder role (non-blocking). An actor runs its calls
+        in order, so the counters cover exactly the work issued before this request."""
+        return {role: group.stats.options(blocking=False)() for role, group in self.groups.items()}
+
+    @staticmethod
+    def collect_encoder_stats(requested: dict[str, Any]) -> dict[str, float]:
         """``<role>_<counter>`` summed over each encoder role's ranks."""
         out: dict[str, float] = {}
-        for role, group in self.groups.items():
-            for d in group.stats():
+        for role, dref in requested.items():
+            for d in dref.get():
                 for k, v in d.items():
                     out[f"{role}_{k}"] = out.get(f"{role}_{k}", 0.0) + float(v)
         return out
@@ -166,8 +172,11 @@ class MultimodalDriver(BaseTrainer):
         next_issue = self.start_step
         metrics: dict[str, float] = {}
         last = self.start_step - 1
+        epoch_stats: dict[int, dict[str, Any]] = {}  # last step of an epoch -> stats requests
         for step in range(self.start_step, self.total_steps):
             while next_issue < self.total_steps and next_issue <= step + self.mm.prefetch:
+                if next_issue > self.start_step and next_issue % self.steps_per_epoch == 0:
+                    epoch_stats[next_issue - 1] = self.request_encoder_stats()
                 ids = self.batch_ids(next_issue)
                 queued.append((next_issue, ids, self.encode("train", ids)))
                 next_issue += 1
@@ -180,8 +189,11 @@ class MultimodalDriver(BaseTrainer):
             metrics["epoch"] = float(step // self.steps_per_epoch)
             metrics["samples_per_s"] = metrics.get("samples", len(ids)) / max(wall, 1e-9)
             metrics["elapsed_s"] = time.perf_counter() - t_start
-            if (step + 1) % self.steps_per_epoch == 0 or step + 1 == self.total_steps:
-                metrics.update(self.encoder_stats())
+            epoch_end = (step + 1) % self.steps_per_epoch == 0 or step + 1 == self.total_steps
+            if epoch_end and step not in epoch_stats:  # nothing issued past it yet
+                epoch_stats[step] = self.request_encoder_stats()
+            if step in epoch_stats:
+                metrics.update(self.collect_encoder_stats(epoch_stats.pop(step)))
             self.report(step, **metrics, **final)
             last = step
         after = self.evaluate() if self.mm.evaluate else {}
