@@ -22,7 +22,6 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 from dlrover_core.tuning import ElasticDataLoader, TuningSession, gradient_sync
 from examples.nanogpt.data import CharDataset
@@ -51,7 +50,7 @@ class TunedGPTWorkload(GPTWorkload):
         mb, nw = int(c.get("micro_batch", 8)), int(c.get("num_workers", 0))
         self.loader = ElasticDataLoader(self.train_set, batch_size=mb, num_workers=nw,
                                         seed=seed, rank=self.rank, world_size=self.world_size)
-        self.tuning = TuningSession.for_workload(self, {
+        self.tuning = self.make_tuning_session({
             "dataloader": {"batch_size": mb, "num_workers": nw},
             "optimizer": {"learning_rate": float(c.lr),
                           "grad_accum_steps": int(c.get("grad_accum_steps", 4))},
@@ -69,6 +68,10 @@ class TunedGPTWorkload(GPTWorkload):
             os.makedirs(str(c.record_samples), exist_ok=True)
             self._record = open(os.path.join(str(c.record_samples), f"rank{self.rank}.jsonl"),
                                 "a", buffering=1)
+
+    def make_tuning_session(self, initial: dict) -> TuningSession:
+        """The rank's tuning session (the JobMaster is its source when tuning is on)."""
+        return TuningSession.for_workload(self, initial)
 
     def lr_at(self, step: int) -> float:
         """The tuned peak learning rate with the warm-up and cosine decay of the base."""
@@ -132,5 +135,3 @@ class TunedGPTWorkload(GPTWorkload):
         self.loader.close()
         if self._record is not None:
             self._record.close()
-        if dist.is_initialized():
-            pass  # the backend leaves the process group
