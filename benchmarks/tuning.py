@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/tuning.py [--steps-per-point 14] [--tuned-steps 200]
 
-The job: the tuned nanoGPT example (``examples/nanogpt/tuned_workload.py``, 4 layers,
-128 wide, context 128, AdamW) whose training samples are read from a store with
+The job: the tuned nanoGPT example (``examples/nanogpt/tuned_workload.py``; by default
+made smaller with ``--model``: 2 layers, 64 wide, context 64, AdamW) whose training samples are read from a store with
 ``--latency`` seconds per sample (simulated storage latency) and decoded on the CPU,
 a global batch of 32 samples per optimizer step. Its own training loop runs in this
 process, one rank, ``--threads`` torch threads, through the same pieces a job uses:
@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=8)
     ap.add_argument("--latency", type=float, default=0.008)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default="n_layer=2,n_embd=64,n_head=2,block_size=64",
+                    help="model config overrides (the example's own: 4 layers, 128 wide)")
     ap.add_argument("--workers", default="0,1,2,4")
     ap.add_argument("--micro-batches", default="4,8,16,32")
     args = ap.parse_args()
@@ -135,6 +137,9 @@ def main() -> None:
                            "roles.trainer.per_node=1", f"tuning.interval_steps={args.interval}"])
     base = OmegaConf.to_container(spec.config, resolve=True)
     base["read_latency_s"] = args.latency
+    for kv in filter(None, args.model.split(",")):
+        k, _, v = kv.partition("=")
+        base[k] = int(v)
     job_dir = tempfile.mkdtemp(prefix="dlrover-bench-tuning-")
     n = args.steps_per_point
     t0 = time.time()
@@ -171,7 +176,7 @@ def main() -> None:
                                "grad_accum_steps": final["config"]["optimizer"]["grad_accum_steps"]},
         "accepted": final["accepted"], "reverted": final["reverted"],
         "grid_points": len(grid), "steps_per_point": n, "tuned_steps": args.tuned_steps,
-        "latency_s": args.latency, "threads": args.threads,
+        "latency_s": args.latency, "threads": args.threads, "model": args.model,
         "wall_s": round(time.time() - t0, 1),
     }
     for e in events:
