@@ -1,0 +1,205 @@
+"""``dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR]``: the
+stdout/stderr of role instances, from the job directory (``logs/<role>-<rank>/
+attempt-<N>.log`` and its rotated parts, see :mod:`dlrover_core.runtime.log_capture`),
+so it works while the job runs, after it ended and after a master restart.
+
+One instance: its attempts in order, each under a ``==> trainer-1 attempt 0 <==``
+line. Several: every line prefixed with ``[trainer-1 a0]``. ``-f`` keeps printing
+what is appended (new attempts included) until the job's ``summary.json`` appears and
+nothing more is written for ``--settle`` seconds, or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Iterable
+
+from dlrover_core.runtime.log_capture import LOGS_DIR
+
+_ATTEMPT_RE = re.compile(r"^attempt-(\d+)\.log$")
+_ROTATED_RE = re.compile(r"^attempt-(\d+)\.log\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """One attempt of one instance: ``label`` (``trainer-1``/``driver``), ``role``,
+    ``rank`` (-1 for the driver), ``attempt``, and its ``path`` (the live file)."""
+
+    label: str
+    role: str
+    rank: int
+    attempt: int
+    path: str
+
+    def parts(self) -> list[str]:
+        """Rotated parts, oldest first, then the live file (those that exist)."""
+        d, base = os.path.split(self.path)
+        rotated = []
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            m = _ROTATED_RE.match(name)
+            if m and int(m.group(1)) == self.attempt:
+                rotated.append((int(m.group(2)), os.path.join(d, name)))
+        out = [p for _, p in sorted(rotated, reverse=True)]
+        return out + ([self.path] if os.path.exists(self.path) else [])
+
+
+def _split_label(label: str) -> tuple[str, int]:
+    role, sep, rank = label.rpartition("-")
+    if sep and rank.isdigit():
+        return role, int(rank)
+    return label, -1
+
+
+def find_sources(job_dir: str, role: str | None = None, rank: int | None = None,
+                 attempt: int | None = None) -> list[LogSource]:
+    """The attempts logged under ``job_dir`` matching the filters, ordered by role,
+    rank and attempt."""
+    base = os.path.join(job_dir, LOGS_DIR)
+    out = []
+    for label in os.listdir(base) if os.path.isdir(base) else []:
+        r, k = _split_label(label)
+        if (role is not None and r != role) or (rank is not None and k != rank):
+            continue
+        attempts = set()
+        for name in os.listdir(os.path.join(base, label)):
+            m = _ATTEMPT_RE.match(name) or _ROTATED_RE.match(name)
+            if m:
+                attempts.add(int(m.group(1)))
+        for a in sorted(attempts):
+            if attempt is None or a == attempt:
+                out.append(LogSource(label, r, k, a, os.path.join(base, label,
+                                                                  f"attempt-{a}.log")))
+    return sorted(out, key=lambda s: (s.role, s.rank, s.attempt))
+
+
+class Printer:
+    """Writes log bytes to ``out``: headers for one instance, prefixes for several."""
+
+    def __init__(self, out: IO[str], prefixed: bool) -> None:
+        self.out, self.prefixed = out, prefixed
+        self._current: LogSource | None = None
+        self._partial: dict[LogSource, str] = {}
+
+    def write(self, src: LogSource, data: bytes) -> None:
+        text = self._partial.pop(src, "") + data.decode(errors="replace")
+        if not self.prefixed:
+            if src != self._current:
+                self.out.write(f"==> {src.label} attempt {src.attempt} <==\n")
+                self._current = src
+            self.out.write(text)
+            return
+        lines = text.split("\n")
+        if lines[-1]:
+            self._partial[src] = lines[-1]
+        for ln in lines[:-1]:
+            self.out.write(f"[{src.label} a{src.attempt}] {ln}\n")
+
+    def finish(self) -> None:
+        for src, rest in self._partial.items():
+            self.out.write(f"[{src.label} a{src.attempt}] {rest}\n")
+        self._partial.clear()
+        self.out.flush()
+
+
+def print_logs(sources: Iterable[LogSource], out: IO[str], prefixed: bool) -> None:
+    """Print everything logged so far by ``sources`` (rotated parts first)."""
+    printer = Printer(out, prefixed)
+    for src in sources:
+        for part in src.parts():
+            with open(part, "rb") as f:
+                printer.write(src, f.read())
+    printer.finish()
+
+
+def follow(job_dir: str, role: str | None, rank: int | None, attempt: int | None,
+           out: IO[str], prefixed: bool, poll_s: float = 0.5, settle_s: float = 2.0,
+           timeout_s: float | None = None) -> None:
+    """Print what is appended to the matching logs until the job ended (its
+    ``summary.json`` exists) and nothing was written for ``settle_s`` s, or
+    ``timeout_s`` s passed."""
+    printer = Printer(out, prefixed)
+    offsets: dict[LogSource, int] = {}
+    for src in find_sources(job_dir, role, rank, attempt):
+        for part in src.parts():
+            with open(part, "rb") as f:
+                printer.write(src, f.read())
+        offsets[src] = os.path.getsize(src.path) if os.path.exists(src.path) else 0
+    out.flush()
+    start = quiet_since = time.time()
+    while True:
+        wrote = False
+        for src in find_sources(job_dir, role, rank, attempt):
+            pos = offsets.get(src, 0)
+            size = os.path.getsize(src.path) if os.path.exists(src.path) else 0
+            if size < pos:  # rotated: the rest of the old file is now part .1
+                rotated = src.path + ".1"
+                if os.path.exists(rotated):
+                    with open(rotated, "rb") as f:
+                        f.seek(pos)
+                        printer.write(src, f.read())
+                pos = 0
+            if size > pos:
+                with open(src.path, "rb") as f:
+                    f.seek(pos)
+                    data = f.read()
+                printer.write(src, data)
+                pos += len(data)
+                wrote = True
+            offsets[src] = pos
+        out.flush()
+        now = time.time()
+        if wrote:
+            quiet_since = now
+        ended = os.path.exists(os.path.join(job_dir, "summary.json"))
+        if ended and now - quiet_since >= settle_s:
+            break
+        if timeout_s is not None and now - start >= timeout_s:
+            break
+        time.sleep(poll_s)
+    printer.finish()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("logs", help="stdout/stderr of role instances, every attempt, from "
+                       "the job directory")
+    p.add_argument("job", help="job name (runs/NAME) or a job directory")
+    p.add_argument("--role", default=None, help="only this role ('driver' for the driver)")
+    p.add_argument("--rank", type=int, default=None, help="only this rank")
+    p.add_argument("--attempt", type=int, default=None, help="only this attempt (0: first)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing new output until the job ends")
+    p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
+    p.set_defaults(func=cmd_logs)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from dlrover_core.cli.job_files import resolve_job_dir
+    from dlrover_core.cli.output import console_for
+
+    job_dir = resolve_job_dir(args.job, args.job_dir)
+    sources = find_sources(job_dir, args.role, args.rank, args.attempt)
+    labels = {s.label for s in sources}
+    if not sources and not args.follow:
+        what = ", ".join(f"{k}={v}" for k, v in (("role", args.role), ("rank", args.rank),
+                                                  ("attempt", args.attempt)) if v is not None)
+        have = sorted({s.label for s in find_sources(job_dir)})
+        console_for(stderr=True).print(
+            f"no worker logs in {os.path.join(job_dir, LOGS_DIR)}"
+            + (f" for {what}" if what else "")
+            + (f"; logged instances: {', '.join(have)}" if have else ""), highlight=False)
+        return 2
+    single = (args.role is not None and args.rank is not None) or args.role == "driver"
+    prefixed = len(labels) > 1 or (args.follow and not single)
+    if args.follow:
+        try:
+            follow(job_dir, args.role, args.rank, args.attempt, sys.stdout, prefixed)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    print_logs(sources, sys.stdout, prefixed)
+    return 0

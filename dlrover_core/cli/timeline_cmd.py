@@ -1,0 +1,37 @@
+"""``dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--json]``."""
+
+from __future__ import annotations
+
+import argparse
+
+from dlrover_core.cli.output import print_json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("timeline", help="draw a job's timeline (instances, failures, "
+                       "recoveries, checkpoints, goodput) from its job directory")
+    p.add_argument("job", help="job name (runs/NAME) or a job directory")
+    p.add_argument("-o", "--output", default="timeline.png",
+                   help="image to write (.png, .svg, .pdf; default timeline.png)")
+    p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
+    p.add_argument("--json", action="store_true",
+                   help="print the drawn data as JSON instead of drawing")
+    p.set_defaults(func=cmd_timeline)
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from dlrover_core.cli.job_files import JobFiles, resolve_job_dir
+    from dlrover_core.cli.timeline_model import build_timeline
+
+    tl = build_timeline(JobFiles.read(resolve_job_dir(args.job, args.job_dir)))
+    if args.json:
+        print_json(tl.as_dict())
+        return 0
+    from dlrover_core.cli.timeline_plot import save_timeline
+
+    save_timeline(tl, args.output)
+    parts = ", ".join(f"{k} {v:.1f} s" for k, v in tl.breakdown.items())
+    print(f"wrote {args.output}: {len(tl.rows)} instances, {len(tl.failures)} failures, "
+          f"{len(tl.recoveries)} recoveries, {len(tl.checkpoints)} checkpoints; "
+          f"wall {tl.wall_s:.1f} s = {parts}")
+    return 0

@@ -1,0 +1,175 @@
+"""Worker output into the job directory: the stdout and stderr of a role instance,
+per attempt, rotated by size.
+
+Layout: ``<job_dir>/logs/<role>-<rank>/attempt-<N>.log`` (the driver:
+``logs/driver/attempt-<N>.log``); when a file reaches ``max_bytes`` it is renamed
+``attempt-<N>.log.1`` (older ones shift to ``.2`` ... up to ``backups``, the oldest is
+dropped), as ``logging.handlers.RotatingFileHandler`` does.
+
+How: the process's file descriptors 1 and 2 are redirected (``os.dup2``) into a pipe
+that a daemon thread reads; it appends every chunk to the current attempt's file and
+also writes it to the previous stdout (Ray's worker log, so ``--verbose`` still shows
+it). Output of C/C++ code (gloo, NCCL) is captured as well as Python's. stdout and
+stderr share one file, interleaved as written. ``sys.stdout``/``sys.stderr`` are made
+line-buffered so that a SIGKILL loses at most the unread part of the pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import IO
+
+DEFAULT_MAX_BYTES = 10 << 20
+DEFAULT_BACKUPS = 3
+LOGS_DIR = "logs"
+
+
+def instance_dir(job_dir: str, role: str, rank: int) -> str:
+    """``<job_dir>/logs/<role>-<rank>`` (``logs/driver`` for the driver)."""
+    name = role if role == "driver" else f"{role}-{rank}"
+    return os.path.join(job_dir, LOGS_DIR, name)
+
+
+def attempt_path(job_dir: str, role: str, rank: int, attempt: int) -> str:
+    return os.path.join(instance_dir(job_dir, role, rank), f"attempt-{attempt}.log")
+
+
+class RotatingFile:
+    """An append-only file rotated at ``max_bytes`` (bytes) keeping ``backups`` old
+    parts (``path.1`` newest ... ``path.<backups>`` oldest).
+
+    Raises:
+        ValueError: ``max_bytes`` < 1024 or ``backups`` < 0.
+    """
+
+    def __init__(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES,
+                 backups: int = DEFAULT_BACKUPS) -> None:
+        if max_bytes < 1024 or backups < 0:
+            raise ValueError(f"max_bytes={max_bytes} (>= 1024) and backups={backups} (>= 0)")
+        self.path, self.max_bytes, self.backups = path, max_bytes, backups
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._f: IO[bytes] = open(path, "ab")
+
+    def write(self, data: bytes) -> None:
+        while data:
+            room = self.max_bytes - self._f.tell()
+            if room <= 0:
+                self._rotate()
+                continue
+            # cut at the last newline that fits, so that lines stay whole when they can
+            piece = data[:room]
+            if len(data) > room:
+                nl = piece.rfind(b"\n")
+                if nl >= 0:
+                    piece = piece[:nl + 1]
+                elif self._f.tell() > 0:
+                    self._rotate()
+                    continue
+            self._f.write(piece)
+            data = data[len(piece):]
+        self._f.flush()
+
+    def _rotate(self) -> None:
+        self._f.close()
+        if self.backups == 0:
+            os.remove(self.path)
+        else:
+            for i in range(self.backups - 1, 0, -1):
+                src = f"{self.path}.{i}"
+                if os.path.exists(src):
+                    os.replace(src, f"{self.path}.{i + 1}")
+            os.replace(self.path, f"{self.path}.1")
+        self._f = open(self.path, "ab")
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+class OutputCapture:
+    """The process-wide capture; :func:`capture_output` makes and switches it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._file: RotatingFile | None = None
+        self._tee_fd = os.dup(1)  # where stdout went before (Ray's worker log)
+        r, w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        os.close(w)
+        self._read_fd = r
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - not a TextIOWrapper
+                pass
+        self._thread = threading.Thread(target=self._pump, name="dlrover-log-capture",
+                                        daemon=True)
+        self._thread.start()
+
+    def switch(self, path: str, max_bytes: int, backups: int) -> None:
+        """Send output from now on to ``path`` (a new attempt's file)."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        new = RotatingFile(path, max_bytes, backups)
+        with self._lock:
+            old, self._file = self._file, new
+        if old is not None:
+            old.close()
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read_fd, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                os.write(self._tee_fd, data)
+            except OSError:
+                pass
+            with self._lock:
+                if self._file is not None:
+                    try:
+                        self._file.write(data)
+                    except OSError:
+                        pass
+
+
+_capture: OutputCapture | None = None
+_capture_lock = threading.Lock()
+
+
+def capture_output(job_dir: str, role: str, rank: int, attempt: int,
+                   options: dict | None = None) -> str | None:
+    """From now on, this process's stdout and stderr go to the attempt's log file (and
+    still to where they went before). Call again at every (re)start: the next attempt
+    gets its own file. Returns the file's path, or ``None`` when ``job_dir`` is empty
+    or ``options["worker_logs"]`` is false.
+
+    Args:
+        options: the job's ``observability`` section: ``worker_logs`` (bool),
+            ``log_max_bytes`` (bytes per file), ``log_backups`` (rotated files kept).
+    """
+    options = options or {}
+    if not job_dir or not options.get("worker_logs", True):
+        return None
+    global _capture
+    path = attempt_path(job_dir, role, rank, attempt)
+    with _capture_lock:
+        if _capture is None:
+            _capture = OutputCapture()
+        _capture.switch(path, int(options.get("log_max_bytes") or DEFAULT_MAX_BYTES),
+                        int(options.get("log_backups", DEFAULT_BACKUPS)))
+    return path

@@ -1,0 +1,144 @@
+"""Worker output captured per instance and attempt, rotated by size, and ``dlrover logs``.
+
+The capture runs in a real child process (it redirects file descriptors 1 and 2), with
+output from Python, from a C-level ``write(2)`` and from a child shell command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from dlrover_core.cli.logs import find_sources, follow
+from dlrover_core.cli.main import main
+from dlrover_core.runtime.log_capture import RotatingFile, attempt_path
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    from dlrover_core.runtime.log_capture import capture_output
+    job_dir, opts = sys.argv[1], {"log_max_bytes": 2048, "log_backups": 2}
+    capture_output(job_dir, "trainer", 1, 0, opts)
+    print("python stdout a0")
+    print("python stderr a0", file=sys.stderr)
+    os.write(1, b"raw fd write a0\\n")
+    os.system("echo shell child a0")
+    capture_output(job_dir, "trainer", 1, 1, opts)   # restarted in place: attempt 1
+    print("python stdout a1")
+    for i in range(100):
+        print(f"line {i:03d} " + "x" * 40)
+    sys.stdout.flush()
+""")
+
+
+@pytest.fixture
+def logged(tmp_path):
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "events.jsonl").write_text('{"ts": 1, "event": "job_started", "job": "j"}\n')
+    res = subprocess.run([sys.executable, "-c", CHILD, str(job_dir)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return str(job_dir), res
+
+
+def test_each_attempt_has_its_file(logged):
+    job_dir, res = logged
+    a0 = open(attempt_path(job_dir, "trainer", 1, 0)).read()
+    for line in ("python stdout a0", "python stderr a0", "raw fd write a0", "shell child a0"):
+        assert line in a0
+    assert "a1" not in a0
+    # the output still reaches the process's original stdout (Ray's worker log)
+    assert "python stdout a0" in res.stdout and "python stdout a1" in res.stdout
+
+
+def test_rotation_keeps_whole_lines_and_the_newest_parts(logged):
+    job_dir, _ = logged
+    live = attempt_path(job_dir, "trainer", 1, 1)
+    parts = [live + ".2", live + ".1", live]
+    assert all(os.path.exists(p) for p in parts)
+    assert not os.path.exists(live + ".3")  # backups=2: older parts dropped
+    for p in parts:
+        size = os.path.getsize(p)
+        assert size <= 2048
+        assert open(p).read().endswith("\n")
+    text = "".join(open(p).read() for p in parts)
+    assert text.endswith("line 099 " + "x" * 40 + "\n")
+    nums = [int(ln[5:8]) for ln in text.splitlines() if ln.startswith("line ")]
+    assert nums == list(range(nums[0], 100))  # consecutive up to the last line
+
+
+def test_rotating_file_refuses_tiny_limits(tmp_path):
+    with pytest.raises(ValueError, match="max_bytes=10"):
+        RotatingFile(str(tmp_path / "x.log"), max_bytes=10)
+
+
+def test_dlrover_logs_one_instance_marks_attempts(logged, capsys):
+    job_dir, _ = logged
+    assert main(["logs", "j", "--job-dir", job_dir, "--role", "trainer", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("==> trainer-1 attempt 0 <==") < out.index("python stdout a0") \
+        < out.index("==> trainer-1 attempt 1 <==") < out.index("python stdout a1")
+    assert main(["logs", "j", "--job-dir", job_dir, "--role", "trainer", "--rank", "1",
+                 "--attempt", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "a0" in out and "python stdout a1" not in out
+
+
+def test_dlrover_logs_several_instances_prefix_lines(logged, capsys):
+    job_dir, _ = logged
+    other = attempt_path(job_dir, "trainer", 0, 0)
+    os.makedirs(os.path.dirname(other))
+    with open(other, "w") as f:
+        f.write("rank zero here\n")
+    assert main(["logs", "j", "--job-dir", job_dir]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "[trainer-0 a0] rank zero here" in out
+    assert "[trainer-1 a0] python stdout a0" in out
+    assert "[trainer-1 a1] python stdout a1" in out
+    assert [s.label for s in find_sources(job_dir)] == ["trainer-0", "trainer-1", "trainer-1"]
+
+
+def test_unknown_instance_is_a_clear_error(logged, capsys):
+    job_dir, _ = logged
+    assert main(["logs", "j", "--job-dir", job_dir, "--role", "critic"]) == 2
+    err = capsys.readouterr().err
+    assert "no worker logs" in err and "role=critic" in err and "trainer-1" in err
+
+
+def test_follow_prints_new_output_and_stops_when_the_job_ends(tmp_path):
+    job_dir = str(tmp_path)
+    path = attempt_path(job_dir, "trainer", 0, 0)
+    os.makedirs(os.path.dirname(path))
+    open(path, "w").write("before\n")
+
+    class Sink:
+        def __init__(self):
+            self.text = ""
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+    sink = Sink()
+    t = threading.Thread(target=follow, args=(job_dir, "trainer", 0, None, sink, False),
+                         kwargs={"poll_s": 0.05, "settle_s": 0.3, "timeout_s": 60})
+    t.start()
+    time.sleep(0.3)
+    with open(path, "a") as f:
+        f.write("after\n")
+    p1 = attempt_path(job_dir, "trainer", 0, 1)
+    time.sleep(0.3)
+    open(p1, "w").write("restarted\n")
+    time.sleep(0.3)
+    (tmp_path / "summary.json").write_text("{}")
+    t.join(30)
+    assert not t.is_alive(), "follow did not stop after the job ended"
+    assert sink.text.index("before") < sink.text.index("after") < \
+        sink.text.index("==> trainer-0 attempt 1 <==") < sink.text.index("restarted")
