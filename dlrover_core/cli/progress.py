@@ -51,7 +51,8 @@ class JobProgress:
         m = st.get("metrics", {})
         parts = [st["state"]]
         for key, fmt in (("loss", "loss {:.3f}"), ("val_loss", "val {:.3f}"),
-                         ("mean_return", "return {:.1f}"), ("samples_per_s", "{:.0f} samples/s")):
+                         ("mean_return", "return {:.1f}"), ("samples_per_s", "{:.0f} samples/s"),
+                         ("tuning_version", "tuning v{:.0f}")):
             if key in m:
                 parts.append(fmt.format(m[key]))
         restarts = st.get("restarts", {}).get("total", 0)
@@ -75,6 +76,14 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t.add_row("restarts", ", ".join(f"{k}={v}" for k, v in r.items()) or "0")
     if summary.get("goodput") is not None:
         t.add_row("goodput", f"{summary['goodput']:.3f}")
+    tuning = summary.get("tuning")
+    if tuning and tuning.get("config"):
+        c = tuning["config"]
+        t.add_row("tuning", f"version {tuning['version']} ({tuning['accepted']} kept, "
+                            f"{tuning['reverted']} reverted): micro-batch "
+                            f"{c['dataloader']['batch_size']} x {c['optimizer']['grad_accum_steps']}"
+                            f" accumulation, {c['dataloader']['num_workers']} loader workers, "
+                            f"lr {c['optimizer']['learning_rate']:.3g}")
     for k, v in sorted((summary.get("metrics") or {}).items()):
         t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     console.print(t)
