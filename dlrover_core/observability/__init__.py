@@ -1,0 +1,1 @@
+"""Job observability outside the job directory's own files (TensorBoard)."""
