@@ -229,7 +229,8 @@ class WorkloadHost(_HostBase):
         w = self.workload
         if w is None:
             return
-        for fn in (w.teardown,
+        reporter = getattr(w, "_reporter", None)
+        for fn in ((reporter.close if reporter is not None else None), w.teardown,
                    (w._checkpointer.close if w._checkpointer else None),
                    (w._backend.teardown if w._backend else None)):
             if fn is None:

@@ -162,7 +162,14 @@ class BaseWorkload:
 
     def report(self, step: int, **metrics: float) -> None:
         """Report that ``step`` finished, with scalar metrics (``loss``, ``val_loss``,
-        ``samples_per_s``...). Non-blocking: one message to the JobMaster."""
+        ``samples_per_s``...). Non-blocking. Rank 0 sends every report to the JobMaster
+        at once; the other ranks' reports are coalesced to one message per
+        ``dlrover_core.runtime.reporting.report_interval_s`` (their newest step still
+        arrives, within that interval).
+
+        Raises:
+            TypeError: a metric is not a number.
+        """
         clean = {}
         for k, v in metrics.items():
             try:
@@ -170,9 +177,26 @@ class BaseWorkload:
             except (TypeError, ValueError):
                 raise TypeError(f"report({k}={v!r}): metrics must be numbers") from None
         self._last_step, self._last_metrics = int(step), clean
-        master = self._master_or_none()
-        if master is not None:  # lost while the master restarts: it asks for progress()
-            master.report.remote(self.role, self.rank, int(step), clean, time.time())
+        reporter = self._step_reporter()
+        if reporter is not None:  # lost while the master restarts: it asks for progress()
+            reporter.report(int(step), clean, time.time())
+
+    def _step_reporter(self) -> Any:
+        """This rank's ``StepReporter`` (made at the first report), or ``None`` outside
+        a job."""
+        reporter = getattr(self, "_reporter", None)
+        if reporter is None:
+            master = self._master_or_none()
+            if master is None:
+                return None
+            from dlrover_core.runtime.reporting import StepReporter, report_interval_s
+
+            role, rank = self.role, self.rank
+            hang_s = float((self._context.failover or {}).get("hang_timeout_s") or 0.0)
+            reporter = self._reporter = StepReporter(
+                lambda step, m, ts: master.report.remote(role, rank, step, m, ts), rank,
+                report_interval_s(self.world_size, hang_s))
+        return reporter
 
     def teardown(self) -> None:
         """Release what :meth:`setup` acquired. Override if needed."""

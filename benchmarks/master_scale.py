@@ -1,0 +1,300 @@
+"""Master scale benchmark: N simulated ranks report steps at R Hz to a real JobMaster.
+
+    .venv/bin/python benchmarks/master_scale.py                       # N = 100, 1000, 5000 at 1 Hz
+    .venv/bin/python benchmarks/master_scale.py --ranks 1000 --rate-hz 1 --measure-s 20
+
+What runs: a local Ray cluster owned by this process; a real JobMaster (created with
+``create_master``, as ``dlrover submit`` does) running a one-rank job whose worker
+idles; ``--senders`` simulator actors, each speaking for N / senders ranks of a role
+``sim``. The simulated ranks are entered into the master's instance table (state
+``running``, no actor behind them: this is the simulation part) so that every report
+finds its instance, as a real rank's would. Each simulated rank steps at R Hz and
+calls ``JobMaster.report`` as ``BaseWorkload.report`` does (its ``StepReporter``):
+rank 0 every step, every other rank once per ``report_interval_s(N)`` with its newest
+step, phases spread evenly over the period. ``--no-coalesce`` sends every step of every
+rank (the behaviour before ``StepReporter``).
+
+Baseline, measured in the same run: the same senders, with the same traffic, drive a
+``ReportSink`` actor whose ``report`` does nothing, created with the master's actor
+options: Ray's own cost of the calls. ``cpu_ratio`` = master CPU / sink CPU.
+
+Figures, per N, over the measurement window (after ``--warmup-s``):
+- ``master_cpu_share``: CPU seconds of the master process (all its threads, from
+  ``/proc/<pid>/stat``) per wall second; 1.0 = one core busy;
+- ``lag_p50_s``, ``lag_p99_s``: from the sender's ``report.remote()`` to the reply
+  being seen by the sender (s);
+- ``sqlite_writes_per_s``: committed JobContext writes (``JobContext.writes``; rows
+  changed per s from SQLite's ``total_changes`` on older masters);
+- ``reports_per_s``: reports sent per second.
+
+The machine is shared and small (2 cores here): the senders, the raylet and the master
+compete for the same cores, so figures move from run to run; run it three times.
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import ray  # noqa: E402
+
+from dlrover_core import BaseWorkload  # noqa: E402
+
+SIM_ROLE = "sim"
+SLOT_S = 0.01  # the senders send what is due every 10 ms
+
+
+class Idle(BaseWorkload):
+    """The one real rank of the benchmark job: it sleeps until the master stops it."""
+
+    def run(self) -> None:
+        while True:
+            time.sleep(1.0)
+
+
+class ReportSink:
+    """The baseline: an actor with the master's ``report`` signature that does nothing."""
+
+    @ray.method(concurrency_group="report")
+    def report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
+        return None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class RankSimulator:
+    """Speaks for ``ranks`` from ``start_at`` (unix s) for ``duration_s``, each rank
+    stepping at ``rate_hz`` and sending as ``BaseWorkload.report`` does: rank 0 every
+    step; every other rank once per ``interval_s`` (its newest step), phases spread
+    evenly. ``interval_s`` = 0 sends every step of every rank (no coalescing)."""
+
+    async def run(self, target_name: str, namespace: str, ranks: list[int], n_total: int,
+                  rate_hz: float, interval_s: float, start_at: float, duration_s: float,
+                  measure_from: float) -> dict:
+        target = ray.get_actor(target_name, namespace=namespace)
+        period = 1.0 / rate_hz
+        lags: list[float] = []
+        tasks: list[asyncio.Task] = []
+        sent = 0
+
+        async def track(ref: Any, ts: float, measured: bool) -> None:
+            await ref
+            if measured:
+                lags.append(time.time() - ts)
+
+        events = []  # (offset s, rank)
+        for r in ranks:
+            every = period if (r == 0 or interval_s <= 0) else interval_s
+            t = (r / n_total) * every
+            while t < duration_s:
+                events.append((t, r))
+                t += every
+        events.sort()
+        i = 0
+        while i < len(events):
+            due = start_at + events[i][0]
+            now = time.time()
+            if due > now:
+                await asyncio.sleep(due - now)
+            slot_end = due + SLOT_S
+            while i < len(events) and start_at + events[i][0] < slot_end:
+                offset, rank = events[i]
+                step = int(offset / period)
+                ts = time.time()
+                ref = target.report.remote(SIM_ROLE, rank, step, {"loss": 1.0 / (step + 1)}, ts)
+                tasks.append(asyncio.ensure_future(track(ref, ts, ts >= measure_from)))
+                sent += ts >= measure_from
+                i += 1
+            if len(tasks) > 256:
+                tasks = [t for t in tasks if not t.done()]
+        await asyncio.gather(*tasks)
+        return {"lags": lags, "sent": sent}
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all threads), in s."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _master_pid(scope: Any) -> int:
+    return os.getpid()
+
+
+def _sqlite_writes(master_self: Any) -> int:
+    """Committed writes of the master's JobContext (rows changed on older masters)."""
+    ctx = _scope(master_self).context
+    writes = getattr(ctx, "writes", None)
+    if writes is not None:
+        return int(writes)
+    return int(ctx._db.total_changes)
+
+
+def _scope(master_self: Any) -> Any:
+    controller = getattr(master_self, "controller", None)
+    return controller.scope if controller is not None else master_self
+
+
+def _add_sim_ranks(master_self: Any, n: int) -> int:
+    """Enter ``n`` simulated ranks of role ``sim`` into the master's instance table, as
+    running instances without an actor (the simulation part of this benchmark)."""
+    from dlrover_core.master.instances import Instance, InstanceState
+
+    table = _scope(master_self).instances
+    now = time.time()
+    for r in range(n):
+        inst = Instance(SIM_ROLE, r, None, f"sim-{r}", state=InstanceState.RUNNING,
+                        last_report_ts=now)
+        table.adopt(inst)
+    return n
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def drive(target_name: str, pid: int, n: int, rate_hz: float, interval_s: float, senders: int,
+          warmup_s: float, measure_s: float, sqlite_probe: Any = None) -> dict:
+    """Run the senders against ``target_name``; measure the target process ``pid``."""
+    from dlrover_core.runtime.context import MASTER_NAMESPACE
+
+    sims = [RankSimulator.remote() for _ in range(senders)]
+    ray.get([s.__ray_ready__.remote() for s in sims])
+    start_at = time.time() + 1.0
+    measure_from = start_at + warmup_s
+    refs = [s.run.remote(target_name, MASTER_NAMESPACE, list(range(i, n, senders)), n,
+                         rate_hz, interval_s, start_at, warmup_s + measure_s, measure_from)
+            for i, s in enumerate(sims)]
+    time.sleep(max(0.0, measure_from - time.time()))
+    cpu0, t0 = cpu_seconds(pid), time.time()
+    w0 = sqlite_probe() if sqlite_probe else None
+    time.sleep(max(0.0, measure_from + measure_s - time.time()))
+    cpu1, t1 = cpu_seconds(pid), time.time()
+    w1 = sqlite_probe() if sqlite_probe else None
+    outs = ray.get(refs, timeout=600)
+    for s in sims:
+        ray.kill(s)
+    lags = [x for o in outs for x in o["lags"]]
+    out = {"cpu_share": round((cpu1 - cpu0) / (t1 - t0), 4),
+           "lag_p50_s": _r(percentile(lags, 0.5)), "lag_p99_s": _r(percentile(lags, 0.99)),
+           "reports_per_s": round(sum(o["sent"] for o in outs) / measure_s, 1)}
+    if w0 is not None:
+        out["sqlite_writes_per_s"] = round((w1 - w0) / (t1 - t0), 2)
+    return out
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def run_one(n: int, rate_hz: float, coalesce: bool, senders: int, warmup_s: float,
+            measure_s: float, work_dir: str) -> dict:
+    from dlrover_core import DLJobBuilder
+    from dlrover_core.master.client import MASTER_MAX_RESTARTS, create_master
+    from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+    from dlrover_core.runtime.reporting import report_interval_s
+
+    interval_s = report_interval_s(n) if coalesce else 0.0
+
+    # baseline: Ray's own cost of the same calls, on an actor made like the master
+    sink_name = f"report-sink-{n}"
+    sink = ray.remote(concurrency_groups={"report": 1})(ReportSink).options(
+        name=sink_name, namespace=MASTER_NAMESPACE, max_concurrency=64, num_cpus=0,
+        max_restarts=MASTER_MAX_RESTARTS).remote()
+    base = drive(sink_name, ray.get(sink.pid.remote()), n, rate_hz, interval_s, senders,
+                 warmup_s, measure_s)
+    ray.kill(sink)
+
+    name = f"scale-{n}"
+    job = (DLJobBuilder().name(name).workload("trainer", "benchmarks.master_scale", "Idle")
+           .total(1).resource(cpu=0.1).config({}).build())
+    master = create_master(job.spec, os.path.join(work_dir, name))
+    ray.get(master.start.remote())
+    deadline = time.time() + 120
+    while ray.get(master.status.remote())["state"] != "running":
+        if time.time() > deadline:
+            raise RuntimeError("the benchmark job did not reach running in 120 s")
+        time.sleep(0.2)
+    ray.get(master.__ray_call__.remote(_add_sim_ranks, n))
+    pid = ray.get(master.__ray_call__.remote(_master_pid))
+    ours = drive(master_actor_name(name), pid, n, rate_hz, interval_s, senders, warmup_s,
+                 measure_s,
+                 lambda: ray.get(master.__ray_call__.remote(_sqlite_writes)))
+    st = ray.get(master.status.remote())
+    master.stop.remote()
+    ray.get(master.wait.remote(60))
+    ray.kill(master, no_restart=True)
+    return {"ranks": n, "rate_hz": rate_hz, "report_interval_s": interval_s,
+            "master_cpu_share": ours["cpu_share"],
+            "lag_p50_s": ours["lag_p50_s"], "lag_p99_s": ours["lag_p99_s"],
+            "sqlite_writes_per_s": ours.get("sqlite_writes_per_s"),
+            "reports_per_s": ours["reports_per_s"],
+            "baseline_cpu_share": base["cpu_share"], "baseline_lag_p99_s": base["lag_p99_s"],
+            "cpu_ratio": round(ours["cpu_share"] / base["cpu_share"], 2)
+            if base["cpu_share"] > 0 else None,
+            "master_step": st["step"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[100, 1000, 5000])
+    ap.add_argument("--rate-hz", type=float, default=1.0, help="steps per second per rank")
+    ap.add_argument("--senders", type=int, default=4, help="simulator actors")
+    ap.add_argument("--no-coalesce", action="store_true",
+                    help="every rank sends every step (the behaviour before StepReporter)")
+    ap.add_argument("--warmup-s", type=float, default=4.0)
+    ap.add_argument("--measure-s", type=float, default=12.0)
+    ap.add_argument("--cpus", type=int, default=4, help="num_cpus of the local Ray cluster")
+    args = ap.parse_args(argv)
+    for key in ("rate_hz", "warmup_s", "measure_s"):
+        if getattr(args, key) <= 0:
+            ap.error(f"--{key.replace('_', '-')}: {getattr(args, key)} is invalid; allowed: > 0")
+    if args.senders < 1 or any(n < 1 for n in args.ranks):
+        ap.error("--senders and --ranks: allowed: integers >= 1")
+
+    from dlrover_core.master.client import init_ray
+
+    os.chdir(ROOT)  # the workers import benchmarks.master_scale from here
+    temp_dir = tempfile.mkdtemp(prefix="dlms", dir="/tmp")
+    work_dir = tempfile.mkdtemp(prefix="dlms-jobs")
+    init_ray(None, num_cpus=args.cpus, _temp_dir=temp_dir)
+    try:
+        runs = [run_one(n, args.rate_hz, not args.no_coalesce, args.senders, args.warmup_s,
+                        args.measure_s, work_dir) for n in args.ranks]
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
+    target = next((r for r in runs if r["ranks"] == 1000), None)
+    print(json.dumps({
+        "benchmark": "master_scale", "rate_hz": args.rate_hz, "senders": args.senders,
+        "coalesce": not args.no_coalesce,
+        "measure_s": args.measure_s, "cpu_count": os.cpu_count(), "runs": runs,
+        "target_1000_met": None if target is None else bool(
+            target["master_cpu_share"] < 0.2 and (target["lag_p99_s"] or 0) < 1.0),
+        "median_cpu_ratio": statistics.median([r["cpu_ratio"] for r in runs
+                                               if r["cpu_ratio"] is not None] or [0]),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
