@@ -117,6 +117,24 @@ class Block(MegatronModule):
         return x + self.mlp(self.ln2(x))
 
 
+class LayerStack(MegatronModule):
+    """The blocks, named by their global index. A ``MegatronModule`` (not a
+    ``torch.nn.ModuleDict``): megatron-core's ``sharded_state_dict`` recurses only into
+    megatron modules and treats any other module's tensors as replicated."""
+
+    def __init__(self, config: TransformerConfig, shape: CharGPTShape, first: int,
+                 count: int) -> None:
+        super().__init__(config)
+        self.names = [str(i) for i in range(first, first + count)]
+        for name in self.names:
+            self.add_module(name, Block(config, shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.names:
+            x = getattr(self, name)(x)
+        return x
+
+
 class TensorParallelCharGPT(MegatronModule):
     """The model; build it after ``parallel_state`` is initialised (the ``megatron``
     backend's setup does that), with the same seed on every TP rank.
@@ -142,8 +160,7 @@ class TensorParallelCharGPT(MegatronModule):
             shape.vocab_size, h, init_method=init_method_normal(shape.init_std), config=config)
         self.position = torch.nn.Embedding(shape.block_size, h)
         torch.nn.init.normal_(self.position.weight, std=shape.init_std)
-        self.layers = torch.nn.ModuleDict({str(i): Block(config, shape)
-                                           for i in range(shape.num_layers)})
+        self.layers = LayerStack(config, shape, 0, shape.num_layers)
         self.ln_f = torch.nn.LayerNorm(h)
         self.output = tensor_parallel.ColumnParallelLinear(
             h, shape.vocab_size, config=config, init_method=init_method_normal(shape.init_std),
@@ -161,8 +178,7 @@ class TensorParallelCharGPT(MegatronModule):
         b, s = idx.shape
         x = self.embedding(idx.t().contiguous())                # [s, b, h]
         x = x + self.position.weight[:s].unsqueeze(1)
-        for block in self.layers.values():
-            x = block(x)
+        x = self.layers(x)
         logits, _ = self.output(self.ln_f(x))                  # [s, b, vocab/tp]
         if targets is None:
             return logits

@@ -97,6 +97,13 @@ def model_entries(models: list[Any]) -> tuple[dict[str, _Entry], dict[str, Any]]
         for v in nested_values(sharded):
             if isinstance(v, ShardedTensor):
                 p = placement_of(v, tp_size, tp_rank)
+                if p.axis is None and tp_size > 1 and getattr(v.data, "tensor_model_parallel",
+                                                              False):
+                    raise UnsupportedShardingError(
+                        f"{v.key} is a tensor-parallel parameter but the sharded state dict "
+                        "calls it whole: a plain torch container (ModuleList, ModuleDict, "
+                        "Sequential) between megatron modules hides the split; make the "
+                        "container a MegatronModule")
                 if p.name in tensors:
                     raise ValueError(f"two model chunks hold {p.name!r}")
                 tensors[p.name] = _Entry(p, v.data)

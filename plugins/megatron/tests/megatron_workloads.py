@@ -1,0 +1,165 @@
+"""Workloads for the megatron plugin's tests (imported by Ray workers as
+``plugins.megatron.tests.megatron_workloads``), driven through the host's ``call``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrover_core import BaseWorkload
+from examples.megatron_gpt.model import CharGPTShape, TensorParallelCharGPT
+
+SHAPE = CharGPTShape(vocab_size=32, block_size=16, num_layers=2, num_attention_heads=4,
+                     hidden_size=32)
+
+
+def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a state dict as ``path -> value`` (tensors: their local shard)."""
+    out: dict[str, Any] = {}
+    if hasattr(state, "to_local"):
+        out[prefix] = state.to_local().detach().clone()
+    elif isinstance(state, torch.Tensor):
+        out[prefix] = state.detach().clone()
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            out.update(flatten(v, f"{prefix}.{k}"))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(flatten(v, f"{prefix}.{i}"))
+    else:
+        out[prefix] = state
+    return out
+
+
+def _name(n: str) -> str:
+    return n.removeprefix("module.")  # DDP's prefix (data parallel > 1)
+
+
+class TPTrainer(BaseWorkload):
+    """A small :class:`TensorParallelCharGPT` + AdamW under the ``megatron`` backend.
+    ``config.ckpt`` stands in for the job's ``checkpoint`` section (no job spec here)."""
+
+    def setup(self) -> None:
+        ck = self.config.get("ckpt")
+        if ck is not None:
+            from omegaconf import OmegaConf
+
+            self.context.checkpoint = OmegaConf.to_container(ck)
+        self.model = self.backend.wrap(TensorParallelCharGPT(SHAPE))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.extra = {"step": 0}
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + self.backend.dp_rank)
+        x = torch.randint(0, 20, (4, SHAPE.block_size + 1), generator=g)
+        return x[:, :-1], x[:, 1:]
+
+    def train(self, steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            x, y = self.batch(self.extra["step"])
+            loss = self.model(x, y)
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.extra["step"] += 1
+            losses.append(float(loss))
+        return losses
+
+    # ------------------------------------------------------------ full tensors
+    def _gather(self, t: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        if not getattr(p, "tensor_model_parallel", False) \
+                or ps.get_tensor_model_parallel_world_size() == 1:
+            return t.detach().clone()
+        parts = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+        return torch.cat(parts, dim=p.partition_dim)
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter at its global shape (TP parts gathered)."""
+        return {_name(n): self._gather(p.data, p) for n, p in self.model.named_parameters()}
+
+    def set_full_params(self, full: dict[str, torch.Tensor]) -> None:
+        """Load global tensors: each rank keeps its own TP part."""
+        from megatron.core import parallel_state as ps
+
+        tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                t = full[_name(n)]
+                if getattr(p, "tensor_model_parallel", False):
+                    t = t.chunk(tp, dim=p.partition_dim)[r]
+                p.copy_(t)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """Loss, full logits ``[s, b, vocab]`` and full gradients for one batch."""
+        from megatron.core import parallel_state as ps
+
+        self.opt.zero_grad()
+        logits = self.model(x)
+        loss = self.model(x, y)
+        loss.backward()
+        tp = ps.get_tensor_model_parallel_world_size()
+        full_logits = logits.detach()
+        if tp > 1:
+            parts = [torch.empty_like(full_logits) for _ in range(tp)]
+            dist.all_gather(parts, full_logits.contiguous(),
+                            group=ps.get_tensor_model_parallel_group())
+            full_logits = torch.cat(parts, dim=-1)
+        grads = {_name(n): self._gather(p.grad, p) for n, p in self.model.named_parameters()}
+        return {"loss": float(loss), "logits": full_logits, "grads": grads}
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_backward(x, torch.zeros_like(x))["logits"]
+
+    # ------------------------------------------------------------ checkpoints
+    def objects(self) -> dict:
+        return {"model": self.model, "optimizer": self.opt, "extra": self.extra}
+
+    def save(self, step: int) -> float:
+        return self.checkpointer.save(step, **self.objects())
+
+    def wait(self) -> None:
+        self.checkpointer.wait()
+
+    def load(self, step: int | None = None) -> dict:
+        loaded = self.checkpointer.load(step, **self.objects())
+        return {"step": loaded, "source": getattr(self.checkpointer.saver, "last_load_source",
+                                                  "disk")}
+
+    def flat_state(self) -> dict:
+        return flatten(self.checkpointer.engine.state_dict(self.objects()))
+
+    def full_optimizer_state(self) -> dict[str, torch.Tensor]:
+        """AdamW moments of every parameter at global shape, keyed by parameter name."""
+        out = {}
+        for n, p in self.model.named_parameters():
+            st = self.opt.state.get(p, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    out[f"{_name(n)}.{k}"] = self._gather(st[k], p)
+        return out
+
+
+class GPTTrainer(TPTrainer):
+    """megatron-core's ``GPTModel`` (GPU only) in place of the CPU model."""
+
+    def setup(self) -> None:
+        from examples.megatron_gpt.gpt import build_gpt_model
+
+        ck = self.config.get("ckpt")
+        if ck is not None:
+            from omegaconf import OmegaConf
+
+            self.context.checkpoint = OmegaConf.to_container(ck)
+        self.model = self.backend.wrap(build_gpt_model(SHAPE, self.backend))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.extra = {"step": 0}
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().batch(step)
+        return x.cuda(), y.cuda()

@@ -1,0 +1,299 @@
+"""The megatron plugin on the CPU: real megatron-core tensor-parallel layers in real
+Ray actors over gloo. TP=2 equals TP=1; checkpoints round-trip bit for bit through
+the disk and flash savers and move from TP=2 to TP=1; bad sizes are refused at spec
+load; Megatron failures are classified."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+import ray
+import torch
+
+from dlrover_core import Failure, load_spec
+from dlrover_core.spec.errors import SpecError
+from dlrover_core.testing import spawn_role
+
+pytest.importorskip("megatron.core")
+
+W = "plugins.megatron.tests.megatron_workloads:TPTrainer"
+
+
+def call(handles, method, *args):
+    return ray.get([h.call.remote(method, *args) for h in handles])
+
+
+def kill(handles):
+    for h in handles:
+        ray.kill(h, no_restart=True)
+
+
+def start(world_size: int, tp: int, **config) -> list:
+    return spawn_role("trainer", W, world_size, {"tensor_parallel": tp, **config},
+                      backend="megatron", job=f"mg-{uuid.uuid4().hex[:8]}")
+
+
+# --------------------------------------------------------------------------- registration
+def test_active_in_plugins_list():
+    out = subprocess.run([sys.executable, "-m", "dlrover_core.cli.main", "plugins", "list",
+                          "--json"], capture_output=True, text=True, check=True).stdout
+    row = {r["name"]: r for r in json.loads(out)}["megatron"]
+    assert row["status"] == "active", row["error"]
+    assert row["distribution"] == "dlrover-plugin-megatron"
+    assert row["provides"] == ["backend:megatron", "engine:megatron"]
+
+
+def test_plugin_module_imports_no_torch_or_megatron():
+    code = ("import sys, dlrover_plugin_megatron.plugin as p; p.dlrover_backends();"
+            "print('torch' in sys.modules, 'megatron' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False False"
+
+
+# --------------------------------------------------------------------------- spec load
+def _spec(total: int = 2, role_config: dict | None = None, **config):
+    return {"name": "mg", "roles": {"trainer": {
+        "workload": "examples.megatron_gpt.workload:MegatronGPTWorkload", "total": total,
+        "backend": "megatron", "config": role_config or {}}},
+        "config": {"num_layers": 4, "num_attention_heads": 4, "hidden_size": 128, **config}}
+
+
+@pytest.mark.parametrize("total,role_config,config,key,value,allowed", [
+    (2, {"tensor_parallel": 3}, {}, "roles.trainer.config.tensor_parallel", 3,
+     "divides the role's world size 2 (a divisor of 2: 1, 2)"),
+    (4, {"tensor_parallel": 2, "pipeline_parallel": 4}, {},
+     "roles.trainer.config.tensor_parallel", 2, "a divisor of 4: 1, 2, 4"),
+    (4, {}, {"tensor_parallel": 4, "num_attention_heads": 6, "hidden_size": 96},
+     "config.num_attention_heads", 6, "a multiple of tensor_parallel=4"),
+    (4, {"pipeline_parallel": 4}, {"num_layers": 6}, "config.num_layers", 6,
+     "a multiple of pipeline_parallel=4 = 4"),
+    (4, {"pipeline_parallel": 2, "virtual_pipeline": 2}, {"num_layers": 6}, "config.num_layers",
+     6, "a multiple of pipeline_parallel=2 * virtual_pipeline=2 = 4"),
+    (2, {"virtual_pipeline": 2}, {}, "roles.trainer.config.virtual_pipeline", 2,
+     "none or 1 unless pipeline_parallel >= 2"),
+    (2, {"tensor_parallel": 0}, {}, "roles.trainer.config.tensor_parallel", 0,
+     "an integer >= 1"),
+    (2, {"tensor_parallel": "two"}, {}, "roles.trainer.config.tensor_parallel", "two",
+     "an integer >= 1"),
+])
+def test_bad_parallel_sizes_refused_at_spec_load(total, role_config, config, key, value, allowed):
+    with pytest.raises(SpecError) as err:
+        load_spec(_spec(total, role_config, **config))
+    assert err.value.key == key
+    assert err.value.value == value
+    assert allowed in err.value.allowed
+
+
+def test_good_sizes_load():
+    spec = load_spec(_spec(8, {"tensor_parallel": 2, "pipeline_parallel": 2,
+                               "virtual_pipeline": 2}))
+    assert spec.roles.trainer.config.tensor_parallel == 2
+    spec = load_spec("examples/megatron_gpt/job.yaml")
+    assert spec.roles.trainer.backend == "megatron"
+
+
+# --------------------------------------------------------------------------- failures
+def _classify(message: str, history=(), **kw):
+    from dlrover_plugin_megatron.failures import classify
+
+    return classify(Failure.user_error("trainer", kw.pop("rank", 1), "builtins.RuntimeError",
+                                       message, **kw), list(history))
+
+
+def test_megatron_size_assertions_are_fatal():
+    v = _classify("world_size (6) is not divisible by 4", phase="setup")
+    assert v.level == "fatal" and "roles.trainer.config.tensor_parallel" in v.reason
+    v = _classify("num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4).")
+    assert v.level == "fatal" and "num_attention_heads (6)" in v.reason
+    v = _classify("AssertionError\n30 is not divisible by 4")
+    assert v.level == "fatal"
+
+
+def test_nccl_timeouts_restart_the_process_then_move_the_node():
+    msg = ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+           "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.")
+    first = _classify(msg, node_id="n1", step=40)
+    assert first.level == "process" and "NCCL" in first.reason and "pg_timeout_s" in first.reason
+    earlier = [Failure.actor_died("trainer", 0, msg, node_id="n1", step=s) for s in (10, 20)]
+    assert _classify(msg, earlier, node_id="n1", step=40).level == "node"
+    assert _classify(msg, earlier, node_id="n2", step=40).level == "process"
+
+
+def test_cuda_illegal_memory_access():
+    msg = "CUDA error: an illegal memory access was encountered"
+    assert _classify(msg, node_id="n1", step=7).level == "process"
+    same_node = [Failure.user_error("trainer", 0, "RuntimeError", msg, node_id="n1", step=3)]
+    assert _classify(msg, same_node, node_id="n1", step=7).level == "node"
+    same_step = [Failure.user_error("trainer", 0, "RuntimeError", msg, node_id="n2", step=7)]
+    v = _classify(msg, same_step, node_id="n1", step=7)
+    assert v.level == "fatal" and "CUDA_LAUNCH_BLOCKING" in v.reason
+
+
+def test_other_failures_are_left_to_the_next_classifier():
+    assert _classify("ValueError: bad batch") is None
+
+
+# --------------------------------------------------------------------------- numerics
+def test_tp2_forward_and_gradients_equal_tp1(ray_cluster):
+    tp1 = start(1, 1)
+    tp2 = start(2, 2)
+    try:
+        weights = call(tp1, "full_params")[0]
+        call(tp2, "set_full_params", weights)
+        g = torch.Generator().manual_seed(7)
+        x = torch.randint(0, 20, (3, 16), generator=g)
+        y = torch.randint(0, 20, (3, 16), generator=g)
+        ref = call(tp1, "forward_backward", x, y)[0]
+        outs = call(tp2, "forward_backward", x, y)
+        assert ref["logits"].shape == (16, 3, 32)
+        for out in outs:  # both TP ranks hold the whole result after the gathers
+            assert out["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+            torch.testing.assert_close(out["logits"], ref["logits"], rtol=0, atol=1e-5)
+            assert out["grads"].keys() == ref["grads"].keys()
+            for name, grad in ref["grads"].items():
+                assert float(grad.abs().max()) > 0, name  # every parameter gets a gradient
+                torch.testing.assert_close(out["grads"][name], grad, rtol=0, atol=1e-5,
+                                           msg=name)
+        # TP=2 splits the weights: each rank holds half of every column/row-parallel one
+        locals_ = call(tp2, "flat_state")
+        assert locals_[0][".model.layers.0.attn.qkv.weight"].shape == (48, 32)
+        assert not torch.equal(locals_[0][".model.layers.0.attn.qkv.weight"],
+                               locals_[1][".model.layers.0.attn.qkv.weight"])
+    finally:
+        kill(tp1 + tp2)
+
+
+# --------------------------------------------------------------------------- checkpoints
+def assert_same(a: list[dict], b: list[dict]) -> None:
+    for rank, (x, y) in enumerate(zip(a, b)):
+        assert x.keys() == y.keys(), rank
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (rank, k)
+            else:
+                assert x[k] == y[k], (rank, k)
+
+
+def test_disk_round_trip_bit_exact_and_tp2_loads_at_tp1(ray_cluster, tmp_path):
+    ckpt = {"saver": "disk", "dir": str(tmp_path / "ckpt"), "keep": 2}
+    hs = start(2, 2, ckpt=ckpt)
+    losses = call(hs, "train", 3)[0]
+    call(hs, "save", 3)
+    saved = call(hs, "flat_state")
+    full = call(hs, "full_params")[0]
+    moments = call(hs, "full_optimizer_state")[0]
+    x = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits = call(hs, "logits", x)[0]
+    continued = call(hs, "train", 2)
+    kill(hs)
+
+    hs = start(2, 2, ckpt=ckpt)  # same layout: bit for bit, and the same next steps
+    assert [r["step"] for r in call(hs, "load")] == [3, 3]
+    assert_same(call(hs, "flat_state"), saved)
+    assert call(hs, "train", 2) == continued
+    kill(hs)
+
+    one = start(1, 1, ckpt=ckpt)  # TP=2 -> TP=1: the global tensors are the same
+    try:
+        assert call(one, "load")[0]["step"] == 3
+        loaded = call(one, "full_params")[0]
+        assert loaded.keys() == full.keys()
+        for k in full:
+            assert torch.equal(loaded[k], full[k]), k
+        loaded_moments = call(one, "full_optimizer_state")[0]
+        assert loaded_moments.keys() == moments.keys() and moments
+        for k in moments:
+            assert torch.equal(loaded_moments[k], moments[k]), k
+        torch.testing.assert_close(call(one, "logits", x)[0], logits, rtol=0, atol=1e-5)
+        assert losses[-1] < losses[0]
+    finally:
+        kill(one)
+
+
+def test_flash_round_trip_bit_exact(ray_cluster, tmp_path):
+    from dlrover_plugin_flashckpt import hygiene
+    from dlrover_plugin_flashckpt.persister import finish_job
+
+    job = f"mgflash-{uuid.uuid4().hex[:8]}"
+    ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}
+
+    def flash_role():
+        return spawn_role("trainer", W, 2, {"tensor_parallel": 2, "ckpt": ckpt},
+                          backend="megatron", job=job)
+
+    try:
+        hs = flash_role()
+        call(hs, "train", 3)
+        call(hs, "save", 3)
+        saved = call(hs, "flat_state")
+        call(hs, "wait")
+        continued = call(hs, "train", 2)
+        kill(hs)
+
+        hs = flash_role()
+        assert call(hs, "load") == [{"step": 3, "source": "memory"}] * 2
+        assert_same(call(hs, "flat_state"), saved)
+        assert call(hs, "train", 2) == continued
+        kill(hs)
+
+        hygiene.remove_job("/dev/shm", job)  # as after a node loss: only the disk is left
+        hs = flash_role()
+        assert call(hs, "load") == [{"step": 3, "source": "disk"}] * 2
+        assert_same(call(hs, "flat_state"), saved)
+        assert call(hs, "train", 2) == continued
+        kill(hs)
+    finally:
+        finish_job(job, timeout=30)
+
+
+# --------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+def test_gpt_model_trains_and_round_trips_through_flash(ray_cluster, tmp_path):
+    """megatron-core GPTModel at TP=1 on one GPU: the loss falls, and a flash checkpoint
+    restores it bit for bit (from memory, then from disk)."""
+    from dlrover_plugin_flashckpt import hygiene
+    from dlrover_plugin_flashckpt.persister import finish_job
+
+    job = f"mggpu-{uuid.uuid4().hex[:8]}"
+    ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}
+    gpt = "plugins.megatron.tests.megatron_workloads:GPTTrainer"
+
+    def role():
+        from dlrover_core.runtime.context import WorkerContext
+        from dlrover_core.runtime.host import remote_workload_host
+
+        h = remote_workload_host().options(num_cpus=0, num_gpus=1).remote(gpt, WorkerContext(
+            job=job, role="trainer", rank=0, world_size=1, local_rank=0, local_world_size=1,
+            backend="megatron", config={"tensor_parallel": 1, "ckpt": ckpt},
+            failover={"pg_timeout_s": 60}))
+        info = ray.get(h.node_info.remote())
+        ray.get(h.setup.remote(info["ip"], ray.get(h.free_port.remote())))
+        return [h]
+
+    try:
+        hs = role()
+        losses = call(hs, "train", 20)[0]
+        assert sum(losses[-5:]) < sum(losses[:5])
+        call(hs, "save", 20)
+        saved = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for s in call(hs, "flat_state")]
+        call(hs, "wait")
+        continued = call(hs, "train", 2)
+        kill(hs)
+        for source in ("memory", "disk"):
+            if source == "disk":
+                hygiene.remove_job("/dev/shm", job)
+            hs = role()
+            assert call(hs, "load") == [{"step": 20, "source": source}]
+            state = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                     for s in call(hs, "flat_state")]
+            assert_same(state, saved)
+            assert call(hs, "train", 2) == continued
+            kill(hs)
+    finally:
+        finish_job(job, timeout=30)
