@@ -61,8 +61,9 @@ class MultimodalDriver(BaseTrainer):
     Metrics reported each step (``summary.json`` keeps the last): the trainer's
     ``loss`` and other metrics averaged over ranks, ``epoch``, ``samples_per_s``,
     ``step_s``, ``fetch_s`` (slowest trainer rank); at each epoch's end, per encoder
-    role, ``<role>_embedded``, ``<role>_cache_hits``, ``<role>_cache_misses`` summed
-    over its ranks (counts since each rank's process started). With
+    role, its ``stats()`` summed over its ranks as ``<role>_<counter>``
+    (``embedded``, ``cache_hits``, ``cache_misses``, ``cache_size`` of a frozen
+    encoder, ``loaded`` of a trainable one; counts since each rank's process started). With
     ``config.multimodal.evaluate``, every metric ``m`` of the trainer's
     ``evaluate`` as ``m_untrained`` (before the first step) and ``m`` (after the last).
     """

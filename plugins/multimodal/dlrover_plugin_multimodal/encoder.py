@@ -94,7 +94,8 @@ class EncoderWorkload(MultimodalWorkload):
     def setup(self) -> None:
         self.init_torch(offset=1000)
         self.encoder = self.mm.encoders[self.role]
-        self.embedded = 0  # samples run through the network in this process
+        self.embedded = 0  # samples run through the network in this process (frozen)
+        self.loaded = 0  # samples loaded and preprocessed for the trainer (trainable)
         _ = self.dataset
         if self.encoder.trainable:
             return
@@ -137,11 +138,16 @@ class EncoderWorkload(MultimodalWorkload):
         for the trainer's copy of the network."""
         ids = [int(i) for i in ids]
         raw = self.dataset.load(self.encoder.modality, split, ids)
-        return {"ids": torch.tensor(ids, dtype=torch.int64), "inputs": self.preprocess(raw)}
+        out = {"ids": torch.tensor(ids, dtype=torch.int64), "inputs": self.preprocess(raw)}
+        self.loaded += len(ids)
+        return out
 
     def stats(self) -> dict[str, float]:
-        """Counters since this process started: ``embedded`` (samples run through the
-        network), ``cache_hits``, ``cache_misses``, ``cache_size``."""
+        """Counters since this process started: trainable encoders ``loaded`` (samples
+        handed to the trainer); frozen ones ``embedded`` (samples run through the
+        network) and, with the cache, ``cache_hits``, ``cache_misses``, ``cache_size``."""
+        if self.encoder.trainable:
+            return {"loaded": float(self.loaded)}
         out = {"embedded": float(self.embedded)}
         if self.cache is not None:
             out.update(cache_hits=float(self.cache.hits), cache_misses=float(self.cache.misses),
