@@ -1,6 +1,6 @@
 """Online tuning against the default config and a static grid, in one run.
 
-    .venv/bin/python benchmarks/tuning.py [--steps-per-point 14] [--tuned-steps 200]
+    .venv/bin/python benchmarks/tuning.py [--steps-per-point 24] [--tuned-steps 240]
 
 The job: the tuned nanoGPT example (``examples/nanogpt/tuned_workload.py``; by default
 made smaller with ``--model``: 2 layers, 64 wide, context 64, AdamW) whose training samples are read from a store with
@@ -22,8 +22,9 @@ Runs, one after another in this process:
    trains (``tuning.interval_steps`` from ``--interval``).
 
 Throughput of a run: the median of the per-step samples/s after the first
-``--warmup`` steps (loader start-up); of the tuned run: the median over its last
-``--steps-per-point`` steps. ``steps_to_reach_95pct``: the first step of the tuned run
+``--warmup`` steps (loader start-up, and the prefetch queue that fills meanwhile:
+up to two batches per worker, i.e. several steps at large micro-batches); of the tuned
+run: the median over its last ``--steps-per-point - --warmup`` steps. ``steps_to_reach_95pct``: the first step of the tuned run
 from which the median of 5 consecutive steps reaches 95 % of the grid's best.
 ``restarts``: times the training process was restarted to change the config (the
 tuned run changes it in place: 0 by construction here; a job's restarts are in its
@@ -116,10 +117,10 @@ def throughput(steps: list[dict], skip: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps-per-point", type=int, default=14)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--tuned-steps", type=int, default=200)
-    ap.add_argument("--interval", type=int, default=8)
+    ap.add_argument("--steps-per-point", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--tuned-steps", type=int, default=240)
+    ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--latency", type=float, default=0.008)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default="n_layer=2,n_embd=64,n_head=2,block_size=64",
@@ -160,7 +161,7 @@ def main() -> None:
     ctl = TuningController.from_spec(spec, _plugins(),
                                      emit=lambda e, **f: events.append({"event": e, **f}))
     tuned_steps = run(base, args.tuned_steps, job_dir, controller=ctl)
-    tuned = throughput(tuned_steps[-n:], 0)
+    tuned = throughput(tuned_steps[-(n - args.warmup):], 0)
     sps = [s["samples_per_s"] for s in tuned_steps]
     reach = next((i for i in range(len(sps) - 4)
                   if statistics.median(sps[i:i + 5]) >= 0.95 * best), None)

@@ -50,7 +50,8 @@ def drive(ctl: TuningController, steps: int, start: int = 0, **model_kw) -> None
 
 def controller(events: list, store=None, tuners=None, **kw) -> TuningController:
     tuners = tuners or [("dataloader_workers", DataloaderWorkersTuner({"max_num_workers": 16})),
-                        ("micro_batch", MicroBatchTuner({"max_micro_batch": 64}))]
+                        ("micro_batch", MicroBatchTuner({"max_micro_batch": 64,
+                                                         "max_data_wait_share": 0.3}))]
     ctl = TuningController(tuners, role="trainer", world_size=2, interval_steps=4,
                            warmup_steps=1, store=store,
                            emit=lambda e, **f: events.append({"event": e, **f}), **kw)

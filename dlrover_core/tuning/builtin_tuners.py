@@ -6,9 +6,11 @@
 - ``micro_batch``: double ``dataloader.batch_size`` and halve
   ``optimizer.grad_accum_steps`` (the global batch stays) while throughput rises by at
   least ``min_gain`` per doubling and the predicted memory peak stays below the
-  capacity minus ``memory_headroom``; up to ``max_micro_batch``. It waits while the
-  step is dominated by data wait (more than ``max_data_wait_share``): a bigger
-  micro-batch does not help an input-bound step. With ``keep_global_batch: false`` it
+  capacity minus ``memory_headroom``; up to ``max_micro_batch``. With
+  ``max_data_wait_share`` below 1 it waits while the data wait is more than that share
+  of the step (off by default: fewer, larger batches also cut the loader's per-batch
+  costs, and the guard reverts a doubling that does not pay). With
+  ``keep_global_batch: false`` it
   may also double the global batch (the learning rate then follows
   ``tuning.lr_scaling``).
 """
@@ -63,7 +65,7 @@ class DataloaderWorkersTuner(TunerBase):
 
 class MicroBatchTuner(TunerBase):
     defaults = {"max_micro_batch": 256, "memory_headroom": 0.1, "min_gain": 0.02,
-                "max_data_wait_share": 0.3, "keep_global_batch": True}
+                "max_data_wait_share": 1.0, "keep_global_batch": True}
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)

@@ -27,6 +27,7 @@ version. It never raises into the master: a tuner's exception becomes a
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -86,6 +87,7 @@ class TuningController:
         self._window: list[tuple[int, dict]] = []
         self._memory: dict[int, float] = {}
         self._capacity: dict[int, float] = {}
+        self._lock = threading.RLock()  # reports and config polls come from other threads
         self._restore()
 
     # ------------------------------------------------------------------ construction
@@ -130,6 +132,10 @@ class TuningController:
         """
         if role != self.role:
             return None
+        with self._lock:
+            return self._sync(role, initial)
+
+    def _sync(self, role: str, initial: dict) -> dict:
         if self.config is None:
             self.config = TuningConfig.from_dict({**initial, "version": 0})
             self.history.append({"version": 0, "kind": "initial",
@@ -141,14 +147,16 @@ class TuningController:
 
     def current(self) -> dict | None:
         """The current config as a dict (``None`` before the first :meth:`sync`)."""
-        return None if self.config is None else self.config.to_dict()
+        with self._lock:
+            return None if self.config is None else self.config.to_dict()
 
     def on_report(self, role: str, rank: int, step: int, metrics: dict) -> None:
         """One step report. Uses ``tuning_version`` and the step metrics of
         :mod:`dlrover_core.tuning.metrics`; reports without ``tuning_version`` or of
         another version than the current one are ignored."""
         try:
-            self._on_report(role, rank, step, metrics)
+            with self._lock:
+                self._on_report(role, rank, step, metrics)
         except Exception:  # noqa: BLE001 - tuning must never stop the job
             log.exception("tuning controller failed on a report")
             self.emit("tuning_error", error=traceback.format_exc()[-2000:])
@@ -330,6 +338,10 @@ class TuningController:
     def summary(self) -> dict:
         """For ``summary.json``: the final ``version`` and ``config``, how many versions
         were ``proposed``, ``accepted`` and ``reverted``, and the ``history``."""
+        with self._lock:
+            return self._summary()
+
+    def _summary(self) -> dict:
         return {
             "version": None if self.config is None else self.config.version,
             "config": self.current(),
