@@ -1,0 +1,126 @@
+"""``dlrover list`` and ``dlrover timeline`` on a real job: 2 SPMD ranks (gloo) of the
+tiny nanoGPT, rank 1 SIGKILLed after step 5, recovered at the process level."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import ray
+
+from dlrover_core import load_spec
+from dlrover_core.cli.jobs_list import list_jobs
+from dlrover_core.cli.main import main
+from dlrover_core.master.client import create_master
+from dlrover_core.master.events import read_events
+from dlrover_core.testing import poll_status
+
+NAME = "cli-ft"
+TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
+        "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
+        "config.warmup_steps=2", "checkpoint.every_steps=4", "checkpoint.keep=2",
+        "failover.survivor_grace_s=3", "failover.pg_timeout_s=30", f"name={NAME}",
+        "config.max_steps=16", "config.eval_every=16"]
+
+
+@pytest.fixture(scope="module")
+def job(ray_cluster, tmp_path_factory):
+    """Run the job; returns (job root, job dir, the live `dlrover list` rows seen while it
+    ran)."""
+    root = tmp_path_factory.mktemp("runs")
+    job_dir = str(root / NAME)
+    master = create_master(load_spec("examples/nanogpt/job.yaml", TINY), job_dir)
+    ray.get(master.start.remote())
+    st = poll_status(master, lambda s: s["step"] >= 5 or s["summary"], 240)
+    os.kill(st["instances"]["trainer-1"]["pid"], signal.SIGKILL)
+    live = list_jobs(str(root), cluster=True)
+    summary = poll_status(master, lambda s: s["summary"], 300)["summary"]
+    ray.kill(master, no_restart=True)
+    assert summary["status"] == "succeeded", summary["error"]
+    return str(root), job_dir, live
+
+
+def test_list_shows_the_running_job_from_the_cluster(job):
+    _, _, live = job
+    (row,) = [r for r in live if r["name"] == NAME]
+    assert row["source"].startswith("cluster")  # the master answered
+    assert row["status"] in ("running", "recovering")
+    assert row["steps"] >= 6
+
+
+def test_list_after_the_job(job, capsys):
+    root, job_dir, _ = job
+    assert main(["list", "--root", root, "--no-cluster", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    with open(os.path.join(job_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert row == {"name": NAME, "status": "succeeded", "steps": 16,
+                   "restarts": summary["restarts"]["total"], "wall_s": summary["wall_s"],
+                   "goodput": summary["goodput"], "source": job_dir}
+    assert row["restarts"] >= 1
+    assert main(["list", "--root", root, "--no-cluster"]) == 0
+    table = capsys.readouterr().out
+    line = next(ln for ln in table.splitlines() if NAME in ln)
+    assert "succeeded" in line and job_dir in line
+
+
+def test_timeline_png_of_the_failure(job, tmp_path, capsys):
+    from matplotlib.image import imread
+
+    from dlrover_core.cli import timeline_plot as tp
+    from dlrover_core.cli.job_files import JobFiles
+    from dlrover_core.cli.timeline_model import build_timeline
+
+    _, job_dir, _ = job
+    out = tmp_path / "timeline.png"
+    assert main(["timeline", NAME, "--job-dir", job_dir, "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    # what the job wrote, read independently of the timeline code
+    events = read_events(os.path.join(job_dir, "events.jsonl"))
+    t0 = next(e["ts"] for e in events if e["event"] == "job_started")
+    failed = [e for e in events if e["event"] == "instance_failed"]
+    # the master may see rank 0's broken collective before rank 1's death: either way
+    assert failed and {e["rank"] for e in failed} <= {0, 1}
+    assert f"{len(failed)} failures" in printed
+    rec = [e for e in events if e["event"] == "recovery_finished"]
+    tl = build_timeline(JobFiles.read(job_dir))
+    assert [(f.role, f.rank, f.kind) for f in tl.failures] == \
+        [(e["role"], e["rank"], e["kind"]) for e in failed]
+    assert [f.t for f in tl.failures] == pytest.approx([e["ts"] - t0 for e in failed],
+                                                       abs=1e-3)
+    assert [r.level for r in tl.recoveries] == [e["level"] for e in rec]
+    assert len(tl.checkpoints) == len([e for e in events if e["event"] == "checkpoint_saved"])
+    assert sum(tl.breakdown.values()) == pytest.approx(tl.wall_s, rel=1e-3)
+    # the same figure the command wrote, drawn again to get its axes: the PNG pixels
+    # at the failure's coordinates are the failure colour, elsewhere they are not
+    fig, axes = tp.draw_timeline(tl)
+    img = imread(str(out))
+    assert img.shape[:2] == (int(fig.get_figheight() * fig.dpi),
+                             int(fig.get_figwidth() * fig.dpi))
+    rows = axes["rows"]
+
+    def px(x, y):
+        X, Y = rows.transData.transform((x, y))
+        return tuple(int(round(255 * v)) for v in img[int(round(img.shape[0] - Y)),
+                                                      int(round(X)), :3])
+
+    red = tuple(int(tp.FAILURE_COLOR[i:i + 2], 16) for i in (1, 3, 5))
+    first = tl.failures[0]
+    row = tl.row_index(first.role, first.rank)
+    assert all(abs(a - b) <= 12 for a, b in zip(px(first.t, row), red))
+    # a row with no failure near that time is not red there
+    near = {tl.row_index(f.role, f.rank) for f in tl.failures
+            if abs(f.t - first.t) < 0.05 * tl.wall_s}
+    for other in set(range(len(tl.rows))) - near:
+        assert not all(abs(a - b) <= 12 for a, b in zip(px(first.t, other), red))
+    # and the failure's row is not red where nothing failed (the start of its bar)
+    quiet = tl.rows[row].attempts[0].start + 0.02 * tl.wall_s
+    assert all(abs(f.t - quiet) > 0.02 * tl.wall_s for f in tl.failures)
+    assert not all(abs(a - b) <= 12 for a, b in zip(px(quiet, row), red))
+    # --json prints the same data
+    assert main(["timeline", NAME, "--job-dir", job_dir, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["label"] for r in data["rows"]] == ["trainer-0", "trainer-1"]
+    assert [f["rank"] for f in data["failures"]] == [e["rank"] for e in failed]
