@@ -3,6 +3,8 @@ pre/post functions, non-blocking DRefs and worker-to-worker hand-off."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -136,3 +138,18 @@ def test_remote_methods_of_a_class():
     for absent in ("setup", "teardown", "warm_up", "doubled_rank", "greeting", "_private",
                    "__init__", "rank", "config", "checkpointer"):
         assert absent not in names
+
+
+def test_activity_shows_the_running_call_and_its_stack(groups):
+    alpha, _ = groups
+    h = alpha.handles[2]
+    assert ray.get(h.activity.remote())["busy"] is None
+    ref = h.call.remote("slow", 3.0)
+    deadline = time.time() + 30
+    while (act := ray.get(h.activity.remote()))["busy"] is None:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert act["busy"] == "slow" and act["in_torch"] is False
+    assert "tests/workloads.py" in act["stack"] and "in slow" in act["stack"]
+    assert ray.get(ref) == 3.0
+    assert ray.get(h.activity.remote())["busy"] is None

@@ -111,3 +111,51 @@ class StepDriver(BaseTrainer):
             self.report(self.state["it"] - 1, it=float(self.state["it"]))
             _t.sleep(float(self.config.get("sleep_s", 0.2)))
         return self.state["it"]
+
+
+class BadNodeError(RuntimeError):
+    """What a worker on a broken node raises (the scenario's classifier says ``node``)."""
+
+
+class NodeSensitive(BaseWorkload):
+    """Steps ``config.steps`` times (``config.sleep_s`` each); raises ``BadNodeError`` at
+    any step while its node id is listed in ``<job_dir>/bad_nodes`` (one per line)."""
+
+    def run(self):
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        path = os.path.join(self.job_dir, "bad_nodes")
+        for step in range(int(self.config.steps)):
+            if os.path.exists(path):
+                with open(path) as f:
+                    if node in f.read().split():
+                        raise BadNodeError(f"uncorrectable ECC error on node {node[:12]}")
+            time.sleep(float(self.config.sleep_s))
+            self.report(step, node=float(int(node[:6], 16)))
+        return node
+
+
+class StuckCall(BaseWorkload):
+    """Driven by ``StuckDriver``: ``work(i)`` returns at once, except on rank 1 at
+    ``config.stuck_at`` in attempt 0, where it never returns (a hung role call)."""
+
+    def work(self, i):
+        if self.rank == 1 and i == int(self.config.stuck_at) and self.attempt == 0:
+            time.sleep(3600)
+        return i
+
+
+class StuckDriver(BaseTrainer):
+    """Calls ``RG_WORKER.work(i)`` for ``config.iterations``, saving its state."""
+
+    def init(self):
+        self.state = self.load_state() or {"it": 0}
+
+    def fit(self):
+        while self.state["it"] < int(self.config.iterations):
+            self.RG_WORKER.work.options(auto_shard=False)(self.state["it"])
+            self.state["it"] += 1
+            self.save_state(self.state)
+            self.report(self.state["it"] - 1, it=float(self.state["it"]))
+        return self.state["it"]

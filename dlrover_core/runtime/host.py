@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -43,6 +44,8 @@ class _HostBase:
         self._run_done = threading.Event()
         self._run_done.set()  # nothing running yet
         self._run_outcome: tuple[bool, Any] = (True, None)
+        # what user code runs now: (``"run"`` or the called method, unix s, thread id)
+        self._busy: tuple[str, float, int] | None = None
 
     def _raise(self, exc: BaseException, role: str, rank: int, step: int) -> None:
         raise WorkloadError(role, rank, self._phase, _qualname(exc), str(exc),
@@ -69,19 +72,43 @@ class _HostBase:
     def ping(self) -> float:
         return time.time()
 
+    @ray.method(concurrency_group="monitor")
+    def activity(self) -> dict:
+        """What the user code of this actor is doing now, for hang diagnosis:
+        ``busy`` (``"run"``, the method a driver called, or ``None`` when idle),
+        ``busy_s`` (s since it started), ``in_torch`` (its innermost Python frame is
+        inside the ``torch`` package: waiting in a collective or in backward, i.e. on
+        its peers) and ``stack`` (the formatted stack of that thread, innermost last)."""
+        busy = self._busy
+        if busy is None:
+            return {"busy": None, "busy_s": 0.0, "in_torch": False, "stack": ""}
+        what, since, tid = busy
+        frame = sys._current_frames().get(tid)
+        stack = traceback.format_stack(frame) if frame is not None else []
+        torch = sys.modules.get("torch")
+        torch_dir = os.path.dirname(torch.__file__) + os.sep if torch is not None and \
+            getattr(torch, "__file__", None) else None
+        in_torch = bool(frame is not None and torch_dir
+                        and frame.f_code.co_filename.startswith(torch_dir))
+        return {"busy": what, "busy_s": round(time.time() - since, 3), "in_torch": in_torch,
+                "stack": "".join(stack[-12:])}
+
     def _run_guarded(self, fn: Any, role: str, rank: int, step_of: Any) -> Any:
         """Run ``fn`` as *the* run of this instance, remembering its outcome for
         :meth:`wait_run` (a restarted master re-attaches through it)."""
         self._run_done.clear()
+        self._busy = ("run", time.time(), threading.get_ident())
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001
+            self._busy = None
             try:
                 self._raise(exc, role, rank, step_of())
             except WorkloadError as werr:
                 self._run_outcome = (False, werr)
                 self._run_done.set()
                 raise
+        self._busy = None
         self._run_outcome = (True, result)
         self._run_done.set()
         return result
@@ -213,11 +240,14 @@ class WorkloadHost(_HostBase):
             self._raise(exc, self.context.role, self.context.rank, -1)
         args = tuple(_resolve_refs(a) for a in args)
         kwargs = {k: _resolve_refs(v) for k, v in kwargs.items()}
+        self._busy = (str(method), time.time(), threading.get_ident())
         try:
             return fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001
             self._raise(exc, self.context.role, self.context.rank,
                         self.workload._last_step if self.workload else -1)
+        finally:
+            self._busy = None
 
     @ray.method(concurrency_group="monitor")
     def shutdown(self) -> None:
