@@ -57,6 +57,9 @@ class TensorEntry:
             shard of a ``DTensor``). offset: byte offset in the data area.
         nbytes: ``numel * element_size``. kind: ``tensor`` or ``dtensor``.
         global_shape: the ``DTensor``'s global shape (``()`` for plain tensors).
+        global_offset: where the local shard starts in the global tensor (``()`` for
+            plain tensors); with ``global_shape`` it lets :mod:`.reshard` restore into
+            another world size.
     """
 
     path: tuple
@@ -66,6 +69,7 @@ class TensorEntry:
     nbytes: int
     kind: str = "tensor"
     global_shape: tuple[int, ...] = ()
+    global_offset: tuple[int, ...] = ()
 
     def describe(self) -> str:
         return f"{path_str(self.path)} {self.dtype}{list(self.shape)}"
@@ -91,6 +95,16 @@ def to_dtype(name: str) -> torch.dtype:
 
 def _is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor``."""
+    return _is_dtensor(value)
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.Tensor`` (a ``DTensor`` too)."""
+    return _is_tensor(value)
 
 
 def local_tensor(value: Any) -> torch.Tensor:
@@ -144,8 +158,13 @@ def build_table(state: Any) -> tuple[list[TensorEntry], list[torch.Tensor], Any]
             t = local_tensor(value)
             _check_plain(path, t)
             nbytes = t.numel() * t.element_size()
+            gshape, goff = (), ()
+            if kind == "dtensor":
+                from dlrover_plugin_flashckpt.reshard import global_offset
+
+                gshape, goff = tuple(value.shape), global_offset(value)
             table.append(TensorEntry(path, dtype_name(t.dtype), tuple(t.shape), offset, nbytes,
-                                     kind, tuple(value.shape) if kind == "dtensor" else ()))
+                                     kind, gshape, goff))
             sources.append(t)
             offset += -(-nbytes // ALIGN) * ALIGN
             return TensorRef(len(table) - 1)
@@ -205,10 +224,13 @@ def tensor_view(buf: Any, base: int, entry: TensorEntry) -> torch.Tensor:
 
 
 def restore(template: Any, skeleton: Any, table: list[TensorEntry],
-            source: Callable[[TensorEntry], torch.Tensor], where: str) -> Any:
+            source: Callable[[TensorEntry], torch.Tensor] | None, where: str,
+            fill: Callable[[TensorEntry, torch.Tensor], None] | None = None) -> Any:
     """Load a saved state into ``template`` in place; returns the (possibly new) root.
 
-    ``source(entry)`` returns a CPU tensor with the saved bytes of one table entry.
+    ``source(entry)`` returns a CPU tensor with the saved bytes of one table entry;
+    or ``fill(entry, dst)`` writes them into ``dst`` (a tensor of the entry's dtype
+    and shape) itself, e.g. with :class:`reader.ShardReader`.
     Live tensors (their local shard for a ``DTensor``) of the same dtype and shape are
     overwritten in place; dicts and lists are updated in place; saved entries the
     template lacks are created (cloned); non-tensor values are taken from the save.
@@ -227,7 +249,6 @@ def restore(template: Any, skeleton: Any, table: list[TensorEntry],
     def merge(live: Any, saved: Any) -> Any:
         if isinstance(saved, TensorRef):
             e = table[saved.index]
-            src = source(e)
             if _is_tensor(live):
                 dst = local_tensor(live)
                 if dtype_name(dst.dtype) != e.dtype or tuple(dst.shape) != e.shape:
@@ -235,9 +256,18 @@ def restore(template: Any, skeleton: Any, table: list[TensorEntry],
                         f"{where}: {path_str(e.path)} is {e.dtype}{list(e.shape)} in the "
                         f"checkpoint but {dtype_name(dst.dtype)}{list(dst.shape)} in the live "
                         "state; a flash checkpoint restores into the same model and world size")
-                dst.copy_(src)
+                if fill is not None:
+                    fill(e, dst)
+                else:
+                    assert source is not None
+                    dst.copy_(source(e))
                 return live
-            return src.clone()
+            if fill is not None:
+                t = torch.empty(e.shape, dtype=to_dtype(e.dtype))
+                fill(e, t)
+                return t
+            assert source is not None
+            return source(e).clone()
         if isinstance(saved, dict):
             if isinstance(live, dict):
                 for k, v in saved.items():

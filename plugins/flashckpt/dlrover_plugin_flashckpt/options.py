@@ -30,6 +30,13 @@ class FlashOptions:
         throttle_mib_s: cap on the persist bandwidth per node in MiB/s (0: no cap),
             to leave disk bandwidth to the training job.
         wait_timeout_s: how long ``wait()`` waits for a step to be committed.
+        reserve_mib: size of the tensor data of one save in MiB, declared up front: the
+            buffers are laid out for it in the background when the saver is created.
+            0 (default): from the state dict ``load()`` restores into (with the state a
+            fresh optimizer will create), or at the first save.
+        replicas: copies of each node's newest saves kept in other nodes' memory (0 or
+            1): after a save, the node's persister copies it asynchronously to the next
+            node of the ring, so losing a node loses no saved step (:mod:`.replica`).
     """
 
     persist_every_steps: int = 1
@@ -38,6 +45,8 @@ class FlashOptions:
     verify_memory: str = "header"
     throttle_mib_s: float = 0.0
     wait_timeout_s: float = 600.0
+    reserve_mib: float = 0.0
+    replicas: int = 0
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> FlashOptions:
@@ -73,6 +82,9 @@ class FlashOptions:
         number("slots", int, 1, 8, "an integer from 1 to 8")
         number("throttle_mib_s", float, 0, None, "a number >= 0 (0: no cap)")
         number("wait_timeout_s", float, 1e-3, None, "a number of seconds > 0")
+        number("reserve_mib", float, 0, None, "a number of MiB >= 0 (0: from the state)")
+        number("replicas", int, 0, 1, "0 (no replica) or 1 (one copy in a peer node's "
+                                      "memory)")
         if "shm_dir" in options:
             v = options["shm_dir"]
             if not isinstance(v, str) or not v.startswith("/"):

@@ -60,6 +60,7 @@ class Registration:
     throttle_mib_s: float = 0.0
     run_id: str = ""
     shm_dir: str = "/dev/shm"
+    replicas: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -91,8 +92,16 @@ class FlashPersister:
         self.history: list[dict] = []
         self.errors: list[str] = []
         self.removed_stale = hygiene.remove_stale("/dev/shm", session)
+        #: (role, rank) -> (step, seq) of the last save replicated to the peer
+        self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
+        #: finished replications: role, rank, step, peer, bytes, seconds
+        self.replica_history: list[dict] = []
+        self._repl_wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flash-persister", daemon=True)
         self._thread.start()
+        self._repl_thread = threading.Thread(target=self._replicate_loop,
+                                             name="flash-replicate", daemon=True)
+        self._repl_thread.start()
 
     # ================================================================== actor API
     def ready(self) -> dict:
@@ -109,6 +118,43 @@ class FlashPersister:
                 if seg is not None:
                     self._stamp(seg)
         self._wake.set()
+        if r.replicas:
+            self._repl_wake.set()
+
+    # ------------------------------------------------------------------ replicas
+    def store_replica(self, info: dict, data: Any) -> str:
+        """Hold a replica of another node's save (called by that node's persister;
+        ``data`` arrives through Ray's object transfer). Returns the buffer name."""
+        from dlrover_plugin_flashckpt import replica
+
+        ident = {"job": self.job, "role": info.get("role", ""), "rank": info["rank"],
+                 "world_size": info["world_size"], "dir": info["dir"], "session": self.session,
+                 "run_id": info.get("run_id", ""), "replica_of": info.get("source", "")}
+        return replica.store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
+                             data, ident)
+
+    def replicas(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
+        """Replicas of ``directory`` held on this node: ``{"node_id", "held": [{"name",
+        "path", "rank", "world_size", "step", "bytes"}]}``."""
+        from dlrover_plugin_flashckpt import replica
+
+        return {"node_id": self.node_id,
+                "held": replica.held(shm_dir, self.job, directory, self.node_id)}
+
+    def read_replica(self, path: str, step: int) -> dict:
+        """The bytes of a replica held here (for a trainer on another node):
+        ``{"meta", "data" (numpy uint8), "step"}``.
+
+        Raises:
+            ValueError: it no longer holds ``step``."""
+        from dlrover_plugin_flashckpt import replica
+
+        return replica.read(path, step)
+
+    def replica_status(self) -> dict:
+        with self._lock:
+            return {"replicated": {f"{k[0]}-{k[1]}": v for k, v in self._replicated.items()},
+                    "history": list(self.replica_history)}
 
     def held(self, role: str) -> dict:
         """Complete saves held in memory on this node for ``role``:
@@ -174,7 +220,8 @@ class FlashPersister:
         deadline = time.monotonic() + timeout
         while True:
             newest = storage.newest_committed(directory)
-            if newest is not None and newest >= step:
+            latest = storage.latest_step(directory)  # moved forward right after the rename
+            if newest is not None and newest >= step and latest is not None and latest >= step:
                 return newest
             if time.monotonic() > deadline:
                 tmp = storage.tmp_dir(directory, step)
@@ -388,6 +435,73 @@ class FlashPersister:
                 self._error(f"persister loop: {type(exc).__name__}: {exc}\n"
                             + traceback.format_exc(limit=5))
 
+    def _replicate_loop(self) -> None:
+        while not self._stop.is_set():
+            self._repl_wake.wait(POLL_S * 4)
+            self._repl_wake.clear()
+            try:
+                while not self._stop.is_set() and self._replicate_one():
+                    pass
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                self._error(f"replication: {type(exc).__name__}: {exc}\n"
+                            + traceback.format_exc(limit=5))
+
+    def _replicate_one(self) -> bool:
+        """Copy one rank's newest save not replicated yet to the peer node; True when
+        there was one (replicated or dropped)."""
+        import ray
+
+        from dlrover_plugin_flashckpt import replica
+
+        todo = None
+        with self._lock:
+            for (role, rank), r in sorted(self._regs.items()):
+                if not r.replicas:
+                    continue
+                steps = self._rank_steps(r, pending_only=False)
+                if not steps:
+                    continue
+                step = max(steps)
+                seg, h = steps[step]
+                if self._replicated.get((role, rank)) != (step, h.seq):
+                    todo = (r, seg, h)
+                    break
+        if todo is None:
+            return False
+        r, seg, h = todo
+        peer = replica.peer_of(self.node_id, _alive_nodes())
+        if peer is None:
+            with self._lock:
+                self._replicated[(r.role, r.rank)] = (h.step, h.seq)
+            log.warning("flash replica of %s rank %d step %d: no other node", r.role, r.rank,
+                        h.step)
+            return True
+        t0 = time.monotonic()
+        import numpy as np
+
+        meta = seg.meta_bytes(h)
+        ref = ray.put(np.frombuffer(seg.mm, dtype=np.uint8, count=h.data_len,
+                                    offset=h.data_offset))
+        again = seg.read_header()
+        if again.seq != h.seq or not shm.holds_step(again):
+            log.info("flash replica of %s rank %d step %d dropped: overwritten while copied",
+                     r.role, r.rank, h.step)
+            return True  # the newer save is replicated next
+        info = {"dir": r.dir, "role": r.role, "rank": r.rank, "world_size": r.world_size,
+                "step": h.step, "meta": meta, "data_len": h.data_len, "saved_at": h.saved_at,
+                "run_id": r.run_id, "shm_dir": r.shm_dir, "source": self.node_id}
+        holder = get_persister(self.job, node_id=peer)
+        name = ray.get(holder.store_replica.remote(info, ref), timeout=600)
+        del ref
+        with self._lock:
+            self._replicated[(r.role, r.rank)] = (h.step, h.seq)
+            self.replica_history.append({"role": r.role, "rank": r.rank, "step": h.step,
+                                         "peer": peer, "name": name, "bytes": h.data_len,
+                                         "seconds": round(time.monotonic() - t0, 4),
+                                         "done_at": time.time()})
+            del self.replica_history[:-50]
+        return True
+
     def _error(self, msg: str) -> None:
         log.error(msg)
         with self._lock:
@@ -472,9 +586,11 @@ def remote_class() -> Any:
     return ray.remote(FlashPersister)
 
 
-def get_persister(job: str, create: bool = True, timeout: float = 120.0) -> Any:
-    """The ready persister actor of ``job`` on this node (created when missing and
-    ``create``), or ``None``. Call from a process connected to Ray (a worker of the job).
+def get_persister(job: str, create: bool = True, timeout: float = 120.0,
+                  node_id: str | None = None) -> Any:
+    """The ready persister actor of ``job`` on this node (or on ``node_id``), created
+    when missing and ``create``, or ``None``. Call from a process connected to Ray (a
+    worker of the job, or another persister).
 
     Raises:
         TimeoutError: no live persister could be had within ``timeout`` s.
@@ -482,7 +598,7 @@ def get_persister(job: str, create: bool = True, timeout: float = 120.0) -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node_id = ray.get_runtime_context().get_node_id()
+    node_id = node_id or ray.get_runtime_context().get_node_id()
     name = persister_name(job, node_id)
     deadline = time.monotonic() + timeout
     last: Exception | None = None

@@ -2,9 +2,14 @@
 
 Save (blocking only for the copy):
 
+0. before the first save, a background thread finds the node's persister and lays
+   out ``options.slots`` shared-memory buffers for this rank (:mod:`.shm`), allocated
+   and page-faulted, sized from ``options.reserve_mib`` or from the state that
+   :meth:`FlashSaver.load` restores into (:mod:`.capacity`); a buffer is reused for
+   every save that fits in it, whatever its tensor table;
 1. split the state dict into the tensor table, the tensors and the skeleton
-   (:mod:`.layout`); on the first save (or when the table changes) lay out
-   ``options.slots`` shared-memory buffers for this rank (:mod:`.shm`), reused after;
+   (:mod:`.layout`); a state that outgrew its buffer lays that one out again (the one
+   slow save) and the others grow in the background;
 2. pick a slot: an empty one, else the one with the oldest step that is neither
    being persisted nor waiting to be; a step that is due for persistence may also
    replace a newer-step slot still waiting (it supersedes it). When every slot is
@@ -32,16 +37,20 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import re
+import threading
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from dlrover_core.checkpoint.manifest import CorruptCheckpointError
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext, committed_steps, \
     step_dir_name
 from dlrover_core.spec.errors import SpecError
-from dlrover_plugin_flashckpt import layout, shm, storage
+from dlrover_plugin_flashckpt import capacity, layout, shm, storage
 from dlrover_plugin_flashckpt.options import FlashOptions
+from dlrover_plugin_flashckpt.reader import ShardReader
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,13 @@ META_MIN = 64 << 10
 
 class _TornRead(RuntimeError):
     """A slot changed while it was being read."""
+
+
+_SLOT_RE = re.compile(r"-r\d{5}-s\d+$")
+
+
+class _Superseded(Exception):
+    """A background replacement of a buffer is no longer wanted."""
 
 
 class FlashSaver(Saver):
@@ -81,12 +97,22 @@ class FlashSaver(Saver):
                                    shm.slot_name(self.job, self.dir, self.rank, s))
                       for s in range(self.opts.slots)]
         self._segs: list[shm.Segment | None] = [None] * self.opts.slots
-        self._views: list[list[Any]] = [[] for _ in range(self.opts.slots)]
+        #: slot -> (layout signature, segment, tensor views into it)
+        self._views: dict[int, tuple[bytes, shm.Segment, list[Any]]] = {}
         self._pinned: list[Any] = []
-        self._sig: bytes | None = None
-        self._meta_cap = 0
+        self._pinned_segs: list[int] = []
         self._data_len = 0
         self._persister: Any = None
+        #: one background thread: finds the persister, lays out the buffers
+        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-reserve")
+        self._reserving: Future | None = None
+        self._growing = False
+        self._closing = threading.Event()
+        #: held by a save, and by the background thread while it swaps a buffer in
+        self._lock = threading.RLock()
+        self._persister_future: Future | None = None
+        #: ``{"data_bytes", "meta_bytes", "seconds"}`` of the last finished reservation
+        self.last_reserve: dict = {}
         self._notified: Any = None
         self._run_id: str | None = None
         self._newest_saved: int | None = None
@@ -96,6 +122,15 @@ class FlashSaver(Saver):
         self.last_save: dict = {}
         #: ``(step, reason)`` of skipped saves
         self.skipped: list[tuple[int, str]] = []
+        try:
+            import ray
+
+            if ray.is_initialized():  # found (or started) while the trainer sets up
+                self._persister_future = self._bg.submit(self._find_persister)
+        except ImportError:
+            pass
+        if self.opts.reserve_mib:
+            self.reserve(int(self.opts.reserve_mib * 2**20))
 
     # ================================================================== helpers
     def _dist(self) -> Any:
@@ -127,7 +162,7 @@ class FlashSaver(Saver):
                 "dir": self.dir, "keep": self.config.keep, "slots": list(self.paths),
                 "persist_every_steps": self.opts.persist_every_steps,
                 "throttle_mib_s": self.opts.throttle_mib_s, "run_id": self._run_id or "",
-                "shm_dir": self.opts.shm_dir}
+                "shm_dir": self.opts.shm_dir, "replicas": self.opts.replicas}
 
     def persister(self) -> Any:
         """The node's persister actor handle (found or created, and ready).
@@ -146,19 +181,91 @@ class FlashSaver(Saver):
                 except ray.exceptions.RayActorError:
                     log.warning("the flash persister of this node died; starting a new one")
                     self._persister = None
+        if self._persister is None and self._persister_future is not None:
+            fut, self._persister_future = self._persister_future, None
+            try:
+                self._persister = fut.result()
+            except Exception as exc:  # noqa: BLE001 - tried again below, errors raised
+                log.warning("finding the flash persister in the background failed: %s", exc)
         if self._persister is None:
-            from dlrover_plugin_flashckpt.persister import get_persister
-
             if not ray.is_initialized():
                 raise RuntimeError("the flash saver needs Ray for its per-node persister: run "
                                    "it inside a dlrover job, or call ray.init() first")
-            self._persister = get_persister(self.job)
+            self._persister = self._find_persister()
         return self._persister
 
-    # ================================================================== layout
+    def _find_persister(self) -> Any:
+        from dlrover_plugin_flashckpt.persister import get_persister
+
+        self._ident()  # the run id, looked up once
+        return get_persister(self.job)
+
+    # ================================================================== buffers
+    def _wait_reserve(self) -> None:
+        """Wait for a background reservation (at most one runs; every method that
+        touches the buffers calls this first)."""
+        fut, self._reserving = self._reserving, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except Exception as exc:  # noqa: BLE001 - the next save lays the buffer out itself
+            log.warning("laying out the flash buffers in the background failed (%s); the "
+                        "next save lays them out", exc)
+
+    def wait_reserved(self) -> None:
+        """Block until the background layout of the buffers (if any) is done."""
+        self._wait_reserve()
+
+    def reserve(self, data_bytes: int, meta_bytes: int = META_MIN,
+                wait: bool = False, grow: bool = False) -> Future:
+        """Lay out this rank's ``options.slots`` buffers for saves of up to
+        ``data_bytes`` tensor bytes and ``meta_bytes`` of meta block, in a background
+        thread (allocation and page faults off the training step's critical path).
+        Buffers that already fit are kept (mapped again with their page tables filled,
+        as after a restart); a buffer holding a step that a load may still want is
+        left alone (a save that takes it grows it). A save waits for a reservation
+        still running, except a growth (``grow``: after a save outgrew its buffer), which
+        waits for each other buffer to be free (persisted, superseded) and swaps it in
+        between saves.
+
+        Returns the reservation's future (``wait=True``: done when this returns).
+        Raises:
+            ValueError: a negative size.
+        """
+        if data_bytes < 0 or meta_bytes < 0:
+            raise ValueError(f"reserve({data_bytes}, {meta_bytes}): sizes are bytes >= 0")
+        self._wait_reserve()
+        fut = self._bg.submit(self._reserve_all, int(data_bytes), int(meta_bytes), grow)
+        self._reserving, self._growing = fut, grow
+        if wait:
+            self._wait_reserve()
+        return fut
+
+    def reserve_for(self, state_dict: dict, wait: bool = False) -> Future:
+        """:meth:`reserve` for saves of ``state_dict``, including the optimizer state a
+        fresh optimizer creates at its first step (:func:`capacity.estimate`)."""
+        data, meta = capacity.estimate(state_dict)
+        return self.reserve(data, max(META_MIN, 2 * meta), wait)
+
+    def _reserve_all(self, data: int, meta: int, grow: bool = False) -> None:
+        t0 = time.perf_counter()
+        for i in range(self.opts.slots):
+            if grow:  # wait (off the critical path) until the slot may be replaced
+                deadline = time.monotonic() + self.opts.wait_timeout_s
+                while not self._closing.is_set() and time.monotonic() < deadline:
+                    with self._lock:
+                        seg = self._attach(i)
+                        if seg is None or self._fits(seg, data, meta) or self._replaceable(seg):
+                            break
+                    time.sleep(0.05)
+            self._ensure_slot(i, data, meta, claimed=False)
+        self.last_reserve = {"data_bytes": data, "meta_bytes": meta,
+                             "seconds": time.perf_counter() - t0}
+
     def _release_slots(self) -> None:
         self._unpin()
-        self._views = [[] for _ in range(self.opts.slots)]
+        self._views.clear()
         for i, seg in enumerate(self._segs):
             if seg is not None:
                 seg.close()
@@ -173,61 +280,108 @@ class FlashSaver(Saver):
             seg = self._segs[i] = shm.Segment.attach(self.paths[i])
         return seg
 
-    def _layout(self, table: list[layout.TensorEntry], sig: bytes, meta_len: int) -> None:
-        data_len = layout.data_size(table)
-        self._unpin()
-        self._views = [[] for _ in range(self.opts.slots)]
-        reuse = True
-        for i in range(self.opts.slots):
+    def _fits(self, seg: shm.Segment, data: int, meta: int) -> bool:
+        h = seg.read_header()
+        return (seg.data_cap >= data and h.meta_cap >= meta and h.rank == self.rank
+                and h.world_size == self.world_size and seg.ident().get("dir") == self.dir)
+
+    def _replaceable(self, seg: shm.Segment) -> bool:
+        """Whether a background reservation may replace ``seg``: it holds no step, or
+        one this process has superseded with a newer save and that is neither being
+        persisted nor waiting for it."""
+        h = seg.read_header()
+        if not shm.holds_step(h):
+            return True
+        if self._newest_saved is None or h.step >= self._newest_saved:
+            return False
+        st = shm.effective_state(h)
+        return st == shm.READY and not (h.due and h.persisted_seq != h.seq)
+
+    def _ensure_slot(self, i: int, data: int, meta: int, claimed: bool) -> shm.Segment:
+        """The mapped buffer of slot ``i``, with room for ``data`` + ``meta`` bytes:
+        the existing one when it fits, else a new one replacing it (``claimed``: the
+        caller holds the slot in WRITING, so it is replaced whatever it held).
+
+        Raises:
+            ShmSpaceError: too little shared memory (says how much).
+        """
+        with self._lock:
             seg = self._attach(i)
-            if seg is None:
-                reuse = False
-                continue
-            h = seg.read_header()
-            ident = seg.ident()
-            if (h.sig != sig or h.meta_cap < meta_len or h.data_cap < data_len
-                    or ident.get("dir") != self.dir or h.world_size != self.world_size):
-                reuse = False
-        if not reuse:
-            self._release_slots()
-            for p in self.paths:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-            meta_cap = shm.round_up(max(META_MIN, 2 * meta_len))
-            size = shm.HEADER_SIZE + meta_cap + shm.round_up(max(data_len, 1))
-            shm.check_space(self.opts.shm_dir, size * self.opts.slots,
-                            f"{self.opts.slots} buffers of {self.context.role or 'rank'} rank "
-                            f"{self.rank} ({len(table)} tensors, {data_len} bytes each)")
-            ident = self._ident()
-            for i, p in enumerate(self.paths):
-                self._segs[i] = shm.Segment.create(p, meta_cap, data_len, ident, sig,
-                                                   self.rank, self.world_size)
-        else:  # buffers of an earlier process of this rank (a restart): fault them in
-            for i, p in enumerate(self.paths):
-                seg = self._segs[i]
-                if seg is not None and not seg.populated:
+            if seg is not None and self._fits(seg, data, meta):
+                if not seg.populated:  # a buffer of an earlier process of this rank
+                    again = shm.Segment.attach(self.paths[i], populate=True)
+                    if again is not None and again.inode == seg.inode:
+                        seg.close()
+                        seg = self._segs[i] = again
+                        self._views.pop(i, None)
+                    elif again is not None:
+                        again.close()
+                return seg
+            if seg is not None and not claimed and not self._replaceable(seg):
+                return seg
+        data_cap = shm.round_up(max(data, 1))
+        meta_cap = shm.round_up(max(META_MIN, meta))
+        size = shm.HEADER_SIZE + meta_cap + data_cap
+        shm.check_space(self.opts.shm_dir, size,
+                        f"buffer {i} of {self.context.role or 'rank'} rank {self.rank} "
+                        f"({data} bytes of tensors)")
+        # the slow part (allocation, page faults) runs without the lock: a save may go on
+        new = shm.Segment.create(self.paths[i], meta_cap, data_cap, self._ident(), bytes(16),
+                                 self.rank, self.world_size, install=False)
+        try:
+            with self._lock:
+                seg = self._attach(i)
+                if seg is not None and not claimed and (
+                        self._fits(seg, data, meta) or not self._replaceable(seg)):
+                    raise _Superseded  # a save grew it meanwhile, or took it
+                if seg is not None:
+                    with seg.locked():
+                        old = seg.read_header()
+                        h = new.read_header()
+                        h.seq = old.seq
+                        if claimed:
+                            h.state, h.writer_pid, h.writer_start = (
+                                shm.WRITING, old.writer_pid, old.writer_start)
+                        new.write_header(h)
+                        new.install()
                     seg.close()
-                    self._segs[i] = shm.Segment.attach(p, populate=True)
-        self._ident()
-        self._sig = sig
-        self._meta_cap = min(s.read_header().meta_cap for s in self._segs if s is not None)
-        self._data_len = data_len
-        self._views = []
-        for seg in self._segs:
-            assert seg is not None
-            h = seg.read_header()
-            self._views.append([layout.tensor_view(seg.mm, h.data_offset, e) for e in table])
+                else:
+                    new.install()
+                self._segs[i] = new
+                self._views.pop(i, None)
+                return new
+        except BaseException as exc:
+            new.close()
+            try:
+                os.unlink(new.path)
+            except OSError:
+                pass
+            if isinstance(exc, _Superseded):
+                return self._segs[i]  # type: ignore[return-value]
+            raise
+
+    def _views_for(self, i: int, seg: shm.Segment, table: list[layout.TensorEntry],
+                   sig: bytes) -> list[Any]:
+        cached = self._views.get(i)
+        if cached is not None and cached[0] == sig and cached[1] is seg:
+            return cached[2]
+        h = seg.read_header()
+        views = [layout.tensor_view(seg.mm, h.data_offset, e) for e in table]
+        self._views[i] = (sig, seg, views)
+        return views
 
     def _pin(self, sources: list[Any]) -> bool:
         """Page-lock the buffers for CUDA when the state is on a GPU, so the
         device-to-host copies are DMA transfers. Returns whether they are pinned."""
         if not any(getattr(t, "is_cuda", False) for t in sources):
             return False
+        segs = [s for s in self._segs if s is not None]
+        if self._pinned and self._pinned_segs != [id(s) for s in segs]:
+            self._unpin()  # a buffer was replaced
         if not self._pinned:
             try:
-                self._pinned = shm.pin_buffers([s for s in self._segs if s is not None])
+                self._pinned = shm.pin_buffers(segs)
+                self._pinned_segs = [id(s) for s in segs]
             except Exception as exc:  # noqa: BLE001 - pageable copies still work
                 log.warning("could not pin the flash buffers for CUDA copies (%s); copies are "
                             "synchronous", exc)
@@ -237,6 +391,7 @@ class FlashSaver(Saver):
     def _unpin(self) -> None:
         if self._pinned:
             shm.unpin_buffers(self._pinned)
+        self._pinned_segs = []
 
     # ================================================================== save
     def _pick_slot(self, step: int, due: bool) -> int | None:
@@ -244,7 +399,9 @@ class FlashSaver(Saver):
         states = []
         for i in range(self.opts.slots):
             seg = self._segs[i]
-            assert seg is not None
+            if seg is None:
+                free.append((-2, i))
+                continue
             h = seg.read_header()
             st = shm.effective_state(h)
             states.append(f"slot {i}: {shm.STATE_NAMES[st]} step {h.step}")
@@ -257,7 +414,8 @@ class FlashSaver(Saver):
             order += [i for _, i in sorted(waiting)]
         for i in order:
             seg = self._segs[i]
-            assert seg is not None
+            if seg is None:
+                return i
             with seg.locked():
                 h = seg.read_header()
                 if shm.effective_state(h) == shm.PERSISTING:
@@ -283,6 +441,11 @@ class FlashSaver(Saver):
         """Copy ``state_dict`` into this rank's shared memory as ``step`` and return;
         the node's persister writes it to :attr:`dir` when it is due.
 
+        The buffers are normally laid out before (``reserve_mib``, or :meth:`load`
+        reserves them for its state in the background). A save whose buffer is missing
+        or too small lays that one out itself (slow: allocation and page faults, logged)
+        and the other buffers grow in the background.
+
         Args:
             step: the training step (>= 0). state_dict: nested dicts/lists/tuples of
                 dense tensors (any dtype of ``layout``; DTensors save their local
@@ -299,22 +462,47 @@ class FlashSaver(Saver):
             raise ValueError(f"step {step!r} is invalid: use an integer >= 0")
         step = operator.index(step)
         t0 = time.perf_counter()
+        if not self._growing:  # the first layout: wait for it rather than do it twice
+            self._wait_reserve()
+        with self._lock:
+            self._save(step, state_dict, t0)
+
+    def _save(self, step: int, state_dict: dict, t0: float) -> None:
         table, sources, skeleton = layout.build_table(state_dict)
         sig = layout.signature(table)
         meta = layout.pack_meta(step, table, skeleton,
                                 {"rank": self.rank, "world_size": self.world_size})
+        data_len = layout.data_size(table)
         persister = self.persister()
-        if sig != self._sig or len(meta) > self._meta_cap:
-            self._layout(table, sig, len(meta))
         due = self.opts.is_due(step)
         slot = self._pick_slot(step, due)
         if slot is None:
             return
         seg = self._segs[slot]
+        laid_out = seg is None or not self._fits(seg, data_len, len(meta))
+        if laid_out:
+            t_grow = time.perf_counter()
+            # room for a little growth, so that a slightly larger state does not pay again
+            seg = self._ensure_slot(slot, data_len + data_len // 8, 2 * len(meta) + META_MIN,
+                                    claimed=seg is not None)
+            if seg.read_header().state != shm.WRITING:  # a new buffer: claim it
+                with seg.locked():
+                    h = seg.read_header()
+                    h.state, h.seq = shm.WRITING, h.seq + 1
+                    h.writer_pid, h.writer_start = shm.my_identity()
+                    seg.write_header(h)
+            log.warning("flash save of step %d laid out buffer %d itself (%.2f s; %d bytes): "
+                        "%s; the others grow in the background. load() before the first "
+                        "save, or checkpoint.options.reserve_mib, avoids this", step, slot,
+                        time.perf_counter() - t_grow, data_len,
+                        "no buffer was reserved" if self._segs.count(None) + 1 >= len(
+                            self._segs) and not self.last_reserve else
+                        "the state outgrew the reserved buffer")
         assert seg is not None
         t1 = time.perf_counter()
+        views = self._views_for(slot, seg, table, sig)
         pinned = self._pin(sources)
-        for dst, src in zip(self._views[slot], sources):
+        for dst, src in zip(views, sources):
             dst.copy_(src, non_blocking=pinned)
         if pinned:
             import torch
@@ -326,13 +514,19 @@ class FlashSaver(Saver):
             h = seg.read_header()
             h.step, h.state, h.due = step, shm.READY, int(due)
             h.meta_len, h.meta_crc = len(meta), zlib.crc32(meta)
-            h.data_len, h.saved_at = self._data_len, time.time()
-            h.crc_seq = 0
+            h.data_len, h.saved_at = data_len, time.time()
+            h.crc_seq, h.sig = 0, sig
             seg.write_header(h)
         self._newest_saved = step
+        self._data_len = data_len
         self._notified = persister.saved.remote(self._registration(), step)
-        self.last_save = {"step": step, "slot": slot, "copy_s": copy_s,
-                          "total_s": time.perf_counter() - t0, "bytes": self._data_len}
+        self.last_save = {"step": step, "slot": slot, "copy_s": copy_s, "laid_out": laid_out,
+                          "total_s": time.perf_counter() - t0, "bytes": data_len}
+        if laid_out and self.opts.slots > 1:
+            fut = self._reserving
+            if fut is not None and not fut.done():  # an older growth: let it finish
+                return
+            self.reserve(data_len + data_len // 8, 2 * len(meta) + META_MIN, grow=True)
 
     # ================================================================== load
     def _memory_steps(self) -> dict[int, int]:
@@ -352,15 +546,11 @@ class FlashSaver(Saver):
         return {s: i for s, (i, _) in out.items()}
 
     def _load_memory(self, state_dict: dict, step: int, slot: int) -> None:
-        # map the slot again with its page tables filled in one pass (MAP_POPULATE): a
-        # fresh process would otherwise take a page fault per 4 KiB during the copy
-        old = self._segs[slot]
-        seg = shm.Segment.attach(self.paths[slot], populate=True)
+        # the header and meta block through the mapping (a few pages); the data with
+        # pread straight into the live tensors (reader.py): no page tables to fill
+        seg = self._attach(slot)
         if seg is None:
             raise _TornRead(f"flash buffer {self.paths[slot]} disappeared")
-        if old is not None:
-            old.close()
-        self._segs[slot] = seg
         where = f"flash buffer {seg.name} (step {step})"
         with seg.locked():
             h = seg.read_header()
@@ -382,8 +572,11 @@ class FlashSaver(Saver):
             else:
                 log.info("%s: no data crc32 recorded yet (not persisted); header checks only",
                          where)
-        layout.restore(state_dict, m["skeleton"], m["table"],
-                       lambda e: layout.tensor_view(seg.mm, h.data_offset, e), where)
+        with ShardReader(seg.path, h.data_offset) as rd:
+            if os.fstat(rd.fd).st_ino != seg.inode:
+                raise _TornRead(f"{where} was replaced while it was read")
+            layout.restore(state_dict, m["skeleton"], m["table"], None, where,
+                           fill=lambda e, dst: rd.read_into(dst, e.offset))
         with seg.locked():
             h2 = seg.read_header()
         if h2.seq != h.seq or not shm.holds_step(h2):
@@ -391,23 +584,16 @@ class FlashSaver(Saver):
 
     def _load_disk(self, state_dict: dict, step: int) -> None:
         step_dir = os.path.join(self.dir, step_dir_name(step))
-        meta, data = storage.open_rank(step_dir, self.rank)
-        try:
-            m = layout.unpack_meta(meta)
-            if m.get("rank") != self.rank or m.get("step") != step:
-                raise CorruptCheckpointError(f"{step_dir}: rank file {self.rank} holds rank "
-                                             f"{m.get('rank')} step {m.get('step')}")
-            layout.restore(state_dict, m["skeleton"], m["table"],
-                           lambda e: layout.tensor_view(data, 0, e), f"{step_dir} rank {self.rank}")
-        finally:
-            if hasattr(data, "close"):
-                import gc
-
-                gc.collect()
-                try:
-                    data.close()
-                except BufferError:
-                    pass
+        data_name, meta_name = storage.rank_files(self.rank)
+        with open(os.path.join(step_dir, meta_name), "rb") as f:
+            m = layout.unpack_meta(f.read())
+        if m.get("rank") != self.rank or m.get("step") != step:
+            raise CorruptCheckpointError(f"{step_dir}: rank file {self.rank} holds rank "
+                                         f"{m.get('rank')} step {m.get('step')}")
+        with ShardReader(os.path.join(step_dir, data_name)) as rd:
+            layout.restore(state_dict, m["skeleton"], m["table"], None,
+                           f"{step_dir} rank {self.rank}",
+                           fill=lambda e, dst: rd.read_into(dst, e.offset))
 
     def _all_ok(self, err: BaseException | None) -> list[str]:
         """Errors of every rank (empty: all succeeded)."""
@@ -425,44 +611,72 @@ class FlashSaver(Saver):
                 world size), from memory and from disk alike.
         """
         self.last_load_source = None
+        self._wait_reserve()
         self.persister()  # a new persister first removes stale buffers of dead jobs
-        mem = self._memory_steps()
-        held = self._gather(sorted(mem))
-        common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
+        try:
+            return self._load(state_dict, step)
+        finally:
+            try:  # lay out the buffers for this state before the first save
+                self.reserve_for(state_dict)
+            except Exception as exc:  # noqa: BLE001 - the first save lays them out then
+                log.warning("could not reserve the flash buffers: %s", exc)
+
+    def _load(self, state_dict: dict, step: int | None) -> int | None:
+        own = self._memory_steps()
+        reps = self._replica_steps() if self.opts.replicas else {}
+        old_world, other = self._other_world_steps()
+        mine = sorted(set(own) | set(reps))
+        held = self._gather((mine, sorted(other), old_world))
+        common = set(held[0][0]).intersection(*(set(h[0]) for h in held[1:]))
+        worlds = {h[2] for h in held}
+        common_other = set(held[0][1]).intersection(*(set(h[1]) for h in held[1:])) \
+            if len(worlds) == 1 else set()
         disk = committed_steps(self.dir)
         if self._dist() is not None:  # rank 0's view of the directory decides
             box = [disk]
             self._dist().broadcast_object_list(box, src=0)
             disk = box[0]
         if step is not None:
-            mem_step = step if step in common else None
+            mem = [step] if step in common | common_other else []
             disk = [step] if step in disk else []
         else:
-            mem_step = max(common) if common else None
-            if mem_step is not None and disk and disk[-1] > mem_step:
-                mem_step = None
-        if mem_step is not None:
+            mem = sorted(common | common_other, reverse=True)[:1]
+            if mem and disk and disk[-1] > mem[0]:
+                mem = []
+        for s in mem:
             err: BaseException | None = None
+            source = "memory"
             try:
-                self._load_memory(state_dict, mem_step, mem[mem_step])
-            except (_TornRead, CorruptCheckpointError, OSError) as exc:
-                err = exc
-            except layout.LayoutError as exc:
-                err = exc
+                if s in common:
+                    if s in own:
+                        self._load_memory(state_dict, s, own[s])
+                    else:
+                        self._load_replica(state_dict, s, reps[s])
+                        source = "replica"
+                else:
+                    self._load_other_world(state_dict, s, other[s], where="memory")
+                    source = "memory-resharded"
+            except (_TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
+                err = exc  # LayoutError is a ValueError
             errors = self._all_ok(err)
             if not errors:
-                self.last_load_source = "memory"
-                log.info("loaded step %d from shared memory", mem_step)
-                return mem_step
+                self.last_load_source = source
+                log.info("loaded step %d from %s", s, source)
+                return s
             if any("LayoutError" in e for e in errors):
                 raise layout.LayoutError("; ".join(errors))
             log.warning("loading step %d from shared memory failed (%s); trying the disk",
-                        mem_step, "; ".join(errors))
+                        s, "; ".join(errors))
         for s in sorted(disk, reverse=True):
             step_dir = os.path.join(self.dir, step_dir_name(s))
             err = None
+            saved_world = self.world_size
             try:
-                storage.verify_step(step_dir, [self.rank], self.world_size)
+                saved_world = storage.read_manifest(step_dir).get("world_size")
+                if saved_world == self.world_size:
+                    storage.verify_step(step_dir, [self.rank], self.world_size)
+                else:
+                    storage.verify_step(step_dir)
             except CorruptCheckpointError as exc:
                 err = exc
             errors = self._all_ok(err)
@@ -470,7 +684,12 @@ class FlashSaver(Saver):
                 log.warning("skipping checkpoint step %d: %s", s, "; ".join(errors))
                 continue
             try:
-                self._load_disk(state_dict, s)
+                if saved_world == self.world_size:
+                    self._load_disk(state_dict, s)
+                else:
+                    self._load_other_world(state_dict, s, {
+                        r: os.path.join(step_dir, storage.rank_files(r)[0])
+                        for r in range(int(saved_world))}, where="disk")
             except (CorruptCheckpointError, OSError, ValueError) as exc:
                 err = exc
             errors = self._all_ok(err)
@@ -479,9 +698,155 @@ class FlashSaver(Saver):
                     raise layout.LayoutError("; ".join(errors))
                 log.warning("skipping checkpoint step %d: %s", s, "; ".join(errors))
                 continue
-            self.last_load_source = "disk"
+            self.last_load_source = "disk" if saved_world == self.world_size \
+                else "disk-resharded"
             return s
         return None
+
+    # ------------------------------------------------------------------ other world size
+    def _other_world_steps(self) -> tuple[int, dict[int, dict[int, str]]]:
+        """Complete saves of another world size in this node's buffers of :attr:`dir`:
+        ``(saved world size, {step: {saved rank: buffer path}})`` (steps that every
+        saved rank holds here; 0 and ``{}`` when none)."""
+        prefix = f"{shm.job_prefix(self.job)}{shm.dir_key(self.dir)}-r"
+        found: dict[int, dict[int, dict[int, tuple[int, str]]]] = {}
+        for path in shm.list_segments(self.opts.shm_dir, prefix):
+            if not _SLOT_RE.search(path):
+                continue
+            seg = shm.Segment.attach(path)
+            if seg is None:
+                continue
+            try:
+                h = seg.read_header()
+                if not shm.holds_step(h) or h.world_size == self.world_size \
+                        or seg.ident().get("dir") != self.dir:
+                    continue
+                ranks = found.setdefault(h.world_size, {}).setdefault(h.step, {})
+                if h.rank not in ranks or ranks[h.rank][0] < h.seq:
+                    ranks[h.rank] = (h.seq, path)
+            finally:
+                seg.close()
+        best: tuple[int, dict[int, dict[int, str]]] = (0, {})
+        for world, steps in found.items():
+            full = {s: {r: p for r, (_, p) in ranks.items()} for s, ranks in steps.items()
+                    if len(ranks) == world}
+            if full and (not best[1] or max(full) > max(best[1])):
+                best = (world, full)
+        return best
+
+    def _load_other_world(self, state_dict: dict, step: int, paths: dict[int, str],
+                          where: str) -> None:
+        """Restore ``step`` saved by ``len(paths)`` ranks (buffer or data-file paths by
+        saved rank) into this rank of another world size (:mod:`.reshard`)."""
+        from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
+
+        readers: list[ShardReader] = []
+        checks: list[tuple[shm.Segment, int]] = []
+        try:
+            sources = []
+            for r, path in sorted(paths.items()):
+                if where == "memory":
+                    seg = shm.Segment.attach(path)
+                    if seg is None:
+                        raise _TornRead(f"flash buffer {path} disappeared")
+                    with seg.locked():
+                        h = seg.read_header()
+                        if not shm.holds_step(h) or h.step != step:
+                            raise _TornRead(f"flash buffer {seg.name} no longer holds {step}")
+                        meta = seg.meta_bytes(h)
+                    if zlib.crc32(meta) != h.meta_crc:
+                        raise CorruptCheckpointError(f"flash buffer {seg.name}: crc32 of the "
+                                                     "meta block does not match")
+                    checks.append((seg, h.seq))
+                    rd = ShardReader(path, h.data_offset)
+                else:
+                    data_name, meta_name = storage.rank_files(r)
+                    with open(os.path.join(os.path.dirname(path), meta_name), "rb") as f:
+                        meta = f.read()
+                    rd = ShardReader(path)
+                readers.append(rd)
+                m = layout.unpack_meta(meta)
+                if m.get("rank") != r or m.get("step") != step:
+                    raise CorruptCheckpointError(f"{path}: holds rank {m.get('rank')} step "
+                                                 f"{m.get('step')}, expected rank {r} step {step}")
+                sources.append(RankSource(r, m, lambda e, off, dst, rd=rd:
+                                          rd.read_into(dst, e.offset + off)))
+            restore_resharded(state_dict, sources, self.rank,
+                              f"step {step} of world size {len(paths)} ({where})")
+            for seg, seq in checks:
+                h2 = seg.read_header()
+                if h2.seq != seq or not shm.holds_step(h2):
+                    raise _TornRead(f"flash buffer {seg.name} was overwritten while it was read")
+        finally:
+            for rd in readers:
+                rd.close()
+            for seg, _ in checks:
+                seg.close()
+
+    # ------------------------------------------------------------------ replicas
+    def _replica_steps(self) -> dict[int, dict]:
+        """step -> replica of this rank's save held by some node's persister
+        (``{"path", "node_id", "handle"}``), newest copy per step."""
+        import ray
+
+        from dlrover_plugin_flashckpt.persister import persisters_of
+
+        out: dict[int, dict] = {}
+        try:
+            handles = persisters_of(self.job)
+            answers = ray.get([h.replicas.remote(self.dir, self.opts.shm_dir)
+                               for h in handles.values()], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - no replica then
+            log.warning("could not list the flash replicas: %s", exc)
+            return out
+        for handle, a in zip(handles.values(), answers):
+            for r in a["held"]:
+                if r["rank"] == self.rank and r["world_size"] == self.world_size:
+                    out.setdefault(r["step"], {"path": r["path"], "node_id": a["node_id"],
+                                               "handle": handle})
+        return out
+
+    def _load_replica(self, state_dict: dict, step: int, rep: dict) -> None:
+        """Restore ``step`` from a replica in a peer's memory: by path when it is held
+        on this node, else through the holder's persister (a Ray object)."""
+        import ray
+
+        where = f"flash replica of rank {self.rank} step {step} on node {rep['node_id'][:12]}"
+        if rep["node_id"] == ray.get_runtime_context().get_node_id():
+            got = None
+            seg = shm.Segment.attach(rep["path"])
+            if seg is None:
+                raise _TornRead(f"{where} is gone")
+            try:
+                with seg.locked():
+                    h = seg.read_header()
+                    if h.state != shm.READY or h.step != step:
+                        raise _TornRead(f"{where} no longer holds step {step}")
+                    meta = seg.meta_bytes(h)
+                with ShardReader(rep["path"], h.data_offset) as rd:
+                    self._restore_from(state_dict, meta, step, where,
+                                       lambda e, dst: rd.read_into(dst, e.offset))
+                if seg.read_header().seq != h.seq:
+                    raise _TornRead(f"{where} was overwritten while it was read")
+            finally:
+                seg.close()
+            return
+        got = ray.get(rep["handle"].read_replica.remote(rep["path"], step), timeout=600)
+        data = got["data"]
+        import warnings
+
+        with warnings.catch_warnings():  # a read-only buffer, only read from
+            warnings.simplefilter("ignore", UserWarning)
+            self._restore_from(state_dict, got["meta"], step, where,
+                               lambda e, dst: dst.copy_(layout.tensor_view(data, 0, e)))
+
+    def _restore_from(self, state_dict: dict, meta: bytes, step: int, where: str,
+                      fill: Any) -> None:
+        m = layout.unpack_meta(meta)
+        if m.get("rank") != self.rank or m.get("step") != step:
+            raise CorruptCheckpointError(f"{where}: holds rank {m.get('rank')} step "
+                                         f"{m.get('step')}")
+        layout.restore(state_dict, m["skeleton"], m["table"], None, where, fill=fill)
 
     # ================================================================== end
     def wait(self) -> None:
@@ -508,5 +873,7 @@ class FlashSaver(Saver):
                                              reg=self._registration())
             except Exception:  # noqa: BLE001 - Ray may be shutting down
                 pass
+        self._closing.set()
+        self._wait_reserve()
+        self._bg.shutdown(wait=True)
         self._release_slots()
-        self._sig = None

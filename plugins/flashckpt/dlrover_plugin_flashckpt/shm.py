@@ -190,6 +190,7 @@ class Segment:
     def __init__(self, path: str, fd: int, mm: mmap.mmap, size: int,
                  populated: bool = False) -> None:
         self.path = path
+        self.target = path
         #: the page tables were filled at mapping time (MAP_POPULATE)
         self.populated = populated
         self.name = os.path.basename(path)
@@ -202,10 +203,13 @@ class Segment:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def create(cls, path: str, meta_cap: int, data_cap: int, ident: dict, sig: bytes,
-               rank: int, world_size: int, populate: bool = True) -> Segment:
+               rank: int, world_size: int, populate: bool = True,
+               install: bool = True) -> Segment:
         """Create (or replace) the buffer at ``path``: a temp file is sized with
-        ``posix_fallocate`` (so a full tmpfs fails here, not with SIGBUS later), given its
-        header, then renamed into place.
+        ``posix_fallocate`` (so a full tmpfs fails here, not with SIGBUS later; this
+        allocates and zeroes every page, the slow part), mapped (``MAP_POPULATE``: page
+        tables filled), given its header, then renamed into place. With
+        ``install=False`` it stays at its temp path until :meth:`install`.
 
         Raises:
             ShmSpaceError: the tmpfs is full.
@@ -237,8 +241,9 @@ class Segment:
             seg.write_header(Header(meta_cap=meta_cap, data_cap=size - data_offset,
                                     data_offset=data_offset, rank=rank, world_size=world_size,
                                     sig=sig, writer_pid=wpid, writer_start=wstart))
-            os.rename(tmp, path)
-            seg.path, seg.name = path, os.path.basename(path)
+            seg.target = path
+            if install:
+                seg.install()
             return seg
         except BaseException:
             try:
@@ -270,6 +275,17 @@ class Segment:
             os.close(fd)
             return None
         return cls(path, fd, mm, size, populate)
+
+    def install(self) -> None:
+        """Rename a buffer made with ``create(install=False)`` to its final path
+        (atomically replacing the buffer there)."""
+        os.rename(self.path, self.target)
+        self.path, self.name = self.target, os.path.basename(self.target)
+
+    @property
+    def data_cap(self) -> int:
+        """Bytes the data area can hold."""
+        return self.size - self.read_header().data_offset
 
     def replaced(self) -> bool:
         """Whether the file at :attr:`path` is no longer the one mapped here."""

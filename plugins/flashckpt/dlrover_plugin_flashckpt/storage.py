@@ -71,6 +71,16 @@ def newest_committed(directory: str) -> int | None:
     return steps[-1] if steps else None
 
 
+def latest_step(directory: str) -> int | None:
+    """The step the ``latest`` file names (written right after a commit's rename), or
+    ``None``."""
+    try:
+        with open(os.path.join(directory, "latest")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def pending_tmp_steps(directory: str) -> list[int]:
     """Steps with an unfinished temp directory, oldest first."""
     try:

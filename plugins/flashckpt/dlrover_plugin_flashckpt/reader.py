@@ -1,0 +1,105 @@
+"""Reading saved tensor bytes straight into live tensors with ``pread``.
+
+A load copies every saved byte once, from a shared-memory buffer or a checkpoint file
+into the live tensor (a model parameter, an optimizer state tensor). Mapping the buffer
+first would cost a page-table entry per 4 KiB page in the reading process (a fresh,
+restarted process has none) before the copy; ``os.preadv`` into the live tensor's own
+memory lets the kernel copy from its page cache without mapping the source at all, and
+the same code reads a checkpoint file on disk. Large reads are split in chunks spread
+over a few threads (``preadv`` releases the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+#: bytes per ``preadv`` call when a read is split over threads
+CHUNK = 32 << 20
+#: reads smaller than this run in the calling thread
+PARALLEL_MIN = 64 << 20
+
+
+def _threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class ShardReader:
+    """Reads byte ranges of one open file (a flash buffer or a rank's data file).
+
+    Args:
+        path: the file. base: byte offset of the data area in it.
+    Raises:
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str, base: int = 0) -> None:
+        self.path = path
+        self.base = base
+        self.fd = os.open(path, os.O_RDONLY)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read_exact(self, address: int, nbytes: int, offset: int) -> None:
+        done = 0
+        while done < nbytes:
+            buf = (ctypes.c_char * (nbytes - done)).from_address(address + done)
+            n = os.preadv(self.fd, [buf], self.base + offset + done)
+            if n <= 0:
+                raise OSError(f"{self.path}: {nbytes - done} bytes missing at offset "
+                              f"{self.base + offset + done} (file truncated?)")
+            done += n
+
+    def read_into(self, dst: torch.Tensor, offset: int) -> None:
+        """Fill ``dst`` (a CPU tensor) with the bytes at data offset ``offset``; a
+        non-contiguous ``dst`` is filled through a temporary contiguous copy.
+
+        Raises:
+            OSError: the file is shorter than the range.
+        """
+        import torch
+
+        nbytes = dst.numel() * dst.element_size()
+        if nbytes == 0:
+            return
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            tmp = torch.empty(dst.shape, dtype=dst.dtype)
+            self.read_into(tmp, offset)
+            dst.copy_(tmp)
+            return
+        address = dst.data_ptr()
+        if nbytes < PARALLEL_MIN or _threads() == 1:
+            self._read_exact(address, nbytes, offset)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="flash-read")
+        parts = [(address + o, min(CHUNK, nbytes - o), offset + o) for o in range(0, nbytes, CHUNK)]
+        for f in [self._pool.submit(self._read_exact, *p) for p in parts]:
+            f.result()
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+        """A new CPU tensor of ``dtype`` and ``shape`` read from data offset ``offset``."""
+        import torch
+
+        t = torch.empty(shape, dtype=dtype)
+        self.read_into(t, offset)
+        return t

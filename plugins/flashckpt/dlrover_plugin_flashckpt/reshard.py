@@ -1,0 +1,210 @@
+"""Restore a flash checkpoint into another world size (FSDP2 / DCP state, DDP state).
+
+A save of world size ``W`` holds, per rank, the local shard of every ``DTensor`` with
+its place in the global tensor (``TensorEntry.global_shape`` and ``global_offset``,
+the ``(local shape, global offset)`` that
+``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` gives, as
+torch.distributed.checkpoint records for its chunks), and every other value as that
+rank had it. A rank ``r`` of a new world size ``W'`` loads:
+
+- each live ``DTensor`` (its local shard, placed by the same function on the live
+  mesh): from every saved shard of that path that overlaps it, box by box (along
+  dim 0 for FSDP2's ``Shard(0)``: each overlap is a run of whole rows, read straight
+  into the live shard); the overlaps must cover it;
+- a saved sharded tensor the live state lacks (the optimizer state of an optimizer
+  that has not stepped yet): as a plain tensor with the local layout of a live
+  ``DTensor`` of the same global shape (FSDP2 shards every tensor of one global shape
+  alike);
+- plain tensors (replicated state, a DDP model, scalars such as Adam's ``step``) and
+  non-tensor values: from saved rank ``r % W`` ("base rank").
+
+Partitions that are not ``DTensor``s (DeepSpeed ZeRO's flat partitions) cannot be
+placed and are refused with :class:`layout.LayoutError`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from dlrover_plugin_flashckpt import layout
+from dlrover_plugin_flashckpt.layout import LayoutError, TensorEntry, TensorRef, path_str
+
+if TYPE_CHECKING:
+    import torch
+
+#: paths of rank-local partitions that only the same world size can restore
+_PARTITION_KEYS = ("single_partition_of_fp32_groups", "base_optimizer_state")
+
+
+@dataclass
+class RankSource:
+    """One saved rank of the checkpoint being resharded.
+
+    Attributes:
+        rank: the saved rank. meta: its unpacked meta block (``table``, ``skeleton``).
+        read: ``read(entry, byte_offset, dst)`` fills the contiguous CPU tensor ``dst``
+            with the entry's bytes from ``byte_offset`` on.
+    """
+
+    rank: int
+    meta: dict
+    read: Callable[[TensorEntry, int, "torch.Tensor"], None]
+
+    def whole(self, e: TensorEntry) -> torch.Tensor:
+        import torch
+
+        t = torch.empty(e.shape, dtype=layout.to_dtype(e.dtype))
+        self.read(e, 0, t)
+        return t
+
+
+def local_region(t: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """``(local tensor, global shape, global offset of the local tensor)`` of a live
+    tensor (a plain tensor is its own global tensor)."""
+    if layout.is_dtensor(t):
+        return t.to_local(), tuple(t.shape), global_offset(t)
+    return t, tuple(t.shape), (0,) * t.dim()
+
+
+def global_offset(t: Any) -> tuple[int, ...]:
+    """Offset of a ``DTensor``'s local shard in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(int(o) for o in offset)
+
+
+def _copy_boxes(dst: torch.Tensor, dst_off: tuple[int, ...], shape: tuple[int, ...],
+                pieces: list[tuple[RankSource, TensorEntry]], where: str) -> None:
+    """Fill ``dst`` (the part ``[dst_off, dst_off + dst.shape)`` of a global tensor of
+    ``shape``) from the saved shards ``pieces`` that overlap it."""
+    dshape = tuple(dst.shape)
+    covered = 0
+    for src, e in pieces:
+        soff = tuple(e.global_offset) or (0,) * len(e.shape)
+        if tuple(e.global_shape or e.shape) != shape:
+            raise LayoutError(f"{where}: {path_str(e.path)} has global shape "
+                              f"{list(e.global_shape or e.shape)} in saved rank {src.rank}, "
+                              f"{list(shape)} in the live state")
+        lo = [max(a, b) for a, b in zip(soff, dst_off)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(soff, e.shape, dst_off, dshape)]
+        if any(h <= lw for lw, h in zip(lo, hi)) and dshape:
+            continue
+        n = math.prod(h - lw for lw, h in zip(lo, hi))
+        covered += n
+        if not dshape:
+            src.read(e, 0, dst)
+            continue
+        rows_whole = all(lo[d] == soff[d] == dst_off[d] and hi[d] == soff[d] + e.shape[d]
+                         == dst_off[d] + dshape[d] for d in range(1, len(dshape)))
+        part = dst.narrow(0, lo[0] - dst_off[0], hi[0] - lo[0])
+        if rows_whole and part.is_contiguous():
+            row = math.prod(e.shape[1:]) * part.element_size()
+            src.read(e, (lo[0] - soff[0]) * row, part)
+            continue
+        whole = src.whole(e)
+        sl_src = tuple(slice(lw - o, h - o) for lw, h, o in zip(lo, hi, soff))
+        sl_dst = tuple(slice(lw - o, h - o) for lw, h, o in zip(lo, hi, dst_off))
+        dst[sl_dst].copy_(whole[sl_src])
+    if covered < dst.numel():
+        raise LayoutError(f"{where}: the saved shards cover {covered} of the {dst.numel()} "
+                          f"elements of the live shard at offset {list(dst_off)}")
+
+
+def restore_resharded(template: Any, sources: list[RankSource], rank: int, where: str) -> Any:
+    """Load the save of ``len(sources)`` ranks into ``template`` (the live state of
+    rank ``rank`` of another world size) in place; returns the root.
+
+    Raises:
+        LayoutError: a tensor's global shape or dtype differs, a live shard is not
+            covered by the saved shards, a live tensor is missing from the save, or the
+            save holds rank-local partitions (DeepSpeed ZeRO) that cannot be resharded.
+    """
+    import torch
+
+    sources = sorted(sources, key=lambda s: s.rank)
+    if [s.rank for s in sources] != list(range(len(sources))):
+        raise LayoutError(f"{where}: saved ranks {[s.rank for s in sources]} are not all "
+                          f"ranks 0..{len(sources) - 1}")
+    base = sources[rank % len(sources)]
+    by_path = [{e.path: e for e in s.meta["table"]} for s in sources]
+    for e in base.meta["table"]:
+        if any(k in e.path for k in _PARTITION_KEYS):
+            raise LayoutError(f"{where}: {path_str(e.path)} is a rank-local optimizer partition "
+                              "(DeepSpeed ZeRO); it restores only into the world size that "
+                              f"saved it ({len(sources)})")
+    missing = [p for p, _ in layout.walk(template) if p not in by_path[base.rank]]
+    if missing:
+        raise LayoutError(f"{where} has no tensor at {path_str(missing[0])} "
+                          f"({len(missing)} live tensors are missing from it); it was saved "
+                          "from another model")
+    live_layouts: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for _, t in layout.walk(template):
+        if layout.is_dtensor(t):
+            local, shape, off = local_region(t)
+            live_layouts.setdefault(shape, (tuple(local.shape), off))
+
+    def pieces(e: TensorEntry) -> list[tuple[RankSource, TensorEntry]]:
+        out = []
+        for s, index in zip(sources, by_path):
+            pe = index.get(e.path)
+            if pe is None or pe.kind != "dtensor":
+                raise LayoutError(f"{where}: saved rank {s.rank} has no shard of "
+                                  f"{path_str(e.path)}")
+            out.append((s, pe))
+        return out
+
+    def load_tensor(live: Any, e: TensorEntry) -> Any:
+        if e.kind != "dtensor":  # replicated or rank-local plain tensor: the base rank's
+            if live is None:
+                return base.whole(e)
+            dst = layout.local_tensor(live)
+            if layout.dtype_name(dst.dtype) != e.dtype or tuple(dst.shape) != e.shape:
+                raise LayoutError(f"{where}: {path_str(e.path)} is {e.dtype}{list(e.shape)} in "
+                                  f"saved rank {base.rank} but {layout.dtype_name(dst.dtype)}"
+                                  f"{list(dst.shape)} in the live state")
+            base.read(e, 0, dst)
+            return live
+        shape = tuple(e.global_shape)
+        if live is None:
+            if shape not in live_layouts:
+                raise LayoutError(f"{where}: {path_str(e.path)} is sharded in the save and the "
+                                  "live state has no sharded tensor of its global shape "
+                                  f"{list(shape)} to take the layout from")
+            lshape, off = live_layouts[shape]
+            dst = torch.empty(lshape, dtype=layout.to_dtype(e.dtype))
+            _copy_boxes(dst, off, shape, pieces(e), where)
+            return dst
+        dst, gshape, off = local_region(live)
+        if layout.dtype_name(dst.dtype) != e.dtype:
+            raise LayoutError(f"{where}: {path_str(e.path)} is {e.dtype} in the checkpoint but "
+                              f"{layout.dtype_name(dst.dtype)} in the live state")
+        _copy_boxes(dst, off, gshape, pieces(e), where)
+        return live
+
+    def merge(live: Any, saved: Any) -> Any:
+        if isinstance(saved, TensorRef):
+            e = base.meta["table"][saved.index]
+            return load_tensor(live if layout.is_tensor(live) else None, e)
+        if isinstance(saved, dict):
+            if isinstance(live, dict):
+                for k, v in saved.items():
+                    live[k] = merge(live.get(k), v)
+                return live
+            return {k: merge(None, v) for k, v in saved.items()}
+        if isinstance(saved, list):
+            if isinstance(live, list) and len(live) == len(saved):
+                for i, v in enumerate(saved):
+                    live[i] = merge(live[i], v)
+                return live
+            return [merge(None, v) for v in saved]
+        if isinstance(saved, tuple):
+            lives = live if isinstance(live, tuple) and len(live) == len(saved) else (None,) * len(saved)
+            vals = [merge(a, b) for a, b in zip(lives, saved)]
+            return type(saved)(*vals) if hasattr(saved, "_fields") else tuple(vals)
+        return saved
+
+    with torch.no_grad():
+        return merge(template, base.meta["skeleton"])
