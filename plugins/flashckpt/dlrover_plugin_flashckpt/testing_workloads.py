@@ -103,6 +103,21 @@ class TorchTrainer(_CheckpointSpecMixin, BaseWorkload):
     def flat_state(self) -> dict:
         return flatten(self.checkpointer.engine.state_dict(self.objects()))
 
+    def full_state(self) -> dict:
+        """``path -> value`` of the state with every DTensor gathered to its full tensor
+        (a collective: call on every rank at once)."""
+
+        def full(v: Any) -> Any:
+            if hasattr(v, "full_tensor"):
+                return v.full_tensor()
+            if isinstance(v, dict):
+                return {k: full(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return type(v)(full(x) for x in v)
+            return v
+
+        return flatten(full(self.checkpointer.engine.state_dict(self.objects())))
+
     def saver_info(self) -> dict:
         s = self.checkpointer.saver
         return {"skipped": list(getattr(s, "skipped", [])), "paths": list(getattr(s, "paths", [])),
@@ -191,3 +206,105 @@ class CrashAfterSave(_CheckpointSpecMixin, BaseWorkload):
                 if self.rank == int(c.kill_rank):
                     os.kill(os.getpid(), signal.SIGKILL)
         return {"steps": step}
+
+
+def rank_state(rank: int, step: int, n: int = 1 << 16) -> dict:
+    """A deterministic state of ``rank`` at ``step`` (``step < 0``: zeros)."""
+    if step < 0:
+        return {"model": {"w": torch.zeros(n), "b": torch.zeros(7, dtype=torch.bfloat16)},
+                "extra": {"step": -1}}
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"model": {"w": torch.randn(n, generator=g),
+                      "b": torch.randn(7, generator=g).to(torch.bfloat16)},
+            "extra": {"step": step}}
+
+
+class SaverRank:
+    """One rank's ``FlashSaver`` in its own Ray actor, without a process group (each
+    rank decides alone); for tests that place ranks on nodes themselves."""
+
+    def __init__(self, job: str, directory: str, rank: int, world_size: int,
+                 options: dict) -> None:
+        from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+        from dlrover_plugin_flashckpt.saver import FlashSaver
+
+        self.rank = rank
+        self.saver = FlashSaver(SaverConfig(dir=directory, keep=2, job=job, options=options),
+                                SaverContext(rank=rank, world_size=world_size, role="trainer"))
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def save(self, step: int) -> None:
+        self.saver.save(step, rank_state(self.rank, step))
+
+    def wait(self) -> None:
+        self.saver.wait()
+
+    def load(self) -> dict:
+        got = rank_state(self.rank, -1)
+        step = self.saver.load(got)
+        want = rank_state(self.rank, step) if step is not None else None
+        exact = want is not None and all(torch.equal(got["model"][k], want["model"][k])
+                                         for k in want["model"]) \
+            and got["extra"] == want["extra"]
+        return {"step": step, "source": self.saver.last_load_source, "exact": exact}
+
+
+def hf_train(directory: str, job: str, max_steps: int, every_steps: int,
+             kill_at: int = -1) -> dict:
+    """Train a tiny GPT-2 (built from a config, nothing downloaded) with
+    ``transformers.Trainer`` and the flash callback; every batch is the same, so the
+    result does not depend on where in the data a resumed run starts. Returns the
+    callback's resume, the state at train begin (after it) and at every step end, and
+    the committed steps. ``kill_at``: the process SIGKILLs itself at the end of that
+    step (after the flash callback's save)."""
+    from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
+                              TrainingArguments)
+
+    from dlrover_plugin_flashckpt.hf import FlashCheckpointCallback
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                       n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (16,), generator=g)
+    data = [{"input_ids": ids, "labels": ids}] * 64
+
+    def snapshot(model: Any, optimizer: Any, lr_scheduler: Any, state: Any) -> dict:
+        return {"step": int(state.global_step),
+                "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "optimizer": flatten(optimizer.state_dict()["state"]),
+                "lr": list(lr_scheduler.get_last_lr())}
+
+    class Probe(TrainerCallback):
+        def __init__(self) -> None:
+            self.begin: dict | None = None
+            self.steps: list[dict] = []
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None,
+                           lr_scheduler=None, **kw):
+            self.begin = snapshot(model, optimizer, lr_scheduler, state)
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None,
+                        lr_scheduler=None, **kw):
+            self.steps.append(snapshot(model, optimizer, lr_scheduler, state))
+            if state.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    flash = FlashCheckpointCallback(directory, every_steps=every_steps, job=job,
+                                    options={"wait_timeout_s": 120})
+    probe = Probe()
+    args = TrainingArguments(output_dir=os.path.join(directory, "..", "hf-out"),
+                             max_steps=max_steps, per_device_train_batch_size=4,
+                             learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="linear",
+                             logging_steps=1000, save_strategy="no", report_to=[],
+                             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+                             seed=0)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[flash, probe]).train()
+    return {"resumed_from": flash.resumed_from, "source": flash.resumed_source,
+            "saves": [s for s, _ in flash.saves], "begin": probe.begin, "steps": probe.steps,
+            "committed": flash.saver.committed_steps()}
