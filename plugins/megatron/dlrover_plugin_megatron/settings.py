@@ -88,10 +88,10 @@ class MegatronSettings:
         seed = get_int("seed", 1234, 0)
         mp = tp * pp * cp
         if world_size % mp:
-            bad = next(k for k in SIZE_KEYS if config.get(k, 1) != 1) if hasattr(config, "get") \
-                and any(config.get(k, 1) != 1 for k in SIZE_KEYS) else "tensor_parallel"
+            sizes = {"tensor_parallel": tp, "pipeline_parallel": pp, "context_parallel": cp}
+            bad = next(k for k in SIZE_KEYS if sizes[k] != 1)  # mp > 1: one of them is
             raise SpecError(
-                key_of(bad), config.get(bad, 1),
+                key_of(bad), sizes[bad],
                 f"sizes whose product TP*PP*CP divides the role's world size {world_size} "
                 f"(a divisor of {world_size}: {_divisors(world_size)})",
                 f"TP={tp} * PP={pp} * CP={cp} = {mp} does not divide world size {world_size}")

@@ -116,6 +116,28 @@ class TPTrainer(BaseWorkload):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_backward(x, torch.zeros_like(x))["logits"]
 
+    def hidden_split_error(self) -> str:
+        """What the engine says about a TP layer inside a plain ``torch.nn.ModuleList``."""
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.module import MegatronModule
+
+        from dlrover_plugin_megatron.engine import MegatronEngine
+
+        config = self.model.config
+
+        class Hidden(MegatronModule):
+            def __init__(self) -> None:
+                super().__init__(config)
+                self.blocks = torch.nn.ModuleList([tensor_parallel.ColumnParallelLinear(
+                    8, 8, config=config, init_method=torch.nn.init.zeros_, bias=False,
+                    gather_output=False)])
+
+        try:
+            MegatronEngine().state_dict({"model": Hidden()})
+        except NotImplementedError as exc:
+            return str(exc)
+        return ""
+
     # ------------------------------------------------------------ checkpoints
     def objects(self) -> dict:
         return {"model": self.model, "optimizer": self.opt, "extra": self.extra}

@@ -164,6 +164,9 @@ def test_tp2_forward_and_gradients_equal_tp1(ray_cluster):
         assert locals_[0][".model.layers.0.attn.qkv.weight"].shape == (48, 32)
         assert not torch.equal(locals_[0][".model.layers.0.attn.qkv.weight"],
                                locals_[1][".model.layers.0.attn.qkv.weight"])
+        # a TP layer hidden in a plain torch container would be saved as if whole: refused
+        err = call(tp2, "hidden_split_error")[0]
+        assert "blocks.0.weight is a tensor-parallel parameter" in err and "MegatronModule" in err
     finally:
         kill(tp1 + tp2)
 
