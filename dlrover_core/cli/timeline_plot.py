@@ -96,12 +96,14 @@ def draw_timeline(tl: Timeline, width_in: float = 12.0, dpi: int = 100) -> tuple
     for part in GOODPUT_PARTS:
         w = tl.breakdown.get(part, 0.0)
         ax_g.barh(0, w, left=left, color=GOODPUT_COLORS[part], height=0.8, lw=0)
-        if w / wall > 0.04:
+        if w / wall > 0.08:
             ax_g.text(left + w / 2, 0, f"{part} {100 * w / wall:.0f}%", ha="center",
                       va="center", fontsize=8)
         left += w
-    ax_g.set_yticks([])
-    ax_g.set_xlabel("wall time since job start (s)")
+    ax_g.set_yticks([0], ["goodput"])
+    ax_g.set_title("goodput breakdown: the wall time stacked by what it was spent on (s)",
+                   fontsize=9)
+    ax_r.set_xlabel("wall time since job start (s)")
     for ax in (ax_s, ax_r, ax_g):
         ax.set_xlim(0, wall)
     from matplotlib.lines import Line2D
@@ -114,6 +116,10 @@ def draw_timeline(tl: Timeline, width_in: float = 12.0, dpi: int = 100) -> tuple
                  for lv in dict.fromkeys(r.level for r in tl.recoveries) if lv in LEVEL_COLORS],
                *([Line2D([], [], color=TUNING_COLOR, label="tuning version")]
                  if tl.tuning else [])]
+    parts = [Patch(color=GOODPUT_COLORS[p], label=f"{p} {tl.breakdown.get(p, 0.0):.1f} s")
+             for p in GOODPUT_PARTS]
+    ax_g.legend(handles=parts, loc="upper center", bbox_to_anchor=(0.5, -0.35), fontsize=7,
+                ncol=len(parts), frameon=False)
     fig.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     return fig, {"steps": ax_s, "rows": ax_r, "goodput": ax_g}
