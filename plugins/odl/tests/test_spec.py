@@ -138,3 +138,18 @@ def test_published_versions_are_atomic_verified_and_pruned(tmp_path):
         f.write(b"\x00" * 8)
     version, state, _ = load_latest(d)
     assert version == 30 and float(state["weight"][0, 0]) == 30.0
+
+
+def test_dl_type_odl_in_the_job_builder_selects_the_template(plugin_manager):
+    from dlrover_core import DLJobBuilder
+
+    job = (DLJobBuilder().name("odl-builder").dl_type("ODL")
+           .config({"odl": {"source": REPLAY, "batch_size": 16}})
+           .checkpoint(every_steps=10)
+           .workload("trainer", TOY, "ToyTrainer").resource(cpu=0.5)
+           .workload("eval", TOY, "ToyEval")
+           .build())
+    spec = job.spec
+    assert spec.template == "odl" and spec.driver.endswith(":ODLTrainer")
+    assert set(spec.roles) == {"source", "preprocess", "trainer", "eval"}
+    assert spec.config.odl.batch_size == 16
