@@ -47,7 +47,11 @@ class EncoderConfig:
             from the role's ``build_encoder``); the role loads and preprocesses its
             modality's samples and must share bundles with the trainer.
         cache: frozen encoders only: keep each sample's embedding, keyed by
-            ``(split, sample id)``, so it is embedded once per encoder process.
+            ``(split, sample id)``, so it is embedded once.
+        persist_cache: with ``cache``, also write the embeddings under
+            ``<job dir>/embedding_cache/<run id>/<role>/`` (atomic, checksummed
+            files), so a replaced encoder process or another rank of the role reloads
+            them: each sample is embedded once per job.
         workload: import path of the role's workload class (filled in from
             ``roles.<role>.workload`` by the template; the trainer builds trainable
             encoders from it).
@@ -57,6 +61,7 @@ class EncoderConfig:
     modality: str
     trainable: bool = False
     cache: bool = True
+    persist_cache: bool = True
     workload: str = ""
 
 
@@ -185,7 +190,8 @@ class MultimodalConfig:
             "data": {"dataset": self.dataset, "modalities": list(self.modalities),
                      "options": dict(self.data_options)},
             "encoders": {r: {"modality": e.modality, "trainable": e.trainable,
-                             "cache": e.cache, "workload": e.workload}
+                             "cache": e.cache, "persist_cache": e.persist_cache,
+                             "workload": e.workload}
                          for r, e in self.encoders.items()},
         }
         for f in dataclasses.fields(self):
@@ -239,7 +245,7 @@ def _data(section: Any, key: str) -> tuple[str, tuple[str, ...], dict]:
     return dataset, tuple(modalities), dict(options)
 
 
-_ENCODER_KEYS = ("modality", "trainable", "cache", "workload")
+_ENCODER_KEYS = ("modality", "trainable", "cache", "persist_cache", "workload")
 
 
 def _encoders(section: Any, key: str) -> dict[str, EncoderConfig]:
@@ -274,11 +280,12 @@ def _encoders(section: Any, key: str) -> dict[str, EncoderConfig]:
                             "false for a trainable encoder",
                             "its embeddings change with every update; only frozen "
                             "encoders cache")
+        persist = _coerce(f"{k}.persist_cache", enc.get("persist_cache", True), True)
         workload = enc.get("workload", "") or ""
         if not isinstance(workload, str):
             raise SpecError(f"{k}.workload", workload, "an import path (filled in by the "
                             "template from roles.<role>.workload)")
-        out[role] = EncoderConfig(role, modality, trainable, cache, workload)
+        out[role] = EncoderConfig(role, modality, trainable, cache, persist and cache, workload)
     return out
 
 

@@ -152,7 +152,8 @@ class MultimodalDriver(BaseTrainer):
         return out
 
     def evaluate(self) -> dict[str, float]:
-        """The trainer's ``evaluate`` (rank 0) on the dataset's ``eval_inputs``."""
+        """The trainer's ``evaluate`` on the dataset's ``eval_inputs`` (every rank gets
+        all of them); rank 0's metrics."""
         eval_ids = {m: (split, [int(i) for i in ids])
                     for m, (split, ids) in self.dataset.eval_inputs().items()}
         if not eval_ids:
@@ -160,7 +161,9 @@ class MultimodalDriver(BaseTrainer):
         refs = {}
         for m, (split, ids) in eval_ids.items():
             refs.update(self.encode(split, ids, (m,)))
-        return self.trainer.evaluate.options(target="RANK0", auto_shard=False)(eval_ids, refs)
+        # every rank evaluates (a sharded model needs all ranks in its forward); rank 0's
+        # metrics are reported
+        return self.trainer.evaluate.options(auto_shard=False)(eval_ids, refs)[0]
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:

@@ -16,6 +16,8 @@ The driver calls ``embed`` (frozen) or ``inputs`` (trainable) with a step's
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any, Sequence
 
 import torch
@@ -103,13 +105,30 @@ class EncoderWorkload(MultimodalWorkload):
         self.module.eval()
         for p in self.module.parameters():
             p.requires_grad_(False)
-        self.cache = EmbeddingCache() if self.encoder.cache else None
+        self.cache = None
+        if self.encoder.cache:
+            directory = None
+            if self.encoder.persist_cache and self.job_dir:
+                directory = self.cache_dir()
+            self.cache = EmbeddingCache(
+                directory, f"rank{self.rank}-a{self.attempt}-pid{os.getpid()}")
+
+    def cache_dir(self) -> str:
+        """``<job dir>/embedding_cache/<run id>/<role>``: shared by the role's ranks and
+        their replacements in this run of the job; rank 0 removes other runs' caches."""
+        root = os.path.join(self.job_dir, "embedding_cache")
+        run = self.context.run_id or "run"
+        if self.rank == 0 and self.attempt == 0 and os.path.isdir(root):
+            for old in os.listdir(root):
+                if old != run:
+                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        return os.path.join(root, run, self.role)
 
     # ------------------------------------------------------------------ driver calls
     def embed(self, split: str, ids: Sequence[int]) -> dict[str, Any]:
         """Frozen encoders: ``{"ids": [n] int64, "embeddings": [n, d] float32}`` of the
-        ``ids`` of ``split``, in order; with the cache, only samples never seen by
-        this process are run through the network (``torch.inference_mode``).
+        ``ids`` of ``split``, in order, computed under ``torch.inference_mode``; with
+        the cache, only samples not in it are run through the network.
 
         Raises:
             RuntimeError: the encoder is trainable (call ``inputs``).
@@ -145,13 +164,14 @@ class EncoderWorkload(MultimodalWorkload):
     def stats(self) -> dict[str, float]:
         """Counters since this process started: trainable encoders ``loaded`` (samples
         handed to the trainer); frozen ones ``embedded`` (samples run through the
-        network) and, with the cache, ``cache_hits``, ``cache_misses``, ``cache_size``."""
+        network) and, with the cache, ``cache_hits``, ``cache_misses``, ``cache_size`` and
+        ``cache_loaded`` (rows reloaded from the job's cache directory at start)."""
         if self.encoder.trainable:
             return {"loaded": float(self.loaded)}
         out = {"embedded": float(self.embedded)}
         if self.cache is not None:
             out.update(cache_hits=float(self.cache.hits), cache_misses=float(self.cache.misses),
-                       cache_size=float(len(self.cache)))
+                       cache_size=float(len(self.cache)), cache_loaded=float(self.cache.loaded))
         return out
 
     # ------------------------------------------------------------------ internals

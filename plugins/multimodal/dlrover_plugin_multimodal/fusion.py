@@ -69,8 +69,9 @@ class FusionTrainerWorkload(MultimodalWorkload):
 
     def evaluate_batch(self, batch: dict[str, Any]) -> dict[str, float]:
         """Metrics on the dataset's ``eval_inputs`` (one batch per modality, with
-        ``<modality>_split`` and ``<modality>_ids`` beside it). Runs on rank 0 under
-        ``torch.no_grad``, the model in eval mode. Default: nothing."""
+        ``<modality>_split`` and ``<modality>_ids`` beside it). Runs on every rank with
+        the whole batch, under ``torch.no_grad``, the model in eval mode; the driver
+        reports rank 0's metrics. Default: nothing."""
         return {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -140,7 +141,7 @@ class FusionTrainerWorkload(MultimodalWorkload):
 
     def evaluate(self, eval_ids: dict[str, tuple[str, list[int]]],
                  inputs: dict[str, EncodedRefs]) -> dict[str, float]:
-        """:meth:`evaluate_batch` on the evaluation inputs (rank 0)."""
+        """:meth:`evaluate_batch` on the evaluation inputs (all of them, on every rank)."""
         batch: dict[str, Any] = {}
         for modality, enc in inputs.items():
             split, ids = eval_ids[modality]

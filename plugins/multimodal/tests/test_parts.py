@@ -4,6 +4,7 @@ worked examples, and the digits example's data."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -26,6 +27,27 @@ def test_cache_counts_hits_and_misses_per_split_and_id():
     assert (c.hits, c.misses, len(c)) == (2, 5, 3)
     with pytest.raises(ValueError, match="2 rows for 3 ids"):
         c.put("train", [1, 2, 3], torch.zeros(2, 2))
+
+
+def test_persisted_cache_is_reloaded_and_a_corrupt_file_is_skipped(tmp_path):
+    d = str(tmp_path / "cache")
+    first = EmbeddingCache(d, "rank0-a0")
+    first.put("train", [1, 2], torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    first.put("test", [1], torch.tensor([[5.0, 5.0]]))
+    files = sorted(os.listdir(d))
+    assert files == ["rank0-a0-000000.pt", "rank0-a0-000001.pt"]  # no temp files left
+    again = EmbeddingCache(d, "rank0-a1")  # the replacement process
+    assert (again.loaded, len(again), again.skipped_files) == (3, 3, 0)
+    rows, missing = again.lookup("train", [2, 1])
+    assert missing == [] and rows[0].tolist() == [0.0, 1.0]
+    with open(os.path.join(d, files[1]), "r+b") as f:  # flip a byte of the payload
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    third = EmbeddingCache(d, "rank0-a2")
+    assert (third.loaded, third.skipped_files) == (2, 1)
+    assert third.lookup("test", [1])[1] == [0]  # the corrupt file's row is embedded again
 
 
 def test_chunk_bounds_and_overlap_of_encoder_and_trainer_shares():
