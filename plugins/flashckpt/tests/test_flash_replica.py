@@ -1,0 +1,40 @@
+"""Replicas in a peer node's memory (``checkpoint.options.replicas: 1``) on a 2-node
+``ray.cluster_utils.Cluster``: the node holding the shards is removed and the new
+ranks restore the newest saved step from the peer's memory, not the newest persisted
+one from disk (see replica_scenario.py; its own Ray, in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dlrover_core import SpecError, load_spec
+
+SCENARIO = os.path.join(os.path.dirname(__file__), "replica_scenario.py")
+
+
+def test_replicas_option_is_checked_when_the_spec_loads():
+    with pytest.raises(SpecError, match=r"checkpoint\.options\.replicas.*2.*0 \(no replica\)"):
+        load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
+                                                "checkpoint.options.replicas=2"])
+    spec = load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
+                                                   "checkpoint.options.replicas=1"])
+    assert spec.checkpoint.options.replicas == 1
+
+
+def test_node_loss_restores_the_newest_saved_step_from_the_peer_replica(tmp_path):
+    run = subprocess.run([sys.executable, SCENARIO, str(tmp_path)], capture_output=True,
+                         text=True, timeout=540)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    assert res["saved_on"] == [res["node_a"]] * 2
+    assert {(r["rank"], r["step"]) for r in res["replicas"]} >= {(0, 3), (1, 3)}
+    assert all(r["peer"] != res["node_a"] for r in res["replicas"])
+    assert res["committed_before"][-1] == 2  # the disk is one save behind
+    assert res["removed_buffers"] >= 2
+    assert all(n not in (res["node_a"], res["node_b"]) for n in res["restored_on"])
+    assert res["loads"] == [{"step": 3, "source": "replica", "exact": True}] * 2
