@@ -185,3 +185,39 @@ class GPTTrainer(TPTrainer):
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = super().batch(step)
         return x.cuda(), y.cuda()
+
+
+class StageHolder(TPTrainer):
+    """Only this pipeline stage's blocks (global layer names), for checkpoints across
+    pipeline layouts; there is no forward through a pipeline here. ``step()`` fills
+    the optimizer's state with one AdamW step on made-up gradients."""
+
+    def setup(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.module import MegatronModule
+
+        from examples.megatron_gpt.model import LayerStack, transformer_config
+
+        ck = self.config.get("ckpt")
+        if ck is not None:
+            from omegaconf import OmegaConf
+
+            self.context.checkpoint = OmegaConf.to_container(ck)
+        pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        per = SHAPE.num_layers // pp
+        config = transformer_config(SHAPE, ps.get_tensor_model_parallel_world_size())
+
+        class Stage(MegatronModule):
+            def __init__(self) -> None:
+                super().__init__(config)
+                self.layers = LayerStack(config, SHAPE, stage * per, per)
+
+        self.model = self.backend.wrap(Stage())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.extra = {"step": 0}
+
+    def step(self) -> None:
+        for p in self.model.parameters():
+            p.grad = torch.sin(p.detach() * 7.0)
+        self.opt.step()
+        self.extra["step"] += 1

@@ -218,6 +218,42 @@ def test_disk_round_trip_bit_exact_and_tp2_loads_at_tp1(ray_cluster, tmp_path):
         kill(one)
 
 
+def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path):
+    """Two pipeline stages (layer 0, layer 1) save; one stage with both layers loads
+    the same tensors: layers keep their global names."""
+    ckpt = {"saver": "disk", "dir": str(tmp_path / "ckpt"), "keep": 2}
+    stage = "plugins.megatron.tests.megatron_workloads:StageHolder"
+    two = spawn_role("trainer", stage, 2, {"pipeline_parallel": 2, "ckpt": ckpt},
+                     backend="megatron", job=f"mg-{uuid.uuid4().hex[:8]}")
+    try:
+        call(two, "step")
+        call(two, "save", 1)
+        parts = call(two, "full_params")
+        moments = call(two, "full_optimizer_state")
+    finally:
+        kill(two)
+    assert {k.split(".")[1] for k in parts[0]} == {"0"}
+    assert {k.split(".")[1] for k in parts[1]} == {"1"}
+    one = spawn_role("trainer", stage, 1, {"pipeline_parallel": 1, "ckpt": ckpt},
+                     backend="megatron", job=f"mg-{uuid.uuid4().hex[:8]}")
+    try:
+        before = call(one, "full_params")[0]
+        assert call(one, "load")[0]["step"] == 1
+        loaded = call(one, "full_params")[0]
+        loaded_moments = call(one, "full_optimizer_state")[0]
+    finally:
+        kill(one)
+    saved = {**parts[0], **parts[1]}
+    assert loaded.keys() == saved.keys()
+    assert not all(torch.equal(before[k], saved[k]) for k in saved)  # loading changed it
+    for k in saved:
+        assert torch.equal(loaded[k], saved[k]), k
+    saved_moments = {**moments[0], **moments[1]}
+    assert loaded_moments.keys() == saved_moments.keys() and saved_moments
+    for k in saved_moments:
+        assert torch.equal(loaded_moments[k], saved_moments[k]), k
+
+
 def test_flash_round_trip_bit_exact(ray_cluster, tmp_path):
     from dlrover_plugin_flashckpt import hygiene
     from dlrover_plugin_flashckpt.persister import finish_job
