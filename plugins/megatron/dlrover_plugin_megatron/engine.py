@@ -22,8 +22,9 @@ The state dict::
 Layouts: through the ``disk`` saver (torch.distributed.checkpoint), a checkpoint
 written at one TP/PP layout loads at another (TP=2 -> TP=1 and back, another PP
 split of the layers, another world size). Through the ``flash`` saver, a checkpoint
-restores into the layout that wrote it (the flash format keeps each rank's local
-shard); a different layout is refused with the flash saver's ``LayoutError``.
+restores only into the layout that wrote it (the flash format keeps each rank's local
+shard): at the same world size another layout gets the flash saver's ``LayoutError``
+(shapes differ); at another world size the flash saver skips the step with a warning.
 """
 
 from __future__ import annotations
