@@ -14,7 +14,8 @@ the digits). Options (``config.multimodal.data.options``): ``test_fraction`` (0.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class DigitCaptions(MultimodalDataset):
                              "allowed: a number in (0, 1)")
         perm = np.random.default_rng(int(self.options.get("split_seed", 0))).permutation(
             len(self.labels))
-        n_test = int(round(frac * len(perm)))
+        n_test = round(frac * len(perm))
         self.splits = {"test": sorted(perm[:n_test].tolist()),
                        "train": sorted(perm[n_test:].tolist()),
                        "prompts": list(range(10))}

@@ -17,7 +17,7 @@ import hashlib
 import io
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from dlrover_core.spec.errors import SpecError
 
@@ -311,4 +312,4 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     return value  # pragma: no cover
 
 
-__all__ = ["EncoderConfig", "KEY", "MultimodalConfig", "TRAINER"]
+__all__ = ["KEY", "TRAINER", "EncoderConfig", "MultimodalConfig"]

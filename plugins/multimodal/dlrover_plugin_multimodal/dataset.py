@@ -25,7 +25,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dlrover_core.plugins.records import resolve
 

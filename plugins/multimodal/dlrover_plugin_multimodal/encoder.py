@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -17,8 +17,9 @@ list, or a dict of those). Other keys are ignored.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 PAYLOADS = ("embeddings", "inputs")
 
@@ -121,4 +122,4 @@ def fetch_rows(enc: EncodedRefs, ids: Sequence[int], start: int, stop: int,
     return concat_rows(parts)
 
 
-__all__ = ["EncodedRefs", "PAYLOADS", "chunk_bounds", "concat_rows", "fetch_rows", "take_rows"]
+__all__ = ["PAYLOADS", "EncodedRefs", "chunk_bounds", "concat_rows", "fetch_rows", "take_rows"]

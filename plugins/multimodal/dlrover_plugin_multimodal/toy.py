@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

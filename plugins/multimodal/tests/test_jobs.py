@@ -127,7 +127,7 @@ def test_killed_text_encoder_is_replaced_alone_and_the_trainer_keeps_its_state(
 
     job = (builder("mm-kill", epochs=10)
            .config({**builder("x", epochs=10)._spec["config"],
-                    "toy": {"step_sleep_s": 0.1}})
+                    "toy": {"step_sleep_s": 0.2}})
            .workload("trainer", TOY, "ToyTrainer").resource(cpu=0.3)
            .workload("vision_encoder", TOY, "ToyVecEncoder").resource(cpu=0.3)
            .workload("text_encoder", TOY, "ToyTextEncoder").resource(cpu=0.3)

@@ -115,8 +115,8 @@ def test_a_trainable_encoder_must_share_the_trainers_bundles():
     ({"config__multimodal__batch_size": 0}, r"batch_size: 0 is invalid; allowed: an integer >= 1"),
     ({"config__multimodal__epochs": 1.5}, r"epochs: 1.5 is invalid; allowed: an integer"),
     ({"config__multimodal__shuffle": True},
-     r"config.multimodal.shuffle: True is invalid \(unknown multimodal setting\); "
-     r"allowed: one of: data, encoders, batch_size"),
+     (r"config.multimodal.shuffle: True is invalid \(unknown multimodal setting\); "
+      r"allowed: one of: data, encoders, batch_size")),
     ({"config__multimodal__data__dataset": "nodots"},
      r"data.dataset: 'nodots' is invalid; allowed: an import path"),
     ({"config__multimodal__encoders__text_encoder": {"modality": "tag", "frozen": True}},
