@@ -24,7 +24,9 @@ Runs, one after another in this process:
 Throughput of a run: the median of the per-step samples/s after the first
 ``--warmup`` steps (loader start-up, and the prefetch queue that fills meanwhile:
 up to two batches per worker, i.e. several steps at large micro-batches); of the tuned
-run: the median over its last ``--steps-per-point - --warmup`` steps. ``steps_to_reach_95pct``: the first step of the tuned run
+run: the median over its last ``--steps-per-point - --warmup`` steps. The grid's best point is measured a second time and ``grid_best_samples_s`` is the
+mean of both (the largest of 16 noisy figures is biased upwards).
+``steps_to_reach_95pct``: the first step of the tuned run
 from which the median of 5 consecutive steps reaches 95 % of the grid's best.
 ``restarts``: times the training process was restarted to change the config (the
 tuned run changes it in place: 0 by construction here; a job's restarts are in its
@@ -121,7 +123,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tuned-steps", type=int, default=240)
     ap.add_argument("--interval", type=int, default=10)
-    ap.add_argument("--latency", type=float, default=0.008)
+    ap.add_argument("--latency", type=float, default=0.02)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default="n_layer=2,n_embd=64,n_head=2,block_size=64",
                     help="model config overrides (the example's own: 4 layers, 128 wide)")
@@ -155,7 +157,13 @@ def main() -> None:
                                                                     args.warmup)
             print(f"grid {nw} x {mb}: {grid[list(grid)[-1]]:.1f}", file=sys.stderr)
     best_key = max(grid, key=grid.get)
-    best = grid[best_key]
+    raw_best = grid[best_key]
+    # the largest of 16 noisy figures is biased upwards: measure the winner once more
+    nw, mb = (int(kv.split("=")[1]) for kv in best_key.split(","))
+    again = throughput(run({**base, "num_workers": nw, "micro_batch": mb,
+                            "grad_accum_steps": GLOBAL // mb}, n, job_dir), args.warmup)
+    best = (raw_best + again) / 2
+    print(f"grid best {best_key}: {raw_best:.1f}, again {again:.1f}", file=sys.stderr)
 
     events: list = []
     ctl = TuningController.from_spec(spec, _plugins(),
@@ -169,6 +177,7 @@ def main() -> None:
     out = {
         "default_samples_s": round(default, 2), "tuned_samples_s": round(tuned, 2),
         "grid_best_samples_s": round(best, 2), "grid_best_config": best_key,
+        "grid_best_first_samples_s": round(raw_best, 2), "grid_best_again_samples_s": round(again, 2),
         "tuned_vs_grid_best": round(tuned / best, 3),
         "tuned_vs_default": round(tuned / default, 3),
         "steps_to_reach_95pct": reach, "restarts": 0, "versions": final["version"],

@@ -52,6 +52,7 @@ def controller(events: list, store=None, tuners=None, **kw) -> TuningController:
     tuners = tuners or [("dataloader_workers", DataloaderWorkersTuner({"max_num_workers": 16})),
                         ("micro_batch", MicroBatchTuner({"max_micro_batch": 64,
                                                          "max_data_wait_share": 0.3}))]
+    kw.setdefault("one_change_per_round", False)
     ctl = TuningController(tuners, role="trainer", world_size=2, interval_steps=4,
                            warmup_steps=1, store=store,
                            emit=lambda e, **f: events.append({"event": e, **f}), **kw)
@@ -88,6 +89,20 @@ def test_the_loop_raises_workers_then_the_micro_batch_and_keeps_the_global_batch
     assert versions == sorted(versions)  # versions only grow, a revert is a new one
     s = ctl.summary()
     assert (s["version"], s["accepted"], s["reverted"]) == (cfg["version"], 3, 2)
+
+
+def test_one_change_per_round_lets_the_tuners_take_turns():
+    events: list = []
+    ctl = controller(events, one_change_per_round=True, tuners=[
+        ("dataloader_workers", DataloaderWorkersTuner({"max_num_workers": 16})),
+        ("micro_batch", MicroBatchTuner({"max_micro_batch": 64}))])
+    drive(ctl, 120)
+    proposed = [e for e in events if e["event"] == "tuning_proposed"]
+    assert all(len(e["tuners"]) == 1 for e in proposed)
+    assert [e["tuners"][0] for e in proposed[:4]] == ["dataloader_workers", "micro_batch",
+                                                      "dataloader_workers", "micro_batch"]
+    cfg = ctl.current()
+    assert cfg["dataloader"]["num_workers"] == 2 and cfg["dataloader"]["batch_size"] == 64
 
 
 def test_memory_over_the_limit_is_reverted():
@@ -150,7 +165,7 @@ def _load(*overrides: str):
      "dataloader_workers, micro_batch"),
     ("tuning.options.dataloader_workers.max_num_workers=-1",
      "tuning.options.dataloader_workers.max_num_workers: -1 is invalid"),
-    ("tuning.options.micro_batch.speed=2", "speed: unknown option; allowed: keep_global_batch"),
+    ("tuning.options.micro_batch.speed=2", "speed: unknown option; allowed: input_bound_share, keep_global_batch"),
     ("tuning.options.micro_batch.max_micro_batch=big", "max_micro_batch: 'big' is invalid"),
     ("tuning.options.nope.x=1", "tuning.options.nope: {'x': 1} is invalid; allowed: options "
      "of an installed tuner: dataloader_workers, micro_batch"),
@@ -209,10 +224,12 @@ def test_a_third_party_tuner_from_an_entry_point(fake_dist):
         ctl = TuningController.from_spec(spec, pm, emit=lambda e, **f: events.append(
             {"event": e, **f}))
         ctl.sync("trainer", 0, INITIAL)
-        drive(ctl, 12)
-        first = [e for e in events if e["event"] == "tuning_proposed"][0]
-        assert first["tuners"] == ["dataloader_workers", "pin_memory"]
-        assert first["changes"]["dataloader"]["pin_memory"] == [False, True]
+        drive(ctl, 20)
+        first, second = [e for e in events if e["event"] == "tuning_proposed"][:2]
+        # one change per round (the spec's default), the tuners taking turns
+        assert first["tuners"] == ["pin_memory"]
+        assert first["changes"] == {"dataloader": {"pin_memory": [False, True]}}
+        assert second["tuners"] == ["dataloader_workers"]
         assert ctl.current()["dataloader"]["pin_memory"] is True
     finally:
         reset_plugin_manager(None)

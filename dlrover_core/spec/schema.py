@@ -104,13 +104,26 @@ class TuningGuardSpec:
 
 
 @dataclass
+class TuningGuardSpec:
+    """The guard that reverts a change that made things worse: ``tolerance``: accepted
+    relative throughput loss (0.05 = 5 %); ``memory_limit_bytes``: per-rank memory
+    limit in bytes (0: the capacity the ranks report); ``memory_headroom``: fraction of
+    that capacity kept free."""
+
+    tolerance: float = 0.05
+    memory_limit_bytes: int = 0
+    memory_headroom: float = 0.1
+
+
+@dataclass
 class TuningSpec:
     """Online tuning (see docs/tuning.md). ``tuners``: registered tuner names, in
     priority order; ``role``: the tuned role (default: the only role with a backend);
     every ``interval_steps`` steps the tuners see the window measured under the current
     config; ``warmup_steps``: steps skipped after a switch before measuring;
     ``lr_scaling``: ``linear``, ``sqrt`` or ``none`` when the global batch changes;
-    ``options``: per tuner name, its options (e.g.
+    ``one_change_per_round``: try one tuner's change per window, the tuners taking
+    turns (false: merge every tuner's change into one version); ``options``: per tuner name, its options (e.g.
     ``{dataloader_workers: {max_num_workers: 4}}``)."""
 
     enabled: bool = False
@@ -120,6 +133,7 @@ class TuningSpec:
     warmup_steps: int = 2
     lr_scaling: str = "linear"
     guard: TuningGuardSpec = field(default_factory=TuningGuardSpec)
+    one_change_per_round: bool = True
     options: Dict[str, Any] = field(default_factory=dict)
 
 

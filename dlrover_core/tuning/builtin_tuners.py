@@ -6,7 +6,9 @@
 - ``micro_batch``: double ``dataloader.batch_size`` and halve
   ``optimizer.grad_accum_steps`` (the global batch stays) while throughput rises by at
   least ``min_gain`` per doubling and the predicted memory peak stays below the
-  capacity minus ``memory_headroom``; up to ``max_micro_batch``. With
+  capacity minus ``memory_headroom``; up to ``max_micro_batch``. A doubling that
+  gained less than ``min_gain`` ends the growth only if the step was not input-bound
+  (data wait at most ``input_bound_share`` of it): an input-bound step hides the gain. With
   ``max_data_wait_share`` below 1 it waits while the data wait is more than that share
   of the step (off by default: fewer, larger batches also cut the loader's per-batch
   costs, and the guard reverts a doubling that does not pay). With
@@ -65,7 +67,8 @@ class DataloaderWorkersTuner(TunerBase):
 
 class MicroBatchTuner(TunerBase):
     defaults = {"max_micro_batch": 256, "memory_headroom": 0.1, "min_gain": 0.02,
-                "max_data_wait_share": 1.0, "keep_global_batch": True}
+                "max_data_wait_share": 1.0, "input_bound_share": 0.3,
+                "keep_global_batch": True}
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
@@ -79,6 +82,7 @@ class MicroBatchTuner(TunerBase):
         _check_range(options, "memory_headroom", 0.0, 0.9)
         _check_range(options, "min_gain", 0.0, 1.0)
         _check_range(options, "max_data_wait_share", 0.0, 1.0)
+        _check_range(options, "input_bound_share", 0.0, 1.0)
 
     def predicted_memory(self, micro_batch: int) -> float:
         """Memory peak expected at ``micro_batch`` (bytes): a line through the two
@@ -121,7 +125,8 @@ class MicroBatchTuner(TunerBase):
         if after is not None:
             self.seen[int(change["dataloader"]["batch_size"])] = after.memory_bytes
             gain = after.samples_per_s / max(before.samples_per_s, 1e-9) - 1.0
-            if gain < self.options["min_gain"]:
+            input_bound = after.data_wait_share > self.options["input_bound_share"]
+            if gain < self.options["min_gain"] and not input_bound:
                 self.done = True  # kept (not worse) but no longer paying: stop growing
 
     def state_dict(self) -> dict:

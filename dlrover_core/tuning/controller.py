@@ -8,8 +8,10 @@ and switch at a common step boundary (see :mod:`dlrover_core.tuning.session`).
 The loop, per tuned role::
 
     baseline window (interval_steps steps of version N, rank 0's reports)
-      -> every tuner proposes (tuning.tuners order; a tuner that raises is skipped)
-      -> merged into version N+1                        event tuning_proposed
+      -> tuners propose (a tuner that raises is skipped): one change per round,
+         the tuners taking turns (one_change_per_round), or every tuner's change
+         merged (tuning.tuners order wins on a shared key)
+      -> version N+1                                    event tuning_proposed
       -> ranks report steps under N+1                   event tuning_applied
       -> warmup_steps skipped, then one window measured
       -> guard: kept (the window is the new baseline)   event tuning_accepted
@@ -60,12 +62,16 @@ class TuningController:
         store: an object with ``get(key, default)`` and ``set(key, value)`` (the
             JobContext) or ``None``.
         emit: ``emit(event, **fields)`` for ``events.jsonl``.
+        one_change_per_round: try one tuner's change at a time, the tuners taking
+            turns (the guard's verdict then belongs to that change alone); ``False``:
+            merge every tuner's change into one version.
     """
 
     def __init__(self, tuners: list[tuple[str, TunerBase]], role: str, world_size: int = 1,
                  interval_steps: int = 20, warmup_steps: int = 2, guard: Guard | None = None,
                  lr_scaling: str = "linear", store: Any = None,
-                 emit: Callable[..., Any] | None = None) -> None:
+                 emit: Callable[..., Any] | None = None,
+                 one_change_per_round: bool = True) -> None:
         if interval_steps < 1:
             raise ValueError(f"interval_steps={interval_steps} is invalid; allowed: >= 1")
         self.tuners = tuners
@@ -75,6 +81,8 @@ class TuningController:
         self.interval_steps, self.warmup_steps = interval_steps, warmup_steps
         self.guard = guard or Guard()
         self.lr_scaling = lr_scaling
+        self.one_change_per_round = one_change_per_round
+        self._turn = 0  # with one_change_per_round: the tuner asked first next round
         self.store, self.emit = store, emit or _no_emit
         self.config: TuningConfig | None = None
         self.previous: TuningConfig | None = None
@@ -119,7 +127,8 @@ class TuningController:
                    interval_steps=int(t.interval_steps), warmup_steps=int(t.warmup_steps),
                    guard=Guard(float(g.tolerance), int(g.memory_limit_bytes),
                                float(g.memory_headroom)),
-                   lr_scaling=str(t.lr_scaling), store=store, emit=emit)
+                   lr_scaling=str(t.lr_scaling), store=store, emit=emit,
+                   one_change_per_round=bool(t.one_change_per_round))
 
     # ------------------------------------------------------------------ worker API
     def sync(self, role: str, rank: int, initial: dict) -> dict | None:
@@ -255,7 +264,13 @@ class TuningController:
         merged: dict[str, dict] = {}
         claimed: dict[tuple[str, str], str] = {}
         by_tuner: dict[str, dict] = {}
-        for name, tuner in self.tuners:
+        order = list(range(len(self.tuners)))
+        if self.one_change_per_round:
+            order = order[self._turn:] + order[:self._turn]
+        for idx in order:
+            if self.one_change_per_round and by_tuner:
+                break
+            name, tuner = self.tuners[idx]
             try:
                 change = tuner.propose(window, self.config)
                 if not change:
@@ -267,10 +282,14 @@ class TuningController:
             keys = {(s, k) for s, kv in change.items() for k in kv}
             if any(k in claimed for k in keys):
                 continue  # an earlier tuner already changes one of these keys
+            if self.one_change_per_round and \
+                    self.config.updated(change).settings() in self.rejected:
+                continue  # tried and reverted before: let the next tuner have the turn
             for s, k in keys:
                 claimed[(s, k)] = name
                 merged.setdefault(s, {})[k] = change[s][k]
             by_tuner[name] = change
+            self._turn = (idx + 1) % len(self.tuners)
         if not merged:
             return
         new = self.config.updated(merged, version=self.config.version + 1)
@@ -306,7 +325,7 @@ class TuningController:
             "phase": self.phase,
             "baseline": None if self.baseline is None else self.baseline.as_dict(),
             "trial_changes": self.trial_changes, "applied_step": self.applied_step,
-            "history": self.history, "rejected": self.rejected,
+            "history": self.history, "rejected": self.rejected, "turn": self._turn,
             "tuners": {n: t.state_dict() for n, t in self.tuners},
         }
 
@@ -328,6 +347,7 @@ class TuningController:
         self.applied_step = state.get("applied_step")
         self.history = state.get("history") or []
         self.rejected = state.get("rejected") or []
+        self._turn = int(state.get("turn", 0)) % max(1, len(self.tuners))
         for name, t in self.tuners:
             try:
                 t.load_state_dict((state.get("tuners") or {}).get(name) or {})
