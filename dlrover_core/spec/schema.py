@@ -104,18 +104,6 @@ class TuningGuardSpec:
 
 
 @dataclass
-class TuningGuardSpec:
-    """The guard that reverts a change that made things worse: ``tolerance``: accepted
-    relative throughput loss (0.05 = 5 %); ``memory_limit_bytes``: per-rank memory
-    limit in bytes (0: the capacity the ranks report); ``memory_headroom``: fraction of
-    that capacity kept free."""
-
-    tolerance: float = 0.05
-    memory_limit_bytes: int = 0
-    memory_headroom: float = 0.1
-
-
-@dataclass
 class TuningSpec:
     """Online tuning (see docs/tuning.md). ``tuners``: registered tuner names, in
     priority order; ``role``: the tuned role (default: the only role with a backend);
