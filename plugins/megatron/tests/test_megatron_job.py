@@ -56,6 +56,7 @@ def test_tp2_job_trains_and_loss_falls(ray_cluster, job_dir):
     assert summary["metrics"]["val_loss"] < losses[0]
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_tp_rank_recovers_from_checkpoint(ray_cluster, job_dir):
     summary = run_job("mg-sigkill", job_dir, 16, kill_rank_at=6)
     assert summary["status"] == "succeeded", summary["error"]

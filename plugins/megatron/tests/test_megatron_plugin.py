@@ -254,6 +254,7 @@ def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path):
         assert torch.equal(loaded_moments[k], saved_moments[k]), k
 
 
+@pytest.mark.slow
 def test_flash_round_trip_bit_exact(ray_cluster, tmp_path):
     from dlrover_plugin_flashckpt import hygiene
     from dlrover_plugin_flashckpt.persister import finish_job
