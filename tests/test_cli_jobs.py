@@ -1,5 +1,6 @@
-"""``dlrover list`` and ``dlrover timeline`` on a real job: 2 SPMD ranks (gloo) of the
-tiny nanoGPT, rank 1 SIGKILLed after step 5, recovered at the process level."""
+"""``dlrover list``, ``dlrover logs`` and ``dlrover timeline`` on a real job: 2 DDP
+ranks (gloo) of a small workload that prints every step, rank 1 SIGKILLed after step 5,
+recovered at the process level from the step-4 checkpoint."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from dlrover_core.master.events import read_events
 from dlrover_core.testing import poll_status
 
 NAME = "cli-ft"
-TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
-        "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
-        "config.warmup_steps=2", "checkpoint.every_steps=4", "checkpoint.keep=2",
-        "failover.survivor_grace_s=3", "failover.pg_timeout_s=30", f"name={NAME}",
-        "config.max_steps=16", "config.eval_every=16"]
+SPEC = {"name": NAME,
+        "roles": {"trainer": {"workload": "tests.cli_workloads:Chatty", "total": 2,
+                              "backend": "ddp", "resources": {"cpu": 1}}},
+        "checkpoint": {"saver": "disk", "every_steps": 4, "keep": 2},
+        "failover": {"max_restarts": 3, "pg_timeout_s": 30, "survivor_grace_s": 3},
+        "config": {"max_steps": 16, "step_s": 0.3}}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def job(ray_cluster, tmp_path_factory):
     ran)."""
     root = tmp_path_factory.mktemp("runs")
     job_dir = str(root / NAME)
-    master = create_master(load_spec("examples/nanogpt/job.yaml", TINY), job_dir)
+    master = create_master(load_spec(SPEC), job_dir)
     ray.get(master.start.remote())
     st = poll_status(master, lambda s: s["step"] >= 5 or s["summary"], 240)
     os.kill(st["instances"]["trainer-1"]["pid"], signal.SIGKILL)
@@ -124,3 +126,23 @@ def test_timeline_png_of_the_failure(job, tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert [r["label"] for r in data["rows"]] == ["trainer-0", "trainer-1"]
     assert [f["rank"] for f in data["failures"]] == [e["rank"] for e in failed]
+
+
+def test_logs_of_the_killed_rank_show_both_attempts(job, capsys):
+    _, job_dir, _ = job
+    assert main(["logs", NAME, "--job-dir", job_dir, "--role", "trainer", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    a0, a1 = out.index("==> trainer-1 attempt 0 <=="), out.index("==> trainer-1 attempt 1 <==")
+    first, second = out[a0:a1], out[a1:]
+    assert "setup rank 1 attempt 0 from step 0" in first  # stderr is captured too
+    assert "rank 1 step 5 loss" in first  # it reached step 5 before the SIGKILL
+    # the new process resumed from the last checkpoint and ran to the end
+    resumed = int(second.split("setup rank 1 attempt 1 from step ")[1].split()[0])
+    assert resumed in (4, 8) and f"rank 1 step {resumed} loss" in second
+    assert "rank 1 step 15 loss" in second
+    # every rank and attempt, each line prefixed
+    assert main(["logs", NAME, "--job-dir", job_dir]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "[trainer-0 a0] rank 0 step 0 loss" in "\n".join(lines)
+    assert any(ln.startswith("[trainer-0 a1] ") for ln in lines)  # re-set up in place
+    assert any(ln.startswith("[trainer-1 a1] rank 1 step 15 ") for ln in lines)

@@ -1,6 +1,7 @@
 """The core's own defaults, registered through the same hooks as any plugin:
 placement policies ``pack`` and ``spread``, the fallback failure classifier, the
-``disk`` saver and the ``plain`` state-dict engine."""
+``disk`` saver, the ``plain`` state-dict engine, and the capture of worker output into
+the job directory."""
 
 from __future__ import annotations
 
@@ -59,3 +60,15 @@ def dlrover_tuners() -> list:
               description="grow the micro-batch (global batch kept) while throughput rises "
                           "and memory allows"),
     ]
+
+
+@hookimpl(tryfirst=True)
+def dlrover_workload_setup(workload) -> None:
+    """Worker output of every (re)start to ``<job_dir>/logs/<role>-<rank>/attempt-<N>.log``
+    (``dlrover logs``; see :mod:`dlrover_core.runtime.log_capture`); first, so that what
+    other plugins' setup hooks print is captured too."""
+    from dlrover_core.runtime.log_capture import capture_output
+
+    ctx = workload.context
+    capture_output(ctx.job_dir, ctx.role, ctx.rank, ctx.attempt,
+                   getattr(ctx, "observability", None))
