@@ -117,7 +117,8 @@ class TuningSession:
         rank, world_size: this rank of the tuned role.
         local_world_size: ranks on this node (for the memory capacity).
         source: where rank 0 gets new versions (``None``: the config never changes).
-        sync_every_steps: agree on the config every this many steps (1: every step).
+        sync_every_steps: agree on the config every this many steps (1: every step;
+            0: never, the config stays as it is; must be the same on every rank).
     Raises:
         TuningConfigError: ``initial`` is invalid.
     """
@@ -129,7 +130,7 @@ class TuningSession:
             TuningConfig.from_dict(initial)
         self.rank, self.world_size = rank, world_size
         self.source = source
-        self.sync_every_steps = max(1, int(sync_every_steps))
+        self.sync_every_steps = max(0, int(sync_every_steps))
         self.timer = StepTimer(local_world_size=local_world_size)
         self.loader: Any = None
         self.model: Any = None
@@ -145,13 +146,15 @@ class TuningSession:
     def for_workload(cls, workload: Any, initial: TuningConfig | dict) -> TuningSession:
         """The session of a ``BaseWorkload``: its rank and world size; the JobMaster as
         the source when the job has ``tuning.enabled`` (and a master), else static.
-        A restarted rank starts from the master's current version."""
+        A restarted rank starts from the master's current version. Without tuning the
+        ranks never synchronise (no collective per step)."""
         ctx = workload.context
         enabled = bool((ctx.tuning or {}).get("enabled"))
         source = MasterSource(workload) if enabled and workload._master_or_none() is not None \
             else None
         return cls(initial, rank=ctx.rank, world_size=ctx.world_size,
-                   local_world_size=ctx.local_world_size, source=source)
+                   local_world_size=ctx.local_world_size, source=source,
+                   sync_every_steps=1 if enabled else 0)
 
     # ------------------------------------------------------------------ attaching
     def attach(self, loader: Any = None, model: Any = None, blocks: Any = None) -> None:
@@ -194,7 +197,7 @@ class TuningSession:
         """Call on every rank before ``step`` starts. All ranks switch to the same
         config here or none does; returns whether this rank switched. A collective when
         the role has a process group: every rank must call it at every step."""
-        if step % self.sync_every_steps:
+        if not self.sync_every_steps or step % self.sync_every_steps:
             return False
         offer = None
         if self.rank == 0 and self.source is not None:
