@@ -79,11 +79,12 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def flash_saver(job: str, directory: str):
+def flash_saver(job: str, directory: str, **options: Any):
     from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
     from dlrover_plugin_flashckpt.saver import FlashSaver
 
-    return FlashSaver(SaverConfig(dir=directory, keep=1, job=job, options={}), SaverContext())
+    return FlashSaver(SaverConfig(dir=directory, keep=1, job=job, options=options),
+                      SaverContext())
 
 
 def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
@@ -124,8 +125,24 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
             fresh.pop().close()
 
     memcpy()  # fault the destination in
-    first = median_s(flash_save, 1)  # lays out and faults in slot 0
-    out["flash_save_first_gib_s"] = gib / first
+    # the first save of a saver that reserved nothing: it lays out its buffer itself
+    # (one slot, so that the figure is one allocation)
+    cold = flash_saver(job, ckpt + "-cold", slots=1)
+    out["flash_save_unreserved_gib_s"] = gib / median_s(lambda: cold.save(1, state), 1)
+    cold.wait()
+    paths = list(cold.paths)
+    cold.close()
+    for p in paths:
+        os.unlink(p)
+    shutil.rmtree(ckpt + "-cold", ignore_errors=True)
+    # a trainer's start: load() finds no checkpoint and reserves the buffers for this
+    # state in the background; the first save comes after (the wait stands for the
+    # first training steps)
+    assert saver.load(like(state)) is None
+    saver.wait_reserved()
+    out["reserve_s"] = saver.last_reserve["seconds"]
+    first = median_s(flash_save, 1)
+    assert not saver.last_save["laid_out"]
     saver.wait()
     flash_save()  # slot 1
     saver.wait()
@@ -140,6 +157,9 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
         unmap()
     out["memcpy_gib_s"] = gib / statistics.median(times["memcpy"])
     out["flash_save_gib_s"] = gib / statistics.median(times["save"])
+    out["flash_save_first_gib_s"] = gib / first
+    out["first_over_steady"] = first / statistics.median(times["save"])
+    out["save_over_memcpy"] = out["flash_save_gib_s"] / out["memcpy_gib_s"]
     out["load_memory_gib_s"] = gib / statistics.median(times["load"])
     assert torch.equal(template["model"]["layer0.weight"], state["model"]["layer0.weight"])
     del template, dst
@@ -160,6 +180,7 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
         assert loaded["model"]["layer0.weight"].numel() == state["model"]["layer0.weight"].numel()
 
     out["torch_load_gib_s"] = gib / median_s(torch_load, repeat, lambda: drop_cache(path))
+    out["load_over_torch_load"] = out["load_memory_gib_s"] / out["torch_load_gib_s"]
     torch_load()
     out["torch_load_warm_gib_s"] = gib / median_s(torch_load, repeat)
     os.unlink(path)
@@ -173,6 +194,125 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
 
     out["dcp_save_gib_s"] = gib / median_s(dcp_save, repeat)
     shutil.rmtree(dcp_dir, ignore_errors=True)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return out
+
+
+def bench_replica(size_mib: int, work: str, repeat: int, job: str) -> dict:
+    """``replica_gib_s``: the persister's copy of one save into the peer node's memory
+    (``replicas: 1``; Ray object store, object transfer between the two raylets of this
+    machine, copy into the peer's buffer), median of ``repeat`` saves after a first one
+    that laid out the peer's buffers; ``replica_lag_s``: from the save's return to the
+    replica being complete."""
+    import ray
+
+    from dlrover_plugin_flashckpt.persister import get_persister
+
+    state = make_state(size_mib)
+    gib = nbytes(state) / GIB
+    ckpt = os.path.join(work, f"replica{size_mib}")
+    saver = flash_saver(job, ckpt, replicas=1, persist_every_steps=10**9)
+    persister = get_persister(job)
+    seconds, lags = [], []
+    for step in range(1, repeat + 2):
+        saver.save(step, state)
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            # only this saver has replicas: 1, so the history is of its saves
+            hist = [h for h in ray.get(persister.replica_status.remote())["history"]
+                    if h["step"] == step]
+            if hist:
+                break
+            time.sleep(0.005)
+        else:
+            raise TimeoutError(f"no replica of step {step} within 600 s")
+        if step > 1:
+            seconds.append(hist[0]["seconds"])
+            lags.append(time.perf_counter() - t0)
+    saver.close()
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return {"replica_gib_s": gib / statistics.median(seconds),
+            "replica_lag_s": statistics.median(lags)}
+
+
+class ReshardRank:
+    """A Ray actor holding one rank of a ``Shard(0)`` DTensor state (FSDP2's layout)
+    on a gloo process group, saving or loading it through the flash saver."""
+
+    def __init__(self, rank: int, world: int, port: int, size_mib: int, job: str,
+                 ckpt: str) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+        from dlrover_plugin_flashckpt.saver import FlashSaver
+
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        self.mesh = init_device_mesh("cpu", (world,))
+        self.size_mib, self.rank = size_mib, rank
+        self.saver = FlashSaver(SaverConfig(dir=ckpt, keep=1, job=job, options={}),
+                                SaverContext(rank=rank, world_size=world, distributed=True))
+
+    def _state(self, fill: bool) -> dict:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        full = make_state(self.size_mib)
+        out = {"model": {}, "extra": {"step": 0}}
+        for k, v in full["model"].items():
+            d = distribute_tensor(v if fill else torch.zeros_like(v), self.mesh, [Shard(0)])
+            out["model"][k] = d
+        return out
+
+    def save(self, step: int) -> None:
+        self.saver.save(step, self._state(True))
+        self.saver.wait()
+
+    def load(self) -> dict:
+        template = self._state(False)
+        t0 = time.perf_counter()
+        step = self.saver.load(template)
+        seconds = time.perf_counter() - t0
+        want = make_state(self.size_mib)["model"]["layer3.weight"]
+        got = template["model"]["layer3.weight"].full_tensor()
+        return {"step": step, "source": self.saver.last_load_source, "seconds": seconds,
+                "exact": bool(torch.equal(got, want))}
+
+
+def bench_reshard(size_mib: int, work: str, job: str) -> dict:
+    """``restore_other_world_size_s``: a state saved by 2 ranks (``Shard(0)``
+    DTensors, gloo) loaded into 1 rank from shared memory (and, for comparison, the
+    load of the same state saved by 1 rank: ``restore_same_world_size_s``)."""
+    import socket
+
+    import ray
+
+    def port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    actor = ray.remote(num_cpus=0)(ReshardRank)
+    ckpt = os.path.join(work, f"reshard{size_mib}")
+    out: dict[str, Any] = {}
+    p = port()
+    two = [actor.remote(r, 2, p, size_mib, job, ckpt) for r in range(2)]
+    ray.get([a.save.remote(1) for a in two])
+    for a in two:
+        ray.kill(a)
+    one = actor.remote(0, 1, port(), size_mib, job, ckpt)
+    got = ray.get(one.load.remote())
+    assert got["step"] == 1 and got["source"] == "memory-resharded" and got["exact"], got
+    out["restore_other_world_size_s"] = got["seconds"]
+    ray.get(one.save.remote(2))  # the same state saved by one rank, loaded again
+    ray.kill(one)
+    again = actor.remote(0, 1, port(), size_mib, job, ckpt)
+    got = ray.get(again.load.remote())
+    assert got["step"] == 2 and got["source"] == "memory" and got["exact"], got
+    out["restore_same_world_size_s"] = got["seconds"]
+    ray.kill(again)
     shutil.rmtree(ckpt, ignore_errors=True)
     return out
 
@@ -321,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import ray
+    from ray.cluster_utils import Cluster
 
     from dlrover_core.master.client import init_ray
     from dlrover_plugin_flashckpt.persister import finish_job
@@ -328,19 +469,30 @@ def main(argv: list[str] | None = None) -> int:
     ray_tmp = tempfile.mkdtemp(prefix="dlrbench", dir="/tmp")
     work = tempfile.mkdtemp(prefix="flashbench", dir=args.dir or os.getcwd())
     job = f"flashbench-{os.getpid()}"
-    init_ray(None, num_cpus=2, _temp_dir=ray_tmp)
+    # two raylets on this machine: the head (this process, the persister) and a peer
+    # node that holds the replicas
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "temp_dir": ray_tmp, "include_dashboard": False})
+    cluster.add_node(num_cpus=0)
+    cluster.wait_for_nodes()
+    init_ray(cluster.address)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     results, gpu = [], []
     try:
         for size in sizes:
             r = bench_cpu(size, work, args.repeat, job)
+            r.update(bench_replica(size, work, max(args.repeat, 3), job))
+            r.update(bench_reshard(size, work, job))
             results.append(r)
             print(f"{size:5d} MiB  memcpy {r['memcpy_gib_s']:6.2f} GiB/s | flash save "
-                  f"{r['flash_save_gib_s']:6.2f} (first {r['flash_save_first_gib_s']:.2f}) | "
+                  f"{r['flash_save_gib_s']:6.2f} (first {r['flash_save_first_gib_s']:.2f}, "
+                  f"unreserved {r['flash_save_unreserved_gib_s']:.2f}) | "
                   f"torch.save+fsync {r['torch_save_fsync_gib_s']:5.2f} | dcp "
                   f"{r['dcp_save_gib_s']:5.2f} | load memory {r['load_memory_gib_s']:6.2f} | "
                   f"torch.load disk {r['torch_load_gib_s']:5.2f} (page cache "
-                  f"{r['torch_load_warm_gib_s']:.2f})", file=sys.stderr, flush=True)
+                  f"{r['torch_load_warm_gib_s']:.2f}) | replica {r['replica_gib_s']:.2f} | "
+                  f"restore 2->1 ranks {r['restore_other_world_size_s']:.3f} s (1->1 "
+                  f"{r['restore_same_world_size_s']:.3f} s)", file=sys.stderr, flush=True)
         if torch.cuda.is_available():
             for size in sizes:
                 g = bench_gpu(size, work, args.repeat, job)
@@ -351,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         finish_job(job, timeout=60)
         ray.shutdown()
+        cluster.shutdown()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     for r in results + gpu:

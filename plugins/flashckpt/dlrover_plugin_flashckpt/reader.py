@@ -6,7 +6,8 @@ first would cost a page-table entry per 4 KiB page in the reading process (a fre
 restarted process has none) before the copy; ``os.preadv`` into the live tensor's own
 memory lets the kernel copy from its page cache without mapping the source at all, and
 the same code reads a checkpoint file on disk. Large reads are split in chunks spread
-over a few threads (``preadv`` releases the GIL).
+over a few threads (``preadv`` releases the GIL), and :meth:`ShardReader.submit` lets a
+load start the reads of every tensor before it waits for them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ if TYPE_CHECKING:
 
 #: bytes per ``preadv`` call when a read is split over threads
 CHUNK = 32 << 20
-#: reads smaller than this run in the calling thread
+#: a read_into() smaller than this runs in the calling thread
 PARALLEL_MIN = 64 << 20
+#: a submit() smaller than this runs in the calling thread
+INLINE_MAX = 1 << 20
 
 
 def _threads() -> int:
@@ -43,8 +46,13 @@ class ShardReader:
         self.base = base
         self.fd = os.open(path, os.O_RDONLY)
         self._pool: ThreadPoolExecutor | None = None
+        self._pending: list = []
 
     def close(self) -> None:
+        try:
+            self.drain()
+        except BaseException:  # noqa: BLE001 - closing after an error already raised
+            pass
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -95,6 +103,33 @@ class ShardReader:
         parts = [(address + o, min(CHUNK, nbytes - o), offset + o) for o in range(0, nbytes, CHUNK)]
         for f in [self._pool.submit(self._read_exact, *p) for p in parts]:
             f.result()
+
+    def submit(self, dst: torch.Tensor, offset: int) -> None:
+        """:meth:`read_into` in the reader's threads when ``dst`` is large (the call
+        returns at once; :meth:`drain` waits), inline when it is small."""
+        nbytes = dst.numel() * dst.element_size()
+        if (nbytes < INLINE_MAX or _threads() == 1 or dst.device.type != "cpu"
+                or not dst.is_contiguous()):
+            self.read_into(dst, offset)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="flash-read")
+        address = dst.data_ptr()
+        for o in range(0, nbytes, CHUNK):
+            self._pending.append(self._pool.submit(self._read_exact, address + o,
+                                                   min(CHUNK, nbytes - o), offset + o))
+
+    def drain(self) -> None:
+        """Wait for the reads :meth:`submit` started; raises the first error."""
+        pending, self._pending = self._pending, []
+        err = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - wait for all, raise the first
+                err = err or exc
+        if err is not None:
+            raise err
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
         """A new CPU tensor of ``dtype`` and ``shape`` read from data offset ``offset``."""

@@ -576,7 +576,8 @@ class FlashSaver(Saver):
             if os.fstat(rd.fd).st_ino != seg.inode:
                 raise _TornRead(f"{where} was replaced while it was read")
             layout.restore(state_dict, m["skeleton"], m["table"], None, where,
-                           fill=lambda e, dst: rd.read_into(dst, e.offset))
+                           fill=lambda e, dst: rd.submit(dst, e.offset))
+            rd.drain()
         with seg.locked():
             h2 = seg.read_header()
         if h2.seq != h.seq or not shm.holds_step(h2):
@@ -593,7 +594,8 @@ class FlashSaver(Saver):
         with ShardReader(os.path.join(step_dir, data_name)) as rd:
             layout.restore(state_dict, m["skeleton"], m["table"], None,
                            f"{step_dir} rank {self.rank}",
-                           fill=lambda e, dst: rd.read_into(dst, e.offset))
+                           fill=lambda e, dst: rd.submit(dst, e.offset))
+            rd.drain()
 
     def _all_ok(self, err: BaseException | None) -> list[str]:
         """Errors of every rank (empty: all succeeded)."""
@@ -825,7 +827,8 @@ class FlashSaver(Saver):
                     meta = seg.meta_bytes(h)
                 with ShardReader(rep["path"], h.data_offset) as rd:
                     self._restore_from(state_dict, meta, step, where,
-                                       lambda e, dst: rd.read_into(dst, e.offset))
+                                       lambda e, dst: rd.submit(dst, e.offset))
+                    rd.drain()
                 if seg.read_header().seq != h.seq:
                     raise _TornRead(f"{where} was overwritten while it was read")
             finally:

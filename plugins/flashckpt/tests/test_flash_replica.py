@@ -26,6 +26,7 @@ def test_replicas_option_is_checked_when_the_spec_loads():
     assert spec.checkpoint.options.replicas == 1
 
 
+@pytest.mark.slow
 def test_node_loss_restores_the_newest_saved_step_from_the_peer_replica(tmp_path):
     run = subprocess.run([sys.executable, SCENARIO, str(tmp_path)], capture_output=True,
                          text=True, timeout=540)

@@ -246,3 +246,72 @@ def test_bad_options_fail_when_the_spec_loads():
     spec = load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
                                                    "checkpoint.options.slots=3"])
     assert spec.checkpoint.options.slots == 3
+
+
+# ----------------------------------------------------------------------------- reader
+def test_shard_reader_reads_into_live_tensors_in_place(tmp_path):
+    from dlrover_plugin_flashckpt.reader import INLINE_MAX, ShardReader
+
+    big = torch.randn(INLINE_MAX // 4 * 3)  # split over the reader's threads
+    small = torch.arange(10, dtype=torch.int16)
+    path = tmp_path / "data"
+    path.write_bytes(b"\0" * 100 + big.numpy().tobytes() + small.numpy().tobytes())
+    dst_big, dst_small = torch.zeros_like(big), torch.zeros(5, 2, dtype=torch.int16).t()
+    with ShardReader(str(path), base=100) as rd:
+        rd.submit(dst_big, 0)
+        rd.submit(dst_small, big.numel() * 4)  # non-contiguous: through a temporary
+        rd.drain()
+        assert torch.equal(dst_big, big)
+        assert torch.equal(dst_small, small.view(2, 5))  # bytes in dst's logical order
+        with pytest.raises(OSError, match="missing"):
+            rd.read_into(torch.zeros(4), big.numel() * 4 + 16)  # past the end
+
+
+# ----------------------------------------------------------------------------- reshard
+def _shards(full: torch.Tensor, world: int) -> list[tuple[torch.Tensor, tuple]]:
+    """``Shard(0)`` of ``full`` over ``world`` ranks as FSDP2 lays it out
+    (``torch.chunk``): (local tensor, global offset) per rank."""
+    out, row = [], 0
+    for r in range(world):
+        part = torch.chunk(full, world)[r] if r < len(torch.chunk(full, world)) \
+            else full[:0]
+        out.append((part.clone(), (row,) + (0,) * (full.dim() - 1)))
+        row += part.shape[0]
+    return out
+
+
+def test_reshard_places_saved_shards_into_another_world_size():
+    from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(5, 3, generator=g), torch.randn(7, generator=g)
+    sources = []
+    for r, ((wl, wo), (bl, bo)) in enumerate(zip(_shards(w, 2), _shards(b, 2))):
+        state = {"model": {"w": wl, "b": bl}, "extra": {"rank": r, "rng": torch.tensor([r])}}
+        table, tensors, skeleton = layout.build_table(state)
+        table = [layout.TensorEntry(e.path, e.dtype, e.shape, e.offset, e.nbytes, "dtensor",
+                                    tuple(full.shape), off)
+                 if e.path[0] == "model" else e
+                 for e, (full, off) in zip(table, [(w, wo), (b, bo), (None, None),
+                                                   (None, None)])]
+        buf = bytearray(layout.data_size(table))
+        for e, t in zip(table, tensors):
+            layout.tensor_view(buf, 0, e).copy_(t)
+        sources.append(RankSource(r, {"table": table, "skeleton": skeleton},
+                                  lambda e, off, dst, buf=buf: dst.view(-1).copy_(
+                                      torch.frombuffer(buf, dtype=torch.uint8,
+                                                       count=dst.numel() * dst.element_size(),
+                                                       offset=e.offset + off)
+                                      .view(dst.dtype))))
+    # into one rank: plain live tensors are whole global tensors
+    live = {"model": {"w": torch.zeros(5, 3), "b": torch.zeros(7)}, "extra": {}}
+    restore_resharded(live, sources, 0, "test")
+    assert torch.equal(live["model"]["w"], w) and torch.equal(live["model"]["b"], b)
+    assert live["extra"] == {"rank": 0, "rng": torch.tensor([0])}
+    # a live tensor of another global shape is refused, naming it
+    bad = {"model": {"w": torch.zeros(6, 3), "b": torch.zeros(7)}, "extra": {}}
+    with pytest.raises(layout.LayoutError, match=r"model\.w has global shape \[5, 3\]"):
+        restore_resharded(bad, sources, 0, "test")
+    # a saved shard missing: the live tensor is not covered
+    with pytest.raises(layout.LayoutError, match="are not all ranks"):
+        restore_resharded(live, sources[1:], 0, "test")
