@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dlrover_plugin_multimodal.config import MultimodalConfig
 from dlrover_plugin_multimodal.contrastive import INIT_LOGIT_SCALE, clip_loss, zero_shot_predict
 from dlrover_plugin_multimodal.dataset import MultimodalDataset
 from dlrover_plugin_multimodal.encoder import EncoderWorkload
@@ -138,7 +139,7 @@ class ToyTextEncoder(_Traced, EncoderWorkload):
 class ToyVecEncoder(_Traced, EncoderWorkload):
     @classmethod
     def build_encoder(cls, config: Any) -> torch.nn.Module:
-        dim = int(config.multimodal.data.options.get("dim", 8))
+        dim = int(MultimodalConfig.from_config(config).data_options.get("dim", 8))
         g = torch.Generator().manual_seed(11)
         layer = torch.nn.Linear(dim, WIDTH)
         with torch.no_grad():

@@ -166,3 +166,62 @@ def test_killed_text_encoder_is_replaced_alone_and_the_trainer_keeps_its_state(
     steps = [r["step"] for r in driver_steps(job_dir) if "fit_s" not in r]
     assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] == 39
     assert len(steps) >= 40 - 1 - job.spec.config.multimodal.prefetch
+
+
+def test_a_lost_encoder_output_stops_every_ddp_trainer_rank_together(ray_cluster):
+    """Trainer rank 1's share of a step comes from an encoder that died: both ranks raise
+    UpstreamLost (rank 0 because they agree first), none trains or waits in DDP's
+    all-reduce; the next step then trains on both."""
+    import torch
+
+    from dlrover_core.testing import spawn_role
+    from dlrover_plugin_multimodal.handoff import EncodedRefs
+
+    config = {"multimodal": {
+        "data": {"dataset": f"{TOY}:ToyPairs", "modalities": ["vec", "tag"]},
+        "encoders": {"vision_encoder": {"modality": "vec", "trainable": True, "cache": False,
+                                        "workload": f"{TOY}:ToyVecEncoder"},
+                     "text_encoder": {"modality": "tag"}},
+        "batch_size": 4}}
+    trainers = spawn_role("trainer", f"{TOY}:ToyTrainer", 2, config, backend="ddp")
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def slow(self):
+            import time
+            time.sleep(600)
+
+    producer = Producer.remote()
+    lost = producer.slow.remote()
+    ray.kill(producer)
+
+    def vec(a, b):
+        return ray.put({"ids": torch.arange(a, b), "inputs": torch.randn(b - a, 8)})
+
+    def tag(a, b):
+        return ray.put({"ids": torch.arange(a, b), "embeddings": torch.randn(b - a, 16)})
+
+    bounds = ((0, 2), (2, 4))
+    ids = [0, 1, 2, 3]
+    try:
+        broken = {"vec": EncodedRefs("vision_encoder", "vec", "inputs", (vec(0, 2), lost), bounds),
+                  "tag": EncodedRefs("text_encoder", "tag", "embeddings",
+                                     (tag(0, 2), tag(2, 4)), bounds)}
+        calls = [h.call.remote("train_step", 0, ids, broken) for h in trainers]
+        errors = []
+        for ref in calls:
+            with pytest.raises(ray.exceptions.RayTaskError) as err:
+                ray.get(ref, timeout=300)
+            errors.append(str(err.value))
+        assert "UpstreamLost" in errors[0] and "another trainer rank" in errors[0]
+        assert "UpstreamLost" in errors[1] and "vision_encoder" not in errors[0]
+        assert ray.get([h.call.remote("trained_steps") for h in trainers]) == [0, 0]
+        good = {"vec": EncodedRefs("vision_encoder", "vec", "inputs", (vec(0, 2), vec(2, 4)),
+                                   bounds),
+                "tag": broken["tag"]}
+        out = ray.get([h.call.remote("train_step", 0, ids, good) for h in trainers], timeout=300)
+        assert [o["samples"] for o in out] == [2.0, 2.0]
+        assert ray.get([h.call.remote("trained_steps") for h in trainers]) == [1, 1]
+    finally:
+        for h in trainers:
+            ray.kill(h)
