@@ -1,4 +1,12 @@
-"""Placement plans: which placement group and bundle hosts each role instance."""
+"""Placement-plan types, public: what a placement policy (``dlrover_placement_policies``)
+takes and returns.
+
+A policy is ``plan(graph, cluster: ClusterResources) -> PlacementPlan``: Ray placement
+groups (``PlacementGroupPlan``: bundles and a strategy) and, for every role instance
+``(role, rank)``, an ``InstanceSlot`` saying which group and bundle hosts it. It raises
+``PlacementError`` when the graph cannot fit. Imports nothing heavy (Ray is imported
+only by ``ClusterResources.from_ray``).
+"""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dlrover_core.master.placement import (
+from dlrover_core.placement import (
     ClusterResources,
     InstanceSlot,
     PlacementError,

@@ -38,16 +38,31 @@ class Checkpointer:
         self.last_step: int | None = None
 
     @classmethod
-    def for_worker(cls, ctx: WorkerContext, workload: Any = None) -> Checkpointer:
-        """The checkpointer a role instance gets from the job spec."""
-        from dlrover_core.plugins.manager import get_plugin_manager
+    def for_worker(cls, ctx: WorkerContext, workload: Any = None,
+                   plugins: Any = None) -> Checkpointer:
+        """The checkpointer a role instance gets from the job spec.
+
+        Args:
+            ctx: the instance's context (``checkpoint`` section, role, rank, job dir).
+            workload: the workload; its JobMaster is told about each save.
+            plugins: the process's ``PluginManager`` (looks up the saver, the backend
+                and its state-dict engine); default: the one the ``WorkloadHost`` gave
+                the workload (``workload._plugins``).
+
+        Raises:
+            ValueError: no plugin manager was given and the workload has none.
+            UnknownPluginError: the job's saver or engine is not installed.
+        """
         from dlrover_core.plugins.records import resolve
 
-        pm = get_plugin_manager()
+        pm = plugins if plugins is not None else getattr(workload, "_plugins", None)
+        if pm is None:
+            raise ValueError("Checkpointer.for_worker: no plugin manager; pass plugins= or run "
+                             "the workload in a WorkloadHost (which sets workload._plugins)")
         ck = ctx.checkpoint
         directory = ck.get("dir") or os.path.join(ctx.job_dir, "ckpt")
         directory = os.path.join(directory, ctx.role)
-        saver_cls = resolve(pm.get_saver(ck.get("saver", "disk")).saver)
+        saver_cls = resolve(pm.savers.get(ck.get("saver", "disk")).saver)
         import torch.distributed as dist
 
         saver = saver_cls(
@@ -59,8 +74,8 @@ class Checkpointer:
         )
         engine: StateDictEngineBase = PlainEngine()
         if ctx.backend:
-            engine_name = pm.get_backend(ctx.backend).state_dict_engine
-            engine = resolve(pm.get_state_dict_engine(engine_name).engine)()
+            engine_name = pm.backends.get(ctx.backend).state_dict_engine
+            engine = resolve(pm.state_dict_engines.get(engine_name).engine)()
 
         def on_saved(step: int, seconds: float) -> None:
             master = workload._master_or_none() if workload is not None else None

@@ -1,14 +1,21 @@
-"""The saver interface (``checkpoint.saver``) and atomic-file helpers."""
+"""The saver interface (``checkpoint.saver``) and committed-step helpers.
+
+``fsync_dir``, ``atomic_write_text`` and ``atomic_write_json`` live in
+:mod:`dlrover_core.atomic_io`; they are re-exported here for savers that import them
+from this module."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+
+from dlrover_core.atomic_io import atomic_write_json, atomic_write_text, fsync_dir
+
+__all__ = ["STEP_DIR_RE", "Saver", "SaverConfig", "SaverContext", "atomic_write_json",
+           "atomic_write_text", "committed_steps", "fsync_dir", "prune", "step_dir_name"]
 
 STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -86,31 +93,6 @@ def committed_steps(directory: str) -> list[int]:
         if m and os.path.exists(os.path.join(directory, name, "manifest.json")):
             steps.append(int(m.group(1)))
     return sorted(steps)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: temp file, fsync, rename, fsync dir."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(d)
-
-
-def atomic_write_json(path: str, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
 
 
 def prune(directory: str, keep: int) -> list[int]:

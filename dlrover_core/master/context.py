@@ -1,8 +1,9 @@
 """``JobContext``: the JobMaster's state, persisted in SQLite after every change.
 
 Tables: ``kv`` (job-level values as JSON: state, spec, placement, restart counts,
-checkpoint steps, bad nodes, timings) and ``instances`` (one row per role rank:
-actor name, node, pid, state, attempt, last step). A restarted master reads it
+checkpoint steps, bad nodes, timings) and ``instances`` (one row per role rank and
+one for the driver: actor name, node, pid, state, attempt, last step; the row is
+``Instance.record()`` of ``master.instances``). A restarted master reads it
 back and re-attaches to the actors that are still alive. SQLite commits are atomic
 and durable (journal + fsync), so a crash mid-write leaves the previous state.
 """
@@ -12,20 +13,12 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from dataclasses import asdict, dataclass
 from typing import Any
 
 
-@dataclass
-class InstanceRecord:
-    role: str
-    rank: int
-    actor_name: str = ""
-    node_id: str = ""
-    pid: int = 0
-    state: str = "pending"  # pending, starting, running, succeeded, failed, restarting
-    attempt: int = 0
-    last_step: int = -1
+#: Columns of the ``instances`` table, in order (see ``master.instances.Instance``).
+INSTANCE_COLUMNS = ("role", "rank", "actor_name", "node_id", "pid", "state", "attempt",
+                    "last_step")
 
 
 class JobContext:
@@ -53,27 +46,48 @@ class JobContext:
             row = self._db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else default
 
-    def put_instance(self, rec: InstanceRecord) -> None:
-        d = asdict(rec)
+    def put_instance(self, row: dict) -> None:
+        """Insert or replace one ``instances`` row (keys: ``INSTANCE_COLUMNS``)."""
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO instances VALUES (:role, :rank, :actor_name, :node_id,"
-                " :pid, :state, :attempt, :last_step)", d)
+                " :pid, :state, :attempt, :last_step)", row)
 
     def update_instance(self, role: str, rank: int, **fields: Any) -> None:
-        if not fields:
-            return
-        cols = ", ".join(f"{k} = :{k}" for k in fields)
-        with self._lock:
-            self._db.execute(f"UPDATE instances SET {cols} WHERE role = :role AND rank = :rank",
-                             {**fields, "role": role, "rank": rank})
+        """Change some columns of one row (unknown columns raise ``ValueError``)."""
+        self.update_instances([(role, rank, fields)])
 
-    def instances(self) -> list[InstanceRecord]:
+    def update_instances(self, changes: list[tuple[str, int, dict]]) -> None:
+        """Change columns of several rows in one transaction:
+        ``[(role, rank, {column: value}), ...]``."""
+        changes = [c for c in changes if c[2]]
+        if not changes:
+            return
+        for _, _, fields in changes:
+            bad = set(fields) - set(INSTANCE_COLUMNS[2:])
+            if bad:
+                raise ValueError(f"unknown instance column(s) {sorted(bad)}; allowed: "
+                                 f"{', '.join(INSTANCE_COLUMNS[2:])}")
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for role, rank, fields in changes:
+                    cols = ", ".join(f"{k} = :{k}" for k in fields)
+                    self._db.execute(
+                        f"UPDATE instances SET {cols} WHERE role = :role AND rank = :rank",
+                        {**fields, "role": role, "rank": rank})
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def instances(self) -> list[dict]:
+        """Every ``instances`` row as a dict, ordered by role and rank."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT role, rank, actor_name, node_id, pid, state, attempt, last_step"
-                " FROM instances ORDER BY role, rank").fetchall()
-        return [InstanceRecord(*r) for r in rows]
+                f"SELECT {', '.join(INSTANCE_COLUMNS)} FROM instances ORDER BY role, rank"
+            ).fetchall()
+        return [dict(zip(INSTANCE_COLUMNS, r)) for r in rows]
 
     def clear(self) -> None:
         with self._lock:

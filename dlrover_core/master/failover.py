@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dlrover_core.plugins.records import Failure, FailureVerdict
+from dlrover_core.plugins.records import Failure, FailureKind, FailoverLevel, FailureVerdict
 
 if TYPE_CHECKING:
     from dlrover_core.graph.graph import ComputationGraph
@@ -34,7 +34,7 @@ class RecoveryAction:
     """``level``: what the master does; ``roles``: the roles it restarts (for
     ``process``/``role``); ``verdict``: the classifier's answer that led here."""
 
-    level: str
+    level: FailoverLevel
     verdict: FailureVerdict
     roles: list[str] = field(default_factory=list)
 
@@ -57,36 +57,37 @@ class FailoverCoordinator:
         verdict = self.pm.classify_failure(failure, self.history)
         self.history.append(failure)
         level = verdict.level
-        if failure.node_id and failure.kind != "node_lost":
+        if failure.node_id and failure.kind != FailureKind.NODE_LOST:
             n = self.node_failures[failure.node_id] = self.node_failures.get(failure.node_id, 0) + 1
-            if (level in ("process", "role") and n >= self.max_node_failures
-                    and self._other_nodes(failure.node_id)):
-                level = "node"
-                verdict = FailureVerdict("node", f"{n} failures on node {failure.node_id[:12]} "
+            if (level in (FailoverLevel.PROCESS, FailoverLevel.ROLE)
+                    and n >= self.max_node_failures and self._other_nodes(failure.node_id)):
+                level = FailoverLevel.NODE
+                verdict = FailureVerdict(FailoverLevel.NODE, f"{n} failures on node {failure.node_id[:12]} "
                                          f"(failover.max_node_failures={self.max_node_failures}); "
                                          "marking it bad", verdict.classifier)
-        if level == "node":
-            if failure.node_id:
-                self.bad_nodes.add(failure.node_id)
-        if level != "fatal" and self.total_restarts() >= self.max_restarts:
-            verdict = FailureVerdict("fatal", f"restart budget failover.max_restarts="
+        if level == FailoverLevel.NODE and failure.node_id:
+            self.bad_nodes.add(failure.node_id)
+        if level != FailoverLevel.FATAL and self.total_restarts() >= self.max_restarts:
+            verdict = FailureVerdict(FailoverLevel.FATAL, f"restart budget failover.max_restarts="
                                      f"{self.max_restarts} exhausted ({verdict.reason})",
                                      verdict.classifier)
-            level = "fatal"
-        roles = [failure.role] if failure.role and level in ("process", "role") else []
+            level = FailoverLevel.FATAL
+        roles = [failure.role] if failure.role and level in (FailoverLevel.PROCESS,
+                                                             FailoverLevel.ROLE) else []
         self._log.append({"ts": time.time(), "role": failure.role, "rank": failure.rank,
-                          "kind": failure.kind, "exc_type": failure.exc_type,
-                          "level": level, "reason": verdict.reason, "step": failure.step})
+                          "kind": failure.kind.value, "exc_type": failure.exc_type,
+                          "level": level.value, "reason": verdict.reason, "step": failure.step})
         self._t0 = time.time()
-        if level != "fatal":
-            self.counts[level] = self.counts.get(level, 0) + 1
+        if level != FailoverLevel.FATAL:
+            self.counts[level.value] = self.counts.get(level.value, 0) + 1
         return RecoveryAction(level, verdict, roles)
 
     def snapshot(self) -> dict:
         """JSON-friendly state, persisted in the JobContext."""
         return {"counts": self.counts, "node_failures": self.node_failures,
                 "bad_nodes": sorted(self.bad_nodes), "log": self._log,
-                "recovery_s": self._recovery_s, "history": [vars(f) for f in self.history]}
+                "recovery_s": self._recovery_s,
+                "history": [f.as_dict() for f in self.history]}
 
     def restore(self, snap: dict) -> None:
         """Load :meth:`snapshot` output (after a master restart)."""

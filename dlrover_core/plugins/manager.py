@@ -3,11 +3,14 @@
 Discovery: the entry-point group ``dlrover.plugins`` (entry name = short plugin
 name) is loaded with stevedore; a plugin whose import raises is recorded as
 ``failed`` with its error and skipped. ``DLROVER_DISABLE_PLUGINS=a,b`` blocks
-plugins by name before they are imported. The core's defaults
-(``dlrover_core.builtin``) are registered through the same hooks under the name
-``builtin``. pluggy (project ``dlrover``) holds the modules and calls the hooks.
+plugins by name (pluggy's ``set_blocked``) before they are imported. The core's
+defaults (``dlrover_core.builtin``) are registered through the same hooks under the
+name ``builtin``. pluggy (project ``dlrover``) holds the modules and calls the hooks.
 
-Core code calls hooks only through the methods of :class:`PluginManager`.
+Core code calls hooks only through the methods of :class:`PluginManager`: one method
+per hook, named like the hook without its ``dlrover_`` prefix
+(``dlrover_classify_failure`` -> :meth:`PluginManager.classify_failure`), and one
+typed :class:`Registry` per record kind (``pm.backends.get("fsdp")``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import importlib.metadata as importlib_metadata
 import os
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, TypeVar
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
 import pluggy
 from stevedore import NamedExtensionManager
@@ -33,6 +37,16 @@ from dlrover_core.plugins.records import (
     StreamSource,
     Tuner,
 )
+from dlrover_core.plugins.registry import (
+    RECORD_KINDS,
+    PluginError,
+    RecordKind,
+    Registry,
+    UnknownPluginError,
+)
+
+if TYPE_CHECKING:
+    from dlrover_core.runtime.workload import BaseWorkload
 
 ENTRY_POINT_GROUP = "dlrover.plugins"
 DISABLE_ENV = "DLROVER_DISABLE_PLUGINS"
@@ -40,22 +54,31 @@ BUILTIN_NAME = "builtin"
 
 R = TypeVar("R")
 
+#: ``emit(event: str, **fields)``: appends an event to the job's ``events.jsonl``.
+Emit = Callable[..., Any]
 
-class PluginError(RuntimeError):
-    """A plugin is broken or two plugins clash."""
+
+__all__ = ["BUILTIN_NAME", "DISABLE_ENV", "ENTRY_POINT_GROUP", "RECORD_KINDS", "Emit",
+           "PluginError", "PluginInfo", "PluginManager", "PluginStatus", "RecordKind",
+           "Registry", "UnknownPluginError", "disabled_plugins", "get_plugin_manager",
+           "reset_plugin_manager"]
 
 
-class UnknownPluginError(LookupError):
-    """A job selected a template, backend, saver, policy or tuner nobody provides."""
+class PluginStatus(StrEnum):
+    """A plugin's state; compares equal to its string."""
+
+    ACTIVE = "active"    # loaded and registered
+    BLOCKED = "blocked"  # named in DLROVER_DISABLE_PLUGINS, never imported
+    FAILED = "failed"    # its import or registration raised
 
 
 @dataclass
 class PluginInfo:
     """One plugin as ``dlrover plugins list`` shows it.
 
-    ``status`` is ``active`` (loaded and registered), ``blocked`` (named in
-    ``DLROVER_DISABLE_PLUGINS``, never imported) or ``failed`` (its import or
-    registration raised; ``error`` holds the exception).
+    ``status`` is a ``PluginStatus``: ``active`` (loaded and registered), ``blocked``
+    (named in ``DLROVER_DISABLE_PLUGINS``, never imported) or ``failed`` (its import
+    or registration raised; ``error`` holds the exception).
     """
 
     name: str
@@ -63,7 +86,7 @@ class PluginInfo:
     distribution: str = ""
     hooks: list[str] = field(default_factory=list)
     provides: list[str] = field(default_factory=list)
-    status: str = "active"
+    status: PluginStatus = PluginStatus.ACTIVE
     error: str = ""
     module: Any = field(default=None, repr=False)
 
@@ -74,37 +97,18 @@ class PluginInfo:
             "distribution": self.distribution,
             "hooks": sorted(self.hooks),
             "provides": sorted(self.provides),
-            "status": self.status,
+            "status": self.status.value,
             "error": self.error,
         }
+
+    def fail(self, error: str) -> None:
+        self.status, self.error = PluginStatus.FAILED, error
 
 
 def disabled_plugins(env: dict | None = None) -> set[str]:
     """Names listed in ``DLROVER_DISABLE_PLUGINS`` (comma separated)."""
     raw = (env if env is not None else os.environ).get(DISABLE_ENV, "")
     return {n.strip() for n in raw.split(",") if n.strip()}
-
-
-_KINDS: dict[str, tuple[str, type]] = {
-    # kind label -> (registration hook, record type)
-    "template": ("dlrover_graph_templates", GraphTemplate),
-    "backend": ("dlrover_backends", Backend),
-    "engine": ("dlrover_state_dict_engines", StateDictEngine),
-    "saver": ("dlrover_checkpoint_savers", CheckpointSaver),
-    "placement": ("dlrover_placement_policies", PlacementPolicy),
-    "tuner": ("dlrover_tuners", Tuner),
-    "stream_source": ("dlrover_stream_sources", StreamSource),
-}
-
-_KIND_WORDS = {
-    "template": "graph template",
-    "backend": "backend",
-    "engine": "state-dict engine",
-    "saver": "checkpoint saver",
-    "placement": "placement policy",
-    "tuner": "tuner",
-    "stream_source": "stream source",
-}
 
 
 class PluginManager:
@@ -120,8 +124,16 @@ class PluginManager:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
         self._infos: dict[str, PluginInfo] = {}
-        self._records: dict[str, dict[str, Any]] | None = None
-        self._blocked = disabled_plugins(env)
+        self._records: dict[type, dict[str, Any]] | None = None
+        for name in disabled_plugins(env):
+            self._pm.set_blocked(name)
+        self.templates: Registry[GraphTemplate] = Registry(self, GraphTemplate)
+        self.backends: Registry[Backend] = Registry(self, Backend)
+        self.state_dict_engines: Registry[StateDictEngine] = Registry(self, StateDictEngine)
+        self.savers: Registry[CheckpointSaver] = Registry(self, CheckpointSaver)
+        self.placement_policies: Registry[PlacementPolicy] = Registry(self, PlacementPolicy)
+        self.tuners: Registry[Tuner] = Registry(self, Tuner)
+        self.stream_sources: Registry[StreamSource] = Registry(self, StreamSource)
         from dlrover_core.builtin import plugin as builtin_plugin
 
         self.register(
@@ -133,7 +145,19 @@ class PluginManager:
         if load_entry_points:
             self._load_entry_points()
 
+    def registry(self, kind: type[R]) -> Registry[R]:
+        """The registry of any record kind in ``RECORD_KINDS`` (``pm.registry(Backend)``
+        is ``pm.backends``)."""
+        if kind not in RECORD_KINDS:
+            raise KeyError(f"{kind!r} is not a record kind; known: "
+                           f"{', '.join(k.__name__ for k in RECORD_KINDS)}")
+        return Registry(self, kind)
+
     # ------------------------------------------------------------------ loading
+    def is_blocked(self, name: str) -> bool:
+        """True when ``name`` is blocked (``DLROVER_DISABLE_PLUGINS``)."""
+        return self._pm.is_blocked(name)
+
     def register(
         self, module: Any, name: str, distribution: str = "", version: str = ""
     ) -> PluginInfo:
@@ -144,20 +168,36 @@ class PluginManager:
         """
         info = PluginInfo(name=name, version=version, distribution=distribution)
         self._infos[name] = info
-        if name in self._blocked:
-            info.status = "blocked"
-            info.error = f"blocked by {DISABLE_ENV}"
-            return info
         try:
-            self._pm.register(module, name=name)
+            registered = self._pm.register(module, name=name)
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the master
-            info.status = "failed"
-            info.error = f"{type(exc).__name__}: {exc}"
+            info.fail(f"{type(exc).__name__}: {exc}")
+            return info
+        if registered is None:  # pluggy refuses blocked names
+            info.status, info.error = PluginStatus.BLOCKED, f"blocked by {DISABLE_ENV}"
             return info
         info.module = module
         info.hooks = [h.name for h in self._pm.get_hookcallers(module) or []]
+        self._stamp_classifier(module, name)
         self._records = None
         return info
+
+    def _stamp_classifier(self, module: Any, name: str) -> None:
+        """Make the plugin's ``dlrover_classify_failure`` answer carry its name in
+        ``FailureVerdict.classifier`` (unless it set one), so that the verdict of
+        pluggy's ``firstresult`` call says which plugin answered."""
+        for impl in self._pm.hook.dlrover_classify_failure.get_hookimpls():
+            if impl.plugin is not module:
+                continue
+            inner = impl.function
+
+            def stamped(*args: Any, _inner: Any = inner) -> FailureVerdict | None:
+                verdict = _inner(*args)
+                if verdict is not None and not verdict.classifier:
+                    verdict = replace(verdict, classifier=name)
+                return verdict
+
+            impl.function = stamped  # type: ignore[misc] - argnames stay the original's
 
     def _load_entry_points(self) -> None:
         eps = sorted(
@@ -173,21 +213,18 @@ class PluginManager:
                     f"plugin name {ep.name!r} is registered by both "
                     f"{self._infos[ep.name].distribution or 'dlrover-core'} and {dist_name}"
                 )
-            self._infos[ep.name] = PluginInfo(
+            info = self._infos[ep.name] = PluginInfo(
                 name=ep.name, version=dist_version, distribution=dist_name
             )
-            if ep.name in self._blocked:
-                self._infos[ep.name].status = "blocked"
-                self._infos[ep.name].error = f"blocked by {DISABLE_ENV}"
+            if self._pm.is_blocked(ep.name):  # never imported
+                info.status, info.error = PluginStatus.BLOCKED, f"blocked by {DISABLE_ENV}"
             else:
                 wanted.append(ep.name)
         if not wanted:
             return
 
         def on_failure(_mgr: Any, ep: Any, exc: BaseException) -> None:
-            info = self._infos[ep.name]
-            info.status = "failed"
-            info.error = f"{type(exc).__name__}: {exc}"
+            self._infos[ep.name].fail(f"{type(exc).__name__}: {exc}")
 
         # stevedore caches entry points per namespace for the life of the process;
         # drop it so that distributions installed since then are seen
@@ -205,9 +242,8 @@ class PluginManager:
             loaded.add(ext.name)
         for name in wanted:
             info = self._infos[name]
-            if name not in loaded and info.status == "active":
-                info.status = "failed"
-                info.error = "entry point not found by stevedore"
+            if name not in loaded and info.status == PluginStatus.ACTIVE:
+                info.fail("entry point not found by stevedore")
 
     # ------------------------------------------------------------------ inspection
     def plugins(self) -> list[PluginInfo]:
@@ -218,15 +254,16 @@ class PluginManager:
             pass  # clashes are reported when a record is selected
         return [self._infos[n] for n in sorted(self._infos)]
 
-    def _collect(self) -> dict[str, dict[str, Any]]:
+    def _collect(self) -> dict[type, dict[str, Any]]:
+        """Call every registration hook once per plugin (to know who provided what)."""
         if self._records is not None:
             return self._records
-        records: dict[str, dict[str, Any]] = {k: {} for k in _KINDS}
+        records: dict[type, dict[str, Any]] = {k: {} for k in RECORD_KINDS}
         for info in self._infos.values():
             info.provides = []
         clashes = []
-        for kind, (hook_name, rtype) in _KINDS.items():
-            caller = getattr(self._pm.hook, hook_name)
+        for rtype, kind in RECORD_KINDS.items():
+            caller = getattr(self._pm.hook, kind.hook)
             for impl in caller.get_hookimpls():
                 plugin_name = self._pm.get_name(impl.plugin) or "?"
                 info = self._infos.get(plugin_name)
@@ -234,127 +271,101 @@ class PluginManager:
                     result = impl.function()
                 except Exception as exc:  # noqa: BLE001
                     if info is not None:
-                        info.status = "failed"
-                        info.error = f"{hook_name} raised {type(exc).__name__}: {exc}"
+                        info.fail(f"{kind.hook} raised {type(exc).__name__}: {exc}")
                     continue
                 for rec in result or []:
                     if not isinstance(rec, rtype):
                         if info is not None:
-                            info.status = "failed"
-                            info.error = (
-                                f"{hook_name} returned {type(rec).__name__}, expected {rtype.__name__}"
-                            )
+                            info.fail(f"{kind.hook} returned {type(rec).__name__}, expected "
+                                      f"{rtype.__name__}")
                         continue
                     rec = replace(rec, provider=plugin_name)
-                    if rec.name in records[kind]:
-                        a, b = sorted((records[kind][rec.name].provider, plugin_name))
-                        clashes.append(
-                            f"{_KIND_WORDS[kind]} {rec.name!r} is provided by both "
-                            f"plugin {a!r} and plugin {b!r}"
-                        )
+                    if rec.name in records[rtype]:
+                        a, b = sorted((records[rtype][rec.name].provider, plugin_name))
+                        clashes.append(f"{kind.words} {rec.name!r} is provided by both "
+                                       f"plugin {a!r} and plugin {b!r}")
                         continue
-                    records[kind][rec.name] = rec
+                    records[rtype][rec.name] = rec
                     if info is not None:
-                        info.provides.append(f"{kind}:{rec.name}")
+                        info.provides.append(f"{kind.label}:{rec.name}")
         self._records = records
         if clashes:
             raise PluginError("; ".join(clashes) + f"; disable one with {DISABLE_ENV}")
         return records
 
-    def _all(self, kind: str) -> dict[str, Any]:
-        return dict(sorted(self._collect()[kind].items()))
-
-    def _get(self, kind: str, name: str) -> Any:
-        records = self._collect()[kind]
-        if name in records:
-            return records[name]
-        installed = ", ".join(sorted(records)) or "none"
-        msg = f"unknown {_KIND_WORDS[kind]} {name!r}; installed: {installed}"
-        broken = [i for i in self._infos.values() if i.status in ("failed", "blocked")]
-        same = [i for i in broken if i.name == name]
-        if same:
-            i = same[0]
-            msg += f"; plugin {i.name!r} would provide it but is {i.status}: {i.error}"
-        elif broken:
-            msg += "; not loaded: " + ", ".join(f"{i.name} ({i.status}: {i.error})" for i in broken)
-        raise UnknownPluginError(msg)
-
-    # ------------------------------------------------------------------ registries
-    def templates(self) -> dict[str, GraphTemplate]:
-        return self._all("template")
-
+    # ------------------------------------------------------------------ older spellings
+    # ``pm.get_backend(name)`` is ``pm.backends.get(name)``; kept for existing callers.
     def get_template(self, name: str) -> GraphTemplate:
-        """Raises ``UnknownPluginError`` listing the installed templates."""
-        return self._get("template", name)
-
-    def backends(self) -> dict[str, Backend]:
-        return self._all("backend")
+        return self.templates.get(name)
 
     def get_backend(self, name: str) -> Backend:
-        return self._get("backend", name)
-
-    def state_dict_engines(self) -> dict[str, StateDictEngine]:
-        return self._all("engine")
+        return self.backends.get(name)
 
     def get_state_dict_engine(self, name: str) -> StateDictEngine:
-        return self._get("engine", name)
-
-    def savers(self) -> dict[str, CheckpointSaver]:
-        return self._all("saver")
+        return self.state_dict_engines.get(name)
 
     def get_saver(self, name: str) -> CheckpointSaver:
-        return self._get("saver", name)
-
-    def placement_policies(self) -> dict[str, PlacementPolicy]:
-        return self._all("placement")
+        return self.savers.get(name)
 
     def get_placement_policy(self, name: str) -> PlacementPolicy:
-        return self._get("placement", name)
-
-    def tuners(self) -> dict[str, Tuner]:
-        return self._all("tuner")
+        return self.placement_policies.get(name)
 
     def get_tuner(self, name: str) -> Tuner:
-        return self._get("tuner", name)
-
-    def stream_sources(self) -> dict[str, StreamSource]:
-        return self._all("stream_source")
+        return self.tuners.get(name)
 
     def get_stream_source(self, name: str) -> StreamSource:
-        """Raises ``UnknownPluginError`` listing the installed stream sources."""
-        return self._get("stream_source", name)
+        return self.stream_sources.get(name)
 
-    # ------------------------------------------------------------------ calls
-    def add_cli_commands(self, subparsers: Any) -> None:
-        self._pm.hook.dlrover_cli_commands(cli=subparsers)
+    # ------------------------------------------------------------------ hook calls
+    def cli_commands(self, cli: Any) -> None:
+        """``dlrover_cli_commands``: plugins add sub-commands to ``cli`` (argparse
+        sub-parsers). Client process."""
+        self._pm.hook.dlrover_cli_commands(cli=cli)
 
-    def classify_failure(self, failure: Failure, history: Iterable[Failure] = ()) -> FailureVerdict:
-        """The first plugin verdict; the built-in classifier answers last."""
-        for impl in reversed(self._pm.hook.dlrover_classify_failure.get_hookimpls()):
-            verdict = impl.function(failure=failure, history=list(history))
-            if verdict is not None:
-                name = self._pm.get_name(impl.plugin) or "?"
-                return replace(verdict, classifier=verdict.classifier or name)
-        raise PluginError("no failure classifier answered (is the builtin plugin disabled?)")
+    add_cli_commands = cli_commands  # older spelling
 
-    def workload_setup(self, workload: Any) -> None:
+    def classify_failure(self, failure: Failure,
+                         history: Iterable[Failure] = ()) -> FailureVerdict:
+        """``dlrover_classify_failure`` (pluggy ``firstresult``): the first plugin that
+        answers wins; the built-in classifier answers last. ``classifier`` names the
+        plugin that answered.
+
+        Raises:
+            PluginError: nobody answered (the builtin plugin is blocked).
+        """
+        verdict = self._pm.hook.dlrover_classify_failure(failure=failure,
+                                                         history=list(history))
+        if verdict is None:
+            raise PluginError("no failure classifier answered (is the builtin plugin "
+                              "disabled?)")
+        return verdict
+
+    def workload_setup(self, workload: BaseWorkload) -> None:
+        """``dlrover_workload_setup``. Worker process."""
         self._pm.hook.dlrover_workload_setup(workload=workload)
 
-    def workload_started(self, workload: Any) -> None:
+    def workload_started(self, workload: BaseWorkload) -> None:
+        """``dlrover_workload_started``. Worker process."""
         self._pm.hook.dlrover_workload_started(workload=workload)
 
-    def step_reported(self, job: str, role: str, rank: int, step: int, metrics: dict) -> None:
-        self._pm.hook.dlrover_step_reported(job=job, role=role, rank=rank, step=step, metrics=metrics)
+    def step_reported(self, job: str, role: str, rank: int, step: int,
+                      metrics: dict[str, float]) -> None:
+        """``dlrover_step_reported``. Master process."""
+        self._pm.hook.dlrover_step_reported(job=job, role=role, rank=rank, step=step,
+                                            metrics=metrics)
 
     def workload_stopped(self, job: str, role: str, rank: int, status: str) -> None:
+        """``dlrover_workload_stopped`` (``status``: ``succeeded`` or ``stopped``). Master."""
         self._pm.hook.dlrover_workload_stopped(job=job, role=role, rank=rank, status=status)
 
     def workload_failed(self, job: str, failure: Failure, verdict: FailureVerdict,
-                        emit: Any = None) -> None:
+                        emit: Emit | None = None) -> None:
+        """``dlrover_workload_failed``, before the recovery starts. Master process."""
         self._pm.hook.dlrover_workload_failed(job=job, failure=failure, verdict=verdict,
                                               emit=emit or _no_emit)
 
-    def job_finished(self, job: str, summary: dict, emit: Any = None) -> None:
+    def job_finished(self, job: str, summary: dict, emit: Emit | None = None) -> None:
+        """``dlrover_job_finished``, before the ``job_finished`` event. Master process."""
         self._pm.hook.dlrover_job_finished(job=job, summary=summary, emit=emit or _no_emit)
 
 

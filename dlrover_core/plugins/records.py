@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -19,8 +20,34 @@ if TYPE_CHECKING:
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
 
+
+class FailoverLevel(StrEnum):
+    """How much the JobMaster restarts, from the smallest scope to the largest.
+
+    A ``StrEnum``: members compare equal to their strings (``FailoverLevel.NODE ==
+    "node"``) and are written as those strings to events, the job context and
+    ``summary.json``.
+    """
+
+    PROCESS = "process"  # the failed instance (its role's process group is re-formed)
+    ROLE = "role"        # every instance of the role
+    NODE = "node"        # mark the node bad, re-place everything elsewhere
+    JOB = "job"          # every role and the driver
+    FATAL = "fatal"      # stop the job with the error
+
+
 #: Failover levels, from the smallest scope to the largest. ``fatal`` stops the job.
-FAILOVER_LEVELS = ("process", "role", "node", "job", "fatal")
+FAILOVER_LEVELS = tuple(level.value for level in FailoverLevel)
+
+
+class FailureKind(StrEnum):
+    """What the JobMaster saw fail (``Failure.kind``); compares equal to its string."""
+
+    ACTOR_DIED = "actor_died"              # the process or actor is gone
+    USER_ERROR = "user_error"              # user code raised
+    HANG = "hang"                          # no step report for failover.hang_timeout_s
+    NODE_LOST = "node_lost"                # the instance's node left the cluster
+    MASTER_RESTARTED = "master_restarted"  # found dead by a restarted master
 
 
 def check_name(kind: str, name: str) -> None:
@@ -152,7 +179,7 @@ class PlacementPolicy(_Record):
 
     Attributes:
         plan: ``(graph: ComputationGraph, cluster: ClusterResources) -> PlacementPlan``
-            (see ``dlrover_core.master.placement``); it raises ``PlacementError``
+            (see :mod:`dlrover_core.placement`); it raises ``PlacementError``
             when the graph cannot fit.
     """
 
@@ -191,12 +218,12 @@ class StreamSource(_Record):
 
 @dataclass(frozen=True)
 class Failure:
-    """What failed, as seen by the JobMaster.
+    """What failed, as seen by the JobMaster. Build one with a named constructor
+    (:meth:`user_error`, :meth:`actor_died`, :meth:`hang`, :meth:`node_lost`).
 
     Attributes:
-        kind: ``actor_died`` (process or actor gone), ``user_error`` (user code
-            raised), ``hang`` (no step report for ``failover.hang_timeout_s``),
-            ``node_lost`` or ``master_restarted``.
+        kind: a ``FailureKind`` (``actor_died``, ``user_error``, ``hang``,
+            ``node_lost``, ``master_restarted``); a plain string is converted.
         role, rank: the role instance, when one is known.
         node_id: Ray node id of the instance, when known.
         exc_type: qualified name of the exception type (``builtins.ValueError``).
@@ -205,9 +232,12 @@ class Failure:
         phase: ``setup`` (before the first step) or ``run``.
         step: the last step the instance reported (-1 before the first).
         attempt: how many times this role instance was already restarted.
+
+    Raises:
+        ValueError: ``kind`` is not a ``FailureKind``.
     """
 
-    kind: str
+    kind: FailureKind
     role: str = ""
     rank: int = -1
     node_id: str = ""
@@ -218,18 +248,65 @@ class Failure:
     step: int = -1
     attempt: int = 0
 
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", FailureKind(self.kind))
+        except ValueError:
+            raise ValueError(
+                f"Failure.kind {self.kind!r} is invalid; allowed: "
+                f"{', '.join(k.value for k in FailureKind)}") from None
+
+    @classmethod
+    def user_error(cls, role: str, rank: int, exc_type: str, message: str, traceback: str = "",
+                   *, node_id: str = "", phase: str = "run", step: int = -1,
+                   attempt: int = 0) -> Failure:
+        """User code raised ``exc_type: message`` (with the worker's ``traceback``)."""
+        return cls(FailureKind.USER_ERROR, role, rank, node_id, exc_type, message, traceback,
+                   phase, step, attempt)
+
+    @classmethod
+    def actor_died(cls, role: str, rank: int, message: str = "actor died", *,
+                   exc_type: str = "ActorDiedError", node_id: str = "", phase: str = "run",
+                   step: int = -1, attempt: int = 0) -> Failure:
+        """The instance's actor or process is gone; ``message``: Ray's death cause."""
+        return cls(FailureKind.ACTOR_DIED, role, rank, node_id, exc_type, message, "", phase,
+                   step, attempt)
+
+    @classmethod
+    def hang(cls, role: str, rank: int, silent_s: float, timeout_s: float, *,
+             node_id: str = "", step: int = -1, attempt: int = 0) -> Failure:
+        """No step report for ``silent_s`` seconds, over ``failover.hang_timeout_s``."""
+        return cls(FailureKind.HANG, role, rank, node_id, "Hang",
+                   f"no step report for {silent_s:.1f} s (hang_timeout_s={timeout_s:g})", "",
+                   "run", step, attempt)
+
+    @classmethod
+    def node_lost(cls, role: str, rank: int, node_id: str, detail: str = "", *,
+                  phase: str = "run", step: int = -1, attempt: int = 0) -> Failure:
+        """The node ``node_id`` of the instance left the Ray cluster."""
+        message = f"node {node_id[:12]} left the Ray cluster" + (f": {detail}" if detail else "")
+        return cls(FailureKind.NODE_LOST, role, rank, node_id, "NodeLost", message, "", phase,
+                   step, attempt)
+
+    def as_dict(self) -> dict:
+        """JSON-friendly fields (enum values as strings)."""
+        return {**vars(self), "kind": self.kind.value}
+
 
 @dataclass(frozen=True)
 class FailureVerdict:
     """A classifier's answer.
 
     Attributes:
-        level: one of ``FAILOVER_LEVELS``.
+        level: a ``FailoverLevel`` (a plain string is converted).
         reason: one sentence a user can act on.
         classifier: name of the plugin that answered (filled by the manager).
+
+    Raises:
+        ValueError: ``level`` is not one of ``FAILOVER_LEVELS``.
     """
 
-    level: str
+    level: FailoverLevel
     reason: str
     classifier: str = ""
 
@@ -238,3 +315,4 @@ class FailureVerdict:
             raise ValueError(
                 f"failover level {self.level!r} is not one of {', '.join(FAILOVER_LEVELS)}"
             )
+        object.__setattr__(self, "level", FailoverLevel(self.level))

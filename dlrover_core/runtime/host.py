@@ -132,12 +132,33 @@ class _HostBase:
 
 
 class WorkloadHost(_HostBase):
-    def __init__(self, workload_path: str, context: WorkerContext) -> None:
+    """Hosts one role instance's workload.
+
+    Args:
+        workload_path: ``package.module:Class`` of the workload.
+        context: the instance's ``WorkerContext``.
+        plugin_manager: the plugins of this process; default: the process-wide
+            manager, looked up once when the workload is set up. It is handed to the
+            workload (``workload._plugins``) for its backend session, hooks and
+            checkpointer.
+    """
+
+    def __init__(self, workload_path: str, context: WorkerContext,
+                 plugin_manager: Any = None) -> None:
         super().__init__()
         os.environ.update(context.env())
         self.context = context
         self.workload_path = workload_path
         self.workload: Any = None
+        self.plugins = plugin_manager
+
+    def _plugin_manager(self) -> Any:
+        if self.plugins is None:  # this worker process's own manager
+            from dlrover_core.plugins.manager import get_plugin_manager
+
+            self.plugins = get_plugin_manager()
+        return self.plugins
+
 
     def prepare(self) -> float:
         """Standby only: import the workload class and run its ``warm_up()`` so that a
@@ -178,7 +199,6 @@ class WorkloadHost(_HostBase):
         Returns ``{"invocations": {method: InvocationOptions}}`` for the driver.
         Raises ``WorkloadError`` (phase ``setup``) when user code raises.
         """
-        from dlrover_core.plugins.manager import get_plugin_manager
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.invocation import collect_invocations
 
@@ -196,10 +216,11 @@ class WorkloadHost(_HostBase):
         try:
             cls = resolve(self.workload_path)
             self.workload = cls(ctx)
-            pm = get_plugin_manager()
+            pm = self._plugin_manager()
+            self.workload._plugins = pm
             t.append(time.perf_counter())
             if ctx.backend:
-                backend = pm.get_backend(ctx.backend)
+                backend = pm.backends.get(ctx.backend)
                 self.workload._backend = resolve(backend.session)(ctx)
                 self.workload._backend.setup()
             t.append(time.perf_counter())

@@ -1,0 +1,207 @@
+"""The monitor: turns what Ray tells the master into ``Failure``s. It never recovers.
+
+It keeps one pending Ray call per running instance (``run()`` of an SPMD worker or
+the driver, ``wait_stopped()`` of a role instance that a driver calls, ``wait_run()``
+after a re-attach), so an actor's death or its user code's exception shows up as soon
+as Ray knows. :meth:`Monitor.poll` also checks, on its own clock, for nodes that left
+the cluster and for instances that stopped reporting (hangs). Whatever it finds comes
+back as a ``Detection``: the instance and the ``Failure`` to classify.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from dlrover_core.master.instances import DRIVER, Instance, InstanceState
+from dlrover_core.plugins.records import Failure, FailureKind
+from dlrover_core.runtime.errors import WorkloadError
+
+if TYPE_CHECKING:
+    from dlrover_core.master.scope import JobScope
+
+POLL_S = 0.25
+NODE_CHECK_S = 1.0
+
+
+def failure_from_exception(inst: Instance, exc: BaseException) -> Failure:
+    """Turn what ``ray.get`` raised for ``inst`` into a ``Failure``: a ``WorkloadError``
+    (user code raised, with its traceback) is ``user_error``; a dead actor is
+    ``actor_died``; anything else (a start-up timeout) is ``user_error`` too."""
+    cause = getattr(exc, "cause", None)
+    werr = exc if isinstance(exc, WorkloadError) else cause if isinstance(cause, WorkloadError) \
+        else None
+    where = {"node_id": inst.node_id, "attempt": inst.attempt}
+    if werr is not None:
+        return Failure.user_error(inst.role, inst.rank, werr.exc_type, werr.message,
+                                  werr.traceback, phase=werr.phase, step=werr.step, **where)
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError)):
+        text = str(exc).strip()
+        return Failure.actor_died(inst.role, inst.rank,
+                                  text.splitlines()[0][:500] if text else "actor died",
+                                  exc_type=type(exc).__name__, phase=inst.phase,
+                                  step=inst.last_step, **where)
+    return Failure.user_error(inst.role, inst.rank, type(exc).__name__, str(exc)[:500],
+                              "".join(traceback.format_exception(exc)), phase=inst.phase,
+                              step=inst.last_step, **where)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """A failure the monitor found: ``inst`` is the instance to blame."""
+
+    inst: Instance
+    failure: Failure
+
+
+class Monitor:
+    """Watches the running instances of one job."""
+
+    def __init__(self, scope: JobScope) -> None:
+        self.scope = scope
+        #: ref -> (kind, (role, rank), generation); kind: run | watch | run_wait
+        self.pending: dict[Any, tuple[str, tuple[str, int], int]] = {}
+        self._last_node_check = 0.0
+
+    # ------------------------------------------------------------------ watching
+    def watch_instance(self, inst: Instance, reattached: bool = False) -> None:
+        """Start the instance's work and watch it: ``run()`` (SPMD roles and the driver)
+        or a liveness watch (roles a driver calls). ``reattached``: the work already
+        runs; wait for its outcome (``wait_run()``) instead of starting it again."""
+        if inst.role != DRIVER and self.scope.graph.driver:
+            self._track(inst.handle.wait_stopped.remote(), "watch", inst)
+        elif reattached:
+            self._track(inst.handle.wait_run.remote(), "run_wait", inst)
+        else:
+            self._track(inst.handle.run.remote(), "run", inst)
+
+    def _track(self, ref: Any, kind: str, inst: Instance) -> None:
+        self.pending[ref] = (kind, inst.key, inst.generation)
+
+    def unwatch(self, insts: list[Instance]) -> None:
+        """Forget the pending calls of ``insts`` (they are being replaced or stopped)."""
+        keys = {(i.key, i.generation) for i in insts}
+        for ref in [r for r, (_, k, g) in self.pending.items() if (k, g) in keys]:
+            del self.pending[ref]
+
+    # ------------------------------------------------------------------ polling
+    def finished(self) -> bool:
+        """True when the job's work is done: the driver's ``fit()`` returned, or every
+        SPMD instance's ``run()`` did."""
+        table = self.scope.instances
+        if self.scope.graph.driver:
+            return table.driver is not None and table.driver.state == InstanceState.SUCCEEDED
+        return bool(table.roles) and all(i.state == InstanceState.SUCCEEDED
+                                         for i in table.roles.values())
+
+    def poll(self, timeout: float = POLL_S) -> Detection | None:
+        """Wait up to ``timeout`` s for a watched call to end; record successes; return
+        the first failure found (a failed call, a lost node, a hang) or ``None``."""
+        s = self.scope
+        if not self.pending:
+            return None
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+        for ref in ready:
+            entry = self.pending.pop(ref, None)
+            if entry is None:
+                continue
+            kind, (role, rank), gen = entry
+            inst = s.instances.get(role, rank)
+            if inst is None or inst.generation != gen:
+                continue
+            try:
+                out = ray.get(ref)
+                if kind == "run_wait" and not out["ok"]:
+                    raise out["error"]
+            except Exception as exc:  # noqa: BLE001
+                return self.diagnose(inst, exc)
+            if kind in ("run", "run_wait"):
+                self._succeeded(inst)
+        return self.check_nodes() or self.check_hang()
+
+    def _succeeded(self, inst: Instance) -> None:
+        s = self.scope
+        s.instances.set_state(inst, InstanceState.SUCCEEDED)
+        s.emit("instance_finished", role=inst.role, rank=inst.rank, step=inst.last_step)
+        if inst.role != DRIVER:
+            s.pm.workload_stopped(s.name, inst.role, inst.rank, "succeeded")
+
+    # ------------------------------------------------------------------ diagnosis
+    def diagnose(self, inst: Instance, exc: BaseException) -> Detection:
+        """The failure behind ``exc`` raised for ``inst``: a dead actor on a node that
+        left is ``node_lost``; a driver that failed because a role instance died blames
+        that instance."""
+        failure = failure_from_exception(inst, exc)
+        if failure.kind == FailureKind.ACTOR_DIED and inst.node_id and \
+                not node_alive(inst.node_id):
+            failure = Failure.node_lost(inst.role, inst.rank, inst.node_id, failure.message,
+                                        phase=failure.phase, step=failure.step,
+                                        attempt=failure.attempt)
+        if failure.role == DRIVER and failure.kind != FailureKind.NODE_LOST:
+            dead = self.dead_instances()
+            if dead:  # the driver failed because a role instance died: recover that
+                return self.diagnose(dead[0], ray.exceptions.ActorDiedError())
+        return Detection(inst, failure)
+
+    def dead_instances(self, timeout: float = 2.0) -> list[Instance]:
+        """Running role instances that do not answer a ping (dead actors)."""
+        live = [i for i in self.scope.instances.roles.values()
+                if i.state == InstanceState.RUNNING]
+        probes = {i.handle.ping.remote(): i for i in live}
+        if not probes:
+            return []
+        ready, not_ready = ray.wait(list(probes), num_returns=len(probes), timeout=timeout)
+        dead = [probes[r] for r in not_ready]
+        for r in ready:
+            try:
+                ray.get(r)
+            except Exception:  # noqa: BLE001
+                dead.append(probes[r])
+        return sorted(dead, key=lambda i: (i.role, i.rank))
+
+    def check_nodes(self) -> Detection | None:
+        """A node that left the cluster is a ``node_lost`` failure of its instances
+        (checked at most every ``NODE_CHECK_S`` s)."""
+        now = time.time()
+        if now - self._last_node_check < NODE_CHECK_S:
+            return None
+        self._last_node_check = now
+        alive = alive_nodes()
+        for inst in self.scope.instances.all():
+            if inst.state == InstanceState.RUNNING and inst.node_id and \
+                    inst.node_id not in alive:
+                return Detection(inst, Failure.node_lost(
+                    inst.role, inst.rank, inst.node_id, step=inst.last_step,
+                    attempt=inst.attempt))
+        return None
+
+    def check_hang(self) -> Detection | None:
+        """An SPMD instance without a step report for ``failover.hang_timeout_s`` (0:
+        off) is a ``hang``. Jobs with a driver are not checked."""
+        s = self.scope
+        hang_s = float(s.spec.failover.hang_timeout_s or 0)
+        if hang_s <= 0 or s.graph.driver:
+            return None
+        now = time.time()
+        for inst in list(s.instances.roles.values()):
+            if inst.state != InstanceState.RUNNING:
+                continue
+            since = max(inst.last_report_ts, s.failover.last_recovery_end, s.started_at)
+            if now - since > hang_s:
+                return Detection(inst, Failure.hang(
+                    inst.role, inst.rank, now - since, hang_s, node_id=inst.node_id,
+                    step=inst.last_step, attempt=inst.attempt))
+        return None
+
+
+def alive_nodes() -> set[str]:
+    """Node ids of the alive Ray nodes."""
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def node_alive(node_id: str) -> bool:
+    return node_id in alive_nodes()
