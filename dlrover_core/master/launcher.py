@@ -261,8 +261,7 @@ class Launcher:
             config=OmegaConf.to_container(s.spec.config, resolve=True),
             resources={role: {"cpu": r.resources.cpu, "gpu": r.resources.gpu}
                        for role, r in s.graph.roles.items()},
-            job_dir=s.job_dir, attempt=attempt,
-            workloads={role: r.workload for role, r in s.graph.roles.items()})
+            job_dir=s.job_dir, attempt=attempt)
         name = f"dlrover-{s.name}-driver-a{attempt}"
         handle = remote_driver_host().options(
             name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,
