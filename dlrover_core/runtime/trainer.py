@@ -76,41 +76,28 @@ class BaseTrainer:
     def save_state(self, state: dict) -> None:
         """Persist the driver's own state (iteration, RNG, data position...) so that a
         restarted driver resumes (:meth:`load_state`). Atomic: temp file, fsync,
-        rename; a sha256 of the payload is checked on load. ``state`` must pickle."""
-        import hashlib
-        import os
+        rename; a sha256 of the payload is checked on load
+        (:func:`dlrover_core.atomic_io.write_checksummed`). ``state`` must pickle."""
         import pickle
 
-        from dlrover_core.checkpoint.saver import fsync_dir
+        from dlrover_core.atomic_io import write_checksummed
 
-        payload = pickle.dumps(state)
-        path = self._state_path
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path))
+        write_checksummed(self._state_path, pickle.dumps(state))
 
     def load_state(self) -> dict | None:
         """The state last given to :meth:`save_state`, or ``None`` (first start, or a
         file whose checksum does not match: it is ignored with a warning)."""
-        import hashlib
         import logging
-        import os
         import pickle
 
-        path = self._state_path
-        if not os.path.exists(path):
+        from dlrover_core.atomic_io import read_checksummed
+
+        try:
+            payload = read_checksummed(self._state_path)
+        except ValueError as exc:
+            logging.getLogger(__name__).warning("driver state is corrupt; ignoring it: %s", exc)
             return None
-        with open(path, "rb") as f:
-            digest, _, payload = f.read().partition(b"\n")
-        if hashlib.sha256(payload).hexdigest().encode() != digest:
-            logging.getLogger(__name__).warning("driver state %s is corrupt; ignoring it", path)
-            return None
-        return pickle.loads(payload)
+        return None if payload is None else pickle.loads(payload)
 
     def report(self, step: int, **metrics: float) -> None:
         """Report a finished driver step with scalar metrics to the JobMaster."""
