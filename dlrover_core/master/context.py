@@ -27,6 +27,8 @@ class JobContext:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.RLock()
+        #: committed write transactions so far (``benchmarks/master_scale.py`` reads it)
+        self.writes = 0
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -40,6 +42,7 @@ class JobContext:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)",
                              (key, json.dumps(value, default=str)))
+            self.writes += 1
 
     def get(self, key: str, default: Any = None) -> Any:
         with self._lock:
@@ -52,6 +55,7 @@ class JobContext:
             self._db.execute(
                 "INSERT OR REPLACE INTO instances VALUES (:role, :rank, :actor_name, :node_id,"
                 " :pid, :state, :attempt, :last_step)", row)
+            self.writes += 1
 
     def update_instance(self, role: str, rank: int, **fields: Any) -> None:
         """Change some columns of one row (unknown columns raise ``ValueError``)."""
@@ -80,6 +84,7 @@ class JobContext:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            self.writes += 1
 
     def instances(self) -> list[dict]:
         """Every ``instances`` row as a dict, ordered by role and rank."""

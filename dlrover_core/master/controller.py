@@ -161,6 +161,7 @@ class JobController:
         if not self.monitor.pending:
             raise JobFailed("nothing is running but the job did not finish (internal error)")
         self.progress.flush_due()
+        self.standby.check()
         found = self.monitor.poll()
         if found is None:
             return None

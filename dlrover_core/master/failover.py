@@ -8,8 +8,11 @@ reload the latest checkpoint), ``role`` (restart every instance of the role),
 (restart every role and the driver), ``fatal`` (stop with the error).
 
 Budgets: ``failover.max_restarts`` recoveries in all; an exhausted budget makes the
-failure fatal. ``failover.max_node_failures`` failures on one node escalate to
-``node`` (when other nodes remain).
+failure fatal. ``failover.max_node_failures`` node-attributable failures on one node
+escalate to ``node`` (when other nodes remain). Node-attributable
+(:func:`node_attributable`): a classifier's ``node`` verdict, or an actor that died
+with a node-level cause in Ray's message (its node or raylet died, the node ran out of
+memory). A user exception or a plain process death on a healthy node does not count.
 """
 
 from __future__ import annotations
@@ -17,12 +20,29 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from dlrover_core.plugins.records import Failure, FailureKind, FailoverLevel, FailureVerdict
 
 if TYPE_CHECKING:
     from dlrover_core.graph.graph import ComputationGraph
+
+
+#: Phrases of Ray's actor-death messages that blame the node, not the process.
+NODE_CAUSES = ("node has died", "node died", "node is dead", "node was terminated",
+               "raylet", "running low on memory", "node failure")
+
+
+def node_attributable(failure: Failure, verdict: FailureVerdict) -> bool:
+    """Whether ``failure`` counts toward the node's ``failover.max_node_failures``: a
+    ``node`` verdict, a lost node, or an actor death whose message names a node-level
+    cause (:data:`NODE_CAUSES`)."""
+    if verdict.level == FailoverLevel.NODE or failure.kind == FailureKind.NODE_LOST:
+        return True
+    if failure.kind == FailureKind.ACTOR_DIED:
+        text = failure.message.lower()
+        return any(cause in text for cause in NODE_CAUSES)
+    return False
 
 
 class JobFailed(RuntimeError):
@@ -40,10 +60,19 @@ class RecoveryAction:
 
 
 class FailoverCoordinator:
-    def __init__(self, config: Any, plugin_manager: Any) -> None:
+    """Args:
+        config: the job's ``failover`` section.
+        plugin_manager: classifies failures (``classify_failure``).
+        alive_nodes: returns the ids of the alive nodes (default: from ``ray.nodes()``);
+            a node escalation needs another alive, not-bad node.
+    """
+
+    def __init__(self, config: Any, plugin_manager: Any,
+                 alive_nodes: Callable[[], set[str]] | None = None) -> None:
         self.max_restarts = int(config.max_restarts)
         self.max_node_failures = int(config.max_node_failures)
         self.pm = plugin_manager
+        self._alive_nodes = alive_nodes or _ray_alive_nodes
         self.history: list[Failure] = []
         self.counts: dict[str, int] = {"process": 0, "role": 0, "node": 0, "job": 0}
         self.node_failures: dict[str, int] = {}
@@ -57,7 +86,8 @@ class FailoverCoordinator:
         verdict = self.pm.classify_failure(failure, self.history)
         self.history.append(failure)
         level = verdict.level
-        if failure.node_id and failure.kind != FailureKind.NODE_LOST:
+        if failure.node_id and failure.kind != FailureKind.NODE_LOST and \
+                node_attributable(failure, verdict):
             n = self.node_failures[failure.node_id] = self.node_failures.get(failure.node_id, 0) + 1
             if (level in (FailoverLevel.PROCESS, FailoverLevel.ROLE)
                     and n >= self.max_node_failures and self._other_nodes(failure.node_id)):
@@ -101,10 +131,7 @@ class FailoverCoordinator:
         self.history = [Failure(**f) for f in snap.get("history", [])]
 
     def _other_nodes(self, node_id: str) -> bool:
-        import ray
-
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return bool(alive - self.bad_nodes - {node_id})
+        return bool(self._alive_nodes() - self.bad_nodes - {node_id})
 
     def recovered(self, action: RecoveryAction) -> None:
         self.last_recovery_end = time.time()
@@ -132,3 +159,9 @@ class FailoverCoordinator:
         if not gaps:
             return None
         return round(min(1.0, len(step_times) * statistics.median(gaps) / wall_s), 4)
+
+
+def _ray_alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}

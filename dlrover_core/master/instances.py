@@ -42,6 +42,7 @@ class Instance:
         generation: bumped every time the ``(role, rank)`` slot gets a new actor or is
             set up again in place; results of an older generation are ignored.
         last_report_ts: unix s of the last step report (hang detection).
+        last_step_ts: unix s, worker's clock, when ``last_step`` ended (hang blame).
         info: what ``WorkloadHost.node_info()`` returned.
     """
 
@@ -56,6 +57,8 @@ class Instance:
     state: InstanceState = InstanceState.PENDING
     last_step: int = -1
     last_report_ts: float = 0.0
+    #: unix s (the worker's clock) when ``last_step`` ended, as its report said
+    last_step_ts: float = 0.0
     generation: int = 0
     info: dict = field(default_factory=dict)
 

@@ -88,9 +88,10 @@ class Launcher:
         """
         s = self.scope
         self.plan = self.make_plan()
-        alive_bad = sorted(s.failover.bad_nodes & {n.node_id for n in
-                                                   ClusterResources.from_ray().nodes})
+        alive_bad = self.alive_bad_nodes()
         self.pgs = []
+        if self.standby is not None:
+            self.standby.forget_slots()
         for g in self.plan.groups:
             kwargs: dict[str, Any] = {}
             if alive_bad:  # keep bad (but alive) nodes out: Ray's default node-id label
@@ -114,6 +115,11 @@ class Launcher:
                excluded_nodes=sorted(s.failover.bad_nodes))
         s.context.set("placement", self.plan.describe())
 
+    def alive_bad_nodes(self) -> list[str]:
+        """Nodes marked bad that are still in the cluster (kept out by label selector)."""
+        return sorted(self.scope.failover.bad_nodes & {n.node_id for n in
+                                                       ClusterResources.from_ray().nodes})
+
     def find_placement(self) -> bool:
         """Re-attach: plan again and look up the named placement groups an earlier
         master created; True when all of them exist."""
@@ -128,7 +134,21 @@ class Launcher:
         return True
 
     def remove_placement(self) -> None:
-        for pg in self.pgs:
+        """Remove the job's placement groups, the spares' too (an earlier master's
+        included: groups named ``dlrover-<job>-<role>-spare-...``)."""
+        pgs = list(self.pgs)
+        spare_prefixes = tuple(self.pg_name(f"{role}-spare-") for role in self.scope.graph.roles)
+        try:
+            for info in ray.util.placement_group_table().values():
+                if str(info.get("name", "")).startswith(spare_prefixes) and \
+                        info.get("state") != "REMOVED":
+                    try:
+                        pgs.append(ray.util.get_placement_group(info["name"]))
+                    except ValueError:
+                        pass
+        except Exception:  # noqa: BLE001 - the table is a convenience
+            pass
+        for pg in pgs:
             try:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001

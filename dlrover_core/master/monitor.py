@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -66,6 +66,7 @@ class Monitor:
         #: ref -> (kind, (role, rank), generation); kind: run | watch | run_wait
         self.pending: dict[Any, tuple[str, tuple[str, int], int]] = {}
         self._last_node_check = 0.0
+        self._last_hang_check = 0.0
 
     # ------------------------------------------------------------------ watching
     def watch_instance(self, inst: Instance, reattached: bool = False) -> None:
@@ -180,22 +181,103 @@ class Monitor:
         return None
 
     def check_hang(self) -> Detection | None:
-        """An SPMD instance without a step report for ``failover.hang_timeout_s`` (0:
-        off) is a ``hang``. Jobs with a driver are not checked."""
+        """Hangs, per role, with ``failover.hang_timeout_s`` (0: off), checked at most
+        every quarter of it (and every second at most):
+
+        - a role without a driver (SPMD ``run()``): an instance without a step report
+          for the timeout. All ranks of a collective stop together, so the blame goes
+          by :meth:`blame`: the silent rank that is not waiting inside torch (a
+          collective, backward) for its peers, else the one whose progress stopped
+          first (lowest last step, then earliest step end);
+        - roles a driver calls: a role call (``WorkloadHost.call``) running longer than
+          the timeout; the blame goes the same way among the stuck calls.
+        """
         s = self.scope
         hang_s = float(s.spec.failover.hang_timeout_s or 0)
-        if hang_s <= 0 or s.graph.driver:
+        if hang_s <= 0:
             return None
         now = time.time()
-        for inst in list(s.instances.roles.values()):
-            if inst.state != InstanceState.RUNNING:
+        if now - self._last_hang_check < min(1.0, hang_s / 4):
+            return None
+        self._last_hang_check = now
+        running = [i for i in s.instances.roles.values() if i.state == InstanceState.RUNNING]
+        if s.graph.driver:
+            return self._stuck_calls(running, hang_s)
+        quiet_since = max(s.failover.last_recovery_end, s.started_at)
+        by_role: dict[str, list[Instance]] = {}
+        for inst in running:
+            by_role.setdefault(inst.role, []).append(inst)
+        for insts in by_role.values():
+            silent = {i.key: now - max(i.last_report_ts, quiet_since) for i in insts}
+            if max(silent.values()) <= hang_s:
                 continue
-            since = max(inst.last_report_ts, s.failover.last_recovery_end, s.started_at)
-            if now - since > hang_s:
-                return Detection(inst, Failure.hang(
-                    inst.role, inst.rank, now - since, hang_s, node_id=inst.node_id,
-                    step=inst.last_step, attempt=inst.attempt))
+            # a collective stops every rank at once: judge all ranks silent for half
+            # the timeout, not only the first one past it
+            suspects = [i for i in insts if silent[i.key] > hang_s / 2]
+            inst, why = self.blame(suspects)
+            return Detection(inst, replace(Failure.hang(
+                inst.role, inst.rank, silent[inst.key], hang_s, node_id=inst.node_id,
+                step=inst.last_step, attempt=inst.attempt),
+                message=f"no step report for {silent[inst.key]:.1f} s "
+                        f"(hang_timeout_s={hang_s:g}); {why}"))
         return None
+
+    def _stuck_calls(self, running: list[Instance], hang_s: float) -> Detection | None:
+        """Driver jobs: role instances whose current call runs longer than ``hang_s``."""
+        acts = self.activities(running)
+        stuck = [i for i in running if acts.get(i.key) and acts[i.key]["busy"]
+                 and acts[i.key]["busy_s"] > hang_s]
+        if not stuck:
+            return None
+        inst, why = self.blame(stuck, acts)
+        a = acts[inst.key]
+        return Detection(inst, replace(Failure.hang(
+            inst.role, inst.rank, a["busy_s"], hang_s, node_id=inst.node_id,
+            step=inst.last_step, attempt=inst.attempt),
+            message=f"call {inst.role}.{a['busy']} has run for {a['busy_s']:.1f} s "
+                    f"(hang_timeout_s={hang_s:g}); {why}"))
+
+    def activities(self, insts: list[Instance],
+                   timeout: float = 5.0) -> dict[tuple[str, int], dict]:
+        """``WorkloadHost.activity()`` by ``(role, rank)`` of each instance that answers
+        within ``timeout`` s."""
+        probes = {i.handle.activity.remote(): i for i in insts if i.handle is not None}
+        if not probes:
+            return {}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=timeout)
+        out = {}
+        for ref in ready:
+            try:
+                out[probes[ref].key] = ray.get(ref)
+            except Exception:  # noqa: BLE001 - dead: the pending run() reports that
+                pass
+        return out
+
+    def blame(self, suspects: list[Instance],
+              acts: dict[tuple[str, int], dict] | None = None) -> tuple[Instance, str]:
+        """The instance to blame among ``suspects`` (all stopped or stuck) and why: the
+        ones busy outside torch (stuck in their own code, not waiting for peers in a
+        collective) first; among those, the one whose progress stopped first: lowest
+        ``last_step``, then earliest ``last_step_ts``, then rank."""
+        acts = self.activities(suspects) if acts is None else acts
+        own = [i for i in suspects if acts.get(i.key) and acts[i.key]["busy"]
+               and not acts[i.key]["in_torch"]]
+        pool = own or suspects
+
+        def first_stopped(i: Instance) -> tuple:
+            return (i.last_step, i.last_step_ts or i.last_report_ts, i.rank)
+
+        inst = min(pool, key=first_stopped)
+        if own:
+            stack = acts[inst.key]["stack"]
+            top = stack.strip().splitlines()[-2:] if stack else []
+            why = (f"{inst.label} is busy in its own code, not waiting in torch "
+                   f"({len(own)} of {len(suspects)} suspects); innermost: "
+                   + " | ".join(x.strip() for x in top))
+        else:
+            why = (f"{inst.label} stopped first (last step {inst.last_step}) of "
+                   f"{len(suspects)} suspects")
+        return inst, why
 
 
 def alive_nodes() -> set[str]:

@@ -3,8 +3,11 @@
 ``JobMaster.report`` and ``JobMaster.checkpoint_saved`` (the "report" concurrency
 group: one at a time, in each sender's order) land here. Rank 0's report moves the
 job's step and metrics, goes to ``metrics.jsonl`` and to the ``dlrover_step_reported``
-hook; every report updates its instance's ``last_step`` (hang detection, re-attach),
-which :meth:`ProgressRecorder.flush_due` writes to the JobContext on a timer.
+hook; every report updates its instance's ``last_step`` and ``last_step_ts`` (hang
+detection and blame, re-attach). Nothing is written to SQLite per report:
+:meth:`ProgressRecorder.flush_due` writes the instances' last steps and the job's step,
+metrics and step times on a timer (``PROGRESS_FLUSH_S``). Workers already coalesce
+their reports (``dlrover_core.runtime.reporting``).
 A per-report extension (coalescing, sampling, a tuner's metric feed) belongs in
 :meth:`ProgressRecorder.on_report`.
 """
@@ -19,10 +22,9 @@ from dlrover_core.master.events import EventLog
 if TYPE_CHECKING:
     from dlrover_core.master.scope import JobScope
 
-#: Seconds between writes of the instances' ``last_step`` to the JobContext.
+#: Seconds between writes of the instances' ``last_step`` and the job's step, metrics and
+#: step times to the JobContext.
 PROGRESS_FLUSH_S = 2.0
-#: Rank 0's ``step_times`` are persisted every this many steps.
-STEP_TIMES_EVERY = 10
 
 
 class ProgressRecorder:
@@ -30,23 +32,24 @@ class ProgressRecorder:
         self.scope = scope
         self.metrics_log = EventLog(scope.path("metrics.jsonl"))
         self._last_flush = 0.0
+        self._job_dirty = False  # rank 0 moved the job's step since the last flush
 
     def on_report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
         """A step report of ``role``/``rank``: ``metrics`` name -> float; ``ts`` the
         worker's unix time when the step ended."""
         s = self.scope
         with s.lock:
-            s.instances.note_report(role, rank, step)
+            inst = s.instances.note_report(role, rank, step)
+            if inst is not None:
+                inst.last_step_ts = ts
             if rank == 0:
                 s.metrics.update(metrics)
                 if step > s.step:
                     s.step = step
                     s.step_times.setdefault(step, ts)
+                    self._job_dirty = True
         if rank == 0:
             self.metrics_log.emit("step", role=role, step=step, **metrics)
-            s.context.set("progress", {"step": s.step, "metrics": s.metrics})
-            if step % STEP_TIMES_EVERY == 0:
-                s.context.set("step_times", s.step_times)
         s.pm.step_reported(s.name, role, rank, step, metrics)
 
     def on_checkpoint_saved(self, role: str, rank: int, step: int, seconds: float) -> None:
@@ -60,14 +63,22 @@ class ProgressRecorder:
         s.emit("checkpoint_saved", role=role, step=step, blocking_s=round(seconds, 4))
 
     def flush_due(self, force: bool = False) -> int:
-        """Persist the instances' ``last_step`` when ``PROGRESS_FLUSH_S`` passed (or
-        ``force``); returns the rows written."""
+        """Persist the instances' ``last_step`` and, when rank 0 moved it, the job's
+        step, metrics and step times, once ``PROGRESS_FLUSH_S`` passed (or ``force``);
+        returns the rows written."""
         now = time.time()
         if not force and now - self._last_flush < PROGRESS_FLUSH_S:
             return 0
         self._last_flush = now
-        with self.scope.lock:
-            return self.scope.instances.flush_progress()
+        s = self.scope
+        with s.lock:
+            written = s.instances.flush_progress()
+            if self._job_dirty:  # the job's step, metrics and step times: 2 writes
+                self._job_dirty = False
+                s.context.set("progress", {"step": s.step, "metrics": s.metrics})
+                s.context.set("step_times", s.step_times)
+                written += 2
+        return written
 
     def close(self) -> None:
         self.metrics_log.close()

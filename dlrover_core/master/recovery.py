@@ -112,6 +112,7 @@ class RecoveryExecutor:
         failed = [m for m in members if m.rank in failed_ranks]
         others = [m for m in members if m.rank not in failed_ranks]
         t0 = time.time()
+        aborts = self._abort_collectives(others) if r.backend and others else {}
         self.launcher.stop_instances(failed)  # survivors in a collective with them fail fast
         survivors: list[Instance] = []
         if r.backend and others:
@@ -142,10 +143,27 @@ class RecoveryExecutor:
         else:
             self.launcher.setup_members(fresh, fresh)
         self.standby.ensure()
-        return {"survivors_s": round(t_survivors - t0, 3),
+        return {"survivors_s": round(t_survivors - t0, 3), "survivor_abort": aborts,
                 "standby_used": any("standby" in i.actor_name for i in fresh),
                 "replace_and_setup_s": round(time.time() - t_survivors, 3),
                 **self.launcher.phases}
+
+    @staticmethod
+    def _abort_collectives(survivors: list[Instance], timeout: float = 5.0) -> dict[str, str]:
+        """Ask each survivor to abort its process groups (``WorkloadHost.abort_collectives``:
+        NCCL aborts, gloo needs nothing); label -> what it did."""
+        probes = {m.handle.abort_collectives.remote(): m for m in survivors
+                  if m.handle is not None}
+        if not probes:
+            return {}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=timeout)
+        out = {m.label: "no answer" for m in probes.values()}
+        for ref in ready:
+            try:
+                out[probes[ref].label] = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - dead: replaced below anyway
+                out[probes[ref].label] = f"failed: {type(exc).__name__}"
+        return out
 
     def finish(self, rec: OpenRecovery) -> None:
         """Close the recovery (the job is running again): count it, persist the

@@ -1,16 +1,31 @@
 """The standby pool: one warm spare ``WorkloadHost`` per role with a process group
 (``failover.standby: true``). A spare imports the workload and runs its ``warm_up()``
 ahead of time; a process-level recovery promotes it (:meth:`StandbyPool.take`)
-instead of starting a cold process. Spare names are kept in the JobContext
-(``standbys``) so that a restarted master can kill the old ones.
+instead of starting a cold process.
+
+A spare holds a reservation like a rank's: one placement-group bundle with the rank's
+resources (CPU, GPU, memory), and the actor asks for them, so a promoted spare runs with
+its GPU visible and its CPUs counted. The first spare of a role gets a placement group
+of its own (one bundle, ``STRICT_PACK``, bad nodes kept out); on promotion the rank
+moves to the spare's bundle and the failed rank's bundle becomes the next spare's. When
+the cluster has no room for the spare's bundle, the spare waits (it is not warm) and a
+failed rank is replaced by a fresh actor in its own bundle, as without a standby. A
+role whose ranks ask for no resources gets a spare without a bundle.
+
+The pool watches its spares (one pending ``wait_stopped()`` each): a spare that dies
+is noticed by :meth:`StandbyPool.check` (``standby_died``) and replaced. Spare names are
+kept in the JobContext (``standbys``) so that a restarted master can kill the old ones.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dlrover_core.master.launcher import kill_actor
 from dlrover_core.runtime.context import MASTER_NAMESPACE
@@ -20,81 +35,155 @@ if TYPE_CHECKING:
     from dlrover_core.master.instances import Instance
     from dlrover_core.master.launcher import Launcher
     from dlrover_core.master.scope import JobScope
+    from dlrover_core.placement import InstanceSlot
+
+
+@dataclass
+class Spare:
+    """One warm spare: its actor, the ref of its ``prepare()``, its name, the slot
+    (placement group index in ``Launcher.pgs``, bundle) it reserves (``None``: no
+    bundle), and the ref of its ``wait_stopped()`` (ready once it dies)."""
+
+    handle: Any
+    prepared: Any
+    name: str
+    slot: InstanceSlot | None
+    watch: Any
 
 
 class StandbyPool:
-    """Warm spares by role: ``role -> (handle, ref of prepare(), actor name)``."""
+    """Warm spares by role, and the free bundles they may use (``free_slots``)."""
 
     def __init__(self, scope: JobScope, launcher: Launcher) -> None:
         self.scope = scope
         self.launcher = launcher
-        self.spares: dict[str, tuple[Any, Any, str]] = {}
+        self.spares: dict[str, Spare] = {}
+        #: role -> a bundle of the role's size that nothing runs in (a promoted spare
+        #: left it, or a spare died there); the next spare goes there
+        self.free_slots: dict[str, InstanceSlot] = {}
 
     @property
     def enabled(self) -> bool:
         return bool(self.scope.spec.failover.standby)
 
     def _persist(self) -> None:
-        self.scope.context.set("standbys", [name for _, _, name in self.spares.values()])
+        self.scope.context.set("standbys", [sp.name for sp in self.spares.values()])
 
     def ensure(self) -> None:
-        """Create a spare for every role with a process group that has none, on the node
-        of the role's rank 0, holding no resources until it is promoted."""
+        """Create a spare for every role with a process group that has none."""
         if not self.enabled:
             return
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         s = self.scope
         for role, r in s.graph.roles.items():
             if not r.backend or role in self.spares:
                 continue
-            rank0 = s.instances.roles.get((role, 0))
-            if rank0 is None or not rank0.node_id:
+            if s.instances.roles.get((role, 0)) is None or self.launcher.plan is None:
                 continue
+            slot = self.free_slots.pop(role, None) or self._new_slot(role)
             # unique across master restarts: an earlier master's standby may still hold
             # an older name until the re-attach kills it
             name = f"dlrover-{s.name}-{role}-standby-{uuid.uuid4().hex[:8]}"
             env = {**dict(r.env), "OMP_NUM_THREADS": str(max(1, int(r.resources.cpu)))}
-            handle = remote_workload_host().options(
-                name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,
-                lifetime="detached", runtime_env={"env_vars": env},
-                scheduling_strategy=NodeAffinitySchedulingStrategy(rank0.node_id, soft=True),
-            ).remote(r.workload, self.launcher.worker_context(role, 0, 0))
-            self.spares[role] = (handle, handle.prepare.remote(), name)
+            opts: dict[str, Any] = {"name": name, "namespace": MASTER_NAMESPACE,
+                                    "max_restarts": 0, "lifetime": "detached",
+                                    "runtime_env": {"env_vars": env}, "num_cpus": 0}
+            if slot is not None:
+                opts.update(num_cpus=slot.resources.get("CPU", 0.0),
+                            num_gpus=slot.resources.get("GPU", 0.0),
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                placement_group=self.launcher.pgs[slot.pg],
+                                placement_group_bundle_index=slot.bundle))
+                if slot.resources.get("memory"):
+                    opts["memory"] = slot.resources["memory"]
+            handle = remote_workload_host().options(**opts).remote(
+                r.workload, self.launcher.worker_context(role, 0, 0))
+            self.spares[role] = Spare(handle, handle.prepare.remote(), name, slot,
+                                      handle.wait_stopped.remote())
         self._persist()
+
+    def _new_slot(self, role: str) -> InstanceSlot | None:
+        """A placement group of one bundle with the resources of one rank of ``role``
+        (``None`` when a rank asks for none)."""
+        base = self.launcher.plan.slots[(role, 0)]
+        bundle = {k: v for k, v in base.resources.items() if v}
+        if not bundle:
+            return None
+        kwargs: dict[str, Any] = {}
+        bad = self.launcher.alive_bad_nodes()
+        if bad:
+            kwargs["bundle_label_selector"] = [{"ray.io/node-id": f"!in({','.join(bad)})"}]
+        pg = placement_group([bundle], strategy="STRICT_PACK", lifetime="detached",
+                             name=self.launcher.pg_name(f"{role}-spare-{uuid.uuid4().hex[:6]}"),
+                             **kwargs)
+        self.launcher.pgs.append(pg)
+        return replace(base, pg=len(self.launcher.pgs) - 1, bundle=0)
 
     def take(self, role: str, rank: int, attempt: int) -> Instance | None:
         """Promote the role's spare to ``rank`` if it is warm and alive; ``None`` (and a
-        ``standby_unusable`` event) otherwise."""
+        ``standby_unusable`` event) otherwise. The rank moves to the spare's bundle;
+        its old bundle (the failed actor was stopped) is the next spare's."""
         s = self.scope
-        entry = self.spares.pop(role, None)
+        spare = self.spares.pop(role, None)
         self._persist()
-        if entry is None:
+        if spare is None:
             s.emit("standby_unusable", role=role, reason="none")
             return None
-        handle, prepared, name = entry
         try:
-            ray.get(prepared, timeout=0.5)
-            ray.get(handle.assign.remote(self.launcher.worker_context(role, rank, attempt)),
-                    timeout=5)
+            ray.get(spare.prepared, timeout=0.5)
+            ray.get(spare.handle.assign.remote(
+                self.launcher.worker_context(role, rank, attempt)), timeout=5)
         except Exception as exc:  # noqa: BLE001 - not warm yet, or dead: start a fresh one
-            s.emit("standby_unusable", role=role, actor=name,
+            s.emit("standby_unusable", role=role, actor=spare.name,
                    reason=f"{type(exc).__name__}: {str(exc)[:300]}")
-            kill_actor(handle)
+            kill_actor(spare.handle)
+            if spare.slot is not None:
+                self.free_slots[role] = spare.slot
             return None
-        return s.instances.register(role, rank, handle, name, attempt)
+        if spare.slot is not None:
+            slots = self.launcher.plan.slots
+            self.free_slots[role] = slots[(role, rank)]
+            slots[(role, rank)] = spare.slot
+        return s.instances.register(role, rank, spare.handle, spare.name, attempt)
+
+    def check(self) -> None:
+        """Notice spares that died (``standby_died``) and replace them."""
+        if not self.spares:
+            return
+        watches = {sp.watch: role for role, sp in self.spares.items()}
+        ready, _ = ray.wait(list(watches), num_returns=len(watches), timeout=0)
+        if not ready:
+            return
+        for ref in ready:
+            role = watches[ref]
+            spare = self.spares.pop(role)
+            try:
+                ray.get(ref)
+                reason = "stopped"
+            except Exception as exc:  # noqa: BLE001 - the usual case: the actor died
+                reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+            self.scope.emit("standby_died", role=role, actor=spare.name, reason=reason)
+            kill_actor(spare.handle)
+            if spare.slot is not None:
+                self.free_slots[role] = spare.slot
+        self.ensure()
 
     def warm(self) -> dict[str, bool]:
         """role -> whether its spare finished ``prepare()`` (for ``status()``)."""
-        return {role: bool(ray.wait([ref], timeout=0)[0])
-                for role, (_, ref, _) in list(self.spares.items())}
+        return {role: bool(ray.wait([sp.prepared], timeout=0)[0])
+                for role, sp in list(self.spares.items())}
 
     def drop(self) -> None:
-        """Kill every spare."""
-        for handle, _, _ in self.spares.values():
-            kill_actor(handle)
+        """Kill every spare (their bundles stay free for the next ones)."""
+        for role, sp in self.spares.items():
+            kill_actor(sp.handle)
+            if sp.slot is not None:
+                self.free_slots.setdefault(role, sp.slot)
         self.spares.clear()
         self._persist()
+
+    def forget_slots(self) -> None:
+        """The placement groups were made again: the free bundles are gone."""
+        self.free_slots.clear()
 
     def kill_previous(self, names: list[str]) -> None:
         """Re-attach: kill the spares an earlier master left (by name)."""

@@ -93,6 +93,30 @@ class _HostBase:
         return {"busy": what, "busy_s": round(time.time() - since, 3), "in_torch": in_torch,
                 "stack": "".join(stack[-12:])}
 
+    @ray.method(concurrency_group="monitor")
+    def abort_collectives(self) -> str:
+        """Abort this process's torch.distributed process groups so that a collective
+        blocked on a failed peer returns with an error now, instead of after
+        ``failover.pg_timeout_s``. Runs beside the blocked call (monitor group).
+
+        Per backend: ``nccl``: ``ProcessGroup.abort()`` (``ncclCommAbort``) on every
+        group, after which the blocked collective raises; the group is then destroyed
+        and formed again by the re-setup. ``gloo``: nothing is done, since gloo's abort
+        does not interrupt an operation already waiting (measured with torch 2.13: an
+        ``all_reduce`` stayed blocked after ``abort()`` until the peer's process ended);
+        a gloo collective fails within milliseconds once the master kills the failed
+        peer ("Connection closed by peer"). Returns what was done, for the recovery's
+        ``phases``: ``"none"`` (no group), ``"aborted (nccl)"`` or ``"skipped (gloo)"``.
+        """
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return "none"
+        backend = str(dist.get_backend())
+        if "nccl" not in backend:
+            return f"skipped ({backend})"
+        dist.distributed_c10d._abort_process_group()
+        return "aborted (nccl)"
+
     def _run_guarded(self, fn: Any, role: str, rank: int, step_of: Any) -> Any:
         """Run ``fn`` as *the* run of this instance, remembering its outcome for
         :meth:`wait_run` (a restarted master re-attaches through it)."""

@@ -1,0 +1,52 @@
+"""The failover policy without a cluster: which failures count toward a node's
+``failover.max_node_failures`` (only node-attributable ones), with the real plugin
+manager's classifiers. The alive nodes are given as a function (two nodes)."""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from dlrover_core.master.failover import FailoverCoordinator, node_attributable
+from dlrover_core.plugins.records import Failure, FailureVerdict
+
+NODES = {"node-a" + "0" * 50, "node-b" + "0" * 50}
+A = sorted(NODES)[0]
+
+
+def coordinator(plugin_manager, max_node_failures=2):
+    cfg = OmegaConf.create({"max_restarts": 20, "max_node_failures": max_node_failures})
+    return FailoverCoordinator(cfg, plugin_manager, alive_nodes=lambda: set(NODES))
+
+
+def test_user_exceptions_on_a_healthy_node_do_not_mark_it_bad(plugin_manager):
+    fc = coordinator(plugin_manager)
+    for step in (3, 9, 15):  # three different Python exceptions on node A
+        action = fc.decide(Failure.user_error("trainer", 1, "ValueError", f"bad batch {step}",
+                                              node_id=A, step=step), graph=None)
+        assert action.level == "process"
+    assert fc.bad_nodes == set() and fc.node_failures == {}
+
+
+def test_plain_process_deaths_do_not_count_but_node_causes_do(plugin_manager):
+    fc = coordinator(plugin_manager)
+    sigkill = "The actor died unexpectedly before finishing this task."
+    for _ in range(3):
+        assert fc.decide(Failure.actor_died("trainer", 0, sigkill, node_id=A),
+                         graph=None).level == "process"
+    assert fc.bad_nodes == set()
+    node_dead = "The actor died because its node has died. Node Id: " + A
+    first = fc.decide(Failure.actor_died("trainer", 0, node_dead, node_id=A), graph=None)
+    assert first.level == "process" and fc.node_failures == {A: 1}
+    second = fc.decide(Failure.actor_died("trainer", 1, node_dead, node_id=A), graph=None)
+    assert second.level == "node" and fc.bad_nodes == {A}
+    assert "2 failures on node" in second.verdict.reason
+
+
+def test_node_attributable():
+    user = Failure.user_error("t", 0, "RuntimeError", "x", node_id=A)
+    oom = Failure.actor_died("t", 0, "Task was killed due to the node running low on memory.",
+                             node_id=A)
+    assert not node_attributable(user, FailureVerdict("process", "r"))
+    assert node_attributable(user, FailureVerdict("node", "a plugin knows this error"))
+    assert node_attributable(oom, FailureVerdict("process", "r"))
+    assert node_attributable(Failure.node_lost("t", 0, A), FailureVerdict("node", "gone"))
