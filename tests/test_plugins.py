@@ -68,9 +68,9 @@ def test_unknown_name_lists_installed_and_broken(fake_dist):
     install_three(fake_dist)
     pm = PluginManager(env={"DLROVER_DISABLE_PLUGINS": "blocked"})
     with pytest.raises(UnknownPluginError) as e:
-        pm.get_backend("megatron")
+        pm.get_backend("colossalai")
     msg = str(e.value)
-    assert "unknown backend 'megatron'" in msg
+    assert "unknown backend 'colossalai'" in msg
     assert "installed: " in msg and "goodbe" in msg
     assert "broken (failed" in msg
     with pytest.raises(UnknownPluginError, match=r"unknown checkpoint saver 'blockedsaver'; "

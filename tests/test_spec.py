@@ -85,9 +85,9 @@ def test_unknown_template_backend_saver_placement():
     with pytest.raises(SpecError, match=r"template: 'nope'.*unknown graph template 'nope'; "
                                         r"installed: .*sft"):
         load_spec(base(template="nope"))
-    with pytest.raises(SpecError, match=r"roles.trainer.backend: 'megatron'.*unknown backend "
-                                        r"'megatron'; installed: ddp, (.*, )?fsdp"):
-        load_spec(base(), ["roles.trainer.backend=megatron"])
+    with pytest.raises(SpecError, match=r"roles.trainer.backend: 'colossalai'.*unknown backend "
+                                        r"'colossalai'; installed: ddp, (.*, )?fsdp"):
+        load_spec(base(), ["roles.trainer.backend=colossalai"])
     with pytest.raises(SpecError, match=r"checkpoint.saver: 'tape'.*installed: .*disk"):
         load_spec(base(), ["checkpoint.saver=tape"])
     with pytest.raises(SpecError, match=r"placement: 'random'.*installed: pack, spread"):
