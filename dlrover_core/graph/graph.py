@@ -157,7 +157,7 @@ class ComputationGraph:
             roles.append(Role(
                 name=name, workload=r.workload, total=int(r.total),
                 per_node=int(r.per_node or r.total), backend=r.backend or None,
-                resources=Resources(float(res.cpu), float(res.gpu), int(res.memory_mb)),
+                resources=Resources(float(res.cpu), float(res.gpu or 0.0), int(res.memory_mb)),
                 env=tuple(sorted({**dict(spec.env), **dict(r.env)}.items())),
                 config=OmegaConf.to_container(r.config) if OmegaConf.is_config(r.config)
                 else dict(r.config),

@@ -41,7 +41,7 @@ class TorchDistributedSession(BackendSession):
     """A torch.distributed process group per role: ``init_method=tcp://`` at the role's
     rendezvous (``MASTER_ADDR``/``MASTER_PORT``), ``rank``/``world_size`` of the role,
     the job's ``failover.pg_timeout_s``; NCCL on ``cuda:<local_rank % visible GPUs>``
-    when CUDA is available, else gloo on the CPU. Backends built on torch.distributed
+    when CUDA is available (see :mod:`dlrover_core.runtime.devices`), else gloo on the CPU. Backends built on torch.distributed
     (DDP, FSDP, DeepSpeed) subclass it. torch is imported here only when used."""
 
     @property
@@ -71,7 +71,9 @@ class TorchDistributedSession(BackendSession):
 
         ctx = self.context
         if torch.cuda.is_available():
-            torch.cuda.set_device(ctx.local_rank % torch.cuda.device_count())
+            from dlrover_core.runtime.devices import device_index
+
+            torch.cuda.set_device(device_index(ctx.local_rank, torch.cuda.device_count()))
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group(

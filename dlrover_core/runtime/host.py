@@ -37,6 +37,16 @@ def _resolve_refs(value: Any) -> Any:
     return value
 
 
+def _master_handle(job: str) -> Any:
+    """The JobMaster actor of ``job``, or ``None`` outside a job (``testing.spawn_role``)."""
+    from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+    try:
+        return ray.get_actor(master_actor_name(job), namespace=MASTER_NAMESPACE)
+    except ValueError:
+        return None
+
+
 class _HostBase:
     def __init__(self) -> None:
         self._stop = threading.Event()
@@ -183,14 +193,14 @@ class WorkloadHost(_HostBase):
             self.plugins = get_plugin_manager()
         return self.plugins
 
-
     def prepare(self) -> float:
         """Standby only: import the workload class and run its ``warm_up()`` so that a
         promoted standby skips the imports and first-use costs. Returns seconds."""
         from dlrover_core.plugins.records import resolve
+        from dlrover_core.runtime.workload import unwrap_actor_class
 
         t0 = time.perf_counter()
-        cls = resolve(self.workload_path)
+        cls = unwrap_actor_class(resolve(self.workload_path))
         warm = getattr(cls, "warm_up", None)
         if callable(warm):
             warm()
@@ -225,6 +235,7 @@ class WorkloadHost(_HostBase):
         """
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.invocation import collect_invocations
+        from dlrover_core.runtime.workload import create_workload
 
         ctx = self.context
         if self.workload is not None:  # re-setup in place after a peer failed
@@ -238,8 +249,8 @@ class WorkloadHost(_HostBase):
         self._phase = "setup"
         t = [time.perf_counter()]
         try:
-            cls = resolve(self.workload_path)
-            self.workload = cls(ctx)
+            self.workload = create_workload(resolve(self.workload_path), ctx,
+                                            lambda: _master_handle(ctx.job))
             pm = self._plugin_manager()
             self.workload._plugins = pm
             t.append(time.perf_counter())
@@ -327,11 +338,11 @@ class DriverHost(_HostBase):
 
     def setup(self) -> None:
         from dlrover_core.plugins.records import resolve
+        from dlrover_core.runtime.trainer import create_trainer
 
         self._phase = "setup"
         try:
-            cls = resolve(self.driver_path)
-            self.trainer = cls(self.context)
+            self.trainer = create_trainer(resolve(self.driver_path), self.context)
             self.trainer.init()
         except BaseException as exc:  # noqa: BLE001
             self._raise(exc, "driver", 0, -1)

@@ -64,8 +64,17 @@ def trainer_invocation(
     auto_shard: bool = True,
     pre_func: Callable[..., Any] | None = None,
     post_func: Callable[[Any], Any] | None = None,
+    *,
+    pre_function: Callable[..., Any] | None = None,
+    post_function: Callable[[Any], Any] | None = None,
 ) -> Callable[[Callable], Callable]:
     """Decorate a workload method with its :class:`InvocationOptions`.
+
+    ``pre_function`` / ``post_function`` are the names seed ``004``'s example uses:
+    aliases of ``pre_func`` / ``post_func`` (give one of each pair, not both).
+
+    Raises:
+        ValueError: bad ``target`` or ``timeout``, or both names of an alias pair.
 
     Example::
 
@@ -73,7 +82,12 @@ def trainer_invocation(
             @trainer_invocation(blocking=False)
             def generate(self, prompts): ...
     """
-    opts = InvocationOptions(blocking, is_async, timeout, target, auto_shard, pre_func, post_func)
+    for name, a, b in (("pre_func", pre_func, pre_function), ("post_func", post_func, post_function)):
+        if a is not None and b is not None:
+            raise ValueError(f"trainer_invocation: give {name} or its alias "
+                             f"{name.replace('func', 'function')}, not both")
+    opts = InvocationOptions(blocking, is_async, timeout, target, auto_shard,
+                             pre_func or pre_function, post_func or post_function)
 
     def deco(fn: Callable) -> Callable:
         setattr(fn, _ATTR, opts)

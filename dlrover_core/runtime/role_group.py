@@ -82,6 +82,64 @@ class RoleMethod:
         return self._group._invoke(self._method, self._options, args, kwargs)
 
 
+# Methods of the hosting actor that a WorkloadActorHandle reaches directly
+# (liveness and placement read-back) unless the workload defines the same name.
+_HOST_METHODS = frozenset({"node_info", "ping", "progress"})
+
+
+class _RemoteMethod:
+    def __init__(self, handle: Any, method: str, host_level: bool) -> None:
+        self._handle, self._method, self._host_level = handle, method, host_level
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Start the call; returns Ray's ``ObjectRef`` of the result."""
+        if self._host_level:
+            return getattr(self._handle, self._method).remote(*args, **kwargs)
+        return self._handle.call.remote(self._method, *args, **kwargs)
+
+    def options(self, **ray_options: Any) -> _RemoteMethod:
+        """Ray's per-call options (e.g. ``name``) for this call."""
+        handle = self._handle
+        if self._host_level:
+            return _OptionedHostMethod(getattr(handle, self._method).options(**ray_options))
+        return _OptionedHostMethod(handle.call.options(**ray_options), self._method)
+
+
+class _OptionedHostMethod:
+    def __init__(self, bound: Any, method: str | None = None) -> None:
+        self._bound, self._method = bound, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        if self._method is None:
+            return self._bound.remote(*args, **kwargs)
+        return self._bound.remote(self._method, *args, **kwargs)
+
+
+class WorkloadActorHandle:
+    """One role instance as seed ``004``'s ``actor_handles`` show it:
+    ``h.update.remote(x)`` runs ``workload.update(x)`` in that instance and returns
+    Ray's ``ObjectRef`` (``ray.get`` it). No ``@trainer_invocation`` options apply:
+    this is the raw, per-instance path; use ``RG_<ROLE>`` for sharding and waiting.
+
+    Attributes:
+        role, rank: which instance. actor: the hosting Ray actor handle.
+    """
+
+    def __init__(self, actor: Any, role: str, rank: int, workload_cls: type | None = None) -> None:
+        self.actor, self.role, self.rank = actor, role, rank
+        self._cls = workload_cls
+
+    def __getattr__(self, method: str) -> _RemoteMethod:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        host_level = method in _HOST_METHODS and not (
+            self._cls is not None and callable(getattr(self._cls, method, None)))
+        return _RemoteMethod(self.actor, method, host_level)
+
+    def __repr__(self) -> str:
+        return f"WorkloadActorHandle({self.role!r}, rank={self.rank})"
+
+
 class RoleGroup:
     """All instances of one role, as the driver sees them.
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dlrover_core.runtime.role_group import RoleGroup
+from dlrover_core.runtime.role_group import RoleGroup, WorkloadActorHandle
+from dlrover_core.runtime.workload import guide_style_init, unwrap_actor_class
+
+_CONSTRUCTING: contextvars.ContextVar[TrainerContext | None] = contextvars.ContextVar(
+    "dlrover_constructing_trainer", default=None)
 
 
 @dataclass
 class TrainerContext:
     """What the driver gets: ``role_groups`` (role -> RoleGroup), the job ``config``,
-    per-role ``resources`` (``{"cpu": 1.0, "gpu": 0.0}``), ``job``, ``job_dir``."""
+    per-role ``resources`` (``{"cpu": 1.0, "gpu": 0.0}``), ``job``, ``job_dir``, and
+    ``workloads`` (role -> import path ``package.module:Class`` of its workload)."""
 
     job: str
     role_groups: dict[str, RoleGroup]
@@ -21,6 +27,42 @@ class TrainerContext:
     resources: dict[str, dict] = field(default_factory=dict)
     job_dir: str = ""
     attempt: int = 0
+    workloads: dict[str, str] = field(default_factory=dict)
+
+
+def create_trainer(cls: Any, context: TrainerContext) -> BaseTrainer:
+    """Instantiate the driver class ``cls`` for ``context`` in whichever constructor
+    style it was written: ``__init__(self, context)`` or the guide's
+    ``__init__(self, actor_handles, actor_classes, config)`` (seed ``004``).
+
+    Raises:
+        TypeError: ``cls`` is not a ``BaseTrainer`` subclass, or its ``__init__``
+            takes other arguments.
+    """
+    cls = unwrap_actor_class(cls)
+    if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
+        raise TypeError(f"driver {cls!r} is not a subclass of dlrover_core.BaseTrainer")
+    if not guide_style_init(cls, BaseTrainer, ("actor_handles", "actor_classes", "config")):
+        return cls(context)
+    token = _CONSTRUCTING.set(context)
+    try:
+        return cls(_actor_handles(context), _actor_classes(context),
+                   OmegaConf.create(context.config or {}))
+    finally:
+        _CONSTRUCTING.reset(token)
+
+
+def _actor_classes(context: TrainerContext) -> dict[str, type]:
+    from dlrover_core.plugins.records import resolve
+
+    return {role: unwrap_actor_class(resolve(path)) for role, path in context.workloads.items()}
+
+
+def _actor_handles(context: TrainerContext) -> dict[str, list[WorkloadActorHandle]]:
+    classes = _actor_classes(context)
+    return {role: [WorkloadActorHandle(h, role, rank, classes.get(role))
+                   for rank, h in enumerate(group.handles)]
+            for role, group in context.role_groups.items()}
 
 
 class BaseTrainer:
@@ -29,11 +71,22 @@ class BaseTrainer:
 
     Do no work in ``__init__``: :meth:`init` prepares (tokenizer, data), :meth:`fit`
     runs the loop; the job succeeds when ``fit`` returns.
+
+    Constructors: ``__init__(self, context)``, or the guide's
+    ``__init__(self, actor_handles, actor_classes, config)`` (seed ``004``), which
+    passes them on with ``super().__init__(actor_handles, actor_classes, config)``.
     """
 
-    def __init__(self, context: TrainerContext) -> None:
+    def __init__(self, context: Any = None, actor_classes: Any = None,
+                 config: Any = None) -> None:
+        if not isinstance(context, TrainerContext):  # the guide's three arguments
+            context = _CONSTRUCTING.get()
+            if context is None:
+                raise TypeError(
+                    f"{type(self).__name__}(actor_handles, actor_classes, config) is created by "
+                    "dlrover in the job's driver actor")
         self._context = context
-        self._config = OmegaConf.create(context.config or {})
+        self._config = OmegaConf.create(config if config is not None else (context.config or {}))
         self._last_step = -1
         self._master: Any = None
         for role, group in context.role_groups.items():
@@ -44,9 +97,17 @@ class BaseTrainer:
         return self._config
 
     @property
-    def actor_handles(self) -> dict[str, list]:
-        """role -> actor handles in rank order."""
-        return {r: list(g.handles) for r, g in self._context.role_groups.items()}
+    def actor_handles(self) -> dict[str, list[WorkloadActorHandle]]:
+        """role -> one handle per instance, in rank order. ``h.update.remote(x)``
+        calls the workload's ``update(x)`` in that instance and returns Ray's
+        ``ObjectRef`` (seed ``004``'s style); ``h.node_info.remote()``,
+        ``h.ping.remote()`` and ``h.progress.remote()`` reach the hosting actor."""
+        return _actor_handles(self._context)
+
+    @property
+    def actor_classes(self) -> dict[str, type]:
+        """role -> the workload class of that role (``@ray.remote`` unwrapped)."""
+        return _actor_classes(self._context)
 
     @property
     def job_dir(self) -> str:

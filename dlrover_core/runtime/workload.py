@@ -2,18 +2,80 @@
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
+
+from dlrover_core.runtime.context import WorkerContext
 
 if TYPE_CHECKING:
     from dlrover_core.checkpoint.checkpointer import Checkpointer
     from dlrover_core.runtime.backend import BackendSession
-    from dlrover_core.runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
+
+# The context of the instance being constructed in the guide's style
+# ``__init__(self, master_handle, config)``, where no context is passed in.
+_CONSTRUCTING: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar(
+    "dlrover_constructing_workload", default=None)
+
+
+def unwrap_actor_class(cls: Any) -> Any:
+    """The user's class behind ``@ray.remote`` (seed ``004`` decorates workloads
+    that way); any other object is returned unchanged. dlrover creates the Ray
+    actor itself, so the decorator's options (``num_cpus``...) are ignored: the
+    role's ``resources`` in the job spec decide."""
+    inner = getattr(cls, "__ray_actor_class__", None)
+    return inner if isinstance(inner, type) else cls
+
+
+def guide_style_init(cls: type, base: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls.__init__`` takes the seed-``004`` arguments ``names``
+    (e.g. ``master_handle, config``) instead of dlrover's single context."""
+    init = cls.__init__
+    if init is base.__init__:
+        return False
+    params = [p for p in list(inspect.signature(init).parameters.values())[1:]
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) == len(names):
+        return True
+    if len(params) == 1:
+        return False
+    if any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(init).parameters.values()):
+        return False
+    raise TypeError(
+        f"{cls.__module__}.{cls.__qualname__}.__init__ takes {len(params)} arguments; allowed: "
+        f"(self, context) or (self, {', '.join(names)})")
+
+
+def create_workload(cls: Any, context: WorkerContext,
+                    master_lookup: Callable[[], Any] | None = None) -> BaseWorkload:
+    """Instantiate the workload class ``cls`` (a ``BaseWorkload`` subclass, possibly
+    decorated with ``@ray.remote``) for ``context``, in whichever constructor style
+    it was written: ``__init__(self, context)`` or the guide's
+    ``__init__(self, master_handle, config)`` (``master_lookup()`` gives the JobMaster
+    handle then, or ``None`` outside a job).
+
+    Raises:
+        TypeError: ``cls`` is not a ``BaseWorkload`` subclass, or its ``__init__``
+            takes other arguments.
+    """
+    cls = unwrap_actor_class(cls)
+    if not (isinstance(cls, type) and issubclass(cls, BaseWorkload)):
+        raise TypeError(f"workload {cls!r} of role {context.role!r} is not a subclass of "
+                        "dlrover_core.BaseWorkload")
+    if not guide_style_init(cls, BaseWorkload, ("master_handle", "config")):
+        return cls(context)
+    token = _CONSTRUCTING.set(context)
+    try:
+        master = master_lookup() if master_lookup is not None else None
+        return cls(master, OmegaConf.create(context.config or {}))
+    finally:
+        _CONSTRUCTING.reset(token)
 
 
 class BaseWorkload:
@@ -22,7 +84,9 @@ class BaseWorkload:
 
     Lifecycle (called by dlrover, in the worker process):
 
-    1. ``__init__(context)``: store things only; do no heavy work.
+    1. ``__init__(context)``, or the guide's ``__init__(master_handle, config)``
+       (seed ``004``; ``super().__init__(master_handle, config)``): store things
+       only; do no heavy work.
     2. the backend joins the role's process group (``self.backend``), then
        :meth:`setup` runs: build the model, load data, restore a checkpoint.
     3. SPMD roles without a driver: :meth:`run` is the training loop; returning
@@ -33,12 +97,19 @@ class BaseWorkload:
     :attr:`checkpointer` saves and loads state through the job's saver.
     """
 
-    def __init__(self, context: WorkerContext) -> None:
+    def __init__(self, context: Any = None, config: Any = None) -> None:
+        master = None
+        if not isinstance(context, WorkerContext):  # the guide's (master_handle, config)
+            master, context = context, _CONSTRUCTING.get()
+            if context is None:
+                raise TypeError(
+                    f"{type(self).__name__}(master_handle, config) is created by dlrover inside "
+                    "its role's actor; to build one in a test use dlrover_core.testing.spawn_role")
         self._context = context
-        self._config = OmegaConf.create(context.config or {})
+        self._config = OmegaConf.create(config if config is not None else (context.config or {}))
         self._backend: BackendSession | None = None
         self._checkpointer: Checkpointer | None = None
-        self._master: Any = None
+        self._master: Any = master
         self._last_step = -1
         self._last_metrics: dict[str, float] = {}
         self._started_at = time.time()

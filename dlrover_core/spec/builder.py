@@ -3,17 +3,23 @@
 Example::
 
     job = (DLJobBuilder()
-           .name("nanogpt").dl_type("SFT").node_num(1).device_per_node(2)
+           .name("nanogpt").dl_type("SFT").node_num(1)
            .config({"max_steps": 300})
            .workload("trainer", "examples.nanogpt.workload", "GPTWorkload")
                .total(2).per_node(2).backend("fsdp")
            .build())
     result = job.submit()          # blocks; returns the summary dict
+
+``.device_per_node(n)`` declares ``n`` GPUs per node: each role instance then gets one
+GPU unless its ``.resource(gpu=...)`` says otherwise. Without ``.name(...)`` the job
+is named after its driver or first workload class (:meth:`DLJobBuilder.default_name`).
 """
 
 from __future__ import annotations
 
 import copy
+import re
+import uuid
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -52,6 +58,12 @@ class RoleBuilder:
         for k, v in (("cpu", cpu), ("gpu", gpu), ("memory_mb", memory_mb)):
             if v is not None:
                 res[k] = v
+        return self
+
+    def enable_ray_auto_visible_device(self) -> RoleBuilder:
+        """Let Ray assign this role's GPUs (its ``CUDA_VISIBLE_DEVICES``); by default
+        every GPU of the node is visible and each instance uses ``cuda:<local_rank>``."""
+        self._role["enable_ray_auto_visible_device"] = True
         return self
 
     def config(self, config: dict) -> RoleBuilder:
@@ -135,11 +147,49 @@ class DLJobBuilder:
         self._spec["driver"] = f"{module_name}:{class_name}"
         return self
 
-    def workload(self, role: str, module_name: str, class_name: str) -> RoleBuilder:
-        """Add (or reopen) role ``role`` running ``module_name:class_name``."""
+    def workload(self, *args: str) -> RoleBuilder:
+        """Add (or reopen) a role running a ``BaseWorkload`` subclass.
+
+        ``workload(role, module_name, class_name)`` names the role;
+        ``workload(module_name, class_name)`` (seed ``004``'s job-level form) is the
+        single SPMD role of a ``PRE``/``SFT`` job, named ``trainer``.
+
+        Raises:
+            SpecError: another number of arguments, or the two-argument form in a job
+                whose ``dl_type`` has several roles.
+        """
+        if len(args) == 3:
+            role, module_name, class_name = args
+        elif len(args) == 2:
+            dl_type = self._spec.get("dl_type", "SFT")
+            if dl_type not in ("PRE", "SFT"):
+                raise SpecError("workload", args, "workload(role, module, class) in a "
+                                f"{dl_type} job", "the (module, class) form names the single "
+                                "trainer role of a PRE/SFT job; name the role (e.g. "
+                                ".actor(module, class) or .workload('actor', module, class))")
+            role, (module_name, class_name) = "trainer", args
+        else:
+            raise SpecError("workload", args, "(module_name, class_name) or "
+                            "(role, module_name, class_name)")
         spec_role = self._spec["roles"].setdefault(role, {})
         spec_role["workload"] = f"{module_name}:{class_name}"
         return RoleBuilder(self, spec_role)
+
+    # the RL roles of seed 000 / 004, by name
+    def actor(self, module_name: str, class_name: str) -> RoleBuilder:
+        return self.workload("actor", module_name, class_name)
+
+    def rollout(self, module_name: str, class_name: str) -> RoleBuilder:
+        return self.workload("rollout", module_name, class_name)
+
+    def reference(self, module_name: str, class_name: str) -> RoleBuilder:
+        return self.workload("reference", module_name, class_name)
+
+    def reward(self, module_name: str, class_name: str) -> RoleBuilder:
+        return self.workload("reward", module_name, class_name)
+
+    def critic(self, module_name: str, class_name: str) -> RoleBuilder:
+        return self.workload("critic", module_name, class_name)
 
     def role(self, role: str) -> RoleBuilder:
         """Reopen an existing role's settings."""
@@ -162,11 +212,27 @@ class DLJobBuilder:
             spec["collocation"] = [list(spec["roles"])]
         return spec
 
+    def default_name(self) -> str:
+        """A job name for a builder that set none (the guide never does): the driver's
+        class name, else the first role's workload class, in lower case, plus 6 random
+        hex digits so that two submissions never share a name (``usertrainer-3fa2c1``)."""
+        source = self._spec.get("driver") or next(
+            (r.get("workload") for r in self._spec["roles"].values() if r.get("workload")), "job")
+        base = re.sub(r"[^a-z0-9_.-]+", "-", source.rpartition(":")[2].lower()).strip("-._")
+        return f"{base or 'job'}-{uuid.uuid4().hex[:6]}"
+
     def build(self, overrides: list[str] = ()) -> DLJob:  # type: ignore[assignment]
-        """Validate and return the job. Raises :class:`SpecError`."""
+        """Validate and return the job. Without :meth:`name`, the job gets
+        :meth:`default_name` (new for every ``build``).
+
+        Raises:
+            SpecError: any invalid setting; for ``dl_type("RL")`` also a job without
+                an ``actor`` role (seed ``004``: the actor is mandatory).
+        """
         from dlrover_core.spec.loader import load_spec
 
         spec = self.to_dict()
+        spec.setdefault("name", self.default_name())
         if "template" not in spec and "driver" not in spec:
             spec["template"] = DL_TYPES[spec.get("dl_type", "SFT")]
         return DLJob(load_spec(spec, overrides))

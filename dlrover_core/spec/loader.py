@@ -138,8 +138,22 @@ def load_spec(
             raise SpecError("template", template_name, "an installed graph template",
                             str(exc)) from None
         _apply_template(spec, template)
+    _apply_devices(spec)
     validate(spec, pm)
     return spec
+
+
+def _apply_devices(spec: DictConfig) -> None:
+    """Fill each role's unset ``resources.gpu``: 1 GPU per instance when the job sets
+    ``device_per_node`` (seed ``004``: ``device_per_node(4)`` with ``per_node(4)``
+    gives each instance one device), else 0. Raises :class:`SpecError` for a
+    negative ``node_num`` / ``device_per_node``."""
+    for key in ("node_num", "device_per_node"):
+        if spec[key] < 0:
+            raise SpecError(key, spec[key], "an integer >= 0 (0: not set)")
+    for r in spec.roles.values():
+        if r.resources.gpu is None:
+            r.resources.gpu = 1.0 if spec.device_per_node else 0.0
 
 
 def _apply_template(spec: DictConfig, template: Any) -> None:
@@ -188,6 +202,11 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
         raise SpecError("name", name, "letters, digits, '_', '-', '.'; starting with a letter or digit")
     if not spec.roles:
         raise SpecError("roles", {}, "at least one role, e.g. roles.trainer.workload=pkg.mod:Class")
+    if spec.dl_type == "RL" and "actor" not in spec.roles:
+        raise SpecError("roles.actor", None, "an actor role in an RL job, e.g. "
+                        ".actor(module, class) or roles.actor.workload=pkg.mod:Class",
+                        "the actor is mandatory in dl_type RL; roles given: "
+                        + ", ".join(spec.roles))
     for role, r in spec.roles.items():
         k = f"roles.{role}"
         if not _ROLE.match(role):
@@ -211,7 +230,13 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
                             f"total {r.total} is not divisible by per_node {r.per_node}")
         if spec.device_per_node and r.resources.gpu and per_node * r.resources.gpu > spec.device_per_node:
             raise SpecError(f"{k}.per_node", r.per_node,
-                            f"at most device_per_node={spec.device_per_node} GPUs per node")
+                            f"at most device_per_node={spec.device_per_node} GPUs per node",
+                            f"{per_node} instances x resources.gpu={r.resources.gpu:g} need "
+                            f"{per_node * r.resources.gpu:g} GPUs on one node")
+        if spec.node_num and r.total > spec.node_num * per_node:
+            raise SpecError(f"{k}.total", r.total,
+                            f"at most node_num x per_node = {spec.node_num} x {per_node} = "
+                            f"{spec.node_num * per_node}")
         for res in ("cpu", "gpu"):
             v = r.resources[res]
             if v < 0:

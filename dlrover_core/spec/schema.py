@@ -25,10 +25,13 @@ from omegaconf import MISSING
 @dataclass
 class ResourceSpec:
     """Resources of one role instance: ``cpu`` and ``gpu`` (units, fractions allowed),
-    ``memory_mb`` (MiB, 0 = no reservation)."""
+    ``memory_mb`` (MiB, 0 = no reservation). ``gpu`` left unset is 1 when the job
+    sets ``device_per_node`` (one device per instance, as seed ``004``'s builder
+    implies), else 0; collocated roles share their bundle's GPUs (each actor asks
+    for ``1/len(roles)`` of it)."""
 
     cpu: float = 1.0
-    gpu: float = 0.0
+    gpu: Optional[float] = None
     memory_mb: int = 0
 
 
@@ -49,6 +52,9 @@ class RoleSpec:
     resources: ResourceSpec = field(default_factory=ResourceSpec)
     env: Dict[str, str] = field(default_factory=dict)
     config: Dict[str, Any] = field(default_factory=dict)
+    #: off (default): every GPU of the node is visible to the role's instances and each
+    #: uses ``cuda:<local_rank>``; on: Ray's own ``CUDA_VISIBLE_DEVICES`` assignment.
+    enable_ray_auto_visible_device: bool = False
 
 
 @dataclass

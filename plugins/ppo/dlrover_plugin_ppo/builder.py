@@ -15,8 +15,9 @@ Example::
            .build())
     summary = job.submit()
 
-It is a :class:`dlrover_core.DLJobBuilder` with ``dl_type("RL")``, the template
-chosen up front, one shortcut per role and :meth:`rl` for ``config.rl``.
+It is a :class:`dlrover_core.DLJobBuilder` (whose ``actor``/``rollout``/``reference``/
+``reward``/``critic`` shortcuts name the roles) with ``dl_type("RL")``, the template
+chosen up front and :meth:`rl` for ``config.rl``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import copy
 from typing import Any
 
 from dlrover_core import DLJobBuilder, SpecError
-from dlrover_core.spec.builder import RoleBuilder
 from dlrover_plugin_ppo.config import ALGORITHMS
 
 
@@ -45,21 +45,6 @@ class RLJobBuilder(DLJobBuilder):
         validated by :meth:`build`."""
         self._rl.update(settings)
         return self
-
-    def actor(self, module: str, cls: str) -> RoleBuilder:
-        return self.workload("actor", module, cls)
-
-    def rollout(self, module: str, cls: str) -> RoleBuilder:
-        return self.workload("rollout", module, cls)
-
-    def reference(self, module: str, cls: str) -> RoleBuilder:
-        return self.workload("reference", module, cls)
-
-    def reward(self, module: str, cls: str) -> RoleBuilder:
-        return self.workload("reward", module, cls)
-
-    def critic(self, module: str, cls: str) -> RoleBuilder:
-        return self.workload("critic", module, cls)
 
     def to_dict(self) -> dict:
         spec = super().to_dict()
