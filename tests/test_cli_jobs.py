@@ -24,6 +24,7 @@ SPEC = {"name": NAME,
                               "backend": "ddp", "resources": {"cpu": 1}}},
         "checkpoint": {"saver": "disk", "every_steps": 4, "keep": 2},
         "failover": {"max_restarts": 3, "pg_timeout_s": 30, "survivor_grace_s": 3},
+        "observability": {"tensorboard": True},
         "config": {"max_steps": 16, "step_s": 0.3}}
 
 
@@ -146,3 +147,29 @@ def test_logs_of_the_killed_rank_show_both_attempts(job, capsys):
     assert "[trainer-0 a0] rank 0 step 0 loss" in "\n".join(lines)
     assert any(ln.startswith("[trainer-0 a1] ") for ln in lines)  # re-set up in place
     assert any(ln.startswith("[trainer-1 a1] rank 1 step 15 ") for ln in lines)
+
+
+def test_tensorboard_scalars_written_by_the_master(job):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, job_dir, _ = job
+    acc = EventAccumulator(os.path.join(job_dir, "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"trainer/loss", "job/restarts", "job/recovery_s", "job/checkpoint_s",
+            "job/goodput", "job/wall_s"} <= tags
+    with open(os.path.join(job_dir, "summary.json")) as f:
+        summary = json.load(f)
+    metrics = {}
+    for r in read_events(os.path.join(job_dir, "metrics.jsonl")):
+        metrics.setdefault(r["step"], r["loss"])  # steps redone after the restart: first
+    loss = {}
+    for e in acc.Scalars("trainer/loss"):
+        loss.setdefault(e.step, e.value)
+    assert sorted(loss) == list(range(16))
+    assert loss == pytest.approx(metrics, rel=1e-6)
+    assert acc.Scalars("job/restarts")[-1].value == summary["restarts"]["total"]
+    assert acc.Scalars("job/goodput")[-1].value == pytest.approx(summary["goodput"], rel=1e-6)
+    ckpt = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
+            if e["event"] == "checkpoint_saved"]
+    assert [e.step for e in acc.Scalars("job/checkpoint_s")] == [e["step"] for e in ckpt]

@@ -60,3 +60,19 @@ def test_where_the_files_go(tmp_path):
     assert tensorboard_dir("tb", job_dir, "nanogpt") == str(tmp_path / "runs" / "tb" / "nanogpt")
     with pytest.raises(ValueError, match="observability.tensorboard: 3 is invalid"):
         tensorboard_dir(3, job_dir, "nanogpt")
+
+
+def test_spec_section_is_checked_before_anything_starts():
+    from dlrover_core import SpecError, load_spec
+
+    base = {"name": "t", "roles": {"trainer": {"workload": "a.b:C"}}}
+    assert load_spec(base).observability.tensorboard is False
+    assert load_spec({**base, "observability": {"tensorboard": True}}).observability.tensorboard
+    assert load_spec({**base, "observability": {"tensorboard": "tb"}}).observability.tensorboard \
+        == "tb"
+    for bad in (3, "", " "):
+        with pytest.raises(SpecError, match="observability.tensorboard: .* is invalid; "
+                                            "allowed: true"):
+            load_spec({**base, "observability": {"tensorboard": bad}})
+    with pytest.raises(SpecError, match="observability.tensorbord: .*unknown key.*tensorboard"):
+        load_spec({**base, "observability": {"tensorbord": True}})

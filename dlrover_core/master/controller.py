@@ -46,6 +46,7 @@ from dlrover_core.master.recovery import OpenRecovery, RecoveryExecutor
 from dlrover_core.master.scope import JobScope, JobStopped
 from dlrover_core.master.standby import StandbyPool
 from dlrover_core.master.states import JobState, check_transition
+from dlrover_core.observability.tensorboard import attach_tensorboard
 from dlrover_core.placement import PlacementError
 from dlrover_core.plugins.records import FailoverLevel
 
@@ -73,6 +74,7 @@ class JobController:
         self.launcher.standby = self.standby
         self.recovery = RecoveryExecutor(s, self.launcher, self.monitor, self.standby)
         self.progress = ProgressRecorder(s)
+        self.tensorboard = attach_tensorboard(spec, job_dir, s.events, self.progress.metrics_log)
         self.state = JobState.PENDING
         self.error = ""
         self.summary: dict | None = None

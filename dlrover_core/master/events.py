@@ -6,7 +6,8 @@ import json
 import os
 import threading
 import time
-from typing import Any
+import traceback
+from typing import Any, Callable
 
 
 class EventLog:
@@ -25,6 +26,13 @@ class EventLog:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._lock = threading.Lock()
         self._f = open(path, "a", buffering=1)
+        self._listeners: list[Callable[[dict], None]] = []
+
+    def add_listener(self, listener: Callable[[dict], None]) -> None:
+        """Call ``listener(record)`` after each record is written, in the emitting thread
+        (e.g. the TensorBoard writer of ``observability.tensorboard``). An exception in
+        a listener is printed and ignored: it never breaks the job."""
+        self._listeners.append(listener)
 
     def emit(self, event: str, **fields: Any) -> dict:
         rec = {"ts": round(time.time(), 6), "event": event, **fields}
@@ -32,6 +40,11 @@ class EventLog:
         with self._lock:
             self._f.write(line + "\n")
             self._f.flush()
+        for listener in self._listeners:
+            try:
+                listener(rec)
+            except Exception:  # noqa: BLE001 - observability must not break the job
+                traceback.print_exc()
         return rec
 
     def sync(self) -> None:

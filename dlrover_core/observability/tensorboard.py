@@ -137,3 +137,27 @@ class TensorBoardSink:
     def close(self) -> None:
         with self._lock:
             self._writer.close()
+
+
+def attach_tensorboard(spec: Any, job_dir: str, events: Any,
+                       metrics: Any) -> TensorBoardSink | None:
+    """Start the TensorBoard writer of a job when ``observability.tensorboard`` is on,
+    listening to its ``events`` and ``metrics`` logs (``EventLog``s). Called by the
+    JobMaster's controller (master process); returns the sink or ``None``. A writer that
+    cannot start is reported as a ``tensorboard_unavailable`` event, never an error of
+    the job."""
+    from omegaconf import OmegaConf
+
+    setting = OmegaConf.select(spec, "observability.tensorboard", default=False)
+    try:
+        logdir = tensorboard_dir(setting, job_dir, str(spec.name))
+        if logdir is None:
+            return None
+        sink = TensorBoardSink(logdir, job_dir=job_dir)
+    except (RuntimeError, ValueError, OSError) as exc:
+        events.emit("tensorboard_unavailable", error=str(exc))
+        return None
+    events.add_listener(sink.on_record)
+    metrics.add_listener(sink.on_record)
+    events.emit("tensorboard_started", logdir=logdir)
+    return sink

@@ -280,6 +280,9 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
     from dlrover_core.tuning.spec import validate_tuning
 
     validate_tuning(spec, pm)
+    from dlrover_core.observability.spec import validate_observability
+
+    validate_observability(spec)
     for i, group in enumerate(spec.collocation):
         if not OmegaConf.is_list(group):
             raise SpecError(f"collocation[{i}]", group, "a list of role names")

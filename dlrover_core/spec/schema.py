@@ -132,6 +132,18 @@ class TuningSpec:
 
 
 @dataclass
+class ObservabilitySpec:
+    """What the job writes besides its job directory's own files (see
+    ``dlrover_core/observability``). ``tensorboard``: ``false`` (default), ``true``
+    (event files in ``<job_dir>/tensorboard``) or a directory (``<dir>/<job name>``,
+    relative to the job directory's parent): every reported metric and the job's events
+    (restarts, recovery and checkpoint time, goodput) as TensorBoard scalars, written by
+    the JobMaster; needs the ``tensorboard`` extra."""
+
+    tensorboard: Any = False
+
+
+@dataclass
 class JobSpec:
     """A whole job. ``edges`` are ``[src_role, dst_role]`` data-flow pairs;
     ``collocation`` lists groups of roles that share bundles (devices); ``driver``
@@ -151,6 +163,7 @@ class JobSpec:
     failover: FailoverSpec = field(default_factory=FailoverSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     tuning: TuningSpec = field(default_factory=TuningSpec)
+    observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
     env: Dict[str, str] = field(default_factory=dict)
     config: Any = field(default_factory=dict)
 
