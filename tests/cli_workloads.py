@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from dlrover_core import BaseWorkload
+from dlrover_core import BaseTrainer, BaseWorkload
 
 
 class Chatty(BaseWorkload):
@@ -36,3 +36,14 @@ class Chatty(BaseWorkload):
             self.checkpointer.maybe_save(step + 1, model=self.model, optimizer=self.opt,
                                          extra=self.extra)
             time.sleep(float(self.config.get("step_s", 0.2)))
+
+
+class ChattyDriver(BaseTrainer):
+    """An MPMD driver that prints what the ``worker`` role answers."""
+
+    def fit(self):
+        for it in range(int(self.config.get("iterations", 2))):
+            who = self.RG_WORKER.whoami()
+            print(f"driver iteration {it}: worker ranks {[w['rank'] for w in who]}", flush=True)
+            self.report(it, it=float(it))
+        print("driver done", file=sys.stderr, flush=True)

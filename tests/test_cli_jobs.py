@@ -173,3 +173,19 @@ def test_tensorboard_scalars_written_by_the_master(job):
     ckpt = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
             if e["event"] == "checkpoint_saved"]
     assert [e.step for e in acc.Scalars("job/checkpoint_s")] == [e["step"] for e in ckpt]
+
+
+def test_driver_logs(ray_cluster, job_dir, capsys):
+    from dlrover_core import DLJobBuilder
+
+    job = (DLJobBuilder().name("cli-driver").trainer("tests.cli_workloads", "ChattyDriver")
+           .config({"iterations": 2})
+           .workload("worker", "tests.workloads", "Echo").total(2).resource(cpu=0.5)
+           .build())
+    summary = job.submit(job_dir=job_dir)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert main(["logs", "cli-driver", "--job-dir", job_dir, "--role", "driver"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("==> driver attempt 0 <==\n")
+    assert "driver iteration 1: worker ranks [0, 1]" in out
+    assert "driver done" in out  # stderr too

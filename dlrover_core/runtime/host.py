@@ -338,8 +338,12 @@ class DriverHost(_HostBase):
 
     def setup(self) -> None:
         from dlrover_core.plugins.records import resolve
+        from dlrover_core.runtime.log_capture import capture_output
         from dlrover_core.runtime.trainer import create_trainer
 
+        # the driver's stdout/stderr into <job_dir>/logs/driver/attempt-<N>.log
+        capture_output(getattr(self.context, "job_dir", ""), "driver", 0,
+                       getattr(self.context, "attempt", 0))
         self._phase = "setup"
         try:
             self.trainer = create_trainer(resolve(self.driver_path), self.context)
