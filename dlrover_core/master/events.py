@@ -17,7 +17,8 @@ class EventLog:
     Each line: ``{"ts": <unix s>, "event": <name>, ...fields}``. Events: ``job_started``,
     ``placement``, ``instance_started``, ``instance_failed``, ``failure_classified``,
     ``recovery_started``, ``recovery_finished``, ``checkpoint_saved``, ``instance_finished``,
-    ``master_restarted``, ``master_reattached``, ``standby_unusable``, ``job_state_changed``
+    ``master_restarted``, ``master_reattached``, ``standby_unusable``, ``standby_died``
+    (``role``, ``actor``, ``reason``: a warm spare died and is replaced), ``job_state_changed``
     (``previous``, ``state``: every transition of the job's state), ``job_finished``.
     """
 
