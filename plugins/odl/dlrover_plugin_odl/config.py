@@ -43,7 +43,9 @@ class ODLConfig:
             the trainer at most (being read, being preprocessed, or waiting), so at
             most ``buffer * batch_size`` records are in flight: a slow trainer slows
             the source (backpressure). read_timeout_s: how long one read waits for
-            records before returning fewer (or none).
+            records before returning fewer (or none). train_depth: trainer steps sent
+            ahead (the trainer runs them in order; the driver prepares the next step
+            while one trains); 1: wait for each step.
     Ending (the first that holds; all 0 with an endless source: run until stopped):
         max_records: records trained. max_time_s: seconds of streaming.
         idle_timeout_s: seconds without a new record (an idle broker).
@@ -59,6 +61,7 @@ class ODLConfig:
     batch_size: int = 64
     buffer: int = 4
     read_timeout_s: float = 1.0
+    train_depth: int = 2
     max_records: int = 0
     max_time_s: float = 0.0
     idle_timeout_s: float = 0.0
@@ -118,7 +121,7 @@ class ODLConfig:
 
     def check(self) -> None:
         """Range checks. Raises ``SpecError``."""
-        for k in ("batch_size", "buffer", "report_every", "window"):
+        for k in ("batch_size", "buffer", "report_every", "window", "train_depth"):
             if getattr(self, k) < 1:
                 raise SpecError(f"config.odl.{k}", getattr(self, k), "an integer >= 1")
         for k in ("max_records", "publish_every"):

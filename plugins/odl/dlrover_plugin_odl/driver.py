@@ -8,10 +8,12 @@ Per chunk (``config.odl.batch_size`` records of one partition)::
     eval[k].score(batch)                       # optional, newest published model
 
 Backpressure: at most ``config.odl.buffer`` chunks are between the source and the
-trainer (read, in preprocessing, or waiting); the driver asks a source for the
-next chunk only when one leaves, so a slow trainer slows the source and at most
-``buffer * batch_size`` records are in flight. Chunks of one partition are read,
-and trained, in order.
+trainer (read, in preprocessing, waiting, or in a trainer step not yet finished);
+the driver asks a source for the next chunk only when one has been trained, so a
+slow trainer slows the source and at most ``buffer * batch_size`` records are in
+flight. Chunks of one partition are read, and trained, in order. Up to
+``train_depth`` steps are sent to the trainer ahead (it runs them in order), so the
+next step is ready when one finishes.
 
 Delivery (at-least-once): the trainer checkpoints its progress with the stream
 offsets (partition -> position of the last trained record) in the same commit as
@@ -84,7 +86,7 @@ class ODLTrainer(BaseTrainer):
     # ------------------------------------------------------------------ the pipeline
     def _refill(self, fifo: collections.deque, exhausted: set) -> None:
         n = len(self.sources)
-        while len(fifo) < self.odl.buffer and len(exhausted) < n:
+        while len(fifo) + self._training_chunks < self.odl.buffer and len(exhausted) < n:
             p = self._next_partition
             self._next_partition = (p + 1) % n
             if p in exhausted:
@@ -118,14 +120,15 @@ class ODLTrainer(BaseTrainer):
                 self._resolve(c, exhausted)
 
     def _take_step_chunks(self, fifo: collections.deque, exhausted: set) -> list[_Chunk]:
-        """The next chunk for each trainer rank, in stream order (fewer at the end)."""
+        """The next chunk for each trainer rank, in stream order (fewer at the end of the
+        stream; none while the buffer is full of chunks in training)."""
         out: list[_Chunk] = []
         while len(out) < len(self.trainers):
             idx = len(out)
             if idx >= len(fifo):
                 self._refill(fifo, exhausted)
-                if idx >= len(fifo):
-                    break  # every partition has ended
+                if idx >= len(fifo):  # the buffer is full of chunks in training, or the end
+                    return out if len(exhausted) == len(self.sources) else []
             c = fifo[idx]
             self._resolve(c, exhausted)
             if c.empty:
@@ -138,7 +141,7 @@ class ODLTrainer(BaseTrainer):
 
     def _stop_reason(self) -> str | None:
         o = self.odl
-        if o.max_records and self.records >= o.max_records:
+        if o.max_records and self._issued_records >= o.max_records:
             return "max_records"
         if o.max_time_s and time.monotonic() - self._t0 >= o.max_time_s:
             return "max_time_s"
@@ -192,34 +195,50 @@ class ODLTrainer(BaseTrainer):
         win_n = win_c = 0
         start_records, max_in_flight = self.records, 0
         self._src_base = self._source_stats().get("source_read_records", 0.0)
+        self._training_chunks = 0
+        # steps sent to the trainer and not yet finished, oldest first: the trainer
+        # runs them in order; the driver prepares the next while one trains
+        training: collections.deque[tuple[list[_Chunk], list, dict, int]] = collections.deque()
+        issued_offsets, self._issued_records, next_step = dict(self.offsets), self.records, self.step
         metrics: dict[str, float] = {}
         reason = None
         while True:
-            reason = self._stop_reason()
-            if reason is not None:
-                break
-            self._refill(fifo, exhausted)
-            max_in_flight = max(max_in_flight, len(fifo))
-            self._resolve_ready(fifo, exhausted)
-            chunks = self._take_step_chunks(fifo, exhausted)
-            if not chunks:
-                if not fifo and len(exhausted) == len(self.sources):
+            if reason is None:
+                reason = self._stop_reason()
+            chunks: list[_Chunk] = []
+            if reason is None and len(training) < self.odl.train_depth:
+                self._refill(fifo, exhausted)
+                max_in_flight = max(max_in_flight, len(fifo) + self._training_chunks)
+                self._resolve_ready(fifo, exhausted)
+                chunks = self._take_step_chunks(fifo, exhausted)
+                if not chunks and not fifo and len(exhausted) == len(self.sources):
                     reason = "end_of_stream"
+            if chunks:
+                for _ in chunks:
+                    fifo.popleft()
+                self._training_chunks += len(chunks)
+                issued_offsets = dict(issued_offsets)
+                for c in chunks:
+                    issued_offsets[str(c.partition)] = c.meta["last"]
+                self._issued_records += sum(c.meta["n"] for c in chunks)
+                calls = [h.call.remote("train_step", next_step,
+                                       chunks[r].batch if r < len(chunks) else None,
+                                       issued_offsets, self._issued_records)
+                         for r, h in enumerate(self.trainers)]
+                next_step += 1
+                training.append((chunks, calls, issued_offsets, self._issued_records))
+                if self.evals:
+                    self._score(chunks)
+                self._resolve_ready(fifo, exhausted)  # overlap preprocessing with training
+                if len(training) < self.odl.train_depth and reason is None:
+                    continue
+            if not training:
+                if reason is not None:
                     break
                 continue
-            offsets = dict(self.offsets)
-            for c in chunks:
-                offsets[str(c.partition)] = c.meta["last"]
-            records = self.records + sum(c.meta["n"] for c in chunks)
-            calls = [h.call.remote("train_step", self.step,
-                                   chunks[r].batch if r < len(chunks) else None, offsets, records)
-                     for r, h in enumerate(self.trainers)]
-            if self.evals:
-                self._score(chunks)
-            self._resolve_ready(fifo, exhausted)   # overlap preprocessing with training
+            done_chunks, calls, offsets, records = training.popleft()
             results = ray.get(calls)
-            for _ in chunks:
-                fifo.popleft()
+            self._training_chunks -= len(done_chunks)
             self.step += 1
             self.offsets, self.records = offsets, records
             n = sum(r["n"] for r in results)
@@ -232,7 +251,8 @@ class ODLTrainer(BaseTrainer):
                 win_n, win_c = win_n - a, win_c - b
             self._commit(results[0]["committed"])
             if self.step % self.odl.report_every == 0:
-                metrics = self._metrics(results, start_records, len(fifo), max_in_flight,
+                metrics = self._metrics(results, start_records,
+                                        len(fifo) + self._training_chunks, max_in_flight,
                                         win_n, win_c)
                 self.report(self.step, **metrics)
         # end: commit everything trained, publish the final model
