@@ -267,6 +267,8 @@ class JobController:
                 "failures": s.failover.failure_log(),
                 "goodput": s.failover.goodput(wall, s.step_times),
             }
+            if self.progress.tuning is not None:  # the config the job ended on
+                self.summary["tuning"] = self.progress.tuning.summary()
         s.context.set("summary", self.summary)
         atomic_write_json(s.path("summary.json"), self.summary)
         try:

@@ -25,6 +25,7 @@ from dlrover_core.master.instances import DRIVER, Instance, InstanceFailure
 from dlrover_core.master.monitor import failure_from_exception
 from dlrover_core.master.states import JobState
 from dlrover_core.plugins.manager import get_plugin_manager
+from dlrover_core.tuning.controller import TuningController
 
 __all__ = ["DRIVER", "Instance", "InstanceFailure", "JobMaster", "failure_from_exception"]
 
@@ -48,12 +49,18 @@ class JobMaster:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         context = self.controller.scope.context
-        if _was_reconstructed() and context.get("state") not in (
-                None, *(s.value for s in JobState if s.terminal)):
-            self._start_thread(reattaching=True)
-        else:
+        reattaching = _was_reconstructed() and context.get("state") not in (
+            None, *(s.value for s in JobState if s.terminal))
+        if not reattaching:
             context.clear()
             context.set("started_at", self.controller.scope.started_at)
+        # after the clear: a restarted master's tuner continues from the persisted version
+        scope = self.controller.scope
+        self.tuning = TuningController.from_spec(scope.spec, scope.pm, store=context,
+                                                 emit=scope.emit)
+        self.controller.progress.tuning = self.tuning
+        if reattaching:
+            self._start_thread(reattaching=True)
 
     def _start_thread(self, reattaching: bool = False) -> None:
         self._thread = threading.Thread(target=self.controller.run, args=(reattaching,),
@@ -94,6 +101,18 @@ class JobMaster:
     def report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
         """A step report: ``metrics`` name -> float, ``ts`` the worker's unix time (s)."""
         self.controller.progress.on_report(role, rank, step, metrics, ts)
+
+    def tuning_sync(self, role: str, rank: int, initial: dict) -> dict | None:
+        """A rank of ``role`` starts: the current tuning config as a dict (the first
+        rank's ``initial`` settings become version 0), or ``None`` when the job does not
+        tune ``role``. See :class:`dlrover_core.tuning.controller.TuningController`."""
+        return self.tuning.sync(role, rank, initial) if self.tuning is not None else None
+
+    def tuning_config(self, role: str) -> dict | None:
+        """The current tuning config of ``role`` (polled by its rank 0), or ``None``."""
+        if self.tuning is None or role != self.tuning.role:
+            return None
+        return self.tuning.current()
 
     @ray.method(concurrency_group="report")
     def checkpoint_saved(self, role: str, rank: int, step: int, seconds: float) -> None:

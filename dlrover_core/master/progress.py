@@ -15,7 +15,7 @@ A per-report extension (coalescing, sampling, a tuner's metric feed) belongs in
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dlrover_core.master.events import EventLog
 
@@ -33,6 +33,8 @@ class ProgressRecorder:
         self.metrics_log = EventLog(scope.path("metrics.jsonl"))
         self._last_flush = 0.0
         self._job_dirty = False  # rank 0 moved the job's step since the last flush
+        #: the job's ``TuningController`` (set by the JobMaster when tuning is on)
+        self.tuning: Any = None
 
     def on_report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
         """A step report of ``role``/``rank``: ``metrics`` name -> float; ``ts`` the
@@ -50,6 +52,8 @@ class ProgressRecorder:
                     self._job_dirty = True
         if rank == 0:
             self.metrics_log.emit("step", role=role, step=step, **metrics)
+        if self.tuning is not None:  # the tuner's metric feed (never raises)
+            self.tuning.on_report(role, rank, step, metrics)
         s.pm.step_reported(s.name, role, rank, step, metrics)
 
     def on_checkpoint_saved(self, role: str, rank: int, step: int, seconds: float) -> None:

@@ -95,6 +95,7 @@ class TuningController:
         self._window: list[tuple[int, dict]] = []
         self._memory: dict[int, float] = {}
         self._capacity: dict[int, float] = {}
+        self._last_step: int | None = None  # rank 0's last reported step (restart detection)
         self._lock = threading.RLock()  # reports and config polls come from other threads
         self._restore()
 
@@ -183,9 +184,13 @@ class TuningController:
             if "memory_capacity_bytes" in metrics:
                 self._capacity[rank] = float(metrics["memory_capacity_bytes"])
             return
-        if self.applied_step is None or step < self.applied_step:
+        restarted = self._last_step is not None and step <= self._last_step
+        self._last_step = step
+        if self.applied_step is None or step < self.applied_step or restarted:
             first = self.applied_step is None
-            self.applied_step = step  # first report under this version (or a restart)
+            # first report under this version, or the ranks resumed from a checkpoint:
+            # skip warmup_steps again and measure afresh
+            self.applied_step = step
             self._reset_window()
             if first and self.config.version > 0:
                 self.emit("tuning_applied", version=self.config.version, step=step,
@@ -193,8 +198,6 @@ class TuningController:
             self._persist()
         if step < self.applied_step + self.warmup_steps:
             return
-        if self._window and step <= self._window[-1][0]:
-            self._reset_window()  # resumed from a checkpoint: measure afresh
         if mem is not None:
             self._memory[0] = max(self._memory.get(0, 0.0), float(mem))
         if "memory_capacity_bytes" in metrics:
