@@ -49,9 +49,8 @@ def apply_odl(spec: Any) -> None:
     """
     from omegaconf import OmegaConf
 
-    from dlrover_core.plugins.manager import UnknownPluginError
+    from dlrover_core.plugins.manager import UnknownPluginError, get_plugin_manager
     from dlrover_plugin_odl.config import ODLConfig
-    from dlrover_plugin_odl.registry import get_stream_source
 
     if spec.config is None or not OmegaConf.is_dict(spec.config):
         if spec.config not in (None, {}):
@@ -59,7 +58,7 @@ def apply_odl(spec: Any) -> None:
         spec.config = {}
     odl = ODLConfig.from_config(spec.config)
     try:
-        record = get_stream_source(odl.source.kind)
+        record = get_plugin_manager().stream_sources.get(odl.source.kind)
     except UnknownPluginError as exc:
         raise SpecError("config.odl.source.kind", odl.source.kind, "an installed stream source",
                         str(exc)) from None

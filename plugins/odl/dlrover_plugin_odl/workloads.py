@@ -46,11 +46,11 @@ class SourceWorkload(BaseWorkload):
     ``config.odl.source.kind`` (partition = rank)."""
 
     def setup(self) -> None:
+        from dlrover_core.plugins.manager import get_plugin_manager
         from dlrover_core.plugins.records import resolve
-        from dlrover_plugin_odl.registry import get_stream_source
 
         self.odl = ODLConfig.from_config(self.config)
-        record = get_stream_source(self.odl.source.kind)
+        record = get_plugin_manager().stream_sources.get(self.odl.source.kind)
         cls = resolve(record.source)
         self.stream = cls(dict(self.odl.source.options), self.rank, self.world_size,
                           self.context.job)
