@@ -117,3 +117,50 @@ def test_guide_rl_example_learns(ray_cluster, tmp_path):
     assert len(rewards) == 40
     # a uniform policy earns 0.1; seeded, the run goes from ~0.17 to >= 0.9 by step 30
     assert rewards[0] < 0.4 and summary["metrics"]["mean_reward"] >= 0.8, rewards
+
+
+@pytest.mark.slow
+def test_gpus_from_the_spec(tmp_path):
+    """device_per_node / enable_ray_auto_visible_device on a Ray cluster with 4 fake GPUs
+    (Ray resources only: this machine has no GPU, so the GPUs are declared, not real;
+    CUDA itself is not exercised): CUDA_VISIBLE_DEVICES, LOCAL_RANK and the chosen
+    device per layout, read inside the instances."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tests.scenarios.fake_gpus", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for layout, res in out.items():
+        assert res["status"] == "succeeded", (layout, res["error"])
+    # the guide's program: device_per_node(4), no name, one GPU per instance by default
+    guide = out["guide"]
+    assert guide["name"].startswith("usertrainer-")
+    assert guide["fit"]["resource"] == {"cpu": 0.25, "gpu": 1.0}
+
+    def by(layout):
+        return {(p["role"], p["rank"]): p for p in out[layout]["probes"]}
+
+    spmd = by("spmd")
+    assert sorted(spmd) == [("trainer", r) for r in range(4)]
+    for (_, r), p in spmd.items():   # every GPU visible; each rank picks cuda:<local_rank>
+        assert (p["CUDA_VISIBLE_DEVICES"], p["LOCAL_RANK"], p["device"], p["gpu"]) == \
+            (None, str(r), f"cuda:{r}", 1.0)
+    assert len({p["ray_gpu_ids"][0] for p in spmd.values()}) == 4   # 4 distinct reservations
+    ray_visible = by("spmd_ray_visible")
+    for p in ray_visible.values():   # Ray's assignment: one visible GPU, cuda:0
+        assert [p["CUDA_VISIBLE_DEVICES"]] == p["ray_gpu_ids"] and p["device"] == "cuda:0"
+    assert len({p["CUDA_VISIBLE_DEVICES"] for p in ray_visible.values()}) == 4
+    colloc = by("collocated")
+    assert len(colloc) == 8
+    for r in range(4):               # trainer r and eval r share one GPU (0.5 each)
+        t, e = colloc[("trainer", r)], colloc[("eval", r)]
+        assert t["gpu"] == e["gpu"] == 0.5
+        assert t["ray_gpu_ids"] == e["ray_gpu_ids"] and t["device"] == e["device"] == f"cuda:{r}"
+        assert t["collocation"] == "TRAINER,EVAL"
+    assert len({p["ray_gpu_ids"][0] for p in colloc.values()}) == 4
+    sep = by("separated")
+    assert len({p["ray_gpu_ids"][0] for p in sep.values()}) == 4   # 4 GPUs, none shared
+    for (_, r), p in sep.items():
+        assert p["gpu"] == 1.0 and p["device"] == f"cuda:{r}"

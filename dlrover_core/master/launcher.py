@@ -173,6 +173,15 @@ class Launcher:
             tuning=OmegaConf.to_container(s.spec.tuning),
             job_dir=s.job_dir, attempt=attempt, run_id=s.run_id)
 
+    def device_env(self, role: str, gpu: float) -> dict[str, str]:
+        """Environment that makes an actor of ``role`` asking for ``gpu`` GPUs see the
+        devices the spec says (``enable_ray_auto_visible_device``; see
+        :mod:`dlrover_core.runtime.devices`)."""
+        from dlrover_core.runtime.devices import actor_env
+
+        auto = bool(self.scope.spec.roles[role].get("enable_ray_auto_visible_device", False))
+        return actor_env(gpu, auto)
+
     def create_instance(self, role: str, rank: int, attempt: int) -> Instance:
         """Create the actor of ``role``/``rank`` in its bundle (state ``starting``)."""
         s = self.scope
@@ -192,8 +201,9 @@ class Launcher:
         }
         if slot.resources.get("memory"):
             opts["memory"] = slot.resources["memory"]
-        if r.env:
-            opts["runtime_env"] = {"env_vars": dict(r.env)}
+        env = {**dict(r.env), **self.device_env(role, slot.resources.get("GPU", 0.0))}
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
         handle = remote_workload_host().options(**opts).remote(
             r.workload, self.worker_context(role, rank, attempt))
         return s.instances.register(role, rank, handle, name, attempt)
@@ -281,7 +291,8 @@ class Launcher:
             config=OmegaConf.to_container(s.spec.config, resolve=True),
             resources={role: {"cpu": r.resources.cpu, "gpu": r.resources.gpu}
                        for role, r in s.graph.roles.items()},
-            job_dir=s.job_dir, attempt=attempt)
+            job_dir=s.job_dir, attempt=attempt,
+            workloads={role: r.workload for role, r in s.graph.roles.items()})
         name = f"dlrover-{s.name}-driver-a{attempt}"
         handle = remote_driver_host().options(
             name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,

@@ -83,7 +83,8 @@ class StandbyPool:
             # unique across master restarts: an earlier master's standby may still hold
             # an older name until the re-attach kills it
             name = f"dlrover-{s.name}-{role}-standby-{uuid.uuid4().hex[:8]}"
-            env = {**dict(r.env), "OMP_NUM_THREADS": str(max(1, int(r.resources.cpu)))}
+            env = {**dict(r.env), "OMP_NUM_THREADS": str(max(1, int(r.resources.cpu))),
+                   **self.launcher.device_env(role, slot.resources.get("GPU", 0.0) if slot else 0.0)}
             opts: dict[str, Any] = {"name": name, "namespace": MASTER_NAMESPACE,
                                     "max_restarts": 0, "lifetime": "detached",
                                     "runtime_env": {"env_vars": env}, "num_cpus": 0}
