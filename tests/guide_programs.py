@@ -28,7 +28,7 @@ class UserActorModel(BaseWorkload):
     def init_model(self):
         # preparation before training
         self.initialized = True
-        return {"role": self.role, "rank": self.rank, "world_size": self.world_size,
+        return {"role": self.role, "rank": self.rank, "world_size": self.word_size,
                 "local_rank": self.local_rank, "local_world_size": self.local_world_size,
                 "name": self.name, "is_actor": self.is_actor_role(),
                 "collocation": self.get_device_collocation(),

@@ -141,6 +141,11 @@ class BaseWorkload:
         return self._context.world_size
 
     @property
+    def word_size(self) -> int:
+        """``world_size`` under the spelling of seed ``004``'s property table."""
+        return self._context.world_size
+
+    @property
     def local_rank(self) -> int:
         return self._context.local_rank
 
