@@ -89,6 +89,12 @@ def test_the_loop_raises_workers_then_the_micro_batch_and_keeps_the_global_batch
     assert versions == sorted(versions)  # versions only grow, a revert is a new one
     s = ctl.summary()
     assert (s["version"], s["accepted"], s["reverted"]) == (cfg["version"], 3, 2)
+    # a proposal the ranks never ran is not the config the job ended on
+    ctl.on_report("trainer", 0, 120, {**model_step(cfg), "tuning_version": 99})
+    ctl.phase, ctl.applied_step, ctl.previous = "trial", None, ctl.config
+    ctl.config = ctl.config.updated({"dataloader": {"num_workers": 5}}, version=cfg["version"] + 1)
+    s = ctl.summary()
+    assert s["version"] == cfg["version"] and s["pending"]["dataloader"]["num_workers"] == 5
 
 
 def test_one_change_per_round_lets_the_tuners_take_turns():

@@ -359,15 +359,20 @@ class TuningController:
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:
-        """For ``summary.json``: the final ``version`` and ``config``, how many versions
-        were ``proposed``, ``accepted`` and ``reverted``, and the ``history``."""
+        """For ``summary.json``: the ``version`` and ``config`` the ranks ran last (a
+        proposal published but never run when the job ended is ``pending``), how many
+        versions were ``proposed``, ``accepted`` and ``reverted``, and the ``history``."""
         with self._lock:
             return self._summary()
 
     def _summary(self) -> dict:
+        ended, pending = self.config, None
+        if self.phase == "trial" and self.applied_step is None and self.previous is not None:
+            ended, pending = self.previous, self.config  # proposed, never run: not the end
         return {
-            "version": None if self.config is None else self.config.version,
-            "config": self.current(),
+            "version": None if ended is None else ended.version,
+            "config": None if ended is None else ended.to_dict(),
+            "pending": None if pending is None else pending.to_dict(),
             "proposed": sum(1 for h in self.history if h["kind"] == "proposal"),
             "accepted": sum(1 for h in self.history if h.get("status") == "accepted"),
             "reverted": sum(1 for h in self.history if h.get("status") == "reverted"),
