@@ -23,13 +23,17 @@ Save (blocking only for the copy):
 
 Persist, breakpoint save and the commit run in the persister (:mod:`.persister`).
 
-Load: every rank lists the complete saves its slots hold; when all ranks hold a
-common step that is not older than the newest committed step on disk, each rank
-copies its slot into the live state in place (checks: state, step, crc32 of the meta
-block, the tensor table against the live tensors, the slot's sequence number before
-and after the copy; with ``verify_memory: data`` also the crc32 of the data).
-Otherwise, or when any rank fails, the newest committed step whose files match the
-manifest is loaded; a corrupt step is skipped with a warning.
+Load: every rank lists the complete saves it can read from memory: its own slots,
+with ``replicas: 1`` the replicas of its rank on any node (:mod:`.replica`), and the
+buffers of every rank of another world size on this node (:mod:`.reshard`). When all
+ranks hold a common step that is not older than the newest committed step on disk,
+each rank reads it into the live state in place, ``pread`` straight into the live
+tensors (:mod:`.reader`; checks: state, step, crc32 of the meta block, the tensor
+table against the live tensors, the slot's sequence number before and after the
+copy; with ``verify_memory: data`` also the crc32 of the data). Otherwise, or when
+any rank fails, the newest committed step whose files match the manifest is loaded
+(resharded when its world size differs); a corrupt step is skipped with a warning.
+After a load, the buffers are reserved in the background for the loaded state.
 """
 
 from __future__ import annotations
@@ -604,8 +608,13 @@ class FlashSaver(Saver):
 
     def load(self, state_dict: dict, step: int | None = None) -> int | None:
         """Load the newest step (or ``step``) into ``state_dict`` in place: from shared
-        memory when every rank holds it, else from the newest committed step on disk
-        whose files match its manifest. Sets :attr:`last_load_source`.
+        memory when every rank holds it (its own buffer, a replica in a peer's memory,
+        or every rank's buffer of another world size on this node), else from the
+        newest committed step on disk whose files match its manifest (resharded when
+        it was saved by another world size). Sets :attr:`last_load_source`
+        (``memory``, ``replica``, ``memory-resharded``, ``disk``, ``disk-resharded``).
+        Then reserves the buffers for this state in the background (first save at
+        steady speed).
 
         Returns the step, or ``None`` when there is none.
         Raises:
@@ -614,10 +623,13 @@ class FlashSaver(Saver):
         """
         self.last_load_source = None
         self._wait_reserve()
-        self.persister()  # a new persister first removes stale buffers of dead jobs
         try:
             return self._load(state_dict, step)
         finally:
+            # the persister was looked up (or started: it removes stale buffers of dead
+            # jobs) in the background since the saver was made; a load reads the
+            # buffers by name and needs it only now
+            self.persister()
             try:  # lay out the buffers for this state before the first save
                 self.reserve_for(state_dict)
             except Exception as exc:  # noqa: BLE001 - the first save lays them out then

@@ -217,7 +217,8 @@ class Segment:
         meta_cap = round_up(meta_cap)
         data_offset = HEADER_SIZE + meta_cap
         size = data_offset + round_up(max(data_cap, 1))
-        tmp = f"{path}.tmp-{os.getpid()}"
+        # unique per call: two threads of one process may lay out the same slot at once
+        tmp = f"{path}.{os.urandom(4).hex()}.tmp-{os.getpid()}"
         fd = os.open(tmp, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
             try:

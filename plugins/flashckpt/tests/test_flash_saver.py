@@ -173,6 +173,18 @@ def test_buffers_laid_out_once_and_again_when_the_state_changes(job, tmp_path):
     assert make_saver(job, d, slots=1).load(got) == 3 and same(got, state(3, 5000))
 
 
+def test_reserve_mib_lays_out_the_buffers_when_the_saver_is_created(job, tmp_path):
+    s = make_saver(job, str(tmp_path / "ckpt"), reserve_mib=1)
+    s.wait_reserved()
+    assert s.last_reserve["data_bytes"] == 1 << 20
+    assert all(os.path.getsize(p) >= (1 << 20) for p in s.paths)
+    s.save(1, state(1, 200_000))  # 0.8 MiB of tensors: fits
+    assert not s.last_save["laid_out"]
+    s.save(2, state(2, 400_000))  # 1.6 MiB: lays out its buffer, once
+    assert s.last_save["laid_out"]
+    s.wait()
+
+
 def adamw_state(model, opt) -> dict:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "extra": {"step": 0}}
 
