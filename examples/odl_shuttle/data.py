@@ -11,7 +11,7 @@ file's order with ``order="file"``.
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 FEATURES = 9
 

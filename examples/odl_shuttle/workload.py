@@ -7,8 +7,12 @@ values span -26,739 .. 15,164), so any preprocess instance can take any chunk.
 from __future__ import annotations
 
 import torch
+from dlrover_plugin_odl.workloads import (
+    EvalWorkload,
+    OnlineTrainerWorkload,
+    PreprocessWorkload,
+)
 
-from dlrover_plugin_odl.workloads import EvalWorkload, OnlineTrainerWorkload, PreprocessWorkload
 from examples.odl_shuttle.data import FEATURES
 
 

@@ -17,8 +17,9 @@ Example (YAML)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from dlrover_core.spec.errors import SpecError
 

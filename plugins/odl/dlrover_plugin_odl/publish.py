@@ -27,7 +27,11 @@ from dlrover_core.checkpoint.manifest import (
     build_manifest,
     verify,
 )
-from dlrover_core.checkpoint.saver import atomic_write_json, atomic_write_text, fsync_dir
+from dlrover_core.checkpoint.saver import (
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+)
 
 log = logging.getLogger(__name__)
 _PREFIX = "version_"

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Any
+from typing import Any, Self
 
 
 def free_port() -> int:
@@ -61,7 +61,7 @@ class LocalRedisServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> LocalRedisServer:
+    def start(self, timeout_s: float = 20.0) -> Self:
         """Start the server and wait until it answers ``PING``."""
         if self.proc is not None and self.proc.poll() is None:
             return self
@@ -110,8 +110,8 @@ class LocalRedisServer:
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def __enter__(self) -> LocalRedisServer:
+    def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.cleanup()

@@ -23,7 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from dlrover_core.spec.errors import SpecError
 from dlrover_plugin_odl.source import ReadResult, StreamSourceBase
@@ -44,9 +45,9 @@ def validate_redis_options(options: dict) -> None:
     """Options: ``stream`` (required), ``host`` (127.0.0.1), ``port`` (6379), ``db``
     (0), ``group`` (``dlrover``), ``consumer_prefix`` (default ``<job>-``),
     ``reconnect_timeout_s`` (60), ``socket_timeout_s`` (5). Raises ``SpecError``."""
-    for k in options:
+    for k, v in options.items():
         if k not in _OPTIONS:
-            raise SpecError(f"config.odl.source.options.{k}", options[k],
+            raise SpecError(f"config.odl.source.options.{k}", v,
                             "options of the redis source: " + ", ".join(sorted(_OPTIONS)))
     stream = options.get("stream")
     if not isinstance(stream, str) or not stream:
@@ -220,8 +221,8 @@ class RedisStreamSource(StreamSourceBase):
     def close(self) -> None:
         try:
             self.client.close()
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as exc:  # noqa: BLE001 - closing a dead connection
+            log.debug("closing the redis client of %s: %s", self.address, exc)
 
 
 def _text(v: Any) -> str:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import itertools
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from dlrover_core.spec.errors import SpecError
 
@@ -85,9 +86,9 @@ def validate_replay_options(options: dict) -> None:
     may be endless. ``kwargs``: keyword arguments for it. ``rate``: records per
     second per partition at most (0: as fast as read)."""
     known = {"records", "kwargs", "rate"}
-    for k in options:
+    for k, v in options.items():
         if k not in known:
-            raise SpecError(f"config.odl.source.options.{k}", options[k],
+            raise SpecError(f"config.odl.source.options.{k}", v,
                             "options of the replay source: " + ", ".join(sorted(known)))
     path = options.get("records")
     if not isinstance(path, str) or ":" not in path:

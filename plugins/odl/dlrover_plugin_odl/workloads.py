@@ -152,7 +152,8 @@ class OnlineTrainerWorkload(BaseWorkload):
         if self.odl.log_record_ids and self.job_dir:
             d = os.path.join(self.job_dir, "odl", "trained")
             os.makedirs(d, exist_ok=True)
-            self._id_log = open(os.path.join(d, f"rank{self.rank}.txt"), "a")
+            # kept open while the workload lives; closed by finish()
+            self._id_log = open(os.path.join(d, f"rank{self.rank}.txt"), "a")  # noqa: SIM115
         self.published: int | None = None
 
     def resume_state(self) -> dict:

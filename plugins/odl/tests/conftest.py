@@ -1,1 +1,1 @@
-from dlrover_core.testing import *  # noqa: F401,F403
+from dlrover_core.testing import *

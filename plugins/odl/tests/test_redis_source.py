@@ -7,9 +7,12 @@ import threading
 import time
 
 import pytest
-
 from dlrover_plugin_odl.redis_server import LocalRedisServer, free_port
-from dlrover_plugin_odl.redis_source import BrokerUnavailable, RedisStreamSource, produce
+from dlrover_plugin_odl.redis_source import (
+    BrokerUnavailable,
+    RedisStreamSource,
+    produce,
+)
 
 pytest.importorskip("redis")
 

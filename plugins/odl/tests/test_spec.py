@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-
-from dlrover_core import SpecError, load_spec
 from dlrover_plugin_odl.publish import load_latest, publish, version_dir, versions
 from dlrover_plugin_odl.source import ReplaySource
+
+from dlrover_core import SpecError, load_spec
 
 TOY = "dlrover_plugin_odl.toy"
 REPLAY = {"kind": "replay", "options": {"records": f"{TOY}:toy_records", "kwargs": {"n": 10}}}

@@ -17,12 +17,12 @@ import time
 
 import pytest
 import ray
+from dlrover_plugin_odl.publish import load_latest
 
 from dlrover_core import load_spec
 from dlrover_core.master.client import create_master
 from dlrover_core.plugins.manager import reset_plugin_manager
 from dlrover_core.testing import make_fake_dist, poll_status, start_test_ray
-from dlrover_plugin_odl.publish import load_latest
 
 TOY = "dlrover_plugin_odl.toy"
 
