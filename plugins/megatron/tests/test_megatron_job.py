@@ -22,7 +22,10 @@ EVERY = 4
 TINY = ["config.num_layers=1", "config.hidden_size=32", "config.num_attention_heads=2",
         "config.block_size=32", "config.batch_size=8", "config.eval_batches=1",
         "config.lr=1e-2", "config.warmup_steps=2", f"checkpoint.every_steps={EVERY}",
-        "checkpoint.keep=2", "failover.survivor_grace_s=3", "failover.pg_timeout_s=30"]
+        "checkpoint.keep=2", "failover.survivor_grace_s=3",
+        # generous: a replacement rank importing torch and megatron-core on a loaded
+        # 2-core machine can take more than 30 s to reach the rendezvous
+        "failover.pg_timeout_s=180"]
 
 
 def run_job(name: str, job_dir: str, steps: int, kill_rank_at: int | None = None) -> dict:
