@@ -2,6 +2,7 @@
 #             the core and every plugin (editable, with its `test` extra)
 # make demo:  the nanoGPT pre-training job on the Python reference manual
 # make test:  every test suite, core and each plugin
+# make dist:  a wheel and an sdist of the core and every plugin under dist/ (twine check)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ PYTEST_ARGS ?=
 APT_PACKAGES := redis-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test test-core test-plugins clean
+.PHONY: setup demo test dist clean
 
 setup: $(STAMP)
 
@@ -36,5 +37,8 @@ test: setup
 	  $(BIN)/python -m pytest -q $${p}tests --rootdir $$p -c $${p}pyproject.toml $(PYTEST_ARGS); \
 	done
 
+dist: setup
+	scripts/build_dists.sh $(BIN)/python
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs dist
