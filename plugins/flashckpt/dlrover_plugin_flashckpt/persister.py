@@ -112,6 +112,11 @@ class FlashPersister:
         """A trainer saved (or just registered): remember its buffers, wake the loop."""
         r = Registration(**reg)
         with self._lock:
+            for key, old in list(self._regs.items()):
+                # the role came back with another world size (or directory): the ranks
+                # of its earlier run must not hold back the new run's persistence
+                if old.role == r.role and (old.world_size != r.world_size or old.dir != r.dir):
+                    del self._regs[key]
             self._regs[(r.role, r.rank)] = r
             for path in r.slots:
                 seg = self._seg(path)

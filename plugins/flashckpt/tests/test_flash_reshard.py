@@ -47,10 +47,11 @@ def assert_full_equal(got: dict, want: dict) -> None:
             assert got[k] == want[k], k
 
 
-def restore(job: str, config: dict, world: int, source: str, saved: list[dict]) -> None:
+def restore(job: str, config: dict, world: int, source: str, saved: list[dict],
+            save_after: bool = False) -> None:
     hs = spawn_role("trainer", WORKLOAD, world, config, backend="fsdp", job=job)
     try:
-        assert call(hs, "load") == [{"step": 3, "source": source}] * world
+        assert call(hs, "load", 3) == [{"step": 3, "source": source}] * world
         full = call(hs, "full_state")
         for rank, got in enumerate(full):
             assert_full_equal(got, saved[0])
@@ -59,6 +60,10 @@ def restore(job: str, config: dict, world: int, source: str, saved: list[dict]) 
             assert got[".extra.step"] == 3
         losses = call(hs, "train", 1)  # the restored state trains on
         assert all(len(x) == 1 and x[0] == x[0] for x in losses)
+        if save_after:  # ... and saves in the new world size (the old ranks are forgotten)
+            call(hs, "save", 4)
+            call(hs, "wait")
+            assert call(hs[:1], "saver_info")[0]["committed"] == [3, 4]
     finally:
         kill(hs)
 
@@ -77,15 +82,15 @@ def save_two_ranks(job: str, config: dict) -> list[dict]:
 def test_two_ranks_restore_into_four_from_memory_and_one_from_disk(job, tmp_path):
     config = {"ckpt": {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}}
     saved = save_two_ranks(job, config)
-    restore(job, config, 4, "memory-resharded", saved)
+    restore(job, config, 4, "memory-resharded", saved, save_after=True)
     hygiene.remove_job("/dev/shm", job)  # as after a node loss: only the disk is left
-    restore(job, config, 1, "disk-resharded", saved)
+    restore(job, config, 1, "disk-resharded", saved)  # step 3, saved by 2 ranks
 
 
 @pytest.mark.slow
 def test_two_ranks_restore_into_one_from_memory_and_four_from_disk(job, tmp_path):
     config = {"ckpt": {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}}
     saved = save_two_ranks(job, config)
-    restore(job, config, 1, "memory-resharded", saved)
+    restore(job, config, 1, "memory-resharded", saved, save_after=True)
     hygiene.remove_job("/dev/shm", job)
     restore(job, config, 4, "disk-resharded", saved)
