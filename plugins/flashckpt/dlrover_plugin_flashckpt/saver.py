@@ -315,6 +315,8 @@ class FlashSaver(Saver):
                 if not seg.populated:  # a buffer of an earlier process of this rank
                     again = shm.Segment.attach(self.paths[i], populate=True)
                     if again is not None and again.inode == seg.inode:
+                        shm.prefault_write(again.mm, shm.HEADER_SIZE,
+                                           again.size - shm.HEADER_SIZE)
                         seg.close()
                         seg = self._segs[i] = again
                         self._views.pop(i, None)
