@@ -42,7 +42,8 @@ def test_job_succeeds_and_loss_falls(first_run):
     assert m["val_loss"] < math.log(103) - 0.3  # uniform over 103 symbols is 4.63 nats
     steps = [r for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
              if r["event"] == "step" and r["role"] == "trainer"]
-    assert [r["step"] for r in steps] == list(range(8))
+    # every step once; in arrival order, which Ray does not keep for a threaded actor
+    assert sorted(r["step"] for r in steps) == list(range(8))
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3
     on_disk = json.load(open(os.path.join(job_dir, "summary.json")))
     assert on_disk == summary

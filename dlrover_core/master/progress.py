@@ -1,7 +1,9 @@
 """Progress: what the master does with the workers' step reports and checkpoint notices.
 
 ``JobMaster.report`` and ``JobMaster.checkpoint_saved`` (the "report" concurrency
-group: one at a time, in each sender's order) land here. Rank 0's report moves the
+group: one at a time) land here. The master is a threaded Ray actor, and Ray runs a
+threaded actor's calls out of order, so two reports of one sender can arrive swapped:
+``metrics.jsonl`` is in arrival order, and the job's step only ever moves forward. Rank 0's report moves the
 job's step and metrics, goes to ``metrics.jsonl`` and to the ``dlrover_step_reported``
 hook; every report updates its instance's ``last_step`` and ``last_step_ts`` (hang
 detection and blame, re-attach). Nothing is written to SQLite per report:

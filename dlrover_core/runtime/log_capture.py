@@ -94,6 +94,9 @@ class OutputCapture:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._file: RotatingFile | None = None
+        self._pending: tuple[bytes, RotatingFile] | None = None
+        self._switched = threading.Event()
+        self._switches = 0
         self._tee_fd = os.dup(1)  # where stdout went before (Ray's worker log)
         r, w = os.pipe()
         for stream in (sys.stdout, sys.stderr):
@@ -115,7 +118,11 @@ class OutputCapture:
         self._thread.start()
 
     def switch(self, path: str, max_bytes: int, backups: int) -> None:
-        """Send output from now on to ``path`` (a new attempt's file)."""
+        """Send output from now on to ``path`` (a new attempt's file). Output written
+        before the call (by this process or a child sharing its descriptors) that is
+        still in the pipe goes to the previous file: a marker written through the pipe
+        tells the reading thread where the switch is (FIFO order); if the marker is not
+        seen within 5 s the switch happens anyway."""
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -123,9 +130,36 @@ class OutputCapture:
                 pass
         new = RotatingFile(path, max_bytes, backups)
         with self._lock:
-            old, self._file = self._file, new
+            if self._file is None:
+                self._file = new
+                return
+            self._switches += 1
+            marker = b"\0dlrover-log-switch-%d\0" % self._switches
+            self._pending = (marker, new)
+            self._switched.clear()
+        try:
+            os.write(1, marker)  # under PIPE_BUF: one atomic write
+        except OSError:
+            pass
+        if not self._switched.wait(5.0):
+            with self._lock:
+                if self._pending is not None and self._pending[1] is new:
+                    self._swap(new)
+
+    def _swap(self, new: RotatingFile) -> None:
+        """Make ``new`` the current file (lock held)."""
+        old, self._file, self._pending = self._file, new, None
         if old is not None:
             old.close()
+        self._switched.set()
+
+    def _write(self, data: bytes) -> None:
+        """Append ``data`` to the current file (lock held)."""
+        if self._file is not None and data:
+            try:
+                self._file.write(data)
+            except OSError:
+                pass
 
     def _pump(self) -> None:
         while True:
@@ -135,16 +169,20 @@ class OutputCapture:
                 return
             if not data:
                 return
+            with self._lock:
+                pending = self._pending
+                if pending is not None and pending[0] in data:
+                    before, _, after = data.partition(pending[0])
+                    self._write(before)
+                    self._swap(pending[1])
+                    self._write(after)
+                    data = before + after
+                else:
+                    self._write(data)
             try:
                 os.write(self._tee_fd, data)
             except OSError:
                 pass
-            with self._lock:
-                if self._file is not None:
-                    try:
-                        self._file.write(data)
-                    except OSError:
-                        pass
 
 
 _capture: OutputCapture | None = None
