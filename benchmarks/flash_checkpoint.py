@@ -80,11 +80,13 @@ def drop_cache(path: str) -> None:
 
 
 def flash_saver(job: str, directory: str, **options: Any):
+    """A saver of its own role (the persister tracks ranks by role and rank; one role
+    per checkpoint directory, as in a job)."""
     from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
     from dlrover_plugin_flashckpt.saver import FlashSaver
 
     return FlashSaver(SaverConfig(dir=directory, keep=1, job=job, options=options),
-                      SaverContext())
+                      SaverContext(role=os.path.basename(directory)))
 
 
 def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
@@ -219,9 +221,9 @@ def bench_replica(size_mib: int, work: str, repeat: int, job: str) -> dict:
         t0 = time.perf_counter()
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            # only this saver has replicas: 1, so the history is of its saves
+            # the history holds every size's replica saver: pick this one's role
             hist = [h for h in ray.get(persister.replica_status.remote())["history"]
-                    if h["step"] == step]
+                    if h["step"] == step and h["role"] == saver.context.role]
             if hist:
                 break
             time.sleep(0.005)
@@ -254,7 +256,8 @@ class ReshardRank:
         self.mesh = init_device_mesh("cpu", (world,))
         self.size_mib, self.rank = size_mib, rank
         self.saver = FlashSaver(SaverConfig(dir=ckpt, keep=1, job=job, options={}),
-                                SaverContext(rank=rank, world_size=world, distributed=True))
+                                SaverContext(rank=rank, world_size=world, distributed=True,
+                                             role=os.path.basename(ckpt)))
 
     def _state(self, fill: bool) -> dict:
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -294,7 +297,10 @@ def bench_reshard(size_mib: int, work: str, job: str) -> dict:
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
 
-    actor = ray.remote(num_cpus=0)(ReshardRank)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0)(ReshardRank).options(scheduling_strategy=here)
     ckpt = os.path.join(work, f"reshard{size_mib}")
     out: dict[str, Any] = {}
     p = port()

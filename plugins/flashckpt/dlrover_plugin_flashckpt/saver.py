@@ -201,8 +201,14 @@ class FlashSaver(Saver):
     def _find_persister(self) -> Any:
         from dlrover_plugin_flashckpt.persister import get_persister
 
+        import ray
+
         self._ident()  # the run id, looked up once
-        return get_persister(self.job)
+        handle = get_persister(self.job)
+        # register now: the first call to an actor opens the connection to it, tens of
+        # ms that the first save would otherwise pay
+        ray.get(handle.saved.remote(self._registration()), timeout=60)
+        return handle
 
     # ================================================================== buffers
     def _wait_reserve(self) -> None:
