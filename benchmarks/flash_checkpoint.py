@@ -14,7 +14,17 @@ For each state size (float32 tensors, 16 of them per state), in one run:
   saver (new mappings, as a restarted process has), header checks included;
 - ``torch_load_gib_s``: ``torch.load`` of the ``torch.save`` file after its pages were
   dropped from the page cache (``posix_fadvise(DONTNEED)``), i.e. from the disk;
-  ``torch_load_warm_gib_s`` is the same from the page cache.
+  ``torch_load_warm_gib_s`` is the same from the page cache;
+- ``flash_save_first_gib_s`` / ``first_over_steady``: the first save of a saver whose
+  ``load()`` found no checkpoint and reserved the buffers in the background (waited
+  for, untimed: the first training steps); ``flash_save_unreserved_gib_s``: the first
+  save of a saver that reserved nothing; ``reserve_s``: the background reservation;
+- ``replica_gib_s`` / ``replica_lag_s``: ``replicas: 1``, the persister's copy of a
+  save into the peer node's memory (this machine runs two raylets), and the time from
+  the save's return until the replica is complete;
+- ``restore_other_world_size_s``: a state saved by 2 ranks (``Shard(0)`` DTensors,
+  gloo, Ray actors) loaded into 1 rank from memory; ``restore_same_world_size_s``: the
+  same state saved by 1 rank, loaded by 1.
 
 Each figure is the median of ``--repeat`` runs (at least 5 for the in-memory ones,
 which are interleaved: one memcpy, one save, one load per round). With a CUDA GPU the state is also
