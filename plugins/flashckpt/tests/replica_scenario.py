@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -84,6 +85,7 @@ def main(work: str) -> None:
         sys.stdout.flush()
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
