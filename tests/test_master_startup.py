@@ -43,5 +43,8 @@ def test_failure_during_startup_restarts_the_startup(ray_cluster, job_dir):
         os.path.join(job_dir, "context.sqlite")).instances()}
     assert sorted(rows) == [("driver", 0), ("worker", 0), ("worker", 1)]
     assert rows[("driver", 0)]["state"] == "succeeded"
-    assert rows[("driver", 0)]["last_step"] >= 1  # reports 0..2; -1 if never written
+    # reports 0..2 reach the master asynchronously and are persisted on a 2 s timer, so
+    # the row holds a step the driver reported (the later ones may land after the final
+    # flush); -1 if the row's last_step were never written
+    assert rows[("driver", 0)]["last_step"] in (0, 1, 2)
     assert rows[("worker", 1)]["attempt"] == 1
