@@ -164,3 +164,26 @@ def test_gpus_from_the_spec(tmp_path):
     assert len({p["ray_gpu_ids"][0] for p in sep.values()}) == 4   # 4 GPUs, none shared
     for (_, r), p in sep.items():
         assert p["gpu"] == 1.0 and p["device"] == f"cuda:{r}"
+
+
+def test_constructor_styles_are_told_apart():
+    from dlrover_core import BaseWorkload
+    from dlrover_core.runtime.workload import guide_style_init
+
+    class ContextExtra(BaseWorkload):
+        def __init__(self, context, extra=None):
+            super().__init__(context)
+
+    class Guide(BaseWorkload):
+        def __init__(self, master_handle, config):
+            super().__init__(master_handle, config)
+
+    class Three(BaseWorkload):
+        def __init__(self, a, b, c):
+            super().__init__(a)
+
+    names = ("master_handle", "config")
+    assert [guide_style_init(c, BaseWorkload, names) for c in (ContextExtra, Guide)] == [False, True]
+    with pytest.raises(TypeError, match=r"Three.__init__ takes 3 arguments; allowed: "
+                                        r"\(self, context\) or \(self, master_handle, config\)"):
+        guide_style_init(Three, BaseWorkload, names)

@@ -40,10 +40,11 @@ def guide_style_init(cls: type, base: type, names: tuple[str, ...]) -> bool:
     if init is base.__init__:
         return False
     params = [p for p in list(inspect.signature(init).parameters.values())[1:]
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+              and p.default is p.empty]  # required ones: (self, context, extra=None) is context style
     if len(params) == len(names):
         return True
-    if len(params) == 1:
+    if len(params) <= 1:
         return False
     if any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(init).parameters.values()):
         return False
