@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dlrover_core import BaseWorkload
 from examples.megatron_gpt.model import CharGPTShape, TensorParallelCharGPT
 from examples.nanogpt.data import CharDataset
+from examples.nanogpt.workload import adamw, warmup_cosine_lr
 
 
 class MegatronGPTWorkload(BaseWorkload):
@@ -54,9 +55,7 @@ class MegatronGPTWorkload(BaseWorkload):
             model = TensorParallelCharGPT(self.shape)
         self.num_params = _num_params(model)
         self.model = self.backend.wrap(model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=float(c.lr),
-                                     weight_decay=float(c.get("weight_decay", 0.1)),
-                                     betas=(0.9, 0.95))
+        self.opt = adamw(self.model.parameters(), c)
         self.extra = {"step": 0}
         loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
         self.start_step = int(self.extra["step"]) if loaded is not None else 0
@@ -64,12 +63,7 @@ class MegatronGPTWorkload(BaseWorkload):
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up for ``warmup_steps``, then cosine decay to ``lr / 10``."""
-        c = self.config
-        lr, warm, total = float(c.lr), int(c.get("warmup_steps", 20)), int(c.max_steps)
-        if step < warm:
-            return lr * (step + 1) / warm
-        frac = min(1.0, (step - warm) / max(1, total - warm))
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return warmup_cosine_lr(step, float(self.config.lr), self.config)
 
     def _batch(self, split: str, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.data.batch(split, int(self.config.batch_size), self.shape.block_size, seed,

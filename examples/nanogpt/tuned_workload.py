@@ -27,7 +27,7 @@ from dlrover_core.tuning import ElasticDataLoader, TuningSession, gradient_sync
 from examples.nanogpt.data import CharDataset
 from examples.nanogpt.model import GPT, Block, GPTConfig
 from examples.nanogpt.stored_data import StoredCharWindows
-from examples.nanogpt.workload import GPTWorkload
+from examples.nanogpt.workload import GPTWorkload, adamw, warmup_cosine_lr
 
 
 class TunedGPTWorkload(GPTWorkload):
@@ -44,9 +44,7 @@ class TunedGPTWorkload(GPTWorkload):
         self.num_params = model.num_params()
         self.model = self.backend.wrap(model, shard_modules=(Block,)) \
             if self.context.backend == "fsdp" else self.backend.wrap(model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=float(c.lr),
-                                     weight_decay=float(c.get("weight_decay", 0.1)),
-                                     betas=(0.9, 0.95))
+        self.opt = adamw(self.model.parameters(), c)
         mb, nw = int(c.get("micro_batch", 8)), int(c.get("num_workers", 0))
         self.loader = ElasticDataLoader(self.train_set, batch_size=mb, num_workers=nw,
                                         seed=seed, rank=self.rank, world_size=self.world_size)
@@ -75,13 +73,7 @@ class TunedGPTWorkload(GPTWorkload):
 
     def lr_at(self, step: int) -> float:
         """The tuned peak learning rate with the warm-up and cosine decay of the base."""
-        c = self.config
-        lr, warm, total = self.tuning.learning_rate, int(c.get("warmup_steps", 20)), \
-            int(c.max_steps)
-        if step < warm:
-            return lr * (step + 1) / warm
-        frac = min(1.0, (step - warm) / max(1, total - warm))
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return warmup_cosine_lr(step, self.tuning.learning_rate, self.config)
 
     def run(self) -> dict:
         c = self.config

@@ -21,6 +21,24 @@ from examples.nanogpt.data import CharDataset
 from examples.nanogpt.model import GPT, Block, GPTConfig
 
 
+def adamw(params, config) -> torch.optim.AdamW:
+    """The examples' optimizer: AdamW at ``config.lr`` with ``config.weight_decay``
+    (default 0.1) and betas (0.9, 0.95), as nanoGPT trains."""
+    return torch.optim.AdamW(params, lr=float(config.lr),
+                             weight_decay=float(config.get("weight_decay", 0.1)),
+                             betas=(0.9, 0.95))
+
+
+def warmup_cosine_lr(step: int, peak_lr: float, config) -> float:
+    """Learning rate at ``step``: linear warm-up over ``config.warmup_steps`` (default 20),
+    then cosine decay to ``peak_lr / 10`` at ``config.max_steps``."""
+    warm, total = int(config.get("warmup_steps", 20)), int(config.max_steps)
+    if step < warm:
+        return peak_lr * (step + 1) / warm
+    frac = min(1.0, (step - warm) / max(1, total - warm))
+    return peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 class GPTWorkload(BaseWorkload):
     @classmethod
     def warm_up(cls) -> None:
@@ -38,9 +56,7 @@ class GPTWorkload(BaseWorkload):
         self.num_params = model.num_params()
         self.model = self.backend.wrap(model, shard_modules=(Block,)) \
             if self.context.backend == "fsdp" else self.backend.wrap(model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=float(c.lr),
-                                     weight_decay=float(c.get("weight_decay", 0.1)),
-                                     betas=(0.9, 0.95))
+        self.opt = adamw(self.model.parameters(), c)
         self.extra = {"step": 0}
         loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
         self.start_step = int(self.extra["step"]) if loaded is not None else 0
@@ -48,12 +64,7 @@ class GPTWorkload(BaseWorkload):
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up for ``warmup_steps``, then cosine decay to ``lr / 10``."""
-        c = self.config
-        lr, warm, total = float(c.lr), int(c.get("warmup_steps", 20)), int(c.max_steps)
-        if step < warm:
-            return lr * (step + 1) / warm
-        frac = min(1.0, (step - warm) / max(1, total - warm))
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return warmup_cosine_lr(step, float(self.config.lr), self.config)
 
     @torch.no_grad()
     def evaluate(self) -> float:
