@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +46,9 @@ def create_trainer(cls: Any, context: TrainerContext) -> BaseTrainer:
     if not guide_style_init(cls, BaseTrainer, ("actor_handles", "actor_classes", "config")):
         return cls(context)
     token = _CONSTRUCTING.set(context)
+    classes = _actor_classes(context)
     try:
-        return cls(_actor_handles(context), _actor_classes(context),
+        return cls(_actor_handles(context, classes), classes,
                    OmegaConf.create(context.config or {}))
     finally:
         _CONSTRUCTING.reset(token)
@@ -58,8 +60,8 @@ def _actor_classes(context: TrainerContext) -> dict[str, type]:
     return {role: unwrap_actor_class(resolve(path)) for role, path in context.workloads.items()}
 
 
-def _actor_handles(context: TrainerContext) -> dict[str, list[WorkloadActorHandle]]:
-    classes = _actor_classes(context)
+def _actor_handles(context: TrainerContext,
+                   classes: dict[str, type]) -> dict[str, list[WorkloadActorHandle]]:
     return {role: [WorkloadActorHandle(h, role, rank, classes.get(role))
                    for rank, h in enumerate(group.handles)]
             for role, group in context.role_groups.items()}
@@ -96,15 +98,16 @@ class BaseTrainer:
     def config(self) -> DictConfig:
         return self._config
 
-    @property
+    @functools.cached_property
     def actor_handles(self) -> dict[str, list[WorkloadActorHandle]]:
         """role -> one handle per instance, in rank order. ``h.update.remote(x)``
         calls the workload's ``update(x)`` in that instance and returns Ray's
         ``ObjectRef`` (seed ``004``'s style); ``h.node_info.remote()``,
-        ``h.ping.remote()`` and ``h.progress.remote()`` reach the hosting actor."""
-        return _actor_handles(self._context)
+        ``h.ping.remote()`` and ``h.progress.remote()`` reach the hosting actor.
+        Built once per driver (a restarted driver is a new trainer)."""
+        return _actor_handles(self._context, self.actor_classes)
 
-    @property
+    @functools.cached_property
     def actor_classes(self) -> dict[str, type]:
         """role -> the workload class of that role (``@ray.remote`` unwrapped)."""
         return _actor_classes(self._context)
