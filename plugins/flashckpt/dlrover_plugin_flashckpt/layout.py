@@ -255,7 +255,18 @@ def restore(template: Any, skeleton: Any, table: list[TensorEntry],
                     raise LayoutError(
                         f"{where}: {path_str(e.path)} is {e.dtype}{list(e.shape)} in the "
                         f"checkpoint but {dtype_name(dst.dtype)}{list(dst.shape)} in the live "
-                        "state; a flash checkpoint restores into the same model and world size")
+                        "state; a flash checkpoint restores in place into the same model "
+                        "and layout")
+                if e.global_shape and _is_dtensor(live):
+                    from dlrover_plugin_flashckpt.reshard import global_offset
+
+                    if (tuple(live.shape), global_offset(live)) != (e.global_shape,
+                                                                    e.global_offset):
+                        raise LayoutError(
+                            f"{where}: {path_str(e.path)} is the shard at "
+                            f"{list(e.global_offset)} of {list(e.global_shape)} in the "
+                            f"checkpoint but the one at {list(global_offset(live))} of "
+                            f"{list(live.shape)} in the live state")
                 if fill is not None:
                     fill(e, dst)
                 else:

@@ -13,6 +13,7 @@ load start the reads of every tensor before it waits for them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ PARALLEL_MIN = 64 << 20
 INLINE_MAX = 1 << 20
 
 
+@functools.cache
 def _threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 

@@ -1,22 +1,28 @@
-"""Restore a flash checkpoint into another world size (FSDP2 / DCP state, DDP state).
+"""Restore a flash checkpoint into another world size or layout (FSDP2 / DCP state,
+DDP state, tensor- and pipeline-parallel state such as the megatron engine's).
 
 A save of world size ``W`` holds, per rank, the local shard of every ``DTensor`` with
 its place in the global tensor (``TensorEntry.global_shape`` and ``global_offset``,
 the ``(local shape, global offset)`` that
 ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` gives, as
 torch.distributed.checkpoint records for its chunks), and every other value as that
-rank had it. A rank ``r`` of a new world size ``W'`` loads:
+rank had it. A rank ``r`` of a new world size ``W'`` (or of ``W`` in another layout:
+TP=2 -> TP=1 x DP=2) loads:
 
 - each live ``DTensor`` (its local shard, placed by the same function on the live
   mesh): from every saved shard of that path that overlaps it, box by box (along
   dim 0 for FSDP2's ``Shard(0)``: each overlap is a run of whole rows, read straight
-  into the live shard); the overlaps must cover it;
+  into the live shard); the overlaps must cover it. A tensor saved whole (TP=1) fills
+  a live shard the same way;
+- a live plain tensor of a path saved sharded (TP=2 -> TP=1): the same, over the
+  whole tensor;
 - a saved sharded tensor the live state lacks (the optimizer state of an optimizer
   that has not stepped yet): as a plain tensor with the local layout of a live
   ``DTensor`` of the same global shape (FSDP2 shards every tensor of one global shape
   alike);
 - plain tensors (replicated state, a DDP model, scalars such as Adam's ``step``) and
-  non-tensor values: from saved rank ``r % W`` ("base rank").
+  non-tensor values: from saved rank ``r % W`` ("base rank"); a path the base rank
+  lacks (another pipeline stage's layers) from the lowest saved rank that has it.
 
 Partitions that are not ``DTensor``s (DeepSpeed ZeRO's flat partitions) cannot be
 placed and are refused with :class:`layout.LayoutError`.
@@ -113,13 +119,53 @@ def _copy_boxes(dst: torch.Tensor, dst_off: tuple[int, ...], shape: tuple[int, .
                           f"elements of the live shard at offset {list(dst_off)}")
 
 
+class _SourcedRef:
+    """A :class:`TensorRef` of saved rank ``rank``'s table (see :func:`_union`)."""
+
+    __slots__ = ("rank", "index")
+
+    def __init__(self, rank: int, index: int) -> None:
+        self.rank, self.index = rank, index
+
+
+def _tag(saved: Any, rank: int) -> Any:
+    """``saved`` (a skeleton) with each :class:`TensorRef` tagged with ``rank``."""
+    if isinstance(saved, TensorRef):
+        return _SourcedRef(rank, saved.index)
+    if isinstance(saved, dict):
+        return {k: _tag(v, rank) for k, v in saved.items()}
+    if isinstance(saved, list):
+        return [_tag(v, rank) for v in saved]
+    if isinstance(saved, tuple):
+        vals = [_tag(v, rank) for v in saved]
+        return type(saved)(*vals) if hasattr(saved, "_fields") else tuple(vals)
+    return saved
+
+
+def _union(into: Any, other: Any, rank: int) -> Any:
+    """Add to the tagged skeleton ``into`` the dict keys that only ``other`` (saved rank
+    ``rank``'s skeleton) has: the layers of another pipeline stage, the embedding of
+    the first stage. Values both have stay ``into``'s."""
+    if isinstance(into, dict) and isinstance(other, dict):
+        for k, v in other.items():
+            into[k] = _union(into[k], v, rank) if k in into else _tag(v, rank)
+    return into
+
+
 def restore_resharded(template: Any, sources: list[RankSource], rank: int, where: str) -> Any:
     """Load the save of ``len(sources)`` ranks into ``template`` (the live state of
-    rank ``rank`` of another world size) in place; returns the root.
+    rank ``rank`` of this world size, which may differ from the saved one, or of the
+    same world size in another layout) in place; returns the root.
+
+    Each live tensor is filled from the saved shards of its path that overlap it (from
+    whichever saved ranks hold that path: pipeline stages hold different layers), or,
+    for a tensor saved whole, from the base rank ``rank % len(sources)`` when it holds
+    it, else from the lowest saved rank that does. A tensor saved whole also fills a
+    live ``DTensor`` shard of it (a TP=1 save loading at TP=2).
 
     Raises:
         LayoutError: a tensor's global shape or dtype differs, a live shard is not
-            covered by the saved shards, a live tensor is missing from the save, or the
+            covered by the saved shards, a live tensor is in no saved rank, or the
             save holds rank-local partitions (DeepSpeed ZeRO) that cannot be resharded.
     """
     import torch
@@ -130,12 +176,14 @@ def restore_resharded(template: Any, sources: list[RankSource], rank: int, where
                           f"ranks 0..{len(sources) - 1}")
     base = sources[rank % len(sources)]
     by_path = [{e.path: e for e in s.meta["table"]} for s in sources]
-    for e in base.meta["table"]:
-        if any(k in e.path for k in _PARTITION_KEYS):
-            raise LayoutError(f"{where}: {path_str(e.path)} is a rank-local optimizer partition "
-                              "(DeepSpeed ZeRO); it restores only into the world size that "
-                              f"saved it ({len(sources)})")
-    missing = [p for p, _ in layout.walk(template) if p not in by_path[base.rank]]
+    for s in sources:
+        for e in s.meta["table"]:
+            if any(k in e.path for k in _PARTITION_KEYS):
+                raise LayoutError(f"{where}: {path_str(e.path)} is a rank-local optimizer "
+                                  "partition (DeepSpeed ZeRO); it restores only into the world "
+                                  f"size and layout that saved it ({len(sources)} ranks)")
+    saved_paths = set().union(*by_path)
+    missing = [p for p, _ in layout.walk(template) if p not in saved_paths]
     if missing:
         raise LayoutError(f"{where} has no tensor at {path_str(missing[0])} "
                           f"({len(missing)} live tensors are missing from it); it was saved "
@@ -150,22 +198,31 @@ def restore_resharded(template: Any, sources: list[RankSource], rank: int, where
         out = []
         for s, index in zip(sources, by_path):
             pe = index.get(e.path)
-            if pe is None or pe.kind != "dtensor":
-                raise LayoutError(f"{where}: saved rank {s.rank} has no shard of "
-                                  f"{path_str(e.path)}")
+            if pe is None:
+                continue  # another pipeline stage, or a rank without this shard
+            if pe.kind != "dtensor":
+                raise LayoutError(f"{where}: {path_str(e.path)} is sharded in one saved "
+                                  f"rank but whole in saved rank {s.rank}")
             out.append((s, pe))
         return out
 
-    def load_tensor(live: Any, e: TensorEntry) -> Any:
-        if e.kind != "dtensor":  # replicated or rank-local plain tensor: the base rank's
+    def load_tensor(live: Any, e: TensorEntry, src: RankSource) -> Any:
+        if e.kind != "dtensor":  # saved whole (replicated, rank-local, or TP=1)
             if live is None:
-                return base.whole(e)
-            dst = layout.local_tensor(live)
-            if layout.dtype_name(dst.dtype) != e.dtype or tuple(dst.shape) != e.shape:
+                return src.whole(e)
+            dst, gshape, off = local_region(live)
+            if layout.dtype_name(dst.dtype) != e.dtype:
+                raise LayoutError(f"{where}: {path_str(e.path)} is {e.dtype} in saved rank "
+                                  f"{src.rank} but {layout.dtype_name(dst.dtype)} in the live "
+                                  "state")
+            if tuple(dst.shape) == e.shape:
+                src.read(e, 0, dst)
+            elif layout.is_dtensor(live) and gshape == e.shape:  # a shard of the whole
+                _copy_boxes(dst, off, gshape, [(src, e)], where)
+            else:
                 raise LayoutError(f"{where}: {path_str(e.path)} is {e.dtype}{list(e.shape)} in "
-                                  f"saved rank {base.rank} but {layout.dtype_name(dst.dtype)}"
+                                  f"saved rank {src.rank} but {layout.dtype_name(dst.dtype)}"
                                   f"{list(dst.shape)} in the live state")
-            base.read(e, 0, dst)
             return live
         shape = tuple(e.global_shape)
         if live is None:
@@ -185,9 +242,10 @@ def restore_resharded(template: Any, sources: list[RankSource], rank: int, where
         return live
 
     def merge(live: Any, saved: Any) -> Any:
-        if isinstance(saved, TensorRef):
-            e = base.meta["table"][saved.index]
-            return load_tensor(live if layout.is_tensor(live) else None, e)
+        if isinstance(saved, _SourcedRef):
+            src = sources[saved.rank]
+            return load_tensor(live if layout.is_tensor(live) else None,
+                               src.meta["table"][saved.index], src)
         if isinstance(saved, dict):
             if isinstance(live, dict):
                 for k, v in saved.items():
@@ -206,5 +264,9 @@ def restore_resharded(template: Any, sources: list[RankSource], rank: int, where
             return type(saved)(*vals) if hasattr(saved, "_fields") else tuple(vals)
         return saved
 
+    skeleton = _tag(base.meta["skeleton"], base.rank)
+    for s in sources:
+        if s is not base:
+            skeleton = _union(skeleton, s.meta["skeleton"], s.rank)
     with torch.no_grad():
-        return merge(template, base.meta["skeleton"])
+        return merge(template, skeleton)

@@ -619,8 +619,10 @@ class FlashSaver(Saver):
         memory when every rank holds it (its own buffer, a replica in a peer's memory,
         or every rank's buffer of another world size on this node), else from the
         newest committed step on disk whose files match its manifest (resharded when
-        it was saved by another world size). Sets :attr:`last_load_source`
-        (``memory``, ``replica``, ``memory-resharded``, ``disk``, ``disk-resharded``).
+        it was saved by another world size, or by this one in another layout, such as
+        TP=2 -> TP=1 x DP=2, when every saved rank's buffer or file is readable here).
+        Sets :attr:`last_load_source` (``memory``, ``replica``, ``memory-resharded``,
+        ``disk``, ``disk-resharded``).
         Then reserves the buffers for this state in the background (first save at
         steady speed).
 
@@ -634,10 +636,10 @@ class FlashSaver(Saver):
         try:
             return self._load(state_dict, step)
         finally:
-            # the persister was looked up (or started: it removes stale buffers of dead
-            # jobs) in the background since the saver was made; a load reads the
-            # buffers by name and needs it only now
-            self.persister()
+            # the persister is looked up (or started: it removes stale buffers of dead
+            # jobs) in the background thread since the saver was made; a load reads
+            # the buffers by name and does not wait for it (the first save does), and
+            # the reservation below runs in the same thread after it
             try:  # lay out the buffers for this state before the first save
                 self.reserve_for(state_dict)
             except Exception as exc:  # noqa: BLE001 - the first save lays them out then
@@ -681,6 +683,12 @@ class FlashSaver(Saver):
             except (_TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
                 err = exc  # LayoutError is a ValueError
             errors = self._all_ok(err)
+            if errors and s in common and any("LayoutError" in e for e in errors):
+                if not self._relayout(state_dict, s, "memory", errors):
+                    log.warning("step %d in shared memory has another layout and cannot be "
+                                "resharded from this node's buffers; trying the disk", s)
+                    continue
+                errors, source = [], "memory-resharded"
             if not errors:
                 self.last_load_source = source
                 log.info("loaded step %d from %s", s, source)
@@ -715,46 +723,102 @@ class FlashSaver(Saver):
             except (CorruptCheckpointError, OSError, ValueError) as exc:
                 err = exc
             errors = self._all_ok(err)
+            source = "disk" if saved_world == self.world_size else "disk-resharded"
+            if errors and source == "disk" and self._relayout(state_dict, s, "disk", errors):
+                errors, source = [], "disk-resharded"
             if errors:
                 if any("LayoutError" in e for e in errors):
                     raise layout.LayoutError("; ".join(errors))
                 log.warning("skipping checkpoint step %d: %s", s, "; ".join(errors))
                 continue
-            self.last_load_source = "disk" if saved_world == self.world_size \
-                else "disk-resharded"
+            self.last_load_source = source
             return s
         return None
 
     # ------------------------------------------------------------------ other world size
-    def _other_world_steps(self) -> tuple[int, dict[int, dict[int, str]]]:
-        """Complete saves of another world size in this node's buffers of :attr:`dir`:
-        ``(saved world size, {step: {saved rank: buffer path}})`` (steps that every
-        saved rank holds here; 0 and ``{}`` when none)."""
+    def _node_saves(self) -> dict[int, dict[int, dict[int, str]]]:
+        """Complete saves in this node's buffers of :attr:`dir`, of any world size:
+        ``{saved world size: {step: {saved rank: buffer path}}}`` (steps that every
+        saved rank holds here). The buffers are the ranks' own slots and the replicas
+        this node holds for a peer (``replicas: 1``), so a job that lost a node and
+        comes back smaller on the survivor restores from memory."""
+        from dlrover_plugin_flashckpt.replica import parse_replica
+
+        holder = ""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                holder = ray.get_runtime_context().get_node_id()[:12]
+        except ImportError:
+            pass
         prefix = f"{shm.job_prefix(self.job)}{shm.dir_key(self.dir)}-r"
         found: dict[int, dict[int, dict[int, tuple[int, str]]]] = {}
         for path in shm.list_segments(self.opts.shm_dir, prefix):
-            if not _SLOT_RE.search(path):
+            rep = parse_replica(os.path.basename(path))
+            if not _SLOT_RE.search(path) and not (rep and holder and rep[2] == holder):
                 continue
             seg = shm.Segment.attach(path)
             if seg is None:
                 continue
             try:
                 h = seg.read_header()
-                if not shm.holds_step(h) or h.world_size == self.world_size \
-                        or seg.ident().get("dir") != self.dir:
+                if not shm.holds_step(h) or seg.ident().get("dir") != self.dir:
                     continue
                 ranks = found.setdefault(h.world_size, {}).setdefault(h.step, {})
                 if h.rank not in ranks or ranks[h.rank][0] < h.seq:
                     ranks[h.rank] = (h.seq, path)
             finally:
                 seg.close()
+        return {world: full for world, steps in found.items()
+                if (full := {s: {r: p for r, (_, p) in ranks.items()}
+                             for s, ranks in steps.items() if len(ranks) == world})}
+
+    def _other_world_steps(self) -> tuple[int, dict[int, dict[int, str]]]:
+        """The complete saves of another world size in this node's buffers:
+        ``(saved world size, {step: {saved rank: buffer path}})`` of the world size with
+        the newest step (0 and ``{}`` when none)."""
         best: tuple[int, dict[int, dict[int, str]]] = (0, {})
-        for world, steps in found.items():
-            full = {s: {r: p for r, (_, p) in ranks.items()} for s, ranks in steps.items()
-                    if len(ranks) == world}
-            if full and (not best[1] or max(full) > max(best[1])):
+        for world, full in self._node_saves().items():
+            if world != self.world_size and (not best[1] or max(full) > max(best[1])):
                 best = (world, full)
         return best
+
+    def _relayout(self, state_dict: dict, step: int, where: str,
+                  errors: list[str]) -> bool:
+        """After every rank failed to load ``step`` in place and one of them with a
+        ``LayoutError`` (same world size, another layout: TP=2 -> TP=1 x DP=2), restore
+        it resharded from every saved rank's buffer on this node (``where="memory"``)
+        or data file (``"disk"``). Collective: every rank calls it. Returns whether all
+        ranks did (``False``: a buffer or file is not here or is damaged).
+
+        Raises:
+            LayoutError: the saved state cannot be placed into the live one at all
+                (another model).
+        """
+        if not any("LayoutError" in e for e in errors):
+            return False
+        err: BaseException | None = None
+        try:
+            if where == "memory":
+                paths = self._node_saves().get(self.world_size, {}).get(step)
+                if paths is None:
+                    raise FileNotFoundError(
+                        f"step {step} has another layout and not every saved rank's flash "
+                        "buffer is on this node to reshard it from")
+            else:
+                step_dir = os.path.join(self.dir, step_dir_name(step))
+                paths = {r: os.path.join(step_dir, storage.rank_files(r)[0])
+                         for r in range(self.world_size)}
+            self._load_other_world(state_dict, step, paths, where=where)
+        except (_TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
+            err = exc
+        again = self._all_ok(err)
+        if not again:
+            return True
+        if any("LayoutError" in e for e in again):
+            raise layout.LayoutError("; ".join(errors + again))
+        return False
 
     def _load_other_world(self, state_dict: dict, step: int, paths: dict[int, str],
                           where: str) -> None:

@@ -1,7 +1,8 @@
 """Scenario for test_flash_replica: a 2-node ``ray.cluster_utils.Cluster`` (plus a head
 node), its own Ray in this process. Two ranks on node A save steps 1-3 with
 ``replicas: 1`` and ``persist_every_steps: 2`` (step 2 reaches the disk, step 3 only
-memory); node A is removed; new ranks on the head node restore. Prints one JSON line.
+memory); node A is removed; new ranks on the head node restore, then one rank on the
+node that holds A's replicas (a smaller job) restores from them. Prints one JSON line.
 
     python plugins/flashckpt/tests/replica_scenario.py WORK_DIR
 """
@@ -76,6 +77,14 @@ def main(work: str) -> None:
         out["restored_on"] = ray.get([a.node_id.remote() for a in new])
         out["loads"] = ray.get([a.load.remote() for a in new], timeout=300)
         out["committed_after"] = committed_steps(ckpt)
+        # the job comes back smaller, on the node that holds the replicas (the next
+        # node of the ring after A): one rank restores the 2-rank step 3 from the
+        # replica buffers of its own node
+        peer = [h["peer"] for h in hist if h["step"] == 3][0]
+        one = actor.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            peer, soft=False)).remote(job, ckpt, 0, 1, options)
+        out["smaller_on"] = ray.get(one.node_id.remote())
+        out["smaller_load"] = ray.get(one.load.remote(), timeout=300)
     finally:
         try:
             finish_job(job, timeout=60)

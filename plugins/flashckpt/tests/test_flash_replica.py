@@ -1,7 +1,8 @@
 """Replicas in a peer node's memory (``checkpoint.options.replicas: 1``) on a 2-node
 ``ray.cluster_utils.Cluster``: the node holding the shards is removed and the new
 ranks restore the newest saved step from the peer's memory, not the newest persisted
-one from disk (see replica_scenario.py; its own Ray, in a subprocess)."""
+one from disk, and a smaller job on the peer restores it resharded from the replicas
+(see replica_scenario.py; its own Ray, in a subprocess)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,6 @@ def test_node_loss_restores_the_newest_saved_step_from_the_peer_replica(tmp_path
     assert res["removed_buffers"] >= 2
     assert all(n not in (res["node_a"], res["node_b"]) for n in res["restored_on"])
     assert res["loads"] == [{"step": 3, "source": "replica", "exact": True}] * 2
+    # one rank on the replicas' holder restores the 2-rank save from them
+    assert res["smaller_on"] == res["replicas"][-1]["peer"]
+    assert res["smaller_load"] == {"step": 3, "source": "memory-resharded", "exact": True}
