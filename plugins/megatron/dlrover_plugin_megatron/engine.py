@@ -19,12 +19,13 @@ The state dict::
                    "param_groups": [{"lr": ..., "betas": ..., ...}]},   # without "params"
      ...other objects}
 
-Layouts: through the ``disk`` saver (torch.distributed.checkpoint), a checkpoint
-written at one TP/PP layout loads at another (TP=2 -> TP=1 and back, another PP
-split of the layers, another world size). Through the ``flash`` saver, a checkpoint
-restores only into the layout that wrote it (the flash format keeps each rank's local
-shard): at the same world size another layout gets the flash saver's ``LayoutError``
-(shapes differ); at another world size the flash saver skips the step with a warning.
+Layouts: a checkpoint written at one TP/PP layout loads at another (TP=2 -> TP=1 and
+back, another PP split of the layers, another world size) through both savers. The
+``disk`` saver (torch.distributed.checkpoint) reads the chunks the new layout asks
+for. The ``flash`` saver keeps each rank's local shard with its place in the global
+tensor and, when the layout differs, fills each live tensor from the saved shards
+that overlap it (``dlrover_plugin_flashckpt.reshard``): from memory when every saved
+rank's buffer is on the loading node, else from its files on disk.
 """
 
 from __future__ import annotations

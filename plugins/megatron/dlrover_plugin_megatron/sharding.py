@@ -15,7 +15,8 @@ Both share memory with the live parameter, so loading into them loads in place.
 ``torch.distributed.checkpoint`` (the ``disk`` saver) stores every chunk with its
 global offset and reads whatever chunks a new layout asks for: a TP=2 checkpoint
 loads at TP=1 and back, in any world size. The ``flash`` saver stores each rank's
-local shard (``DTensor.to_local()``) and restores into the same layout.
+local shard (``DTensor.to_local()``) with its global shape and offset, and reshards
+the same way when the layout differs.
 
 Stacked layers (``prepend_axis_num > 0``, megatron-core's ``decoder.layers.*`` in
 ``GPTModel``) are split into one tensor per layer, named ``<key>#<layer>`` with the

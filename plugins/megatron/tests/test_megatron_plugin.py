@@ -291,6 +291,105 @@ def test_flash_round_trip_bit_exact(ray_cluster, tmp_path):
         finish_job(job, timeout=30)
 
 
+@pytest.mark.slow
+def test_flash_checkpoint_changes_layout(ray_cluster, tmp_path):
+    """A TP=2 flash checkpoint loads at TP=1 x DP=2 (same world size: from every saved
+    rank's buffer on this node) and at TP=1 in one rank, from memory; that rank's own
+    save (whole tensors) loads back at TP=2; once shared memory is gone, the TP=2 step
+    loads at TP=1 x DP=2 from the disk copy. Every time the global tensors, the AdamW
+    moments and the outputs are those of the TP=2 job."""
+    from dlrover_plugin_flashckpt import hygiene
+    from dlrover_plugin_flashckpt.persister import finish_job
+
+    job = f"mgrelayout-{uuid.uuid4().hex[:8]}"
+    ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}
+
+    def role(world_size: int, tp: int) -> list:
+        return spawn_role("trainer", W, world_size, {"tensor_parallel": tp, "ckpt": ckpt},
+                          backend="megatron", job=job)
+
+    x = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(3))
+    try:
+        hs = role(2, 2)
+        call(hs, "train", 3)
+        call(hs, "save", 3)
+        full = call(hs, "full_params")[0]
+        moments = call(hs, "full_optimizer_state")[0]
+        logits = call(hs, "logits", x)[0]
+        call(hs, "wait")
+        kill(hs)
+
+        # (world size, TP, step asked, step and source expected, then save this step)
+        phases = [(2, 1, None, 3, "memory-resharded", None),
+                  (1, 1, None, 3, "memory-resharded", 4),
+                  (2, 2, None, 4, "memory-resharded", None),
+                  (2, 1, 3, 3, "disk-resharded", None)]
+        for world_size, tp, ask, step, source, save in phases:
+            if source == "disk-resharded":
+                hygiene.remove_job("/dev/shm", job)  # only the disk copies are left
+            hs = role(world_size, tp)
+            try:
+                assert call(hs, "load", ask) == [{"step": step, "source": source}] * world_size
+                where = (world_size, tp, source)
+                for rank_params in call(hs, "full_params"):  # DP ranks: equal replicas
+                    assert rank_params.keys() == full.keys()
+                    for k in full:
+                        assert torch.equal(rank_params[k], full[k]), (where, k)
+                loaded_moments = call(hs, "full_optimizer_state")[0]
+                assert loaded_moments.keys() == moments.keys() and moments
+                for k in moments:
+                    assert torch.equal(loaded_moments[k], moments[k]), (where, k)
+                torch.testing.assert_close(call(hs, "logits", x)[0], logits, rtol=0, atol=1e-5)
+                if save is not None:
+                    call(hs, "save", save)
+                    call(hs, "wait")
+            finally:
+                kill(hs)
+    finally:
+        finish_job(job, timeout=30)
+
+
+@pytest.mark.slow
+def test_flash_pp2_checkpoint_loads_at_pp1_from_memory(ray_cluster, tmp_path):
+    """Each pipeline stage's flash buffer holds only its layers; one stage with every
+    layer takes each from the saved rank that holds it."""
+    from dlrover_plugin_flashckpt.persister import finish_job
+
+    job = f"mgpp-{uuid.uuid4().hex[:8]}"
+    ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}
+    stage = "plugins.megatron.tests.megatron_workloads:StageHolder"
+    try:
+        two = spawn_role("trainer", stage, 2, {"pipeline_parallel": 2, "ckpt": ckpt},
+                         backend="megatron", job=job)
+        try:
+            call(two, "step")
+            call(two, "save", 1)
+            parts = call(two, "full_params")
+            moments = call(two, "full_optimizer_state")
+        finally:
+            kill(two)
+        one = spawn_role("trainer", stage, 1, {"pipeline_parallel": 1, "ckpt": ckpt},
+                         backend="megatron", job=job)
+        try:
+            before = call(one, "full_params")[0]
+            assert call(one, "load") == [{"step": 1, "source": "memory-resharded"}]
+            loaded = call(one, "full_params")[0]
+            loaded_moments = call(one, "full_optimizer_state")[0]
+        finally:
+            kill(one)
+    finally:
+        finish_job(job, timeout=30)
+    saved = {**parts[0], **parts[1]}
+    assert loaded.keys() == saved.keys()
+    assert not all(torch.equal(before[k], saved[k]) for k in saved)  # loading changed it
+    for k in saved:
+        assert torch.equal(loaded[k], saved[k]), k
+    saved_moments = {**moments[0], **moments[1]}
+    assert loaded_moments.keys() == saved_moments.keys() and saved_moments
+    for k in saved_moments:
+        assert torch.equal(loaded_moments[k], saved_moments[k]), k
+
+
 # --------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
 def test_gpt_model_trains_and_round_trips_through_flash(ray_cluster, tmp_path):
