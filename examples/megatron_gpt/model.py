@@ -16,8 +16,12 @@ Layer norms and the position embedding are replicated on every TP rank. The
 tensor-parallel arithmetic follows Shoeybi et al. 2019, "Megatron-LM: Training
 Multi-Billion Parameter Language Models Using Model Parallelism", section 3.
 
-Pipeline parallelism is not used by this model (one stage); layers are named by
-their global index (``layers.<i>``) so that checkpoints keep their names.
+Pipeline parallelism: with ``pipeline_parallel`` = PP, the model built on a rank is
+that rank's stage: ``num_layers / PP`` consecutive blocks, the embeddings on the first
+stage, the final layer norm, output layer and loss on the last one. Blocks are named by
+their global index (``layers.<i>``), so checkpoints move between pipeline layouts.
+Stages exchange activations through ``dlrover_plugin_megatron.pipeline`` (a GPipe
+schedule over gloo; megatron-core's schedules need CUDA).
 """
 
 from __future__ import annotations
@@ -136,49 +140,74 @@ class LayerStack(MegatronModule):
 
 
 class TensorParallelCharGPT(MegatronModule):
-    """The model; build it after ``parallel_state`` is initialised (the ``megatron``
-    backend's setup does that), with the same seed on every TP rank.
+    """The model, or this rank's pipeline stage of it; build it after
+    ``parallel_state`` is initialised (the ``megatron`` backend's setup does that),
+    with the same seed on every TP rank.
 
-    ``forward(idx, targets=None)``: ``idx`` ``[b, s]`` int64 token ids; returns the
-    vocab-split logits ``[s, b, vocab/tp]`` float32, or with ``targets`` ``[b, s]`` the
-    mean cross-entropy (nats/token, a float32 scalar equal on every TP rank).
+    ``forward(idx, targets=None, hidden=None)``: ``idx`` ``[b, s]`` int64 token ids
+    (read by the first stage), ``hidden`` ``[s, b, h]`` float32 the previous stage's
+    output (any other stage). The last stage returns the vocab-split logits
+    ``[s, b, vocab/tp]`` float32, or with ``targets`` ``[b, s]`` the mean cross-entropy
+    (nats/token, a float32 scalar equal on every TP rank); any other stage returns
+    its output ``[s, b, h]``.
+
+    Raises:
+        ValueError: ``vocab_size`` not a multiple of TP, or ``num_layers`` not a
+            multiple of PP.
     """
 
     def __init__(self, shape: CharGPTShape) -> None:
         tp = ps.get_tensor_model_parallel_world_size()
-        if ps.get_pipeline_model_parallel_world_size() != 1:
-            raise ValueError("TensorParallelCharGPT has one pipeline stage: set "
-                             "pipeline_parallel to 1 (GPTModel in gpt.py supports PP on GPUs)")
+        pp = ps.get_pipeline_model_parallel_world_size()
         if shape.vocab_size % tp:
             raise ValueError(f"vocab_size {shape.vocab_size} must be a multiple of "
                              f"tensor_parallel {tp}")
+        if shape.num_layers % pp:
+            raise ValueError(f"num_layers {shape.num_layers} must be a multiple of "
+                             f"pipeline_parallel {pp}")
         config = transformer_config(shape, tp)
         super().__init__(config)
         self.shape = shape
-        h = shape.hidden_size
-        self.embedding = tensor_parallel.VocabParallelEmbedding(
-            shape.vocab_size, h, init_method=init_method_normal(shape.init_std), config=config)
-        self.position = torch.nn.Embedding(shape.block_size, h)
-        torch.nn.init.normal_(self.position.weight, std=shape.init_std)
-        self.layers = LayerStack(config, shape, 0, shape.num_layers)
-        self.ln_f = torch.nn.LayerNorm(h)
-        self.output = tensor_parallel.ColumnParallelLinear(
-            h, shape.vocab_size, config=config, init_method=init_method_normal(shape.init_std),
-            bias=False, gather_output=False)
+        self.pre_process = ps.is_pipeline_first_stage()
+        self.post_process = ps.is_pipeline_last_stage()
+        h, per = shape.hidden_size, shape.num_layers // pp
+        if self.pre_process:
+            self.embedding = tensor_parallel.VocabParallelEmbedding(
+                shape.vocab_size, h, init_method=init_method_normal(shape.init_std),
+                config=config)
+            self.position = torch.nn.Embedding(shape.block_size, h)
+            torch.nn.init.normal_(self.position.weight, std=shape.init_std)
+        self.layers = LayerStack(config, shape, ps.get_pipeline_model_parallel_rank() * per, per)
+        if self.post_process:
+            self.ln_f = torch.nn.LayerNorm(h)
+            self.output = tensor_parallel.ColumnParallelLinear(
+                h, shape.vocab_size, config=config,
+                init_method=init_method_normal(shape.init_std), bias=False,
+                gather_output=False)
 
     def num_params(self) -> int:
-        """Parameters of the whole model (all TP ranks together)."""
+        """Parameters of this stage (all its TP ranks together)."""
         tp = ps.get_tensor_model_parallel_world_size()
         n = 0
         for p in self.parameters():
             n += p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
         return n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        b, s = idx.shape
-        x = self.embedding(idx.t().contiguous())                # [s, b, h]
-        x = x + self.position.weight[:s].unsqueeze(1)
+    def forward(self, idx: torch.Tensor | None, targets: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre_process:
+            assert idx is not None
+            s = idx.shape[1]
+            x = self.embedding(idx.t().contiguous())            # [s, b, h]
+            x = x + self.position.weight[:s].unsqueeze(1)
+        else:
+            if hidden is None:
+                raise ValueError("a pipeline stage after the first needs hidden, the "
+                                 "previous stage's output [s, b, h]")
+            x = hidden
         x = self.layers(x)
+        if not self.post_process:
+            return x
         logits, _ = self.output(self.ln_f(x))                  # [s, b, vocab/tp]
         if targets is None:
             return logits

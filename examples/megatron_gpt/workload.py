@@ -2,8 +2,11 @@
 
 On the CPU (the default here): :class:`~examples.megatron_gpt.model.TensorParallelCharGPT`,
 built from megatron-core's tensor-parallel layers, at ``tensor_parallel`` ranks over
-gloo. With CUDA and ``config.model: gpt``: megatron-core's ``GPTModel``
-(:mod:`examples.megatron_gpt.gpt`), with TP and PP.
+gloo; with ``pipeline_parallel`` > 1 each rank builds its stage and a step runs
+``micro_batches`` micro-batches through the stages with
+:func:`dlrover_plugin_megatron.pipeline.gpipe_forward_backward`. With CUDA and
+``config.model: gpt``: megatron-core's ``GPTModel`` (:mod:`examples.megatron_gpt.gpt`),
+with TP.
 
 Data: the Python reference manual (``examples.nanogpt.data.CharDataset``, 103
 symbols, the last 10% held out). Every rank of a tensor-parallel group reads the same
@@ -53,8 +56,15 @@ class MegatronGPTWorkload(BaseWorkload):
             model = build_gpt_model(self.shape, self.backend)
         else:
             model = TensorParallelCharGPT(self.shape)
+        self.pp = self.backend.settings.pipeline_parallel
+        self.micro_batches = int(c.get("micro_batches", 2 * self.pp if self.pp > 1 else 1))
+        if self.micro_batches < 1 or int(c.batch_size) % self.micro_batches:
+            raise ValueError(f"config.micro_batches: {self.micro_batches} is invalid; allowed: "
+                             f"a divisor of config.batch_size {int(c.batch_size)}")
         self.num_params = _num_params(model)
-        self.model = self.backend.wrap(model)
+        # with pipeline stages, gradients are averaged over data parallel after the
+        # whole pipelined step (DDP would reduce at every micro-batch's backward)
+        self.model = self.backend.wrap(model) if self.pp == 1 else model.to(self.backend.device)
         self.opt = adamw(self.model.parameters(), c)
         self.extra = {"step": 0}
         loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
@@ -79,7 +89,10 @@ class MegatronGPTWorkload(BaseWorkload):
         total = torch.zeros(1)
         for i in range(n):
             x, y = self._batch("val", i, 0)
-            total += self.model(x, y).detach().float().cpu()
+            if self.pp > 1:
+                total += self._pipelined(x, y, 1, forward_only=True)
+            else:
+                total += self.model(x, y).detach().float().cpu()
         self.model.train()
         total /= n
         if self.backend.dp_size > 1:
@@ -88,6 +101,34 @@ class MegatronGPTWorkload(BaseWorkload):
             dist.all_reduce(total, group=ps.get_data_parallel_group())
             total /= self.backend.dp_size
         return float(total)
+
+    def _pipelined(self, x: torch.Tensor, y: torch.Tensor, micro_batches: int,
+                   forward_only: bool = False) -> float:
+        """One GPipe pass of the batch ``x``, ``y`` ``[b, s]`` in ``micro_batches``
+        micro-batches through the pipeline stages; returns the mean loss."""
+        from dlrover_plugin_megatron.pipeline import gpipe_forward_backward
+
+        xs, ys = x.chunk(micro_batches), y.chunk(micro_batches)
+        shape = (self.shape.block_size, xs[0].shape[0], self.shape.hidden_size)
+        return gpipe_forward_backward(lambda i, h: self.model(xs[i], ys[i], hidden=h),
+                                      micro_batches, shape, forward_only=forward_only)
+
+    def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward of one batch (gradients averaged over data parallel);
+        returns the loss."""
+        if self.pp == 1:
+            loss = self.model(x, y)
+            loss.backward()
+            return loss.item()
+        loss = self._pipelined(x, y, self.micro_batches)
+        if self.backend.dp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                    p.grad /= self.backend.dp_size
+        return loss
 
     def _maybe_fault(self, step: int) -> None:
         """Test hook: ``config.fault`` = {"rank": r, "step": s, "kind": raise|kill} injects
@@ -114,14 +155,13 @@ class MegatronGPTWorkload(BaseWorkload):
             for g in self.opt.param_groups:
                 g["lr"] = self.lr_at(step)
             x, y = self._batch("train", step, seed)
-            loss = self.model(x, y)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = self._train_step(x, y)
             _clip_grad_norm(self.model, 1.0)
             self.opt.step()
             step += 1
             now = time.perf_counter()
-            metrics = {"loss": loss.item(), "lr": self.lr_at(step - 1),
+            metrics = {"loss": loss, "lr": self.lr_at(step - 1),
                        "samples_per_s": samples / max(now - t_last, 1e-9)}
             t_last = now
             if step % eval_every == 0 or step == max_steps:
@@ -141,18 +181,23 @@ class MegatronGPTWorkload(BaseWorkload):
 
 
 def _num_params(model: torch.nn.Module) -> int:
-    """Parameters of the whole model: TP-split ones counted at their global size."""
+    """Parameters of the whole model: TP-split ones counted at their global size, the
+    stages' summed over the pipeline group."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-               for p in model.parameters())
+    n = torch.tensor([sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                          for p in model.parameters())])
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(n, group=ps.get_pipeline_model_parallel_group())
+    return int(n)
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clip by the global gradient norm over the whole model: squares of TP-split
-    gradients are summed over the tensor-parallel group, replicated ones counted once
-    (Megatron-LM's ``clip_grad_norm_fp32``). Returns the norm before clipping."""
+    gradients are summed over the tensor-parallel group, replicated ones counted once,
+    and the stages' sums over the pipeline group (Megatron-LM's ``clip_grad_norm_fp32``).
+    Returns the norm before clipping."""
     from megatron.core import parallel_state as ps
 
     split, whole = torch.zeros(1), torch.zeros(1)
@@ -167,7 +212,10 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
             whole += sq
     if ps.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(split, group=ps.get_tensor_model_parallel_group())
-    norm = float((split + whole).sqrt())
+    total = split + whole
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    norm = float(total.sqrt())
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for g in grads:

@@ -113,6 +113,20 @@ class TPTrainer(BaseWorkload):
         grads = {_name(n): self._gather(p.grad, p) for n, p in self.model.named_parameters()}
         return {"loss": float(loss), "logits": full_logits, "grads": grads}
 
+    def pipelined_forward_backward(self, x: torch.Tensor, y: torch.Tensor,
+                                   micro_batches: int) -> dict:
+        """Loss and the full gradients of this stage's parameters for one batch run
+        through the pipeline stages in ``micro_batches`` micro-batches (GPipe)."""
+        from dlrover_plugin_megatron.pipeline import gpipe_forward_backward
+
+        self.opt.zero_grad()
+        xs, ys = x.chunk(micro_batches), y.chunk(micro_batches)
+        loss = gpipe_forward_backward(lambda i, h: self.model(xs[i], ys[i], hidden=h),
+                                      micro_batches,
+                                      (SHAPE.block_size, xs[0].shape[0], SHAPE.hidden_size))
+        grads = {_name(n): self._gather(p.grad, p) for n, p in self.model.named_parameters()}
+        return {"loss": loss, "grads": grads}
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_backward(x, torch.zeros_like(x))["logits"]
 

@@ -1,5 +1,5 @@
-"""Whole jobs of the megatron example at TP=2 (2 ranks over gloo) under a real
-JobMaster: the loss falls, and a SIGKILLed TP rank is recovered from the newest
+"""Whole jobs of the megatron example at TP=2 and at PP=2 (2 ranks over gloo) under a
+real JobMaster: the loss falls, and a SIGKILLed TP rank is recovered from the newest
 checkpoint while the job goes on to succeed."""
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ TINY = ["config.num_layers=1", "config.hidden_size=32", "config.num_attention_he
         "failover.pg_timeout_s=180"]
 
 
-def run_job(name: str, job_dir: str, steps: int, kill_rank_at: int | None = None) -> dict:
+def run_job(name: str, job_dir: str, steps: int, kill_rank_at: int | None = None,
+            overrides: tuple[str, ...] = ()) -> dict:
     spec = load_spec("examples/megatron_gpt/job.yaml",
                      TINY + [f"name={name}", f"config.max_steps={steps}",
-                             f"config.eval_every={steps}"])
+                             f"config.eval_every={steps}", *overrides])
     master = create_master(spec, job_dir)
     try:
         ray.get(master.start.remote())
@@ -56,6 +57,19 @@ def test_tp2_job_trains_and_loss_falls(ray_cluster, job_dir):
     losses = [r["loss"] for r in step_records(job_dir) if "loss" in r]
     assert len(losses) == 24
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5  # nats/char, from ~4.2
+    assert summary["metrics"]["val_loss"] < losses[0]
+
+
+def test_pp2_job_trains_and_loss_falls(ray_cluster, job_dir):
+    """Two pipeline stages (one layer each), 4 micro-batches per step (GPipe)."""
+    summary = run_job("mg-pp", job_dir, 24, overrides=(
+        "roles.trainer.config.tensor_parallel=1", "roles.trainer.config.pipeline_parallel=2",
+        "config.num_layers=2", "config.micro_batches=4"))
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["steps"] == 24
+    losses = [r["loss"] for r in step_records(job_dir) if "loss" in r]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5
     assert summary["metrics"]["val_loss"] < losses[0]
 
 

@@ -171,6 +171,34 @@ def test_tp2_forward_and_gradients_equal_tp1(ray_cluster):
         kill(tp1 + tp2)
 
 
+def test_pipeline_stages_equal_one_stage(ray_cluster):
+    """The GPipe step over PP=2 (and TP=2 x PP=2) stages with 3 micro-batches gives the
+    loss and gradients of one PP=1 step on the whole batch with the same weights."""
+    tp1 = start(1, 1)
+    pp2 = start(2, 1, pipeline_parallel=2)
+    tp2pp2 = start(4, 2, pipeline_parallel=2)
+    try:
+        weights = call(tp1, "full_params")[0]
+        g = torch.Generator().manual_seed(11)
+        x = torch.randint(0, 20, (3, 16), generator=g)
+        y = torch.randint(0, 20, (3, 16), generator=g)
+        ref = call(tp1, "forward_backward", x, y)[0]
+        for hs in (pp2, tp2pp2):
+            call(hs, "set_full_params", weights)
+            outs = call(hs, "pipelined_forward_backward", x, y, 3)
+            grads: dict = {}
+            for out in outs:  # every stage reports the last stage's loss
+                assert out["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+                grads.update(out["grads"])
+            stage_names = [set(o["grads"]) for o in outs]
+            assert stage_names[0] != stage_names[-1]  # stages hold different layers
+            assert grads.keys() == ref["grads"].keys()
+            for name, grad in ref["grads"].items():
+                torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+    finally:
+        kill(tp1 + pp2 + tp2pp2)
+
+
 # --------------------------------------------------------------------------- checkpoints
 def assert_same(a: list[dict], b: list[dict]) -> None:
     for rank, (x, y) in enumerate(zip(a, b)):
