@@ -31,6 +31,12 @@ from dlrover_core.master.launcher import kill_actor
 from dlrover_core.runtime.context import MASTER_NAMESPACE
 from dlrover_core.runtime.host import remote_workload_host
 
+#: s a promotion waits for a spare's answer to a ping (its process runs)
+PING_S = 2.0
+#: s a promotion waits for a running spare still in ``prepare()`` (imports and
+#: ``warm_up()``); past it the spare is replaced by a fresh process
+PREPARE_WAIT_S = 15.0
+
 if TYPE_CHECKING:
     from dlrover_core.master.instances import Instance
     from dlrover_core.master.launcher import Launcher
@@ -120,8 +126,9 @@ class StandbyPool:
         return replace(base, pg=len(self.launcher.pgs) - 1, bundle=0)
 
     def take(self, role: str, rank: int, attempt: int) -> Instance | None:
-        """Promote the role's spare to ``rank`` if it is warm and alive; ``None`` (and a
-        ``standby_unusable`` event) otherwise. The rank moves to the spare's bundle;
+        """Promote the role's spare to ``rank`` if it is alive and warm, or running and
+        warm within :data:`PREPARE_WAIT_S`; ``None`` (and a ``standby_unusable`` event)
+        otherwise (dead, not started, or its ``prepare()`` failed or is too slow). The rank moves to the spare's bundle;
         its old bundle (the failed actor was stopped) is the next spare's."""
         s = self.scope
         spare = self.spares.pop(role, None)
@@ -130,7 +137,13 @@ class StandbyPool:
             s.emit("standby_unusable", role=role, reason="none")
             return None
         try:
-            ray.get(spare.prepared, timeout=0.5)
+            if not ray.wait([spare.prepared], timeout=0.5)[0]:
+                # still warming up: a spare whose process runs (it answers a ping)
+                # finishes its imports sooner than a fresh process would repeat them;
+                # one that never started (no room for its bundle) is given up
+                ray.get(spare.handle.ping.remote(), timeout=PING_S)
+                ray.wait([spare.prepared], timeout=PREPARE_WAIT_S)
+            ray.get(spare.prepared, timeout=0)
             ray.get(spare.handle.assign.remote(
                 self.launcher.worker_context(role, rank, attempt)), timeout=5)
         except Exception as exc:  # noqa: BLE001 - not warm yet, or dead: start a fresh one
