@@ -246,6 +246,22 @@ def test_disk_round_trip_bit_exact_and_tp2_loads_at_tp1(ray_cluster, tmp_path):
         kill(one)
 
 
+def assert_stages_restored(parts: list[dict], moments: list[dict], before: dict,
+                           loaded: dict, loaded_moments: dict) -> None:
+    """The one stage's parameters and AdamW moments after the load are the saved
+    stages' (``parts``, ``moments``: one dict per saved stage), and differ from the
+    freshly built ones (``before``)."""
+    saved = {**parts[0], **parts[1]}
+    assert loaded.keys() == saved.keys()
+    assert not all(torch.equal(before[k], saved[k]) for k in saved)  # loading changed it
+    for k in saved:
+        assert torch.equal(loaded[k], saved[k]), k
+    saved_moments = {**moments[0], **moments[1]}
+    assert loaded_moments.keys() == saved_moments.keys() and saved_moments
+    for k in saved_moments:
+        assert torch.equal(loaded_moments[k], saved_moments[k]), k
+
+
 def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path):
     """Two pipeline stages (layer 0, layer 1) save; one stage with both layers loads
     the same tensors: layers keep their global names."""
@@ -271,15 +287,7 @@ def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path):
         loaded_moments = call(one, "full_optimizer_state")[0]
     finally:
         kill(one)
-    saved = {**parts[0], **parts[1]}
-    assert loaded.keys() == saved.keys()
-    assert not all(torch.equal(before[k], saved[k]) for k in saved)  # loading changed it
-    for k in saved:
-        assert torch.equal(loaded[k], saved[k]), k
-    saved_moments = {**moments[0], **moments[1]}
-    assert loaded_moments.keys() == saved_moments.keys() and saved_moments
-    for k in saved_moments:
-        assert torch.equal(loaded_moments[k], saved_moments[k]), k
+    assert_stages_restored(parts, moments, before, loaded, loaded_moments)
 
 
 @pytest.mark.slow
@@ -407,15 +415,7 @@ def test_flash_pp2_checkpoint_loads_at_pp1_from_memory(ray_cluster, tmp_path):
             kill(one)
     finally:
         finish_job(job, timeout=30)
-    saved = {**parts[0], **parts[1]}
-    assert loaded.keys() == saved.keys()
-    assert not all(torch.equal(before[k], saved[k]) for k in saved)  # loading changed it
-    for k in saved:
-        assert torch.equal(loaded[k], saved[k]), k
-    saved_moments = {**moments[0], **moments[1]}
-    assert loaded_moments.keys() == saved_moments.keys() and saved_moments
-    for k in saved_moments:
-        assert torch.equal(loaded_moments[k], saved_moments[k]), k
+    assert_stages_restored(parts, moments, before, loaded, loaded_moments)
 
 
 # --------------------------------------------------------------------------- GPU only
