@@ -128,8 +128,9 @@ class StandbyPool:
     def take(self, role: str, rank: int, attempt: int) -> Instance | None:
         """Promote the role's spare to ``rank`` if it is alive and warm, or running and
         warm within :data:`PREPARE_WAIT_S`; ``None`` (and a ``standby_unusable`` event)
-        otherwise (dead, not started, or its ``prepare()`` failed or is too slow). The rank moves to the spare's bundle;
-        its old bundle (the failed actor was stopped) is the next spare's."""
+        otherwise (dead, not started, or its ``prepare()`` failed or is too slow). The
+        rank moves to the spare's bundle; its old bundle (the failed actor was stopped)
+        is the next spare's."""
         s = self.scope
         spare = self.spares.pop(role, None)
         self._persist()
