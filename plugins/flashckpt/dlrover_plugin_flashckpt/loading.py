@@ -408,16 +408,10 @@ class LoadingMixin:
 
         where = f"flash replica of rank {self.rank} step {step} on node {rep['node_id'][:12]}"
         if rep["node_id"] == ray.get_runtime_context().get_node_id():
-            got = None
-            seg = shm.Segment.attach(rep["path"])
-            if seg is None:
-                raise _TornRead(f"{where} is gone")
+            from dlrover_plugin_flashckpt.replica import open_step
+
+            seg, h, meta = open_step(rep["path"], step)
             try:
-                with seg.locked():
-                    h = seg.read_header()
-                    if h.state != shm.READY or h.step != step:
-                        raise _TornRead(f"{where} no longer holds step {step}")
-                    meta = seg.meta_bytes(h)
                 with ShardReader(rep["path"], h.data_offset) as rd:
                     self._restore_from(state_dict, meta, step, where,
                                        lambda e, dst: rd.submit(dst, e.offset))

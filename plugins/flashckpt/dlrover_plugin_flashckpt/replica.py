@@ -132,14 +132,15 @@ def held(shm_dir: str, job: str, directory: str, holder: str) -> list[dict]:
     return out
 
 
-def read(path: str, step: int) -> dict:
-    """``{"meta": bytes, "data": numpy uint8 array (a copy), "step"}`` of a replica.
+def open_step(path: str, step: int) -> tuple[shm.Segment, shm.Header, bytes]:
+    """``(segment, header, meta block)`` of the replica at ``path`` holding ``step``,
+    its meta block checked against its crc32. The caller reads the data, checks that
+    ``segment.read_header().seq`` is still ``header.seq``, and closes the segment.
 
     Raises:
-        ValueError: it no longer holds ``step``, or changed while it was read.
+        ValueError: the replica is gone, holds another step, or its meta block is
+            damaged.
     """
-    import numpy as np
-
     seg = shm.Segment.attach(path)
     if seg is None:
         raise ValueError(f"replica {os.path.basename(path)} is gone")
@@ -149,11 +150,27 @@ def read(path: str, step: int) -> dict:
             if h.state != shm.READY or h.step != step:
                 raise ValueError(f"replica {seg.name} holds step {h.step}, not {step}")
             meta = seg.meta_bytes(h)
+        if zlib.crc32(meta) != h.meta_crc:
+            raise ValueError(f"replica {seg.name}: crc32 of the meta block does not match")
+    except BaseException:
+        seg.close()
+        raise
+    return seg, h, meta
+
+
+def read(path: str, step: int) -> dict:
+    """``{"meta": bytes, "data": numpy uint8 array (a copy), "step"}`` of a replica.
+
+    Raises:
+        ValueError: it no longer holds ``step``, or changed while it was read.
+    """
+    import numpy as np
+
+    seg, h, meta = open_step(path, step)
+    try:
         data = np.frombuffer(seg.mm, dtype=np.uint8, count=h.data_len, offset=h.data_offset).copy()
         if seg.read_header().seq != h.seq:
             raise ValueError(f"replica {seg.name} was overwritten while it was read")
-        if zlib.crc32(meta) != h.meta_crc:
-            raise ValueError(f"replica {seg.name}: crc32 of the meta block does not match")
         return {"meta": meta, "data": data, "step": step}
     finally:
         seg.close()
