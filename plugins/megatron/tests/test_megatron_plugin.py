@@ -246,11 +246,42 @@ def test_disk_round_trip_bit_exact_and_tp2_loads_at_tp1(ray_cluster, tmp_path):
         kill(one)
 
 
-def assert_stages_restored(parts: list[dict], moments: list[dict], before: dict,
-                           loaded: dict, loaded_moments: dict) -> None:
-    """The one stage's parameters and AdamW moments after the load are the saved
-    stages' (``parts``, ``moments``: one dict per saved stage), and differ from the
-    freshly built ones (``before``)."""
+@pytest.mark.parametrize("saver,source", [
+    ("disk", "disk"), pytest.param("flash", "memory-resharded", marks=pytest.mark.slow)])
+def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path, saver, source):
+    """Two pipeline stages (layer 0, layer 1) save; one stage with both layers loads
+    the same tensors: layers keep their global names. Through the flash saver each
+    stage's buffer holds only its layers, and the one stage takes each from the saved
+    rank that holds it (from memory)."""
+    job = f"mgpp-{uuid.uuid4().hex[:8]}"
+    ckpt = {"saver": saver, "dir": str(tmp_path / "ckpt"), "keep": 2}
+    stage = "plugins.megatron.tests.megatron_workloads:StageHolder"
+    try:
+        two = spawn_role("trainer", stage, 2, {"pipeline_parallel": 2, "ckpt": ckpt},
+                         backend="megatron", job=job)
+        try:
+            call(two, "step")
+            call(two, "save", 1)
+            parts = call(two, "full_params")
+            moments = call(two, "full_optimizer_state")
+        finally:
+            kill(two)
+        assert {k.split(".")[1] for k in parts[0]} == {"0"}
+        assert {k.split(".")[1] for k in parts[1]} == {"1"}
+        one = spawn_role("trainer", stage, 1, {"pipeline_parallel": 1, "ckpt": ckpt},
+                         backend="megatron", job=job)
+        try:
+            before = call(one, "full_params")[0]
+            assert call(one, "load") == [{"step": 1, "source": source}]
+            loaded = call(one, "full_params")[0]
+            loaded_moments = call(one, "full_optimizer_state")[0]
+        finally:
+            kill(one)
+    finally:
+        if saver == "flash":
+            from dlrover_plugin_flashckpt.persister import finish_job
+
+            finish_job(job, timeout=30)
     saved = {**parts[0], **parts[1]}
     assert loaded.keys() == saved.keys()
     assert not all(torch.equal(before[k], saved[k]) for k in saved)  # loading changed it
@@ -260,34 +291,6 @@ def assert_stages_restored(parts: list[dict], moments: list[dict], before: dict,
     assert loaded_moments.keys() == saved_moments.keys() and saved_moments
     for k in saved_moments:
         assert torch.equal(loaded_moments[k], saved_moments[k]), k
-
-
-def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path):
-    """Two pipeline stages (layer 0, layer 1) save; one stage with both layers loads
-    the same tensors: layers keep their global names."""
-    ckpt = {"saver": "disk", "dir": str(tmp_path / "ckpt"), "keep": 2}
-    stage = "plugins.megatron.tests.megatron_workloads:StageHolder"
-    two = spawn_role("trainer", stage, 2, {"pipeline_parallel": 2, "ckpt": ckpt},
-                     backend="megatron", job=f"mg-{uuid.uuid4().hex[:8]}")
-    try:
-        call(two, "step")
-        call(two, "save", 1)
-        parts = call(two, "full_params")
-        moments = call(two, "full_optimizer_state")
-    finally:
-        kill(two)
-    assert {k.split(".")[1] for k in parts[0]} == {"0"}
-    assert {k.split(".")[1] for k in parts[1]} == {"1"}
-    one = spawn_role("trainer", stage, 1, {"pipeline_parallel": 1, "ckpt": ckpt},
-                     backend="megatron", job=f"mg-{uuid.uuid4().hex[:8]}")
-    try:
-        before = call(one, "full_params")[0]
-        assert call(one, "load")[0]["step"] == 1
-        loaded = call(one, "full_params")[0]
-        loaded_moments = call(one, "full_optimizer_state")[0]
-    finally:
-        kill(one)
-    assert_stages_restored(parts, moments, before, loaded, loaded_moments)
 
 
 @pytest.mark.slow
@@ -383,39 +386,6 @@ def test_flash_checkpoint_changes_layout(ray_cluster, tmp_path):
                 kill(hs)
     finally:
         finish_job(job, timeout=30)
-
-
-@pytest.mark.slow
-def test_flash_pp2_checkpoint_loads_at_pp1_from_memory(ray_cluster, tmp_path):
-    """Each pipeline stage's flash buffer holds only its layers; one stage with every
-    layer takes each from the saved rank that holds it."""
-    from dlrover_plugin_flashckpt.persister import finish_job
-
-    job = f"mgpp-{uuid.uuid4().hex[:8]}"
-    ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}
-    stage = "plugins.megatron.tests.megatron_workloads:StageHolder"
-    try:
-        two = spawn_role("trainer", stage, 2, {"pipeline_parallel": 2, "ckpt": ckpt},
-                         backend="megatron", job=job)
-        try:
-            call(two, "step")
-            call(two, "save", 1)
-            parts = call(two, "full_params")
-            moments = call(two, "full_optimizer_state")
-        finally:
-            kill(two)
-        one = spawn_role("trainer", stage, 1, {"pipeline_parallel": 1, "ckpt": ckpt},
-                         backend="megatron", job=job)
-        try:
-            before = call(one, "full_params")[0]
-            assert call(one, "load") == [{"step": 1, "source": "memory-resharded"}]
-            loaded = call(one, "full_params")[0]
-            loaded_moments = call(one, "full_optimizer_state")[0]
-        finally:
-            kill(one)
-    finally:
-        finish_job(job, timeout=30)
-    assert_stages_restored(parts, moments, before, loaded, loaded_moments)
 
 
 # --------------------------------------------------------------------------- GPU only
