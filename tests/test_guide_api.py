@@ -183,7 +183,8 @@ def test_constructor_styles_are_told_apart():
             super().__init__(a)
 
     names = ("master_handle", "config")
-    assert [guide_style_init(c, BaseWorkload, names) for c in (ContextExtra, Guide)] == [False, True]
+    styles = [guide_style_init(c, BaseWorkload, names) for c in (ContextExtra, Guide)]
+    assert styles == [False, True]
     with pytest.raises(TypeError, match=r"Three.__init__ takes 3 arguments; allowed: "
                                         r"\(self, context\) or \(self, master_handle, config\)"):
         guide_style_init(Three, BaseWorkload, names)

@@ -3,9 +3,9 @@
 ``JobMaster.report`` and ``JobMaster.checkpoint_saved`` (the "report" concurrency
 group: one at a time) land here. The master is a threaded Ray actor, and Ray runs a
 threaded actor's calls out of order, so two reports of one sender can arrive swapped:
-``metrics.jsonl`` is in arrival order, and the job's step only ever moves forward. Rank 0's report moves the
-job's step and metrics, goes to ``metrics.jsonl`` and to the ``dlrover_step_reported``
-hook; every report updates its instance's ``last_step`` and ``last_step_ts`` (hang
+``metrics.jsonl`` is in arrival order, and the job's step only ever moves forward.
+Rank 0's report moves the job's step and metrics, goes to ``metrics.jsonl`` and to the
+``dlrover_step_reported`` hook; every report updates its instance's ``last_step`` and ``last_step_ts`` (hang
 detection and blame, re-attach). Nothing is written to SQLite per report:
 :meth:`ProgressRecorder.flush_due` writes the instances' last steps and the job's step,
 metrics and step times on a timer (``PROGRESS_FLUSH_S``). Workers already coalesce

@@ -39,9 +39,10 @@ def guide_style_init(cls: type, base: type, names: tuple[str, ...]) -> bool:
     init = cls.__init__
     if init is base.__init__:
         return False
+    # required ones only: (self, context, extra=None) is context style
     params = [p for p in list(inspect.signature(init).parameters.values())[1:]
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-              and p.default is p.empty]  # required ones: (self, context, extra=None) is context style
+              and p.default is p.empty]
     if len(params) == len(names):
         return True
     if len(params) <= 1:
