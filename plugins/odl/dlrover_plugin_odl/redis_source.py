@@ -26,8 +26,11 @@ A broker that is down or unreachable is retried every 0.5 s: at the start for
 ``connect_timeout_s`` (a warning says what it waits for), while streaming for
 ``reconnect_timeout_s``; then :class:`BrokerUnavailable` names the address.
 Consumer names are stable across restarts (the partition), so a restarted
-source finds its own PEL; entries of a consumer that no longer exists (a job
-restarted with fewer ``source`` instances) are not claimed.
+source finds its own PEL. Entries pending at a consumer that no longer exists (a
+job restarted with fewer ``source`` instances) are not claimed: the trainer's
+offsets of that partition are not known to the others, so a claim could not tell
+trained entries from untrained ones. Partition 0 counts them
+(``departed_pending``) and logs a warning naming the consumers.
 
 redis-py is an optional dependency: ``pip install 'dlrover-plugin-odl[redis]'``.
 """
@@ -141,6 +144,9 @@ class RedisStreamSource(StreamSourceBase):
         # where the next read re-reads this consumer's PEL from; None: new entries
         self._pending_cursor: str | None = "0"
         self._with_retry(self._ensure_group, timeout_s=self.connect_timeout_s, starting=True)
+        self.departed_pending = 0
+        if partition == 0:
+            self.departed_pending = self._with_retry(self._count_departed)
 
     @property
     def address(self) -> str:
@@ -195,6 +201,25 @@ class RedisStreamSource(StreamSourceBase):
         except self._response_error as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+
+    def _count_departed(self) -> int:
+        """Pending entries of this group's consumers ``<prefix><k>`` with ``k`` >=
+        the number of partitions; logs a warning naming them."""
+        prefix = self.consumer[:-len(str(self.partition))]
+        departed = {}
+        for c in self.client.xinfo_consumers(self.stream, self.group):
+            name, pending = _text(c["name"]), int(c["pending"])
+            k = name[len(prefix):]
+            if name.startswith(prefix) and k.isdigit() and int(k) >= self.num_partitions \
+                    and pending:
+                departed[name] = pending
+        if departed:
+            log.warning("consumers %s of group %r on stream %r hold %d pending entries but "
+                        "this job has %d source partitions: they are not read; restart with "
+                        "roles.source.total >= %d to read them, or XCLAIM them",
+                        sorted(departed), self.group, self.stream, sum(departed.values()),
+                        self.num_partitions, 1 + max(int(n[len(prefix):]) for n in departed))
+        return sum(departed.values())
 
     # ------------------------------------------------------------------ the interface
     def seek(self, position: Any | None) -> None:
@@ -263,7 +288,8 @@ class RedisStreamSource(StreamSourceBase):
         return {"source_read_records": float(self.read_records),
                 "source_acked": float(self.acked),
                 "broker_reconnects": float(self.reconnects),
-                "broker_outage_s": float(self.outage_s)}
+                "broker_outage_s": float(self.outage_s),
+                "departed_pending": float(self.departed_pending)}
 
     def close(self) -> None:
         try:

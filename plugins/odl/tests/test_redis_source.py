@@ -177,3 +177,15 @@ def test_broker_down_and_back_loses_nothing(tmp_path):
         seen += [i for _, i in drain(src)]
         assert seen == list(range(120))  # the stream and the group survived (AOF)
         assert src.stats()["broker_reconnects"] == 1
+
+
+def test_entries_of_a_departed_consumer_are_counted_and_named(server, caplog):
+    client = server.client()
+    produce(client, "s7", [{"id": i} for i in range(12)])
+    source(server, "s7")                       # creates the group
+    client.xreadgroup("dlrover", "t-3", {"s7": ">"}, count=5)   # a job with 4 sources
+    client.xreadgroup("dlrover", "t-1", {"s7": ">"}, count=4)   # still a partition
+    src = RedisStreamSource({"stream": "s7", "port": server.port}, 0, 2, "t")
+    assert src.stats()["departed_pending"] == 5
+    assert "consumers ['t-3'] of group 'dlrover' on stream 's7' hold 5 pending" in caplog.text
+    assert "roles.source.total >= 4" in caplog.text
