@@ -56,11 +56,12 @@ class ODLTrainer(BaseTrainer):
     ``baseline_no_change_accuracy``, ``baseline_majority_accuracy`` (see
     :mod:`dlrover_plugin_odl.prequential`; kept by the trainer with its checkpoint,
     so a restart of the driver or the trainer does not reset them),
-    ``window_accuracy`` (over the last ``window`` records of this driver attempt), ``records_per_s`` (records trained by this driver
-    attempt / its seconds), ``loss``, ``buffered_records`` (records the sources have
-    read minus records trained, from the sources' own counters: the backpressure
-    bound), ``in_flight_chunks``, ``max_in_flight_chunks``, ``source_read_records``
-    and the sources' other counters (``broker_reconnects``...), ``committed_step``,
+    ``window_accuracy`` (over the last ``window`` records of this driver attempt),
+    ``records_per_s`` (records trained by this driver attempt / its seconds),
+    ``loss``, ``buffered_records`` (records the sources have read minus records
+    trained, from the sources' own counters: the backpressure bound),
+    ``in_flight_chunks``, ``max_in_flight_chunks``, ``source_read_records`` and the
+    sources' other counters (``broker_reconnects``...), ``committed_step``,
     ``published_version``; with an ``eval`` role ``eval_accuracy``, ``eval_records``,
     ``eval_version``.
     """
