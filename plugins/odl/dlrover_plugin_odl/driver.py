@@ -34,6 +34,7 @@ import ray
 
 from dlrover_core import BaseTrainer
 from dlrover_plugin_odl.config import ODLConfig
+from dlrover_plugin_odl.prequential import PrequentialStats
 
 
 @dataclass
@@ -51,12 +52,16 @@ class ODLTrainer(BaseTrainer):
 
     Metrics reported every ``config.odl.report_every`` steps (``summary.json`` keeps
     the last): ``records`` (trained, all restarts included), ``prequential_accuracy``
-    (correct test-then-train predictions / records), ``window_accuracy`` (over the
-    last ``window`` records), ``records_per_s`` (records trained by this driver
-    attempt / its seconds), ``loss``, ``buffered_records`` (records the sources have
-    read minus records trained, from the sources' own counters: the backpressure
-    bound), ``in_flight_chunks``, ``max_in_flight_chunks``, ``source_read_records``
-    and the sources' other counters (``broker_reconnects``...), ``committed_step``,
+    (correct test-then-train predictions / records), ``kappa``, ``kappa_temporal``,
+    ``baseline_no_change_accuracy``, ``baseline_majority_accuracy`` (see
+    :mod:`dlrover_plugin_odl.prequential`; kept by the trainer with its checkpoint,
+    so a restart of the driver or the trainer does not reset them),
+    ``window_accuracy`` (over the last ``window`` records of this driver attempt),
+    ``records_per_s`` (records trained by this driver attempt / its seconds),
+    ``loss``, ``buffered_records`` (records the sources have read minus records
+    trained, from the sources' own counters: the backpressure bound),
+    ``in_flight_chunks``, ``max_in_flight_chunks``, ``source_read_records`` and the
+    sources' other counters (``broker_reconnects``...), ``committed_step``,
     ``published_version``; with an ``eval`` role ``eval_accuracy``, ``eval_records``,
     ``eval_version``.
     """
@@ -77,7 +82,9 @@ class ODLTrainer(BaseTrainer):
         progress = ray.get(self.trainers[0].call.remote("resume_state"))
         self.step = int(progress["step"])
         self.records = int(progress["records"])
-        self.correct = int(progress["correct"])
+        # the trainer's counters (in its memory, or from the checkpoint it loaded):
+        # a restarted driver goes on counting where the model is
+        self.prequential = PrequentialStats.from_state(progress.get("prequential")).metrics()
         self.offsets: dict[str, Any] = dict(progress["offsets"])
         self.restored_step = progress.get("restored_step")
         ray.get([h.call.remote("seek", self.offsets.get(str(p)))
@@ -243,7 +250,7 @@ class ODLTrainer(BaseTrainer):
             self.offsets, self.records = offsets, records
             n = sum(r["n"] for r in results)
             c_ok = sum(r["correct"] for r in results)
-            self.correct += c_ok
+            self.prequential = results[0]["prequential"]
             window.append((n, c_ok))
             win_n, win_c = win_n + n, win_c + c_ok
             while window and win_n - window[0][0] >= self.odl.window:
@@ -275,7 +282,7 @@ class ODLTrainer(BaseTrainer):
         src = self._source_stats()
         m: dict[str, float] = {
             "records": float(self.records),
-            "prequential_accuracy": self.correct / self.records if self.records else 0.0,
+            **self.prequential,
             "window_accuracy": win_c / win_n if win_n else 0.0,
             "records_per_s": (self.records - start_records) / elapsed,
             "in_flight_chunks": float(in_flight),

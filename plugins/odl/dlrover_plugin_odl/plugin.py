@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from dlrover_core import GraphTemplate, RoleTemplate, SpecError, hookimpl
-from dlrover_core.plugins.records import StreamSource
+from dlrover_core.plugins.records import Failure, FailureVerdict, StreamSource
 
 DRIVER = "dlrover_plugin_odl.driver:ODLTrainer"
 SOURCE_WORKLOAD = "dlrover_plugin_odl.workloads:SourceWorkload"
@@ -138,3 +138,18 @@ def dlrover_stream_sources() -> list[StreamSource]:
                                  "commit (needs the redis extra)",
                      validate_options=_validate_redis),
     ]
+
+
+@hookimpl
+def dlrover_classify_failure(failure: Failure, history: list[Failure]) -> FailureVerdict | None:
+    """A stream source that gave up on its broker (``BrokerUnavailable``: it already
+    waited ``connect_timeout_s`` at the start, or ``reconnect_timeout_s`` while
+    streaming) -> ``fatal``: a restart would only wait again. The reason carries the
+    source's message, which names the broker's address. Anything else: ``None``."""
+    text = f"{failure.exc_type}\n{failure.message}\n{failure.traceback}"
+    if "BrokerUnavailable" not in text:
+        return None
+    line = next((ln for ln in failure.message.splitlines() if "broker at" in ln),
+                failure.message.strip().splitlines()[-1] if failure.message.strip() else "")
+    return FailureVerdict("fatal", f"{failure.role or 'a role'}: stream source broker "
+                                   f"unavailable: {line.strip()}")

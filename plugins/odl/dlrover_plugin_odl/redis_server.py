@@ -11,6 +11,7 @@ Example::
         client = server.client()
         ...
         server.stop(); server.start()    # broker down and back on the same port
+        server.kill(); server.start()    # SIGKILLed, restarted on its append-only file
 """
 
 from __future__ import annotations
@@ -97,6 +98,17 @@ class LocalRedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (no flush: what the append-only file holds, with
+        ``appendfsync always`` every write acknowledged to a client, is what a
+        restart finds) and reap it."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
         self.proc = None
 
     def client(self, **kwargs: Any) -> Any:

@@ -18,7 +18,9 @@ of one partition. A batch is a dict of tensors with dim 0 = records (``x``:
 float32 ``[N, features]``, ``y``: int64 ``[N]`` by default).
 
 The trainer is prequential (test-then-train, Gama et al., 2013): each chunk is
-scored by the current model before the model trains on it.
+scored by the current model, in eval mode, before the model trains on it, in
+train mode (:func:`prequential_step`); the counters, the baselines and the kappas
+are :class:`~dlrover_plugin_odl.prequential.PrequentialStats`.
 """
 
 from __future__ import annotations
@@ -33,11 +35,42 @@ import torch
 
 from dlrover_core import BaseWorkload
 from dlrover_plugin_odl.config import ODLConfig
+from dlrover_plugin_odl.prequential import PrequentialStats
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside a ``DistributedDataParallel`` wrapper (or the model itself)."""
     return getattr(model, "module", model)
+
+
+def prequential_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    batch: dict | None, predict: Any, loss: Any) -> tuple[torch.Tensor, Any]:
+    """One prequential step: predict ``batch`` with ``model.eval()`` and no gradient
+    (dropout off, batch norm on its running statistics), then one optimizer step of
+    ``loss(model, batch)`` with ``model.train()``. ``batch`` ``None`` (an empty
+    chunk) still runs a zero loss through backward, so a DDP all-reduce is joined.
+
+    Args:
+        predict: ``(model, batch) -> labels`` int64 ``[N]``. loss: ``(model, batch)
+            -> scalar tensor``.
+    Returns:
+        ``(predictions [N] int64, or an empty tensor, loss tensor)``; the model is
+        left in train mode.
+    """
+    predictions = torch.zeros(0, dtype=torch.int64)
+    if batch is not None:
+        model.eval()
+        with torch.no_grad():
+            predictions = predict(model, batch)
+    model.train()
+    if batch is not None:
+        value = loss(model, batch)
+    else:
+        value = sum(p.sum() for p in model.parameters()) * 0.0
+    optimizer.zero_grad(set_to_none=True)
+    value.backward()
+    optimizer.step()
+    return predictions, value
 
 
 # ---------------------------------------------------------------------------- source
@@ -111,11 +144,13 @@ class OnlineTrainerWorkload(BaseWorkload):
     """The ``trainer`` role: prequential online training, checkpoints that hold the
     stream offsets, published model versions.
 
-    Progress (``step``: steps trained, ``records``, ``correct``: prequentially
-    correct predictions, ``offsets``: partition -> position of the last record
-    trained) is saved in the same checkpoint as the model and optimizer
-    (``extra["stream"]``, one atomic commit of the job's saver), every
-    ``checkpoint.every_steps`` steps. ``config.lr`` (default 1e-3) and
+    Progress (``step``: steps trained, ``records``, ``offsets``: partition ->
+    position of the last record trained, ``prequential``: the
+    :class:`~dlrover_plugin_odl.prequential.PrequentialStats` counters) is saved in
+    the same checkpoint as the model and optimizer (``extra["stream"]``, one atomic
+    commit of the job's saver), every ``checkpoint.every_steps`` steps, so the
+    counters survive a restart of the trainer (from the checkpoint) and of the
+    driver (from the trainer's memory). ``config.lr`` (default 1e-3) and
     ``config.seed`` (default 0) are read by the defaults below.
     """
 
@@ -140,11 +175,13 @@ class OnlineTrainerWorkload(BaseWorkload):
         model = self.build_model()
         self.model = self.backend.wrap(model) if self.context.backend else model
         self.optimizer = self.build_optimizer(self.model)
-        self.progress: dict[str, Any] = {"step": 0, "records": 0, "correct": 0, "offsets": {}}
+        self.progress: dict[str, Any] = {"step": 0, "records": 0, "offsets": {},
+                                         "prequential": PrequentialStats().state()}
         extra = {"stream": json.dumps(self.progress)}
         loaded = self.checkpointer.load(model=self.model, optimizer=self.optimizer, extra=extra)
         if loaded is not None:
             self.progress = json.loads(extra["stream"])
+        self.stats = PrequentialStats.from_state(self.progress.get("prequential"))
         self.restored_step = loaded
         self._awaiting: dict[int, dict] = {}   # saved step -> offsets, until committed
         self._committed_step = loaded if loaded is not None else -1
@@ -191,8 +228,10 @@ class OnlineTrainerWorkload(BaseWorkload):
         driver passes.
 
         Returns:
-            ``{"n", "correct", "loss", "committed"}``: records of this rank's chunk,
-            prequentially correct ones, the loss, and ``{"step", "offsets"}`` of a
+            ``{"n", "correct", "loss", "prequential", "committed"}``: records of
+            this rank's chunk, prequentially correct ones in the whole step (rank 0;
+            0 on the others), the loss, :meth:`PrequentialStats.metrics` after this
+            step (rank 0; ``None`` on the others), and ``{"step", "offsets"}`` of a
             checkpoint committed since the last call (or ``None``).
         Raises:
             RuntimeError: the driver and the trainer disagree on the step.
@@ -203,33 +242,32 @@ class OnlineTrainerWorkload(BaseWorkload):
         if step > 0 and self.checkpointer.every_steps and step % self.checkpointer.every_steps == 0:
             self._save(step)
         n = int(chunk["n"]) if chunk else 0
-        self.model.train()
-        correct = torch.zeros((), dtype=torch.int64)
-        if n:
-            batch = chunk["batch"]
-            with torch.no_grad():
-                correct = (self.predict(self.model, batch) == batch["y"]).sum()
-            loss = self.loss(self.model, batch)
-        else:
-            loss = sum(p.sum() for p in self.model.parameters()) * 0.0
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        batch = chunk["batch"] if n else None
+        predictions, loss = prequential_step(self.model, self.optimizer, batch, self.predict,
+                                            self.loss)
+        # every rank adds every rank's chunk, in rank order (the stream order of a step)
+        pairs = [(batch["y"].tolist(), predictions.tolist()) if n else ([], [])]
         if self.context.backend:
             import torch.distributed as dist
 
             if dist.is_initialized():
-                dist.all_reduce(correct)
+                gathered: list = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, pairs[0])
+                pairs = gathered
+        before = self.stats.correct
+        for labels, predicted in pairs:
+            self.stats.update(labels, predicted)
+        correct = self.stats.correct - before
         if self._id_log is not None and n:
             self._id_log.write("".join(f"{i}\n" for i in chunk["ids"]))
             self._id_log.flush()
-        self.progress = {"step": step + 1, "records": int(records),
-                         "correct": int(self.progress["correct"]) + int(correct),
-                         "offsets": dict(offsets)}
+        self.progress = {"step": step + 1, "records": int(records), "offsets": dict(offsets),
+                         "prequential": self.stats.state()}
         if self.rank == 0 and self.odl.publish_every and (step + 1) % self.odl.publish_every == 0:
             self._publish()
-        return {"n": n, "correct": int(correct) if self.rank == 0 else 0,
+        return {"n": n, "correct": correct if self.rank == 0 else 0,
                 "loss": float(loss.detach()) if n else float("nan"),
+                "prequential": self.stats.metrics() if self.rank == 0 else None,
                 "committed": self._newly_committed()}
 
     def _publish(self) -> None:

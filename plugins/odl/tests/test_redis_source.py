@@ -70,11 +70,93 @@ def test_seek_redelivers_the_pending_entries_after_the_checkpointed_position(ser
         r.positions[8]
 
 
-def test_broker_unreachable_raises_an_error_naming_the_address():
+def test_broker_unreachable_at_start_waits_connect_timeout_then_names_the_address(caplog):
     port = free_port()
-    with pytest.raises(BrokerUnavailable, match=f"127.0.0.1:{port}.*stream 'nowhere'"):
-        RedisStreamSource({"stream": "nowhere", "port": port, "reconnect_timeout_s": 1.0,
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnavailable, match=f"127.0.0.1:{port}.*stream 'nowhere'.*"
+                       r"connect_timeout_s=1\.5"):
+        RedisStreamSource({"stream": "nowhere", "port": port, "connect_timeout_s": 1.5,
                            "socket_timeout_s": 0.5}, 0, 1, "t")
+    assert time.monotonic() - t0 >= 1.5   # it waited, and not for reconnect_timeout_s (60)
+    assert f"waiting for the redis broker at 127.0.0.1:{port}" in caplog.text
+    assert "up to 2 s (config.odl.source.options.connect_timeout_s)" in caplog.text
+
+
+def _blocked_client_id(client, name="t-0"):
+    """The id of the connection blocked in XREADGROUP (by consumer ``name``)."""
+    for _ in range(200):
+        for c in client.client_list():
+            if c.get("cmd") == "xreadgroup" and "b" in c.get("flags", ""):
+                return c["id"]
+        time.sleep(0.02)
+    raise AssertionError(f"no client of {name} blocked in XREADGROUP")
+
+
+def test_connection_dropped_after_delivery_rereads_the_pel_and_loses_nothing(server):
+    client = server.client()
+    produce(client, "s4", [{"id": i} for i in range(20)])
+    src = source(server, "s4")
+    seen = [i for _, i in drain(src)]
+    assert seen == list(range(20))
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(src.read(50, 5.0)))
+    reader.start()                      # blocked in XREADGROUP ... > BLOCK 5000
+    victim = _blocked_client_id(client)
+    # one pipeline: MULTI/EXEC of ten XADDs serves the blocked reader (entries 20-29
+    # go to its PEL, the reply waits in its output buffer), then CLIENT KILL closes
+    # its connection before the event loop writes that reply
+    pipe = client.pipeline(transaction=False)
+    pipe.execute_command("MULTI")
+    for i in range(20, 30):
+        pipe.execute_command("XADD", "s4", "*", "record", f'{{"id": {i}}}')
+    pipe.execute_command("EXEC")
+    pipe.execute_command("CLIENT", "KILL", "ID", victim)
+    assert pipe.execute()[-1] == 1
+    reader.join(30)
+    assert not reader.is_alive()
+    # the server had delivered them before the connection went
+    assert client.xpending("s4", "dlrover")["pending"] == 30
+    seen += [rec["id"] for rec in got[0].records]      # re-read from this consumer's PEL
+    seen += [i for _, i in drain(src)]
+    assert seen == list(range(30))     # lost == 0, duplicated == 0
+    assert src.stats()["broker_reconnects"] == 1
+    src.commit(got[0].positions[-1])
+    assert client.xpending("s4", "dlrover")["pending"] == 0
+
+
+def test_an_entry_delivered_but_not_handed_out_is_never_acked(server):
+    client = server.client()
+    ids = produce(client, "s5", [{"id": i} for i in range(40)])
+    src = source(server, "s5")
+    assert [rec["id"] for rec in src.read(20, 0.1).records] == list(range(20))
+    # entries 20-39 delivered to the same consumer, their reply lost on the way
+    client.xreadgroup("dlrover", "t-0", {"s5": ">"}, count=20)
+    src.commit(ids[39])   # a position past what this source handed out
+    pending = client.xpending_range("s5", "dlrover", "-", "+", 100)
+    assert [p["message_id"].decode() for p in pending] == ids[20:]
+    assert src.stats()["source_acked"] == 20
+
+
+def test_broker_sigkilled_and_restarted_on_its_append_only_file_loses_nothing(tmp_path):
+    with LocalRedisServer(data_dir=str(tmp_path)) as srv:
+        produce(srv.client(), "s6", [{"id": i} for i in range(100)])
+        src = RedisStreamSource({"stream": "s6", "port": srv.port, "socket_timeout_s": 1.0,
+                                 "reconnect_timeout_s": 60}, 0, 1, "t")
+        first = src.read(30, 0.1)
+        seen = [rec["id"] for rec in first.records]
+        src.commit(first.positions[14])  # a checkpoint holds ids 0-14
+        seen += [rec["id"] for rec in src.read(30, 0.1).records]
+        srv.kill()                       # SIGKILL mid-stream: no flush
+        restart = threading.Timer(5.0, srv.start)
+        restart.start()
+        seen += [rec["id"] for rec in src.read(30, 0.1).records]  # waits, then goes on
+        restart.join()
+        produce(srv.client(), "s6", [{"id": i} for i in range(100, 120)])
+        seen += [i for _, i in drain(src)]
+        assert seen == list(range(120))  # lost == 0, duplicated == 0
+        assert src.stats()["broker_reconnects"] == 1 and src.stats()["broker_outage_s"] >= 4.5
+        # the consumer group, its PEL and the acks survived the kill
+        assert srv.client().xpending("s6", "dlrover")["pending"] == 120 - 15
 
 
 def test_broker_down_and_back_loses_nothing(tmp_path):
@@ -95,3 +177,15 @@ def test_broker_down_and_back_loses_nothing(tmp_path):
         seen += [i for _, i in drain(src)]
         assert seen == list(range(120))  # the stream and the group survived (AOF)
         assert src.stats()["broker_reconnects"] == 1
+
+
+def test_entries_of_a_departed_consumer_are_counted_and_named(server, caplog):
+    client = server.client()
+    produce(client, "s7", [{"id": i} for i in range(12)])
+    source(server, "s7")                       # creates the group
+    client.xreadgroup("dlrover", "t-3", {"s7": ">"}, count=5)   # a job with 4 sources
+    client.xreadgroup("dlrover", "t-1", {"s7": ">"}, count=4)   # still a partition
+    src = RedisStreamSource({"stream": "s7", "port": server.port}, 0, 2, "t")
+    assert src.stats()["departed_pending"] == 5
+    assert "consumers ['t-3'] of group 'dlrover' on stream 's7' hold 5 pending" in caplog.text
+    assert "roles.source.total >= 4" in caplog.text

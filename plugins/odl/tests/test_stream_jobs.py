@@ -1,7 +1,8 @@
 """Whole odl jobs on one real local Ray cluster (shared by this module): backpressure,
-SIGKILLed trainer and preprocess workers with every record id counted, Redis Streams
-through a broker that goes down and comes back, and a stream source from a plugin
-distribution outside the core, found through its entry point."""
+SIGKILLed trainer, preprocess and driver processes with every record id counted,
+Redis Streams through a SIGKILLed broker and then a SIGKILLed trainer, a broker that
+is down at the start, and a stream source from a plugin distribution outside the
+core, found through its entry point."""
 
 from __future__ import annotations
 
@@ -192,13 +193,48 @@ def test_sigkill_trainer_and_preprocess_lose_no_record(cluster, job_dir):
     assert version == m["steps"] and meta["records"] == n and "0.weight" in state
 
 
+# ---------------------------------------------------------------------------- driver restart
+def test_a_driver_restart_keeps_the_prequential_counters(cluster, job_dir):
+    from dlrover_plugin_odl.prequential import PrequentialStats
+    from dlrover_plugin_odl.toy import toy_records
+
+    n, batch = 960, 16
+    spec = odl_spec("odl-driver-kill", {
+        "source": {"kind": "replay", "options": {"records": f"{TOY}:toy_records",
+                                                  "kwargs": {"n": n}}},
+        "batch_size": batch, "buffer": 4, "publish_every": 0, "report_every": 1},
+        every=5, toy={"step_sleep_s": 0.03})
+    master = start(spec, job_dir)
+    st = wait_records(master, 320)
+    assert not st["summary"], "the stream ended before the driver was killed"
+    os.kill(st["instances"]["driver"]["pid"], signal.SIGKILL)
+    summary = finish(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert ("driver", "actor_died") in {(e["role"], e["kind"])
+                                        for e in events(job_dir, "instance_failed")}
+    counts = trained_ids(job_dir)
+    assert set(counts) == set(map(str, range(n)))   # lost == 0
+    # the trainer kept its model and counters in memory: nothing is trained twice
+    assert max(counts.values()) == 1
+    # the baselines depend only on the labels in stream order (one partition: id
+    # order): counted over the whole stream, not from the restart on
+    expected = PrequentialStats()
+    labels = [r["y"] for r in toy_records(n)]
+    expected.update(labels, labels)
+    m = summary["metrics"]
+    assert m["records"] == n
+    assert m["baseline_no_change_accuracy"] == pytest.approx(expected.no_change_accuracy())
+    assert m["baseline_majority_accuracy"] == pytest.approx(expected.majority_accuracy())
+    assert m["prequential_accuracy"] > 0.8 and m["kappa"] > 0.5
+
+
 # ---------------------------------------------------------------------------- redis
 @pytest.mark.slow
-def test_redis_stream_with_the_broker_down_and_back(cluster, job_dir, tmp_path):
+def test_redis_broker_sigkilled_then_trainer_sigkilled_lose_nothing(cluster, job_dir, tmp_path):
     from dlrover_plugin_odl.redis_server import LocalRedisServer
     from dlrover_plugin_odl.redis_source import produce
 
-    n = 1200
+    n, batch, every = 1200, 16, 5
     with LocalRedisServer(data_dir=str(tmp_path / "redis")) as srv:
         produce(srv.client(), "events", [{"id": i, "x": [float(i % 5) - 2, 1.0, 0.0, -1.0],
                                           "y": int(i % 5 > 2)} for i in range(n)])
@@ -206,24 +242,52 @@ def test_redis_stream_with_the_broker_down_and_back(cluster, job_dir, tmp_path):
             "source": {"kind": "redis", "options": {
                 "port": srv.port, "stream": "events", "group": "trainers",
                 "reconnect_timeout_s": 120}},
-            "batch_size": 16, "buffer": 4, "max_records": n, "read_timeout_s": 0.2,
+            "batch_size": batch, "buffer": 4, "max_records": n, "read_timeout_s": 0.2,
             "publish_every": 0}, roles={"source": {"total": 2, "resources": {"cpu": 0.25}}},
-            toy={"step_sleep_s": 0.03})
+            every=every, toy={"step_sleep_s": 0.02})
         master = start(spec, job_dir)
         st = wait_records(master, 300)
-        assert not st["summary"], "the stream ended before the broker went down"
-        srv.stop()
-        time.sleep(4)
+        assert not st["summary"], "the stream ended before the broker was killed"
+        srv.kill()          # SIGKILL mid-stream, restarted on the same append-only file
+        time.sleep(5)
         srv.start()
+        st = wait_records(master, 700)
+        assert not st["summary"], "the stream ended before the trainer was killed"
+        # the broker's death cost nothing twice: every entry handed out once
+        assert max(trained_ids(job_dir).values()) == 1
+        os.kill(st["instances"]["trainer-0"]["pid"], signal.SIGKILL)   # while it reads
         summary = finish(master)
         assert summary["status"] == "succeeded", summary["error"]
+        assert summary["restarts"]["total"] == 1
         counts = trained_ids(job_dir)
-        assert set(counts) == set(map(str, range(n)))  # nothing lost
+        lost = set(map(str, range(n))) - set(counts)
+        duplicated = sum(c - 1 for c in counts.values())
+        assert not lost, f"{len(lost)} entries never trained"
+        # trained twice: only what the killed trainer trained after its last checkpoint
+        assert duplicated <= every * batch, duplicated
         m = summary["metrics"]
         assert m["broker_reconnects"] >= 1
         # everything trained is in the final committed checkpoint, and acknowledged
         assert srv.client().xpending("events", "trainers")["pending"] == 0
         assert m["source_acked"] >= n
+
+
+def test_a_broker_down_at_job_start_fails_the_job_naming_its_address(cluster, job_dir):
+    from dlrover_plugin_odl.redis_server import free_port
+
+    port = free_port()
+    spec = odl_spec("odl-no-broker", {
+        "source": {"kind": "redis", "options": {"port": port, "stream": "events",
+                                                "connect_timeout_s": 1.5}},
+        "publish_every": 0})
+    summary = finish(start(spec, job_dir))
+    assert summary["status"] == "failed"
+    assert f"redis broker at 127.0.0.1:{port}" in summary["error"]
+    assert "connect_timeout_s=1.5" in summary["error"]
+    assert summary["restarts"].get("total", 0) == 0     # fatal: a restart would only wait
+    with open(os.path.join(job_dir, "logs", "source-0", "attempt-0.log")) as f:
+        log = f.read()
+    assert f"waiting for the redis broker at 127.0.0.1:{port}" in log
 
 
 # ---------------------------------------------------------------------------- plugin source
