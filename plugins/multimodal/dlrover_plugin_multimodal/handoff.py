@@ -19,10 +19,9 @@ the payload into the object store itself and returns ``{"ids", "object": ref}``.
 the encoder owns the payload's object and the driver, which called the encoder,
 receives only that record (the ids and a reference, returned inline by Ray because it
 is far below Ray's 100 KiB inline limit) and passes it on without deserialising it.
-:func:`fetch_rows` gets the records and then the payloads, which a payload above
-that limit reads from the object store of the encoder's node (on another node, Ray
-copies it node to node); a smaller one is read from the encoder process. The payload
-is in neither case sent to the driver. A result that carries its payload inline
+:func:`fetch_rows` gets the records and then the payloads, from the object store of
+the encoder's node (``ray.put`` stores there whatever the size; a trainer on another
+node gets a copy node to node). The payload is never sent to the driver. A result that carries its payload inline
 (a custom encoder's) reaches the trainer through the driver's process when it is
 under the 100 KiB limit (see ``dlrover_core.runtime.dref``).
 """
