@@ -120,7 +120,7 @@ def zero_shot_predict(image_features: torch.Tensor,
 
     Args:
         image_features: ``[n, d]``. class_text_features: ``[c, d]``, one row per class
-            (e.g. the embedding of "a photo of the digit 3").
+            (e.g. the ensemble of the prompts of digit 3, :func:`prompt_ensemble`).
     Returns:
         ``[n]`` int64 class indices.
     """

@@ -21,9 +21,9 @@ receives only that record (the ids and a reference, returned inline by Ray becau
 is far below Ray's 100 KiB inline limit) and passes it on without deserialising it.
 :func:`fetch_rows` gets the records and then the payloads, from the object store of
 the encoder's node (``ray.put`` stores there whatever the size; a trainer on another
-node gets a copy node to node). The payload is never sent to the driver. A result that carries its payload inline
-(a custom encoder's) reaches the trainer through the driver's process when it is
-under the 100 KiB limit (see ``dlrover_core.runtime.dref``).
+node gets a copy node to node). The payload is never sent to the driver. A result
+that carries its payload inline (a custom encoder's) reaches the trainer through the
+driver's process when it is under the 100 KiB limit (see ``dlrover_core.runtime.dref``).
 """
 
 from __future__ import annotations
