@@ -83,8 +83,15 @@ def test_text_encoder_runs_once_per_distinct_caption():
     assert set(seen) == set(captions) | {f"which is {c}" for c in range(4)}
     assert set(seen.values()) == {1}  # each distinct string through the network once
     assert enc.stats()["embedded"] == 16.0
+    def rows(out):  # inline outside Ray; in the object store when this process runs Ray
+        if "embeddings" in out:
+            return out["embeddings"]
+        import ray
+
+        return ray.get(out["object"])["embeddings"]
+
     # samples with the same caption got the same row; every row is its caption's
-    emb = torch.cat([first["embeddings"], second["embeddings"]])
+    emb = torch.cat([rows(first), rows(second)])
     with torch.inference_mode():
         want = enc.module(captions)
     assert torch.equal(emb, want)
