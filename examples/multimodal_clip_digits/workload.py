@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 import torch.nn.functional as F
 
 from dlrover_plugin_multimodal.contrastive import INIT_LOGIT_SCALE, clip_loss, prompt_ensemble
