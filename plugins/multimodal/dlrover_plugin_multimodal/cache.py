@@ -1,7 +1,11 @@
-"""``EmbeddingCache``: a frozen encoder's embeddings, keyed by ``(split, sample id)``.
+"""``EmbeddingCache``: a frozen encoder's embeddings, keyed by what was embedded.
 
-A frozen encoder gives the same embedding for a sample every time, so after the
-first epoch every lookup is a hit and the encoder network is not run again.
+A frozen encoder gives the same embedding for the same input every time. The
+encoder role chooses the key of each sample
+(:meth:`~dlrover_plugin_multimodal.encoder.EncoderWorkload.cache_keys`): the text
+itself for text, so a caption shared by many samples is embedded once; the
+``split/id`` of the sample otherwise. After every distinct input has been seen, every
+lookup is a hit and the encoder network is not run again.
 
 With a ``directory``, every batch of new rows is also written there as one file,
 atomically (temp file, fsync, rename) with a sha256 of its bytes in the first line;
@@ -25,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddingCache:
-    """Rows of ``[d]`` float32 embeddings by ``(split, sample id)``.
+    """Rows of ``[d]`` float32 embeddings by key (a ``str``: a caption, ``split/id``).
 
     Args:
         directory: where to persist and reload rows (``None``: memory only).
@@ -39,7 +43,7 @@ class EmbeddingCache:
     """
 
     def __init__(self, directory: str | None = None, writer: str = "w") -> None:
-        self._rows: dict[tuple[str, int], torch.Tensor] = {}
+        self._rows: dict[str, torch.Tensor] = {}
         self.hits = 0
         self.misses = 0
         self.loaded = 0
@@ -54,42 +58,46 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def lookup(self, split: str, ids: Sequence[int]) -> tuple[list[torch.Tensor | None],
-                                                             list[int]]:
-        """``(rows, missing)``: the cached row of each id (``None`` when absent) and
-        the positions in ``ids`` of the absent ones. Counts hits and misses."""
+    def lookup(self, keys: Sequence[str]) -> tuple[list[torch.Tensor | None], list[int]]:
+        """``(rows, missing)``: the cached row of each key (``None`` when absent) and
+        the positions in ``keys`` of the absent ones. Counts one hit or miss per
+        position."""
         rows: list[torch.Tensor | None] = []
         missing = []
-        for pos, i in enumerate(ids):
-            row = self._rows.get((split, int(i)))
+        for pos, k in enumerate(keys):
+            row = self._rows.get(k)
             rows.append(row)
             if row is None:
                 missing.append(pos)
         self.misses += len(missing)
-        self.hits += len(ids) - len(missing)
+        self.hits += len(keys) - len(missing)
         return rows, missing
 
-    def put(self, split: str, ids: Sequence[int], embeddings: torch.Tensor) -> None:
-        """Store ``embeddings`` (``[len(ids), d]``) row by row (copied, so the cache does
-        not pin a larger batch tensor), and write them to the directory if any.
+    def put(self, keys: Sequence[str], embeddings: torch.Tensor) -> None:
+        """Store ``embeddings`` (``[len(keys), d]``) row by row (copied, so the cache
+        does not pin a larger batch tensor), and write them to the directory if any.
 
         Raises:
-            ValueError: the number of rows differs from ``len(ids)``.
+            ValueError: the number of rows differs from ``len(keys)``, or a key is
+                not a ``str``.
             OSError: the directory cannot be written.
         """
-        if embeddings.shape[0] != len(ids):
+        if embeddings.shape[0] != len(keys):
             raise ValueError(f"EmbeddingCache.put: {embeddings.shape[0]} rows for "
-                             f"{len(ids)} ids")
-        ids = [int(i) for i in ids]
-        for i, row in zip(ids, embeddings):
-            self._rows[(split, i)] = row.detach().clone()
+                             f"{len(keys)} keys")
+        keys = list(keys)
+        bad = [k for k in keys if not isinstance(k, str)]
+        if bad:
+            raise ValueError(f"EmbeddingCache.put: keys must be str; got {bad[0]!r}")
+        for k, row in zip(keys, embeddings):
+            self._rows[k] = row.detach().clone()
         if self.directory:
-            self._write(split, ids, embeddings)
+            self._write(keys, embeddings)
 
     # ------------------------------------------------------------------ files
-    def _write(self, split: str, ids: list[int], embeddings: torch.Tensor) -> None:
+    def _write(self, keys: list[str], embeddings: torch.Tensor) -> None:
         buf = io.BytesIO()
-        torch.save({"split": split, "ids": torch.tensor(ids, dtype=torch.int64),
+        torch.save({"keys": keys,
                     "embeddings": embeddings.detach().to("cpu", torch.float32).clone()}, buf)
         payload = buf.getvalue()
         name = f"{self.writer}-{self._seq:06d}.pt"
@@ -110,17 +118,17 @@ class EmbeddingCache:
                 if hashlib.sha256(payload).hexdigest().encode() != digest:
                     raise ValueError("sha256 mismatch")
                 part = torch.load(io.BytesIO(payload), weights_only=True)
-                split, ids, emb = part["split"], part["ids"], part["embeddings"]
-                if emb.shape[0] != ids.numel():
-                    raise ValueError(f"{emb.shape[0]} rows for {ids.numel()} ids")
+                keys, emb = list(part["keys"]), part["embeddings"]
+                if emb.shape[0] != len(keys):
+                    raise ValueError(f"{emb.shape[0]} rows for {len(keys)} keys")
             except Exception as exc:  # noqa: BLE001 - a bad file costs only re-embedding
                 log.warning("embedding cache file %s is unreadable (%s); skipping it",
                             path, exc)
                 self.skipped_files += 1
                 continue
-            for i, row in zip(ids.tolist(), emb):
-                if (split, i) not in self._rows:
-                    self._rows[(split, i)] = row
+            for k, row in zip(keys, emb):
+                if k not in self._rows:
+                    self._rows[k] = row
                     self.loaded += 1
 
 

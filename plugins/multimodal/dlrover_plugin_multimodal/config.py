@@ -47,8 +47,9 @@ class EncoderConfig:
             ``True``: the encoder network is part of the trainer's model (built there
             from the role's ``build_encoder``); the role loads and preprocesses its
             modality's samples and must share bundles with the trainer.
-        cache: frozen encoders only: keep each sample's embedding, keyed by
-            ``(split, sample id)``, so it is embedded once.
+        cache: frozen encoders only: keep each embedding, keyed by the encoder's
+            ``cache_keys`` (the text itself for text, ``split/id`` otherwise), so each
+            distinct input is embedded once.
         persist_cache: with ``cache``, also write the embeddings under
             ``<job dir>/embedding_cache/<run id>/<role>/`` (atomic, checksummed
             files), so a replaced encoder process or another rank of the role reloads

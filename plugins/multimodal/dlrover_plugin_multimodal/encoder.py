@@ -9,9 +9,18 @@ You provide, in a subclass:
   the network's input (tokenise, scale pixels). It runs in the encoder role.
 - :meth:`EncoderWorkload.forward` (optional): run the network on preprocessed
   inputs (default ``module(inputs)``); frozen encoders only.
+- :meth:`EncoderWorkload.cache_keys` (optional): what the embedding cache is keyed
+  by (default: the text itself for text samples, ``split/id`` otherwise).
 
 The driver calls ``embed`` (frozen) or ``inputs`` (trainable) with a step's
 ``(split, ids)``; the role group splits the ids over the role's ranks.
+
+Each call puts its payload (the embeddings or the preprocessed inputs) into Ray's
+object store itself (``ray.put`` in this process, so this encoder owns the object)
+and returns only the sample ids and that object's reference. That small record is
+what Ray returns to the driver; the payload's bytes stay in the object store of this
+encoder's node until a trainer rank fetches them (see
+:mod:`dlrover_plugin_multimodal.handoff`).
 """
 
 from __future__ import annotations
@@ -93,6 +102,16 @@ class EncoderWorkload(MultimodalWorkload):
         assert self.module is not None
         return self.module(inputs)
 
+    def cache_keys(self, split: str, ids: Sequence[int], raw: Any) -> list[str]:
+        """The embedding cache's key of each sample (``raw``: what the dataset's
+        ``load`` returned for ``ids``). Samples with equal keys must have equal
+        embeddings. Default: for a list of ``str`` (text), the text itself, so the
+        same caption of many samples runs through the network once; otherwise
+        ``"<split>/<id>"``."""
+        if isinstance(raw, (list, tuple)) and all(isinstance(t, str) for t in raw):
+            return [f"text:{t}" for t in raw]
+        return [f"id:{split}/{int(i)}" for i in ids]
+
     # ------------------------------------------------------------------ lifecycle
     def setup(self) -> None:
         self.init_torch(offset=1000)
@@ -127,9 +146,11 @@ class EncoderWorkload(MultimodalWorkload):
 
     # ------------------------------------------------------------------ driver calls
     def embed(self, split: str, ids: Sequence[int]) -> dict[str, Any]:
-        """Frozen encoders: ``{"ids": [n] int64, "embeddings": [n, d] float32}`` of the
-        ``ids`` of ``split``, in order, computed under ``torch.inference_mode``; with
-        the cache, only samples not in it are run through the network.
+        """Frozen encoders: ``{"ids": [n] int64, "object": ref}``, ``ref`` holding
+        ``{"embeddings": [n, d] float32}`` of the ``ids`` of ``split``, in order
+        (see :meth:`hand_off`), computed under ``torch.inference_mode``; with the
+        cache, only samples whose key (:meth:`cache_keys`) is not in it are run
+        through the network, each distinct key once.
 
         Raises:
             RuntimeError: the encoder is trainable (call ``inputs``).
@@ -138,28 +159,47 @@ class EncoderWorkload(MultimodalWorkload):
             raise RuntimeError(f"{self.role} is trainable: its network runs in the trainer; "
                                "the driver calls inputs(), not embed()")
         ids = [int(i) for i in ids]
+        raw = self.dataset.load(self.encoder.modality, split, ids)
         with torch.inference_mode():
             if self.cache is None:
-                emb = self._run(split, ids)
+                emb = self._run(raw, len(ids))
             else:
-                rows, missing = self.cache.lookup(split, ids)
+                keys = self.cache_keys(split, ids, raw)
+                rows, missing = self.cache.lookup(keys)
                 if missing:
-                    miss_ids = [ids[p] for p in missing]
-                    new = self._run(split, miss_ids)
-                    self.cache.put(split, miss_ids, new)
-                    for p, row in zip(missing, new):
-                        rows[p] = row
+                    first: dict[str, int] = {}  # each distinct missing key, run once
+                    for p in missing:
+                        first.setdefault(keys[p], p)
+                    new = self._run(_pick(raw, list(first.values())), len(first))
+                    self.cache.put(list(first), new)
+                    by_key = dict(zip(first, new))
+                    for p in missing:
+                        rows[p] = by_key[keys[p]]
                 emb = torch.stack(rows) if rows else torch.zeros(0)
-        return {"ids": torch.tensor(ids, dtype=torch.int64),
-                "embeddings": emb.detach().float().contiguous()}
+        return self.hand_off(ids, "embeddings", emb.detach().float().contiguous())
 
     def inputs(self, split: str, ids: Sequence[int]) -> dict[str, Any]:
-        """Trainable encoders: ``{"ids": [n] int64, "inputs": preprocessed samples}``
-        for the trainer's copy of the network."""
+        """Trainable encoders: ``{"ids": [n] int64, "object": ref}``, ``ref`` holding
+        the preprocessed samples for the trainer's copy of the network (see
+        :meth:`hand_off`)."""
         ids = [int(i) for i in ids]
         raw = self.dataset.load(self.encoder.modality, split, ids)
-        out = {"ids": torch.tensor(ids, dtype=torch.int64), "inputs": self.preprocess(raw)}
+        out = self.hand_off(ids, "inputs", self.preprocess(raw))
         self.loaded += len(ids)
+        return out
+
+    def hand_off(self, ids: list[int], payload: str, value: Any) -> dict[str, Any]:
+        """The record an encoder call returns: ``{"ids": [n] int64, "object": ref}``,
+        ``ref`` an object this process put into Ray's object store (so this encoder
+        owns it) holding ``{payload: value}``; the caller (the driver) gets only the
+        record. Outside Ray (no ``ray.init``), ``{"ids", payload: value}`` inline."""
+        import ray
+
+        out: dict[str, Any] = {"ids": torch.tensor(ids, dtype=torch.int64)}
+        if ray.is_initialized():
+            out["object"] = ray.put({payload: value})
+        else:
+            out[payload] = value
         return out
 
     def stats(self) -> dict[str, float]:
@@ -176,14 +216,20 @@ class EncoderWorkload(MultimodalWorkload):
         return out
 
     # ------------------------------------------------------------------ internals
-    def _run(self, split: str, ids: list[int]) -> torch.Tensor:
-        raw = self.dataset.load(self.encoder.modality, split, ids)
+    def _run(self, raw: Any, n: int) -> torch.Tensor:
         out = self.forward(self.preprocess(raw))
-        if out.shape[0] != len(ids):
+        if out.shape[0] != n:
             raise ValueError(f"{type(self).__name__}.forward returned {out.shape[0]} rows "
-                             f"for {len(ids)} samples")
-        self.embedded += len(ids)
+                             f"for {n} samples")
+        self.embedded += n
         return out
+
+
+def _pick(raw: Any, positions: list[int]) -> Any:
+    """Rows ``positions`` of raw samples (a list, a tensor or an array)."""
+    if isinstance(raw, (list, tuple)):
+        return [raw[p] for p in positions]
+    return raw[positions]
 
 
 __all__ = ["EncoderWorkload", "MultimodalWorkload"]

@@ -13,6 +13,17 @@ Each encoder result is a dict with ``ids`` (``[k]`` int64, the sample ids in ord
 and one payload: ``embeddings`` (``[k, d]`` float32, frozen encoders) or ``inputs``
 (preprocessed samples, trainable encoders: a tensor/array with dim 0 of ``k``, a
 list, or a dict of those). Other keys are ignored.
+
+Where the bytes go: :class:`~dlrover_plugin_multimodal.encoder.EncoderWorkload` puts
+the payload into the object store itself and returns ``{"ids", "object": ref}``. So
+the encoder owns the payload's object and the driver, which called the encoder,
+receives only that record (the ids and a reference, returned inline by Ray because it
+is far below Ray's 100 KiB inline limit) and passes it on without deserialising it.
+:func:`fetch_rows` gets the records and then the payloads, from the object store of
+the encoder's node (``ray.put`` stores there whatever the size; a trainer on another
+node gets a copy node to node). The payload is never sent to the driver. A result
+that carries its payload inline (a custom encoder's) reaches the trainer through the
+driver's process when it is under the 100 KiB limit (see ``dlrover_core.runtime.dref``).
 """
 
 from __future__ import annotations
@@ -105,12 +116,25 @@ def fetch_rows(enc: EncodedRefs, ids: Sequence[int], start: int, stop: int,
 
     idx = enc.overlapping(start, stop)
     values = ray.get([enc.refs[i] for i in idx], timeout=timeout)
+    for v in values:
+        if not isinstance(v, dict) or "ids" not in v or (enc.payload not in v
+                                                        and "object" not in v):
+            raise ValueError(f"{enc.role} (modality {enc.modality!r}) returned "
+                             f"{type(v).__name__} without 'ids' and {enc.payload!r} or "
+                             "'object'")
+    held = [k for k, v in enumerate(values) if enc.payload not in v]
+    if held:  # payloads the encoder put into the object store: the second hop
+        objects = ray.get([values[k]["object"] for k in held], timeout=timeout)
+        values = list(values)
+        for k, obj in zip(held, objects):
+            values[k] = {**obj, "ids": values[k]["ids"]}
     parts, got = [], []
     for i, v in zip(idx, values):
         a, b = enc.bounds[i]
-        if not isinstance(v, dict) or enc.payload not in v or "ids" not in v:
-            raise ValueError(f"{enc.role} (modality {enc.modality!r}) returned "
-                             f"{type(v).__name__} without {enc.payload!r} and 'ids'")
+        if not isinstance(v, dict) or enc.payload not in v:
+            raise ValueError(f"{enc.role} (modality {enc.modality!r}) put "
+                             f"{type(v).__name__} without {enc.payload!r} into the "
+                             "object store")
         lo, hi = max(a, start) - a, min(b, stop) - a
         parts.append(take_rows(v[enc.payload], lo, hi))
         got.extend(int(x) for x in v["ids"][lo:hi])

@@ -8,7 +8,9 @@ zero-shot classification of the ``test`` split of ``vec``.
 
 Roles: ``ToyTextEncoder`` (a frozen bag-of-words embedding with fixed random word
 vectors), ``ToyVecEncoder`` (a linear layer; trainable or frozen), ``ToyTrainer``
-(CLIP loss on linear projections; reports ``zero_shot_accuracy``).
+(CLIP loss on linear projections; reports ``zero_shot_accuracy``). ``ClipLossProbe``:
+a workload whose ranks compute :func:`clip_loss` on their rows of given features,
+for comparing the all-gathered loss with one process's.
 
 Settings under ``config.toy``: ``step_sleep_s`` (0: extra seconds per train step,
 to leave time for a test to act mid-run) and ``trace_dir``: when set, every encoder
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dlrover_core import BaseWorkload
 from dlrover_plugin_multimodal.config import MultimodalConfig
 from dlrover_plugin_multimodal.contrastive import INIT_LOGIT_SCALE, clip_loss, zero_shot_predict
 from dlrover_plugin_multimodal.dataset import MultimodalDataset
@@ -185,3 +188,22 @@ class ToyTrainer(FusionTrainerWorkload):
         labels = torch.tensor([self.dataset.label("test", int(i)) for i in batch["vec_ids"]])
         # prompt row j names class label("prompts", j) = j
         return {"zero_shot_accuracy": float((pred == labels).float().mean())}
+
+
+class ClipLossProbe(BaseWorkload):
+    """Each rank takes its contiguous ``N / world_size`` rows of the features."""
+
+    def clip_loss_grads(self, image: torch.Tensor, text: torch.Tensor,
+                        logit_scale: torch.Tensor) -> dict[str, Any]:
+        """``clip_loss`` on this rank's rows (gathered across the role's ranks), then
+        backward: the loss, the gradients of this rank's image and text rows and of
+        the logit scale, and the metrics."""
+        n = image.shape[0] // self.world_size
+        rows = slice(self.rank * n, (self.rank + 1) * n)
+        a = image[rows].clone().requires_grad_(True)
+        b = text[rows].clone().requires_grad_(True)
+        s = logit_scale.clone().requires_grad_(True)
+        loss, metrics = clip_loss(a, b, s)
+        loss.backward()
+        return {"loss": loss.detach(), "image_grad": a.grad, "text_grad": b.grad,
+                "scale_grad": s.grad, **metrics}
