@@ -55,8 +55,11 @@ class DataloaderWorkersTuner(TunerBase):
 
     def feedback(self, change: dict, accepted: bool, before: WindowSummary,
                  after: WindowSummary | None) -> None:
-        if not accepted:  # the raise did not pay: stay below it from now on
-            self.ceiling = min(self.ceiling, int(change["dataloader"]["num_workers"]) - 1)
+        n = int(change["dataloader"]["num_workers"])
+        if not accepted:  # the raise did not pay: stay below it (unless the guard retries it)
+            self.ceiling = min(self.ceiling, n - 1)
+        elif n > self.ceiling:  # a retry of a reverted raise paid this time: search on
+            self.ceiling = int(self.options["max_num_workers"])
 
     def state_dict(self) -> dict:
         return {"ceiling": self.ceiling}
@@ -122,6 +125,7 @@ class MicroBatchTuner(TunerBase):
         if not accepted:
             self.done = True
             return
+        self.done = False  # kept (a retry of a reverted doubling too): grow on
         if after is not None:
             self.seen[int(change["dataloader"]["batch_size"])] = after.memory_bytes
             gain = after.samples_per_s / max(before.samples_per_s, 1e-9) - 1.0
