@@ -174,13 +174,13 @@ def _load(*overrides: str):
     ("tuning.lr_scaling=cubic", "tuning.lr_scaling: 'cubic' is invalid; allowed: linear, sqrt"),
     ("tuning.tuners=[dataloader_workers,nope]",
      "tuning.tuners[1]: 'nope' is invalid (unknown tuner 'nope'; installed: "
-     "dataloader_workers, micro_batch"),
+     "dataloader_workers, global_batch, micro_batch"),
     ("tuning.options.dataloader_workers.max_num_workers=-1",
      "tuning.options.dataloader_workers.max_num_workers: -1 is invalid"),
     ("tuning.options.micro_batch.speed=2", "speed: unknown option; allowed: input_bound_share, keep_global_batch"),
     ("tuning.options.micro_batch.max_micro_batch=big", "max_micro_batch: 'big' is invalid"),
     ("tuning.options.nope.x=1", "tuning.options.nope: {'x': 1} is invalid; allowed: options "
-     "of an installed tuner: dataloader_workers, micro_batch"),
+     "of an installed tuner: dataloader_workers, global_batch, micro_batch"),
     ("tuning.guard.confidence=1.5", "tuning.guard.confidence: 1.5 is invalid"),
     ("tuning.guard.windows=1", "tuning.guard.windows: 1 is invalid; allowed: an integer >= 2"),
     ("tuning.role=critic", "tuning.role: 'critic' is invalid; allowed: a role of the job: trainer"),
@@ -196,7 +196,7 @@ def test_valid_tuning_spec_and_controller_from_it():
     spec = _load("tuning.interval_steps=5")
     ctl = TuningController.from_spec(spec, PluginManager())
     assert [n for n, _ in ctl.tuners] == ["dataloader_workers", "micro_batch"]
-    assert ctl.tuners[0][1].options["max_num_workers"] == 4 and ctl.interval_steps == 5
+    assert ctl.tuners[0][1].options["max_num_workers"] == 8 and ctl.interval_steps == 5
     assert ctl.role == "trainer" and ctl.world_size == 2 and ctl.lr_scaling == "sqrt"
     off = load_spec("examples/nanogpt/job_tuned.yaml")
     assert TuningController.from_spec(off, PluginManager()) is None

@@ -190,6 +190,13 @@ class StepTimer:
             self.start_step()
         self._acc[name] += float(seconds)
 
+    def drop_step(self) -> None:
+        """Forget the current step (it was rolled back and runs again); its time stays
+        in the next step's ``interval_s``, so the wall time is still all counted."""
+        self._t0 = None
+        self._acc = dict.fromkeys(PHASES, 0.0)
+        self._prefetch = []
+
     def note_prefetch_depth(self, depth: int | None) -> None:
         """Record the loader's ready-batch count seen when a batch was requested."""
         if depth is not None:
