@@ -57,7 +57,8 @@ _PHASE_KEYS = {"data": "data_wait_s", "compute": "compute_s", "optimizer": "opti
 #: The metric names :meth:`StepTimer.end_step` reports (``cuda_max_allocated_bytes`` and
 #: ``prefetch_depth`` only when known).
 METRIC_NAMES = ("data_wait_s", "compute_s", "optimizer_s", "other_s", "step_s",
-                "samples", "interval_s", "samples_per_s", "peak_rss_bytes", "cuda_max_allocated_bytes",
+                "samples", "interval_s", "samples_per_s", "peak_rss_bytes",
+                "cuda_max_allocated_bytes",
                 "memory_capacity_bytes", "prefetch_depth")
 
 
