@@ -1,39 +1,37 @@
-"""Online tuning against the default config and a static grid, in one run.
+"""Online tuning against the shipped default and a static grid, every run a real job.
 
-    .venv/bin/python benchmarks/tuning.py [--steps-per-point 24] [--tuned-steps 240]
+    .venv/bin/python benchmarks/tuning.py [--window-s 20] [--warmup-steps 5]
+        [--grid 2x16,4x8,4x16]
 
-The job: the tuned nanoGPT example (``examples/nanogpt/tuned_workload.py``; by default
-made smaller with ``--model``: 2 layers, 64 wide, context 64, AdamW) whose training samples are read from a store with
-``--latency`` seconds per sample (simulated storage latency) and decoded on the CPU,
-a global batch of 32 samples per optimizer step. Its own training loop runs in this
-process, one rank, ``--threads`` torch threads, through the same pieces a job uses:
-``ElasticDataLoader``, ``TuningSession`` and the master's ``TuningController`` with
-the built-in tuners (``dataloader_workers``, ``micro_batch``) and the guard, fed the
-step reports the workload makes.
+The job: ``examples/nanogpt/job_tuned.yaml`` (nanoGPT whose input pipeline reads every
+sample from simulated storage), 2 FSDP2 ranks on gloo. Every run is submitted to a
+JobMaster the way ``dlrover submit`` does it (``create_master`` + ``start`` on one
+local Ray cluster that all runs share), one after another:
 
-Runs, one after another in this process:
+1. ``default``: the job as shipped (tuning off): its ``num_workers``, ``micro_batch``
+   and ``grad_accum_steps``;
+2. ``grid``: each ``--grid`` point ``<num_workers>x<micro_batch>`` (gradient
+   accumulation keeps the shipped samples per rank per optimizer step), tuning off;
+3. ``tuned``: the job as shipped with ``tuning.enabled=true`` (it starts from the
+   default and tunes while it trains; its trials count against it).
 
-1. ``default``: the job's starting config (``num_workers=0``, micro-batch 4 x 8
-   accumulation steps) for ``--steps-per-point`` steps;
-2. ``grid``: every point of num_workers {0, 1, 2, 4} x micro-batch {4, 8, 16, 32}
-   (accumulation keeps 32 samples per step), each a fresh run of
-   ``--steps-per-point`` steps (what a restart-per-trial autotuner has to do);
-3. ``tuned``: one run of ``--tuned-steps`` steps from the default config, tuned while it
-   trains (``tuning.interval_steps`` from ``--interval``).
+Every run is measured the same way: its first ``--warmup-steps`` steps are the warm-up
+(start-up, loader workers, the first allocations); the timed window is the
+``--window-s`` seconds that follow the end of the last warm-up step, on the master's
+clock (the ``ts`` of rank 0's step records in ``metrics.jsonl``, written when each
+report arrives). ``samples`` is the global samples (``samples`` of each step report)
+of the steps that ended inside the window (a step re-run after a restart is not counted
+twice); ``seconds`` is ``--window-s`` for every run. Throughput is ``samples /
+seconds``: samples over wall time, data waits included (``method``:
+``samples_over_wall``). The job is stopped once its window is over; evaluation is off
+(``config.eval_every`` beyond the run) so that every run measures training alone.
 
-Throughput of a run: the median of the per-step samples/s after the first
-``--warmup`` steps (loader start-up, and the prefetch queue that fills meanwhile:
-up to two batches per worker, i.e. several steps at large micro-batches); of the tuned
-run: the median over its last ``--steps-per-point - --warmup`` steps. The grid's best point is measured a second time and ``grid_best_samples_s`` is the
-mean of both (the largest of 16 noisy figures is biased upwards).
-``steps_to_reach_95pct``: the first step of the tuned run
-from which the median of 5 consecutive steps reaches 95 % of the grid's best.
-``restarts``: times the training process was restarted to change the config (the
-tuned run changes it in place: 0 by construction here; a job's restarts are in its
-summary). ``versions``: config versions published (0 = never changed).
-
-Shared machines distort throughput; compare the ratios of one run. The last line of
-output is one JSON object.
+Every run is reported; none is selected or re-run. ``tuned_vs_grid_best`` is the tuned
+run's samples over the most samples of a grid point; ``tuned_vs_default`` over the
+default's. ``restarts`` is the tuned job's ``restarts.total`` read from its
+``summary.json``, ``versions`` the tuning version it ended on and ``final_config`` that
+version's settings. The last line of stdout is one JSON object; progress goes to stderr.
+Timings are only comparable on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -41,158 +39,151 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-
-from dlrover_core.runtime.backend import BackendSession  # noqa: E402
-from dlrover_core.runtime.context import WorkerContext  # noqa: E402
-from dlrover_core.tuning.session import ControllerSource, TuningSession  # noqa: E402
-from examples.nanogpt.tuned_workload import TunedGPTWorkload  # noqa: E402
-
-GLOBAL = 32
-JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   "examples", "nanogpt", "job_tuned.yaml")
+JOB = os.path.join(ROOT, "examples", "nanogpt", "job_tuned.yaml")
+FAR = 10**9  # steps: the job never ends by itself; it is stopped after its window
 
 
-class BenchWorkload(TunedGPTWorkload):
-    """The example's workload in this process: reports go to a list (and to the
-    controller of the tuned run) instead of a JobMaster."""
-
-    controller = None
-
-    def _master_or_none(self):
-        return None
-
-    def make_tuning_session(self, initial: dict) -> TuningSession:
-        source = ControllerSource(self.controller, "trainer") if self.controller else None
-        return TuningSession(initial, source=source)
-
-    def report(self, step: int, **metrics: float) -> None:
-        super().report(step, **metrics)
-        if "samples_per_s" in metrics:
-            self.steps.append(dict(metrics))
-        if self.controller is not None:
-            self.controller.on_report("trainer", 0, step, metrics)
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
-def run(config: dict, steps: int, job_dir: str, controller=None) -> list[dict]:
-    ctx = WorkerContext(job="bench", role="trainer", rank=0, world_size=1, local_rank=0,
-                        local_world_size=1, config={**config, "max_steps": steps,
-                                                    "eval_every": steps + 1},
-                        checkpoint={"saver": "disk", "every_steps": 0,
-                                    "dir": os.path.join(job_dir, f"ckpt{time.time_ns()}")},
-                        job_dir=job_dir)
-    w = BenchWorkload(ctx)
-    w.controller = controller
-    w.steps = []
-    w._backend = BackendSession(ctx)
-    w._plugins = _plugins()  # what a WorkloadHost gives its workload
-    w.setup()
-    try:
-        w.run()
-    finally:
-        w.teardown()
-    return w.steps
+def step_records(job_dir: str) -> list[dict]:
+    from dlrover_core.master.events import read_events
+
+    path = os.path.join(job_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    return [r for r in read_events(path) if r.get("event") == "step" and "samples" in r]
 
 
-_PM = None
+def window(records: list[dict], warmup_steps: int, seconds: float) -> tuple[float, bool]:
+    """``(samples, complete)``: the samples of the steps that ended within ``seconds``
+    after the end of step ``warmup_steps - 1``, and whether the window is over."""
+    t0 = next((r["ts"] for r in records if r["step"] == warmup_steps - 1), None)
+    if t0 is None:
+        return 0.0, False
+    samples, done, seen = 0.0, -1, False
+    for r in records:
+        if r["ts"] > t0 + seconds:
+            seen = True
+            continue
+        if r["ts"] > t0 and r["step"] > done:  # a step re-run after a restart: once
+            samples += float(r["samples"])
+        done = max(done, r["step"])
+    return samples, seen
 
 
-def _plugins():
-    global _PM
-    if _PM is None:
-        from dlrover_core.plugins.manager import PluginManager
+def run_job(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
+    """Submit one job, stop it after its timed window; its figures and summary."""
+    import ray
 
-        _PM = PluginManager()
-    return _PM
+    from dlrover_core import load_spec
+    from dlrover_core.master.client import create_master
 
-
-def throughput(steps: list[dict], skip: int) -> float:
-    return statistics.median(s["samples_per_s"] for s in steps[skip:])
+    spec = load_spec(JOB, [f"name={name}", f"config.max_steps={FAR}",
+                           f"config.eval_every={FAR}", *overrides])
+    job_dir = tempfile.mkdtemp(prefix=f"dlrover-bench-{name}-")
+    master = create_master(spec, job_dir)
+    ray.get(master.start.remote())
+    started = time.time()
+    samples, complete, summary = 0.0, False, None
+    while time.time() - started < args.timeout_s:
+        time.sleep(0.5)
+        samples, complete = window(step_records(job_dir), args.warmup_steps, args.window_s)
+        status = ray.get(master.status.remote(), timeout=60)
+        if complete or status["summary"] is not None:
+            summary = status["summary"]
+            break
+    if summary is None:
+        master.stop.remote()
+        summary = ray.get(master.wait.remote(120), timeout=180)
+    ray.kill(master, no_restart=True)
+    with open(os.path.join(job_dir, "summary.json")) as f:
+        on_disk = json.load(f)
+    if not complete:
+        raise RuntimeError(f"run {name}: the job ended ({(summary or {}).get('status')}: "
+                           f"{(summary or {}).get('error')}) or timed out before its "
+                           f"{args.window_s} s window was over; see {job_dir}")
+    log(f"{name}: {samples:.0f} samples in {args.window_s} s "
+        f"({samples / args.window_s:.1f} samples/s), job dir {job_dir}")
+    return {"samples": int(samples), "seconds": args.window_s, "summary": on_disk}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps-per-point", type=int, default=24)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--tuned-steps", type=int, default=240)
-    ap.add_argument("--interval", type=int, default=10)
-    ap.add_argument("--latency", type=float, default=0.02)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model", default="n_layer=2,n_embd=64,n_head=2,block_size=64",
-                    help="model config overrides (the example's own: 4 layers, 128 wide)")
-    ap.add_argument("--workers", default="0,1,2,4")
-    ap.add_argument("--micro-batches", default="4,8,16,32")
+    ap.add_argument("--window-s", type=float, default=20.0,
+                    help="timed window of every run, seconds")
+    ap.add_argument("--warmup-steps", type=int, default=5,
+                    help="steps of every run before its window starts")
+    ap.add_argument("--grid", default="2x16,4x8,4x16",
+                    help="grid points <num_workers>x<micro_batch>, comma-separated")
+    ap.add_argument("--timeout-s", type=float, default=300.0,
+                    help="give up on a run after this long")
+    ap.add_argument("--set", action="append", default=[],
+                    help="an extra key=value override for every run (e.g. a smaller model)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    os.chdir(ROOT)  # the workers import examples.* from here
+
+    import ray
     from omegaconf import OmegaConf
 
-    from dlrover_core.spec.loader import load_spec
-    from dlrover_core.tuning.controller import TuningController
+    from dlrover_core import load_spec
+    from dlrover_core.master.client import init_ray
 
-    spec = load_spec(JOB, plugin_manager=_plugins(), overrides=["tuning.enabled=true", "roles.trainer.total=1",
-                           "roles.trainer.per_node=1", f"tuning.interval_steps={args.interval}"])
-    base = OmegaConf.to_container(spec.config, resolve=True)
-    base["read_latency_s"] = args.latency
-    for kv in filter(None, args.model.split(",")):
-        k, _, v = kv.partition("=")
-        base[k] = int(v)
-    job_dir = tempfile.mkdtemp(prefix="dlrover-bench-tuning-")
-    n = args.steps_per_point
-    t0 = time.time()
+    shipped = load_spec(JOB)
+    cfg = OmegaConf.to_container(shipped.config, resolve=True)
+    per_rank = int(cfg["micro_batch"]) * int(cfg["grad_accum_steps"])
+    points = []
+    for p in filter(None, args.grid.split(",")):
+        nw, mb = (int(x) for x in p.split("x"))
+        if per_rank % mb:
+            raise SystemExit(f"--grid {p}: micro_batch {mb} does not divide the {per_rank} "
+                             "samples per rank per step the job ships")
+        points.append({"num_workers": nw, "micro_batch": mb, "grad_accum_steps": per_rank // mb})
 
-    default = throughput(run(base, n, job_dir), args.warmup)
-    print(f"default: {default:.1f} samples/s", file=sys.stderr)
-    grid = {}
-    for nw in (int(x) for x in args.workers.split(",")):
-        for mb in (int(x) for x in args.micro_batches.split(",")):
-            cfg = {**base, "num_workers": nw, "micro_batch": mb, "grad_accum_steps": GLOBAL // mb}
-            grid[f"num_workers={nw},micro_batch={mb}"] = throughput(run(cfg, n, job_dir),
-                                                                    args.warmup)
-            print(f"grid {nw} x {mb}: {grid[list(grid)[-1]]:.1f}", file=sys.stderr)
-    best_key = max(grid, key=grid.get)
-    raw_best = grid[best_key]
-    # the largest of 16 noisy figures is biased upwards: measure the winner once more
-    nw, mb = (int(kv.split("=")[1]) for kv in best_key.split(","))
-    again = throughput(run({**base, "num_workers": nw, "micro_batch": mb,
-                            "grad_accum_steps": GLOBAL // mb}, n, job_dir), args.warmup)
-    best = (raw_best + again) / 2
-    print(f"grid best {best_key}: {raw_best:.1f}, again {again:.1f}", file=sys.stderr)
-
-    events: list = []
-    ctl = TuningController.from_spec(spec, _plugins(),
-                                     emit=lambda e, **f: events.append({"event": e, **f}))
-    tuned_steps = run(base, args.tuned_steps, job_dir, controller=ctl)
-    tuned = throughput(tuned_steps[-(n - args.warmup):], 0)
-    sps = [s["samples_per_s"] for s in tuned_steps]
-    reach = next((i for i in range(len(sps) - 4)
-                  if statistics.median(sps[i:i + 5]) >= 0.95 * best), None)
-    final = ctl.summary()
+    t_start = time.time()
+    started_here = init_ray(None)
+    try:
+        stamp = time.strftime("%H%M%S")
+        default = run_job(f"bench-default-{stamp}", list(args.set), args)
+        grid = []
+        for i, p in enumerate(points):
+            r = run_job(f"bench-grid{i}-{stamp}",
+                        [*args.set, *(f"config.{k}={v}" for k, v in p.items())], args)
+            grid.append({"config": p, "samples": r["samples"], "seconds": r["seconds"]})
+        tuned = run_job(f"bench-tuned-{stamp}", [*args.set, "tuning.enabled=true"], args)
+    finally:
+        if started_here:
+            ray.shutdown()
+    t = tuned["summary"].get("tuning") or {}
+    final = t.get("config") or {}
+    best = max((g["samples"] for g in grid), default=0)
     out = {
-        "default_samples_s": round(default, 2), "tuned_samples_s": round(tuned, 2),
-        "grid_best_samples_s": round(best, 2), "grid_best_config": best_key,
-        "grid_best_first_samples_s": round(raw_best, 2), "grid_best_again_samples_s": round(again, 2),
-        "tuned_vs_grid_best": round(tuned / best, 3),
-        "tuned_vs_default": round(tuned / default, 3),
-        "steps_to_reach_95pct": reach, "restarts": 0, "versions": final["version"],
-        "tuned_final_config": {"num_workers": final["config"]["dataloader"]["num_workers"],
-                               "micro_batch": final["config"]["dataloader"]["batch_size"],
-                               "grad_accum_steps": final["config"]["optimizer"]["grad_accum_steps"]},
-        "accepted": final["accepted"], "reverted": final["reverted"],
-        "grid_points": len(grid), "steps_per_point": n, "tuned_steps": args.tuned_steps,
-        "latency_s": args.latency, "threads": args.threads, "model": args.model,
-        "wall_s": round(time.time() - t0, 1),
+        "method": "samples_over_wall",
+        "default": {"samples": default["samples"], "seconds": default["seconds"]},
+        "grid": grid,
+        "tuned": {"samples": tuned["samples"], "seconds": tuned["seconds"],
+                  "restarts": int(tuned["summary"]["restarts"]["total"]),
+                  "versions": t.get("version"),
+                  "final_config": {
+                      "num_workers": final.get("dataloader", {}).get("num_workers"),
+                      "micro_batch": final.get("dataloader", {}).get("batch_size"),
+                      "grad_accum_steps": final.get("optimizer", {}).get("grad_accum_steps"),
+                      "learning_rate": final.get("optimizer", {}).get("learning_rate")}},
+        "tuned_vs_grid_best": round(tuned["samples"] / best, 3) if best else None,
+        "tuned_vs_default": (round(tuned["samples"] / default["samples"], 3)
+                             if default["samples"] else None),
     }
-    for e in events:
-        if e["event"] in ("tuning_proposed", "tuning_accepted", "tuning_reverted"):
-            print(e["event"], e.get("version"), e.get("changes", e.get("reason", "")),
-                  file=sys.stderr)
+    log(f"wall time of the benchmark: {time.time() - t_start:.1f} s; tuning of the tuned "
+        f"run: {t.get('proposed')} proposed, {t.get('accepted')} kept, "
+        f"{t.get('reverted')} reverted")
     print(json.dumps(out))
 
 

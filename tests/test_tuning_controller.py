@@ -37,7 +37,8 @@ def model_step(cfg: dict, best_workers: int = 2, mem_per_sample: float = 1e7) ->
     step = read + compute if nw == 0 else max(read / nw, compute)
     data = step - compute
     return {"tuning_version": cfg["version"], "step_s": step, "data_wait_s": data,
-            "compute_s": compute, "optimizer_s": 0.0, "samples_per_s": 2 * GLOBAL / step,
+            "compute_s": compute, "optimizer_s": 0.0, "samples": 2 * GLOBAL,
+            "interval_s": step, "samples_per_s": 2 * GLOBAL / step,
             "peak_rss_bytes": 1e8 + mb * mem_per_sample, "memory_capacity_bytes": 2e9}
 
 
@@ -49,7 +50,8 @@ def drive(ctl: TuningController, steps: int, start: int = 0, **model_kw) -> None
 
 
 def controller(events: list, store=None, tuners=None, **kw) -> TuningController:
-    tuners = tuners or [("dataloader_workers", DataloaderWorkersTuner({"max_num_workers": 16})),
+    tuners = tuners or [("dataloader_workers", DataloaderWorkersTuner({"max_num_workers": 16,
+                                                                       "data_wait_share": 0.05})),
                         ("micro_batch", MicroBatchTuner({"max_micro_batch": 64,
                                                          "max_data_wait_share": 0.3}))]
     kw.setdefault("one_change_per_round", False)
@@ -68,10 +70,10 @@ def test_the_loop_raises_workers_then_the_micro_batch_and_keeps_the_global_batch
     events: list = []
     ctl = controller(events)
     assert ctl.current()["version"] == 0
-    drive(ctl, 120)
+    drive(ctl, 360)
     cfg = ctl.current()
     assert cfg["dataloader"]["num_workers"] == 2  # 4, then 3 were tried and reverted
-    assert cfg["dataloader"]["batch_size"] == 16
+    assert cfg["dataloader"]["batch_size"] == 8  # 16 came with 4 workers: reverted together
     assert cfg["dataloader"]["batch_size"] * cfg["optimizer"]["grad_accum_steps"] == GLOBAL
     assert cfg["optimizer"]["learning_rate"] == 1e-3  # global batch kept: lr untouched
     ev = names(events)
@@ -102,13 +104,17 @@ def test_one_change_per_round_lets_the_tuners_take_turns():
     ctl = controller(events, one_change_per_round=True, tuners=[
         ("dataloader_workers", DataloaderWorkersTuner({"max_num_workers": 16})),
         ("micro_batch", MicroBatchTuner({"max_micro_batch": 64}))])
-    drive(ctl, 120)
-    proposed = [e for e in events if e["event"] == "tuning_proposed"]
+    drive(ctl, 360)
+    proposed = [e for e in events if e["event"] in ("tuning_proposed", "tuning_retry")]
     assert all(len(e["tuners"]) == 1 for e in proposed)
     assert [e["tuners"][0] for e in proposed[:4]] == ["dataloader_workers", "micro_batch",
                                                       "dataloader_workers", "micro_batch"]
+    # micro-batch 8 showed no gain while 1 worker bounded the input (reverted), and was
+    # retried once the second worker had moved the baseline by more than retry_shift
+    assert [e["event"] for e in proposed[:4]] == ["tuning_proposed"] * 3 + ["tuning_retry"]
     cfg = ctl.current()
-    assert cfg["dataloader"]["num_workers"] == 2 and cfg["dataloader"]["batch_size"] == 64
+    assert cfg["dataloader"]["num_workers"] == 2 and cfg["dataloader"]["batch_size"] == 8
+    assert ctl.summary()["retried"] == 1
 
 
 def test_memory_over_the_limit_is_reverted():
@@ -116,7 +122,7 @@ def test_memory_over_the_limit_is_reverted():
     mbt = MicroBatchTuner({"max_micro_batch": 64, "max_data_wait_share": 1.0})
     ctl = controller(events, tuners=[("micro_batch", mbt)],
                      guard=Guard(memory_limit_bytes=int(1e8 + 10 * 1e7)))
-    drive(ctl, 60)
+    drive(ctl, 180)
     rev = [e for e in events if e["event"] == "tuning_reverted"]
     assert rev and "memory peak" in rev[0]["reason"]
     assert ctl.current()["dataloader"]["batch_size"] == 8  # 16 needs 2.6e8 > 2e8 bytes
@@ -131,7 +137,7 @@ def test_a_tuner_that_raises_is_skipped_and_the_others_still_tune():
     events: list = []
     ctl = controller(events, tuners=[("broken", Broken()),
                                      ("dataloader_workers", DataloaderWorkersTuner())])
-    drive(ctl, 30)
+    drive(ctl, 90)
     failed = [e for e in events if e["event"] == "tuning_tuner_failed"]
     assert failed and failed[0]["tuner"] == "broken" and "tuner bug" in failed[0]["error"]
     assert ctl.current()["dataloader"]["num_workers"] >= 2
@@ -141,7 +147,7 @@ def test_a_restarted_master_continues_from_the_persisted_version(tmp_path):
     events: list = []
     store = JobContext(str(tmp_path / "context.sqlite"))
     ctl = controller(events, store=store)
-    drive(ctl, 23)
+    drive(ctl, 47)
     before = ctl.current()
     assert before["version"] >= 2
     store.close()
@@ -152,7 +158,7 @@ def test_a_restarted_master_continues_from_the_persisted_version(tmp_path):
     assert ctl2.current() == before  # sync() does not reset it to the workload's initial
     assert ctl2.phase == ctl.phase and ctl2.history == ctl.history
     assert ctl2.tuners[0][1].ceiling == ctl.tuners[0][1].ceiling
-    drive(ctl2, 40, start=23)
+    drive(ctl2, 80, start=47)
     assert ctl2.current()["version"] > before["version"]
     assert "tuning_started" not in names(events2)
 
@@ -168,14 +174,15 @@ def _load(*overrides: str):
     ("tuning.lr_scaling=cubic", "tuning.lr_scaling: 'cubic' is invalid; allowed: linear, sqrt"),
     ("tuning.tuners=[dataloader_workers,nope]",
      "tuning.tuners[1]: 'nope' is invalid (unknown tuner 'nope'; installed: "
-     "dataloader_workers, micro_batch"),
+     "dataloader_workers, global_batch, micro_batch"),
     ("tuning.options.dataloader_workers.max_num_workers=-1",
      "tuning.options.dataloader_workers.max_num_workers: -1 is invalid"),
     ("tuning.options.micro_batch.speed=2", "speed: unknown option; allowed: input_bound_share, keep_global_batch"),
     ("tuning.options.micro_batch.max_micro_batch=big", "max_micro_batch: 'big' is invalid"),
     ("tuning.options.nope.x=1", "tuning.options.nope: {'x': 1} is invalid; allowed: options "
-     "of an installed tuner: dataloader_workers, micro_batch"),
-    ("tuning.guard.tolerance=1.5", "tuning.guard.tolerance: 1.5 is invalid"),
+     "of an installed tuner: dataloader_workers, global_batch, micro_batch"),
+    ("tuning.guard.confidence=1.5", "tuning.guard.confidence: 1.5 is invalid"),
+    ("tuning.guard.windows=1", "tuning.guard.windows: 1 is invalid; allowed: an integer >= 2"),
     ("tuning.role=critic", "tuning.role: 'critic' is invalid; allowed: a role of the job: trainer"),
     ("tuning.speed=1", "tuning.speed: 'speed' is invalid (unknown key"),
 ])
@@ -189,7 +196,7 @@ def test_valid_tuning_spec_and_controller_from_it():
     spec = _load("tuning.interval_steps=5")
     ctl = TuningController.from_spec(spec, PluginManager())
     assert [n for n, _ in ctl.tuners] == ["dataloader_workers", "micro_batch"]
-    assert ctl.tuners[0][1].options["max_num_workers"] == 4 and ctl.interval_steps == 5
+    assert ctl.tuners[0][1].options["max_num_workers"] == 8 and ctl.interval_steps == 5
     assert ctl.role == "trainer" and ctl.world_size == 2 and ctl.lr_scaling == "sqrt"
     off = load_spec("examples/nanogpt/job_tuned.yaml")
     assert TuningController.from_spec(off, PluginManager()) is None
@@ -230,7 +237,7 @@ def test_a_third_party_tuner_from_an_entry_point(fake_dist):
         ctl = TuningController.from_spec(spec, pm, emit=lambda e, **f: events.append(
             {"event": e, **f}))
         ctl.sync("trainer", 0, INITIAL)
-        drive(ctl, 20)
+        drive(ctl, 60)
         first, second = [e for e in events if e["event"] == "tuning_proposed"][:2]
         # one change per round (the spec's default), the tuners taking turns
         assert first["tuners"] == ["pin_memory"]

@@ -20,6 +20,7 @@ from dlrover_core.master.events import read_events
 from dlrover_core.testing import poll_status
 
 TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
+        "config.num_workers=0",
         "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
         "config.warmup_steps=2", "config.micro_batch=2", "config.grad_accum_steps=8",
         "config.read_latency_s=0.004", "tuning.enabled=true", "tuning.interval_steps=3",
@@ -132,3 +133,73 @@ def test_reverted_changes_and_a_master_restart_keep_the_version(ray_cluster, job
     assert versions == sorted(versions) and versions[-1] == 2
     # the rejected raise (1 worker) is never proposed again, by either master
     assert len(events(job_dir, "tuning_proposed")) == 1
+
+
+@pytest.mark.slow
+def test_global_batch_tuner_switches_the_learning_rate_by_the_rule(ray_cluster, job_dir):
+    import math
+
+    from omegaconf import OmegaConf
+
+    from examples.nanogpt.workload import warmup_cosine_lr
+
+    s = spec("tune-gb", 16, job_dir, "tuning.tuners=[global_batch]", "tuning.lr_scaling=sqrt",
+             "tuning.guard.windows=2", "tuning.options={global_batch: {max_global_batch: 64}}")
+    summary = run_job(s, job_dir)
+    assert summary["status"] == "succeeded", summary["error"]
+    proposed = events(job_dir, "tuning_proposed")
+    assert len(proposed) == 1  # 32 -> 64 samples per step, then max_global_batch
+    assert proposed[0]["changes"]["optimizer"]["grad_accum_steps"] == [8, 16]
+    lr0, lr1 = proposed[0]["changes"]["optimizer"]["learning_rate"]
+    assert lr0 == 1e-2 and lr1 == pytest.approx(1e-2 * math.sqrt(2))  # sqrt rule: 32 -> 64
+    cfg = OmegaConf.create({"warmup_steps": 2, "max_steps": 16})
+    rows = {r["step"]: r for r in steps(job_dir)}
+    after = [r for r in rows.values() if r["tuning_version"] == 1]
+    assert after, "no step ran under the new global batch"
+    for r in rows.values():  # the optimizer's own learning rate, step by step
+        peak = lr1 if r["tuning_version"] == 1 else lr0
+        assert r["lr"] == pytest.approx(warmup_cosine_lr(r["step"], peak, cfg)), r["step"]
+        assert r["samples"] == (64 if r["tuning_version"] == 1 else 32)
+    assert all(r["peak_lr"] == pytest.approx(lr1) for r in after)
+
+
+@pytest.mark.slow
+def test_a_micro_batch_that_runs_out_of_memory_is_rolled_back_without_a_restart(
+        ray_cluster, job_dir):
+    from examples.nanogpt.tuned_workload import activation_bytes
+
+    n = 20
+    budget = activation_bytes(4, 32, 32, 1)  # micro-batch 4 fits, 8 does not
+    s = spec("tune-oom", n, job_dir, "tuning.tuners=[micro_batch]", "tuning.guard.windows=2",
+             "config.micro_batch=4", "config.grad_accum_steps=4",
+             f"config.memory_budget_bytes={budget}")
+    summary = run_job(s, job_dir)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["restarts"]["total"] == 0
+    oom = events(job_dir, "tuning_out_of_memory")
+    assert len(oom) == 1 and "micro-batch 8" in oom[0]["reason"]
+    assert oom[0]["reverted_version"] == 1 and oom[0]["version"] == 2
+    assert oom[0]["config"]["dataloader"]["batch_size"] == 4
+    t = summary["tuning"]
+    assert t["memory_ceiling"] == 8 and t["version"] == 2
+    assert t["config"]["dataloader"]["batch_size"] == 4 and t["reverted"] == 1
+    assert len(events(job_dir, "tuning_proposed")) == 1  # 8 is never proposed again
+    # every step ran once per rank (the rolled-back step ran again, in the same process)
+    rows = samples(job_dir)
+    assert all(r["attempt"] == 0 for r in rows)
+    assert sorted((r["rank"], r["step"]) for r in rows) == \
+        sorted((rank, st) for rank in (0, 1) for st in range(n))
+    assert {r["micro_batch"] for r in rows} == {4}
+    # the loader rewound to the step's start: no sample skipped or trained twice
+    ids = [i for r in rows for i in r["ids"]]
+    assert len(ids) == len(set(ids)) == 2 * n * 16
+    from examples.nanogpt.stored_data import StoredCharWindows
+    from dlrover_core.tuning import ElasticDataLoader
+
+    expect = set()
+    for r in (0, 1):
+        lo = ElasticDataLoader(StoredCharWindows(32, 0.0), batch_size=16, seed=1337, rank=r,
+                               world_size=2)
+        for _ in range(n):
+            expect |= set(lo.next_batch()[2].tolist())
+    assert set(ids) == expect

@@ -6,7 +6,7 @@ in advance."""
 from __future__ import annotations
 
 from dlrover_core.tuning.controller import TuningController
-from dlrover_core.tuning.guard import Guard
+from dlrover_core.tuning.guard import Guard, GuardVerdict
 from dlrover_core.tuning.session import ControllerSource, TuningSession
 from dlrover_core.tuning.tuner import TunerBase
 from examples.nanogpt.tuned_workload import TunedGPTWorkload
@@ -25,6 +25,14 @@ class ScriptedTuner(TunerBase):
         return self.plan.pop(0) if self.plan else None
 
 
+class KeepEveryChange(Guard):
+    """A guard that keeps every change: these tests check how the ranks switch, not
+    which change pays (tests/test_tuning_guard.py checks the real guard)."""
+
+    def judge(self, before, after):
+        return GuardVerdict(True, "kept: every change is kept in this test")
+
+
 class LocalTunedWorkload(TunedGPTWorkload):
     def _master_or_none(self):
         return None
@@ -36,8 +44,8 @@ class LocalTunedWorkload(TunedGPTWorkload):
             plan = [{s: dict(v) for s, v in p.items()} for p in plan]
             self.controller = TuningController(
                 [("scripted", ScriptedTuner({"plan": plan}))], role=self.role,
-                world_size=self.world_size, interval_steps=2, warmup_steps=0,
-                guard=Guard(tolerance=0.99))
+                world_size=self.world_size, interval_steps=1, warmup_steps=0,
+                guard=KeepEveryChange(windows=2))
             source = ControllerSource(self.controller, self.role)
         return TuningSession(initial, rank=self.rank, world_size=self.world_size,
                              source=source)

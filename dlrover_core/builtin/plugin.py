@@ -59,6 +59,9 @@ def dlrover_tuners() -> list:
         Tuner(name="micro_batch", tuner="dlrover_core.tuning.builtin_tuners:MicroBatchTuner",
               description="grow the micro-batch (global batch kept) while throughput rises "
                           "and memory allows"),
+        Tuner(name="global_batch", tuner="dlrover_core.tuning.builtin_tuners:GlobalBatchTuner",
+              description="opt-in: double the global batch (gradient accumulation) up to "
+                          "max_global_batch; the learning rate follows tuning.lr_scaling"),
     ]
 
 

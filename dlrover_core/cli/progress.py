@@ -18,6 +18,10 @@ NARROW_WIDTH = 100
 class JobProgress:
     """A progress bar: step / total, loss, samples/s, restarts, elapsed time.
 
+    samples/s is rank 0's ``samples_per_s``: with :class:`~dlrover_core.tuning.StepTimer`
+    the global samples of its last ``rate_window`` steps over their wall time, data
+    waits and the loop's own time between steps included (never a per-step rate).
+
     The step count (``400/400``) is never cut: on a console narrower than
     :data:`NARROW_WIDTH` the bar is left out and the metrics fold onto more lines;
     when stderr is not a terminal the final state prints in full on one line.

@@ -114,6 +114,15 @@ class JobMaster:
             return None
         return self.tuning.current()
 
+    def tuning_out_of_memory(self, role: str, rank: int, version: int,
+                             error: str) -> dict | None:
+        """Rank ``rank`` of ``role`` ran out of memory under tuning ``version``: the
+        config its ranks roll back to (``None``: nothing to roll back to). See
+        :meth:`dlrover_core.tuning.controller.TuningController.on_out_of_memory`."""
+        if self.tuning is None:
+            return None
+        return self.tuning.on_out_of_memory(role, rank, version, error)
+
     @ray.method(concurrency_group="report")
     def checkpoint_saved(self, role: str, rank: int, step: int, seconds: float) -> None:
         """Rank ``rank`` of ``role`` saved ``step``; its loop was blocked ``seconds`` s."""

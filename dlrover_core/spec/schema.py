@@ -99,12 +99,21 @@ class CheckpointSpec:
 
 @dataclass
 class TuningGuardSpec:
-    """The guard that reverts a change that made things worse: ``tolerance``: accepted
-    relative throughput loss (0.05 = 5 %); ``memory_limit_bytes``: per-rank memory
-    limit in bytes (0: the capacity the ranks report); ``memory_headroom``: fraction of
-    that capacity kept free."""
+    """The guard that keeps a change only when it earned its gain (see
+    ``dlrover_core/tuning/guard.py``): ``windows``: windows of ``interval_steps`` steps
+    measured per configuration (>= 2); ``confidence``: the confidence of the one-sided
+    Welch's t-test on the window rates that the change is faster; ``min_gain``: the
+    relative gain it must show (0: any); ``max_retries``: how often a reverted change
+    may be tried again, ``retry_shift``: once the baseline's samples/s moved by more
+    than this (relative) or its data-wait share by more than this (absolute);
+    ``memory_limit_bytes``: per-rank memory limit in bytes (0: the capacity the ranks
+    report); ``memory_headroom``: fraction of that capacity kept free."""
 
-    tolerance: float = 0.05
+    windows: int = 3
+    confidence: float = 0.9
+    min_gain: float = 0.0
+    max_retries: int = 1
+    retry_shift: float = 0.25
     memory_limit_bytes: int = 0
     memory_headroom: float = 0.1
 

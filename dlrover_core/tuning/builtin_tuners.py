@@ -14,7 +14,16 @@
   costs, and the guard reverts a doubling that does not pay). With
   ``keep_global_batch: false`` it
   may also double the global batch (the learning rate then follows
-  ``tuning.lr_scaling``).
+  ``tuning.lr_scaling``). A micro-batch that ran out of memory is its ceiling: it
+  proposes nothing at or above it again.
+- ``global_batch`` (opt-in: not among the default ``tuning.tuners``): double the global
+  batch by doubling ``optimizer.grad_accum_steps`` (the micro-batch stays, so memory
+  does not grow), up to ``max_global_batch`` samples per optimizer step over all
+  ranks; fewer optimizer steps and gradient reductions per sample. The controller sets
+  the new learning rate by ``tuning.lr_scaling`` (linear: Goyal et al. 2017; sqrt:
+  Krizhevsky 2014, Hoffer et al. 2017; see :mod:`dlrover_core.tuning.lr_scaling`). A
+  doubling the guard reverts ends the search. It changes the optimisation, not only
+  the speed: enable it only where the training recipe allows a larger batch.
 """
 
 from __future__ import annotations
@@ -55,8 +64,11 @@ class DataloaderWorkersTuner(TunerBase):
 
     def feedback(self, change: dict, accepted: bool, before: WindowSummary,
                  after: WindowSummary | None) -> None:
-        if not accepted:  # the raise did not pay: stay below it from now on
-            self.ceiling = min(self.ceiling, int(change["dataloader"]["num_workers"]) - 1)
+        n = int(change["dataloader"]["num_workers"])
+        if not accepted:  # the raise did not pay: stay below it (unless the guard retries it)
+            self.ceiling = min(self.ceiling, n - 1)
+        elif n > self.ceiling:  # a retry of a reverted raise paid this time: search on
+            self.ceiling = int(self.options["max_num_workers"])
 
     def state_dict(self) -> dict:
         return {"ceiling": self.ceiling}
@@ -74,6 +86,7 @@ class MicroBatchTuner(TunerBase):
         super().__init__(options)
         self.done = False
         self.seen: dict[int, float] = {}  # micro-batch -> memory peak (bytes)
+        self.ceiling: int | None = None  # the smallest micro-batch that ran out of memory
 
     @classmethod
     def validate_options(cls, options: dict) -> None:
@@ -103,7 +116,8 @@ class MicroBatchTuner(TunerBase):
             return None
         mb, accum = current.dataloader.batch_size, current.optimizer.grad_accum_steps
         new_mb = mb * 2
-        if new_mb > self.options["max_micro_batch"]:
+        if new_mb > self.options["max_micro_batch"] or \
+                (self.ceiling is not None and new_mb >= self.ceiling):
             return None
         keep = self.options["keep_global_batch"]
         if keep and accum % 2:
@@ -122,6 +136,7 @@ class MicroBatchTuner(TunerBase):
         if not accepted:
             self.done = True
             return
+        self.done = False  # kept (a retry of a reverted doubling too): grow on
         if after is not None:
             self.seen[int(change["dataloader"]["batch_size"])] = after.memory_bytes
             gain = after.samples_per_s / max(before.samples_per_s, 1e-9) - 1.0
@@ -129,9 +144,46 @@ class MicroBatchTuner(TunerBase):
             if gain < self.options["min_gain"] and not input_bound:
                 self.done = True  # kept (not worse) but no longer paying: stop growing
 
+    def out_of_memory(self, failed: TuningConfig) -> None:
+        self.ceiling = failed.dataloader.batch_size if self.ceiling is None else \
+            min(self.ceiling, failed.dataloader.batch_size)
+        self.done = True
+
     def state_dict(self) -> dict:
-        return {"done": self.done, "seen": {str(k): v for k, v in self.seen.items()}}
+        return {"done": self.done, "seen": {str(k): v for k, v in self.seen.items()},
+                "ceiling": self.ceiling}
 
     def load_state_dict(self, state: dict) -> None:
         self.done = bool(state.get("done", False))
         self.seen = {int(k): float(v) for k, v in (state.get("seen") or {}).items()}
+        self.ceiling = state.get("ceiling")
+
+
+class GlobalBatchTuner(TunerBase):
+    defaults = {"max_global_batch": 1024}
+
+    def __init__(self, options: dict | None = None) -> None:
+        super().__init__(options)
+        self.done = False
+
+    @classmethod
+    def validate_options(cls, options: dict) -> None:
+        super().validate_options(options)
+        _check_range(options, "max_global_batch", 1)
+
+    def propose(self, window: WindowSummary, current: TuningConfig) -> dict | None:
+        accum = current.optimizer.grad_accum_steps
+        if self.done or current.global_batch(window.world_size) * 2 > \
+                self.options["max_global_batch"]:
+            return None
+        return {"optimizer": {"grad_accum_steps": accum * 2}}
+
+    def feedback(self, change: dict, accepted: bool, before: WindowSummary,
+                 after: WindowSummary | None) -> None:
+        self.done = self.done or not accepted
+
+    def state_dict(self) -> dict:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done = bool(state.get("done", False))

@@ -7,21 +7,29 @@ and switch at a common step boundary (see :mod:`dlrover_core.tuning.session`).
 
 The loop, per tuned role::
 
-    baseline window (interval_steps steps of version N, rank 0's reports)
+    baseline: guard.windows windows of interval_steps steps of version N (rank 0's
+      reports; each window's throughput is its samples over its wall time)
       -> tuners propose (a tuner that raises is skipped): one change per round,
          the tuners taking turns (one_change_per_round), or every tuner's change
          merged (tuning.tuners order wins on a shared key)
       -> version N+1                                    event tuning_proposed
       -> ranks report steps under N+1                   event tuning_applied
-      -> warmup_steps skipped, then one window measured
-      -> guard: kept (the window is the new baseline)   event tuning_accepted
+      -> warmup_steps skipped, then guard.windows windows measured
+      -> guard (Welch's t-test of the window rates, see guard.py):
+                kept (its windows are the new baseline)  event tuning_accepted
                 or reverted to N's settings as N+2      event tuning_reverted
                 (and a fresh baseline is measured)
+    a rank that runs out of memory under N+1            event tuning_out_of_memory
+      -> N's settings as N+2 at once (the ranks roll back without a restart), and the
+         micro-batch that failed is the ceiling: nothing at or above it is proposed again
 
-A proposal whose settings were reverted before is not tried again. The controller's
-state (current and previous config, phase, baseline figures, history, rejected
-settings, each tuner's state) is written to the job's store (``JobContext``, key
-``tuning``) at every change, so a restarted master continues from the current
+A proposal whose settings were reverted is not proposed again unless the conditions
+moved since (the baseline's samples/s by more than ``guard.retry_shift``, relative,
+or its data-wait share by more than that, absolute), and then at most
+``guard.max_retries`` times (event ``tuning_retry``). The controller's state (current
+and previous config, phase, measured windows, baseline, history, rejected settings,
+memory ceiling, each tuner's state) is written to the job's store (``JobContext``,
+key ``tuning``) at every change, so a restarted master continues from the current
 version. It never raises into the master: a tuner's exception becomes a
 ``tuning_tuner_failed`` event.
 """
@@ -91,7 +99,10 @@ class TuningController:
         self.trial_changes: dict[str, dict] = {}
         self.applied_step: int | None = None  # first step reported under the current version
         self.history: list[dict] = []
-        self.rejected: list[dict] = []   # settings reverted once, never proposed again
+        # reverted changes: {"settings", "change", "tuners", "baseline", "retries"}
+        self.rejected: list[dict] = []
+        self.memory_ceiling: int | None = None  # smallest micro-batch that ran out of memory
+        self.windows: list[WindowSummary] = []  # closed windows of the current version
         self._window: list[tuple[int, dict]] = []
         self._memory: dict[int, float] = {}
         self._capacity: dict[int, float] = {}
@@ -126,8 +137,11 @@ class TuningController:
         g = t.guard
         return cls(tuners, role=role, world_size=int(spec.roles[role].total),
                    interval_steps=int(t.interval_steps), warmup_steps=int(t.warmup_steps),
-                   guard=Guard(float(g.tolerance), int(g.memory_limit_bytes),
-                               float(g.memory_headroom)),
+                   guard=Guard(confidence=float(g.confidence), min_gain=float(g.min_gain),
+                               windows=int(g.windows), max_retries=int(g.max_retries),
+                               retry_shift=float(g.retry_shift),
+                               memory_limit_bytes=int(g.memory_limit_bytes),
+                               memory_headroom=float(g.memory_headroom)),
                    lr_scaling=str(t.lr_scaling), store=store, emit=emit,
                    one_change_per_round=bool(t.one_change_per_round))
 
@@ -192,6 +206,7 @@ class TuningController:
             # skip warmup_steps again and measure afresh
             self.applied_step = step
             self._reset_window()
+            self.windows = []
             if first and self.config.version > 0:
                 self.emit("tuning_applied", version=self.config.version, step=step,
                           config=self.config.to_dict())
@@ -212,9 +227,15 @@ class TuningController:
 
     def _close_window(self) -> None:
         assert self.config is not None
-        window = WindowSummary.from_reports(self.config.version, self._window, self._memory,
-                                            self._capacity, self.world_size)
+        self.windows.append(WindowSummary.from_reports(
+            self.config.version, self._window, self._memory, self._capacity,
+            self.world_size))
         self._reset_window()
+        if len(self.windows) < self.guard.windows:
+            self._persist()
+            return
+        window = WindowSummary.merge(self.windows)
+        self.windows = []
         if self.phase == "trial" and self.baseline is not None:
             verdict = self.guard.judge(self.baseline, window)
             figures = {"before": self.baseline.as_dict(), "after": window.as_dict()}
@@ -227,20 +248,7 @@ class TuningController:
                           reason=verdict.reason, **figures)
                 self.baseline, self.phase = window, "baseline"
             else:
-                assert self.previous is not None
-                reverted = self.config
-                self.rejected.append(reverted.settings())
-                self._mark(reverted.version, "reverted", window)
-                self.config = self.previous.with_version(reverted.version + 1)
-                self.previous = reverted
-                self.history.append({"version": self.config.version, "kind": "revert",
-                                     "reverts": reverted.version,
-                                     "settings": self.config.settings()})
-                self.emit("tuning_reverted", version=self.config.version,
-                          reverted_version=reverted.version, reason=verdict.reason,
-                          config=self.config.to_dict(), **figures)
-                self.phase, self.baseline, self.applied_step = "baseline", None, None
-                self.trial_changes = {}
+                self._revert("tuning_reverted", verdict.reason, window, **figures)
                 self._persist()
                 return
         else:
@@ -248,6 +256,84 @@ class TuningController:
         self.trial_changes = {}
         self._propose(window)
         self._persist()
+
+    def _revert(self, event: str, reason: str, window: WindowSummary | None,
+                 **fields: Any) -> None:
+        """Publish the settings before the current trial as a new version."""
+        assert self.config is not None and self.previous is not None
+        reverted = self.config
+        known = next((r for r in self.rejected if r["settings"] == reverted.settings()), None)
+        if known is None:
+            self.rejected.append({
+                "settings": reverted.settings(), "change": self.previous.diff(reverted),
+                "tuners": sorted(self.trial_changes), "retries": 0,
+                "baseline": None if self.baseline is None else self.baseline.as_dict()})
+        elif self.baseline is not None:  # a retry that failed again: its new conditions
+            known["baseline"] = self.baseline.as_dict()
+        self._mark(reverted.version, "reverted", window)
+        self.config = self.previous.with_version(reverted.version + 1)
+        self.previous = reverted
+        self.history.append({"version": self.config.version, "kind": "revert",
+                             "reverts": reverted.version, "settings": self.config.settings()})
+        self.emit(event, version=self.config.version, reverted_version=reverted.version,
+                  reason=reason, config=self.config.to_dict(), **fields)
+        self.phase, self.baseline, self.applied_step = "baseline", None, None
+        self.trial_changes, self.windows = {}, []
+        self._reset_window()
+
+    def _is_rejected(self, settings: dict) -> bool:
+        return any(r["settings"] == settings for r in self.rejected)
+
+    def _over_ceiling(self, cfg: TuningConfig) -> bool:
+        return self.memory_ceiling is not None and \
+            cfg.dataloader.batch_size >= self.memory_ceiling
+
+    # ------------------------------------------------------------------ out of memory
+    def on_out_of_memory(self, role: str, rank: int, version: int, error: str = "") -> dict | None:
+        """Rank ``rank`` of ``role`` ran out of memory in a step under ``version``.
+        Records that version's micro-batch as the memory ceiling (no proposal reaches
+        it again) and, when ``version`` is the trial in progress, reverts it at once to
+        the settings before (a new version). Returns the config the ranks continue with
+        (a dict whose version is above ``version``), or ``None`` when there is nothing
+        to roll back to (``version`` is the job's own version 0, or another role).
+        """
+        if role != self.role:
+            return None
+        with self._lock:
+            if self.config is None:
+                return None
+            failed = next((h for h in self.history if h["version"] == version
+                           and h["kind"] != "initial"), None)
+            if failed is None:
+                return None  # the job's own settings (or unknown): nothing to go back to
+            mb = int(failed["settings"]["dataloader"]["batch_size"])
+            self.memory_ceiling = mb if self.memory_ceiling is None else \
+                min(self.memory_ceiling, mb)
+            reason = (f"rank {rank} ran out of memory at micro-batch {mb}: "
+                      f"{error[:300]}").rstrip(": ")
+            if self.config.version == version and self.phase == "trial" and \
+                    self.previous is not None:
+                for name, t in self.tuners:
+                    if name in self.trial_changes:
+                        self._feedback(name, t, self.trial_changes[name], False, None)
+                        self._tuner_oom(name, t, self.config)
+                self._revert("tuning_out_of_memory", reason, None,
+                             memory_ceiling=self.memory_ceiling)
+            else:  # already reverted or moved on: the ceiling is all that is left to do
+                for name, t in self.tuners:
+                    self._tuner_oom(name, t, TuningConfig.from_dict(
+                        {**failed["settings"], "version": version}))
+                self.emit("tuning_out_of_memory", version=self.config.version,
+                          reverted_version=version, reason=reason,
+                          config=self.config.to_dict(), memory_ceiling=self.memory_ceiling)
+            self._persist()
+            return self.config.to_dict()
+
+    def _tuner_oom(self, name: str, tuner: TunerBase, failed: TuningConfig) -> None:
+        try:
+            tuner.out_of_memory(failed)
+        except Exception as exc:  # noqa: BLE001
+            self._tuner_failed(name, "out_of_memory", exc)
 
     def _feedback(self, name: str, tuner: TunerBase, change: dict, keep: bool,
                   after: WindowSummary | None) -> None:
@@ -264,6 +350,8 @@ class TuningController:
 
     def _propose(self, window: WindowSummary) -> None:
         assert self.config is not None
+        if self._retry(window):
+            return
         merged: dict[str, dict] = {}
         claimed: dict[tuple[str, str], str] = {}
         by_tuner: dict[str, dict] = {}
@@ -285,8 +373,9 @@ class TuningController:
             keys = {(s, k) for s, kv in change.items() for k in kv}
             if any(k in claimed for k in keys):
                 continue  # an earlier tuner already changes one of these keys
-            if self.one_change_per_round and \
-                    self.config.updated(change).settings() in self.rejected:
+            if self.one_change_per_round and (
+                    self._is_rejected(self.config.updated(change).settings())
+                    or self._over_ceiling(self.config.updated(change))):
                 continue  # tried and reverted before: let the next tuner have the turn
             for s, k in keys:
                 claimed[(s, k)] = name
@@ -301,24 +390,54 @@ class TuningController:
         if old_gb != new_gb and "learning_rate" not in merged.get("optimizer", {}):
             new = new.updated({"optimizer": {"learning_rate": scaled_learning_rate(
                 self.config.optimizer.learning_rate, old_gb, new_gb, self.lr_scaling)}})
-        if new.same_settings(self.config) or new.settings() in self.rejected:
+        refused = self._is_rejected(new.settings()) or self._over_ceiling(new)
+        if new.same_settings(self.config) or refused:
             for name, t in self.tuners:  # tell them it will not be tried
-                if name in by_tuner and new.settings() in self.rejected:
+                if name in by_tuner and refused:
                     self._feedback(name, t, by_tuner[name], False, None)
             return
+        self._publish(new, by_tuner, window, "proposal")
+
+    def _publish(self, new: TuningConfig, by_tuner: dict, window: WindowSummary,
+                 kind: str) -> None:
+        assert self.config is not None
         self.previous, self.config = self.config, new
         self.phase, self.trial_changes, self.applied_step = "trial", by_tuner, None
-        self.history.append({"version": new.version, "kind": "proposal",
+        self.history.append({"version": new.version, "kind": kind,
                              "tuners": sorted(by_tuner), "settings": new.settings()})
-        self.emit("tuning_proposed", version=new.version, from_version=self.previous.version,
+        self.emit("tuning_proposed" if kind == "proposal" else "tuning_retry",
+                  version=new.version, from_version=self.previous.version,
                   tuners=sorted(by_tuner), changes=self.previous.diff(new),
                   config=new.to_dict(), before=window.as_dict())
 
-    def _mark(self, version: int, status: str, window: WindowSummary) -> None:
+    def _retry(self, window: WindowSummary) -> bool:
+        """Try a reverted change again when the conditions moved since its revert and
+        it has retries left (see the module docstring). Returns whether it did."""
+        assert self.config is not None
+        for rec in self.rejected:
+            if rec["retries"] >= self.guard.max_retries or not rec.get("baseline"):
+                continue
+            if not self.guard.conditions_changed(WindowSummary.from_dict(rec["baseline"]),
+                                                 window):
+                continue
+            new = self.config.updated({s: {k: v[1] for k, v in kv.items()}
+                                       for s, kv in rec["change"].items()},
+                                      version=self.config.version + 1)
+            if new.same_settings(self.config) or self._over_ceiling(new):
+                continue  # nothing left to change, or known not to fit in memory
+            rec["retries"] += 1
+            by_tuner = {n: {s: {k: v[1] for k, v in kv.items()}
+                            for s, kv in rec["change"].items()} for n in rec["tuners"]}
+            self._publish(new, by_tuner, window, "retry")
+            return True
+        return False
+
+    def _mark(self, version: int, status: str, window: WindowSummary | None) -> None:
         for h in self.history:
             if h["version"] == version:
                 h["status"] = status
-                h["samples_per_s"] = round(window.samples_per_s, 3)
+                if window is not None:
+                    h["samples_per_s"] = round(window.samples_per_s, 3)
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
@@ -329,6 +448,8 @@ class TuningController:
             "baseline": None if self.baseline is None else self.baseline.as_dict(),
             "trial_changes": self.trial_changes, "applied_step": self.applied_step,
             "history": self.history, "rejected": self.rejected, "turn": self._turn,
+            "memory_ceiling": self.memory_ceiling,
+            "windows": [w.as_dict() for w in self.windows],
             "tuners": {n: t.state_dict() for n, t in self.tuners},
         }
 
@@ -345,11 +466,13 @@ class TuningController:
             self.previous = TuningConfig.from_dict(state["previous"])
         self.phase = state.get("phase", "baseline")
         if state.get("baseline"):
-            self.baseline = WindowSummary(**state["baseline"])
+            self.baseline = WindowSummary.from_dict(state["baseline"])
         self.trial_changes = state.get("trial_changes") or {}
         self.applied_step = state.get("applied_step")
         self.history = state.get("history") or []
-        self.rejected = state.get("rejected") or []
+        self.rejected = [r for r in state.get("rejected") or [] if isinstance(r, dict)]
+        self.memory_ceiling = state.get("memory_ceiling")
+        self.windows = [WindowSummary.from_dict(w) for w in state.get("windows") or []]
         self._turn = int(state.get("turn", 0)) % max(1, len(self.tuners))
         for name, t in self.tuners:
             try:
@@ -361,7 +484,9 @@ class TuningController:
     def summary(self) -> dict:
         """For ``summary.json``: the ``version`` and ``config`` the ranks ran last (a
         proposal published but never run when the job ended is ``pending``), how many
-        versions were ``proposed``, ``accepted`` and ``reverted``, and the ``history``."""
+        versions were ``proposed`` (retries included), ``retried``, ``accepted`` and
+        ``reverted`` (out of memory included), the ``memory_ceiling`` (the smallest
+        micro-batch that ran out of memory, or ``None``) and the ``history``."""
         with self._lock:
             return self._summary()
 
@@ -373,7 +498,9 @@ class TuningController:
             "version": None if ended is None else ended.version,
             "config": None if ended is None else ended.to_dict(),
             "pending": None if pending is None else pending.to_dict(),
-            "proposed": sum(1 for h in self.history if h["kind"] == "proposal"),
+            "proposed": sum(1 for h in self.history if h["kind"] in ("proposal", "retry")),
+            "retried": sum(1 for h in self.history if h["kind"] == "retry"),
+            "memory_ceiling": self.memory_ceiling,
             "accepted": sum(1 for h in self.history if h.get("status") == "accepted"),
             "reverted": sum(1 for h in self.history if h.get("status") == "reverted"),
             "history": self.history,

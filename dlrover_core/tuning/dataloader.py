@@ -112,6 +112,21 @@ class ElasticDataLoader:
             self._shard = rest[:usable][self.rank::self.world_size]
         return self._shard
 
+    def position_marker(self) -> tuple[int, int, int]:
+        """Where the loader is: ``(epoch, shard start, samples handed out)``, for
+        :meth:`rewind`."""
+        return (self.epoch, self._base, self._offset)
+
+    def rewind(self, marker: tuple[int, int, int]) -> None:
+        """Go back to ``marker`` (from :meth:`position_marker` on this rank, at a step
+        start): the batches handed out since are served again, so a step that was
+        rolled back (out of memory) skips no sample. Drops the current iterator."""
+        epoch, base, offset = marker
+        self._drop_iterator()
+        if epoch != self.epoch or base != self._base:
+            self._shard = None
+        self.epoch, self._base, self._offset = int(epoch), int(base), int(offset)
+
     # ------------------------------------------------------------------ settings
     def reconfigure(self, batch_size: int | None = None, num_workers: int | None = None,
                     pin_memory: bool | None = None) -> bool:

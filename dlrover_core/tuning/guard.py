@@ -1,18 +1,122 @@
-"""The guard: a change is kept only if it did not make things worse.
+"""The guard: a change is kept only when it earned its gain, at a stated confidence.
 
-After the ranks switched to a new version, the master measures one window under it
-and compares it with the window before (:class:`~dlrover_core.tuning.tuner.WindowSummary`):
-the change is reverted when the median throughput fell by more than ``tolerance``
-(a fraction, relative to before) or when any rank's memory peak crossed the limit
-(``memory_limit_bytes``, or, when that is 0, the smallest capacity a rank reported
-minus ``memory_headroom`` of it).
+Each configuration is measured over ``windows`` windows (``tuning.guard.windows``;
+every window is samples over wall time, see :mod:`dlrover_core.tuning.metrics`).
+After a trial, the guard compares the trial's window rates ``a`` with the window
+rates ``b`` of the configuration before it by a one-sided Welch's t-test of
+``mean(a) > (1 + min_gain) * mean(b)``:
+
+    t  = (mean(a) - mean(b')) / sqrt(s_a^2/n_a + s_b'^2/n_b)
+    df = (s_a^2/n_a + s_b'^2/n_b)^2 / ((s_a^2/n_a)^2/(n_a-1) + (s_b'^2/n_b)^2/(n_b-1))
+
+with ``b' = (1 + min_gain) * b`` and ``s^2`` the sample variances (Welch, "The
+generalization of Student's problem when several different population variances are
+involved", Biometrika 34, 1947; the degrees of freedom are Satterthwaite's, 1946).
+The change is kept when the p-value ``P(T_df >= t)`` is at most ``1 - confidence``;
+otherwise (no gain shown: slower, or as fast within the noise) it is reverted. A
+change whose memory peak crossed the limit (``memory_limit_bytes``, or, when that is
+0, the smallest capacity a rank reported minus ``memory_headroom`` of it) is reverted
+whatever its speed.
+
+The Student t survival function comes from ``scipy.stats.t.sf`` when scipy is
+installed; else from the regularized incomplete beta function,
+``P(T_df >= t) = I_x(df/2, 1/2) / 2`` with ``x = df / (df + t^2)`` for ``t >= 0``
+(Abramowitz and Stegun, "Handbook of Mathematical Functions", 26.7.1 with 26.5.2),
+evaluated by its continued fraction (26.5.8) with the modified Lentz method.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dlrover_core.tuning.tuner import WindowSummary
+
+
+@dataclass(frozen=True)
+class WelchResult:
+    """``t``: the statistic; ``df``: Welch-Satterthwaite degrees of freedom (``inf``
+    when both samples have no spread); ``p``: one-sided p-value of ``mean(a) >
+    mean(b)``."""
+
+    t: float
+    df: float
+    p: float
+
+
+def _mean_var(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def welch_greater(a: list[float], b: list[float]) -> WelchResult:
+    """One-sided Welch's t-test of ``mean(a) > mean(b)`` (formulas in the module
+    docstring). Samples without spread give ``t = +-inf`` (or 0 when the means are
+    equal) and ``p`` 0, 1 (or 0.5).
+
+    Raises:
+        ValueError: a sample with fewer than 2 values.
+    """
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"Welch's t-test needs >= 2 values per sample, got {len(a)} and "
+                         f"{len(b)}; allowed: tuning.guard.windows >= 2")
+    ma, va = _mean_var(list(a))
+    mb, vb = _mean_var(list(b))
+    qa, qb = va / len(a), vb / len(b)
+    se2 = qa + qb
+    if se2 <= 0.0:
+        if ma == mb:
+            return WelchResult(0.0, math.inf, 0.5)
+        return WelchResult(math.copysign(math.inf, ma - mb), math.inf, 0.0 if ma > mb else 1.0)
+    t = (ma - mb) / math.sqrt(se2)
+    den = (qa * qa / (len(a) - 1) if qa else 0.0) + (qb * qb / (len(b) - 1) if qb else 0.0)
+    df = se2 * se2 / den
+    return WelchResult(t, df, student_t_sf(t, df))
+
+
+def student_t_sf(t: float, df: float) -> float:
+    """``P(T >= t)`` for Student's t with ``df`` degrees of freedom (scipy when
+    installed, else the incomplete beta function; see the module docstring)."""
+    try:
+        from scipy.stats import t as student_t
+    except ImportError:
+        return _t_sf(t, df)
+    return float(student_t.sf(t, df))
+
+
+def _t_sf(t: float, df: float) -> float:
+    if math.isinf(df):
+        return 0.5 * math.erfc(t / math.sqrt(2.0))
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return tail if t >= 0 else 1.0 - tail
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta ``I_x(a, b)`` (A&S 26.5.8 continued fraction; the
+    symmetry ``I_x(a,b) = 1 - I_{1-x}(b,a)`` where it converges faster)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < eps:
+            break
+    return math.exp(log_front) * f / a
 
 
 @dataclass(frozen=True)
@@ -23,13 +127,37 @@ class GuardVerdict:
 
 @dataclass(frozen=True)
 class Guard:
-    """``tolerance``: accepted relative throughput loss (0.05 = 5 %);
-    ``memory_limit_bytes``: per-rank memory limit, bytes (0: from the reported capacity);
-    ``memory_headroom``: fraction of the capacity kept free when the limit comes from it."""
+    """``confidence``: the confidence (0.5..1) at which a trial must be faster to be
+    kept; ``min_gain``: the relative gain it must show (0.0: any gain); ``windows``:
+    windows measured per configuration (>= 2); ``max_retries``: how often a reverted
+    change may be tried again; ``retry_shift``: how far the conditions must have moved
+    since its revert before that (relative change of the baseline's samples/s, or
+    absolute change of its data-wait share); ``memory_limit_bytes``: per-rank memory
+    limit, bytes (0: from the reported capacity); ``memory_headroom``: fraction of the
+    capacity kept free when the limit comes from it."""
 
-    tolerance: float = 0.05
+    confidence: float = 0.9
+    min_gain: float = 0.0
+    windows: int = 3
+    max_retries: int = 1
+    retry_shift: float = 0.25
     memory_limit_bytes: int = 0
     memory_headroom: float = 0.1
+
+    def __post_init__(self) -> None:
+        for key, ok, allowed in (
+                ("confidence", 0.5 <= self.confidence < 1.0, "a number in [0.5, 1)"),
+                ("min_gain", 0.0 <= self.min_gain < 10.0, "a number in [0, 10)"),
+                ("windows", isinstance(self.windows, int) and self.windows >= 2,
+                 "an integer >= 2"),
+                ("max_retries", isinstance(self.max_retries, int) and self.max_retries >= 0,
+                 "an integer >= 0"),
+                ("retry_shift", self.retry_shift > 0, "a number > 0"),
+                ("memory_limit_bytes", self.memory_limit_bytes >= 0, "bytes >= 0"),
+                ("memory_headroom", 0.0 <= self.memory_headroom < 1.0, "a fraction in [0, 1)")):
+            if not ok:
+                raise ValueError(f"tuning.guard.{key}: {getattr(self, key)!r} is invalid; "
+                                 f"allowed: {allowed}")
 
     def memory_limit(self, window: WindowSummary) -> float:
         """The limit in bytes for ``window`` (0: none known)."""
@@ -40,14 +168,31 @@ class Guard:
         return 0.0
 
     def judge(self, before: WindowSummary, after: WindowSummary) -> GuardVerdict:
+        """Keep ``after`` (the trial's windows) over ``before`` (the windows of the
+        config before it)? See the module docstring.
+
+        Raises:
+            ValueError: either summary has fewer than 2 window rates.
+        """
         limit = self.memory_limit(after)
         if limit and after.memory_bytes > limit:
             return GuardVerdict(False, f"memory peak {after.memory_bytes / 2**20:.0f} MiB "
                                        f"crossed the limit {limit / 2**20:.0f} MiB")
-        floor = before.samples_per_s * (1.0 - self.tolerance)
-        if after.samples_per_s < floor:
-            return GuardVerdict(False, f"throughput fell from {before.samples_per_s:.1f} to "
-                                       f"{after.samples_per_s:.1f} samples/s (more than "
-                                       f"{self.tolerance:.0%})")
-        return GuardVerdict(True, f"throughput {before.samples_per_s:.1f} -> "
-                                  f"{after.samples_per_s:.1f} samples/s")
+        bar = 1.0 + self.min_gain
+        res = welch_greater(list(after.window_rates), [r * bar for r in before.window_rates])
+        figures = (f"{before.samples_per_s:.1f} -> {after.samples_per_s:.1f} samples/s "
+                   f"({len(before.window_rates)} and {len(after.window_rates)} windows; "
+                   f"Welch t={res.t:.2f}, df={res.df:.1f}, one-sided p={res.p:.3f})")
+        gain = f"a gain over {self.min_gain:.0%}" if self.min_gain else "a gain"
+        if res.p <= 1.0 - self.confidence:
+            return GuardVerdict(True, f"{gain} at {self.confidence:.0%} confidence: {figures}")
+        return GuardVerdict(False, f"no {gain[2:]} shown at {self.confidence:.0%} "
+                                   f"confidence: {figures}")
+
+    def conditions_changed(self, then: WindowSummary, now: WindowSummary) -> bool:
+        """Have the conditions moved since ``then`` (the baseline when a change was
+        reverted) enough to try the change again? ``now`` is the current baseline."""
+        if then.samples_per_s > 0 and \
+                abs(now.samples_per_s / then.samples_per_s - 1.0) > self.retry_shift:
+            return True
+        return abs(now.data_wait_share - then.data_wait_share) > self.retry_shift

@@ -9,7 +9,23 @@ A step (one optimizer step, i.e. ``grad_accum_steps`` micro-batches) is split in
 - ``step_s``: wall time from the start of the step to its end (>= the sum above; the
   rest is the training loop's own overhead, reported as ``other_s``),
 
-plus ``samples_per_s`` (global samples of the step / ``step_s``), ``peak_rss_bytes``
+plus the throughput figures:
+
+- ``samples``: global samples of the step (all ranks),
+- ``interval_s``: wall time from the end of the previous step to the end of this one
+  (the first step: from its start). It includes everything the loop does between two
+  steps (reporting, checkpointing, evaluation) and every data wait, so the
+  ``interval_s`` of consecutive steps add up to the run's wall time,
+- ``samples_per_s``: samples over the wall time of the last ``rate_window`` steps
+  (``sum(samples) / sum(interval_s)``): what the progress bar shows.
+
+Throughput is samples over the wall time of a window, data waits included, as MLPerf
+Training and DeepSpeed's autotuner measure it; never the median (or mean) of per-step
+rates, which over-weights the steps whose batch was already waiting when a loader
+delivers in bursts. Windows of steps are summarised the same way by
+:meth:`dlrover_core.tuning.tuner.WindowSummary.from_reports`.
+
+And ``peak_rss_bytes``
 (the training process's peak resident set *during this step*: Linux's ``VmHWM``, reset
 at each step start by writing ``5`` to ``/proc/self/clear_refs``; where that is not
 possible, the process's lifetime peak from ``getrusage``; loader worker processes are
@@ -27,6 +43,7 @@ phases are synchronised with ``torch.cuda.synchronize`` only when ``cuda_sync=Tr
 
 from __future__ import annotations
 
+import collections
 import os
 import resource
 import sys
@@ -40,7 +57,8 @@ _PHASE_KEYS = {"data": "data_wait_s", "compute": "compute_s", "optimizer": "opti
 #: The metric names :meth:`StepTimer.end_step` reports (``cuda_max_allocated_bytes`` and
 #: ``prefetch_depth`` only when known).
 METRIC_NAMES = ("data_wait_s", "compute_s", "optimizer_s", "other_s", "step_s",
-                "samples_per_s", "peak_rss_bytes", "cuda_max_allocated_bytes",
+                "samples", "interval_s", "samples_per_s", "peak_rss_bytes",
+                "cuda_max_allocated_bytes",
                 "memory_capacity_bytes", "prefetch_depth")
 
 
@@ -117,11 +135,19 @@ class StepTimer:
     Args:
         cuda_sync: call ``torch.cuda.synchronize()`` at each phase end (exact GPU phase
             times at the cost of a sync).
+        local_world_size: ranks on this node (for ``memory_capacity_bytes``).
+        rate_window: steps over which ``samples_per_s`` is taken (>= 1).
     """
 
-    def __init__(self, cuda_sync: bool = False, local_world_size: int = 1) -> None:
+    def __init__(self, cuda_sync: bool = False, local_world_size: int = 1,
+                 rate_window: int = 10) -> None:
+        if rate_window < 1:
+            raise ValueError(f"rate_window={rate_window!r} is invalid; allowed: an integer >= 1")
         self.cuda_sync = cuda_sync
         self.local_world_size = local_world_size
+        self.rate_window = rate_window
+        self._last_end: float | None = None  # perf_counter of the previous step's end
+        self._recent: collections.deque = collections.deque(maxlen=rate_window)
         self._capacity: int | None = None
         self._t0: float | None = None
         self._acc = dict.fromkeys(PHASES, 0.0)
@@ -165,6 +191,13 @@ class StepTimer:
             self.start_step()
         self._acc[name] += float(seconds)
 
+    def drop_step(self) -> None:
+        """Forget the current step (it was rolled back and runs again); its time stays
+        in the next step's ``interval_s``, so the wall time is still all counted."""
+        self._t0 = None
+        self._acc = dict.fromkeys(PHASES, 0.0)
+        self._prefetch = []
+
     def note_prefetch_depth(self, depth: int | None) -> None:
         """Record the loader's ready-batch count seen when a batch was requested."""
         if depth is not None:
@@ -175,16 +208,25 @@ class StepTimer:
 
         Args:
             samples: samples the step consumed over all ranks (the global batch).
+                Count tokens instead (``samples * sequence length``) to get tokens/s:
+                the unit is whatever is passed here.
         Raises:
             RuntimeError: no step was started.
         """
         if self._t0 is None:
             raise RuntimeError("end_step() without start_step() or a phase")
-        step_s = max(time.perf_counter() - self._t0, 1e-9)
+        now = time.perf_counter()
+        step_s = max(now - self._t0, 1e-9)
+        interval_s = max(now - (self._t0 if self._last_end is None else self._last_end), 1e-9)
+        self._last_end = now
+        self._recent.append((float(samples), interval_s))
         out = {_PHASE_KEYS[p]: self._acc[p] for p in PHASES}
         out["step_s"] = step_s
         out["other_s"] = max(0.0, step_s - sum(self._acc.values()))
-        out["samples_per_s"] = samples / step_s
+        out["samples"] = float(samples)
+        out["interval_s"] = interval_s
+        out["samples_per_s"] = (sum(n for n, _ in self._recent)
+                                / sum(dt for _, dt in self._recent))
         out["peak_rss_bytes"] = float(peak_rss_bytes())
         cuda = cuda_max_allocated_bytes()
         if cuda is not None:

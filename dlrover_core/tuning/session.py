@@ -17,7 +17,7 @@ Typical loop (see ``examples/nanogpt/tuned_workload.py``)::
     for step in range(start, max_steps):
         self.tuning.boundary(step)
         timer = self.tuning.timer
-        timer.start_step()
+        self.tuning.start_step()
         for i in range(self.tuning.grad_accum_steps):
             x, y = self.loader.next_batch(timer)
             with timer.phase("compute"), gradient_sync(model, i == self.tuning.grad_accum_steps - 1):
@@ -30,6 +30,7 @@ Typical loop (see ``examples/nanogpt/tuned_workload.py``)::
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from dlrover_core.tuning.config import TuningConfig
@@ -52,6 +53,11 @@ class ConfigSource:
     def poll(self) -> dict | None:
         raise NotImplementedError
 
+    def out_of_memory(self, version: int, error: str) -> dict | None:
+        """Rank 0 ran out of memory under ``version``: the config to continue with
+        (blocking), or ``None`` when there is nothing to roll back to."""
+        return None
+
 
 class ControllerSource(ConfigSource):
     """A :class:`~dlrover_core.tuning.controller.TuningController` in this process
@@ -65,6 +71,9 @@ class ControllerSource(ConfigSource):
 
     def poll(self) -> dict | None:
         return self.controller.current()
+
+    def out_of_memory(self, version: int, error: str) -> dict | None:
+        return self.controller.on_out_of_memory(self.role, self.rank, version, error)
 
 
 class MasterSource(ConfigSource):
@@ -107,6 +116,16 @@ class MasterSource(ConfigSource):
             self._ref = master.tuning_config.remote(self.workload.role)
         return out
 
+    def out_of_memory(self, version: int, error: str) -> dict | None:
+        import ray
+
+        master = self._master()
+        if master is None:
+            return None
+        w = self.workload
+        return ray.get(master.tuning_out_of_memory.remote(w.role, w.rank, version, error),
+                       timeout=SYNC_TIMEOUT_S)
+
 
 class TuningSession:
     """A rank's view of the tuned config.
@@ -136,7 +155,10 @@ class TuningSession:
         self.model: Any = None
         self.checkpointing: ActivationCheckpointing | None = None
         self.switches: list[tuple[int, int]] = []  # (step, version) of every switch
+        # (step, version that ran out of memory, version rolled back to)
+        self.rollbacks: list[tuple[int, int, int]] = []
         self._offer: dict | None = None
+        self._step_start: Any = None  # the loader's position when the step started
         if source is not None:
             current = source.sync(self.config.to_dict())
             if current is not None:
@@ -202,8 +224,8 @@ class TuningSession:
         offer = None
         if self.rank == 0 and self.source is not None:
             polled = self.source.poll()
-            if polled is not None:
-                self._offer = polled
+            if polled is not None and int(polled["version"]) > self.config.version:
+                self._offer = polled  # versions only grow: an older answer is stale
             offer = self._offer
         agreed = self._agree(offer)
         if agreed is None or agreed == self.config.to_dict():
@@ -227,7 +249,7 @@ class TuningSession:
                          device=device)
         dist.broadcast(v, src=0)
         version = int(v.item())
-        if version < 0 or version == self.config.version:
+        if version < 0 or version <= self.config.version:
             return None
         box = [offer if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, device=device)
@@ -240,6 +262,68 @@ class TuningSession:
         apply_parallelism(new.parallelism, self.model, self.checkpointing)
         self.config = new
 
+    # ------------------------------------------------------------------ out of memory
+    def start_step(self) -> None:
+        """Start the step's timer and remember the loader's position (where a step that
+        runs out of memory rewinds to). Call after :meth:`boundary`."""
+        self.timer.start_step()
+        self._step_start = self.loader.position_marker() if self.loader is not None else None
+
+    def out_of_memory(self, exc: BaseException, step: int) -> bool:
+        """Roll back a step that ran out of memory under a tuned version, without a
+        restart. Call it from the ``except`` around the step, on every rank (a
+        collective: every rank must have run out of memory in the same step, which holds
+        when the memory need follows the micro-batch that all ranks share; a rank that
+        runs out alone leaves its peers in a collective until the process group's
+        timeout, and the failover then restarts the group).
+
+        Rank 0 tells the master (:meth:`TuningController.on_out_of_memory
+        <dlrover_core.tuning.controller.TuningController.on_out_of_memory>`), which
+        records the micro-batch as the ceiling and answers with the settings before the
+        trial as a new version; every rank switches to it, the loader rewinds to the
+        step's start (no sample is skipped) and the timer's step is dropped. The caller
+        then clears the gradients and runs ``step`` again.
+
+        Returns:
+            ``True`` when rolled back; ``False`` when ``exc`` is not out of memory or
+            there is nothing to roll back to (version 0, the job's own settings, or no
+            master): re-raise it then.
+        """
+        failed = self.config.version
+        if not is_out_of_memory(exc) or not self.sync_every_steps or failed == 0:
+            return False  # (the same answer on every rank: they share the version)
+        new = None
+        if self.rank == 0 and self.source is not None:
+            try:
+                new = self.source.out_of_memory(failed, f"{type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - no answer: the peers still wait for one
+                log.exception("asking the master about the out-of-memory step failed")
+        new = self._share(new)
+        if new is None or int(new["version"]) <= failed:
+            return False
+        _free_memory()
+        self._offer = None
+        self._apply(TuningConfig.from_dict(new))
+        if self.loader is not None and self._step_start is not None:
+            self.loader.rewind(self._step_start)
+        self.timer.drop_step()
+        self.rollbacks.append((step, failed, self.config.version))
+        log.warning("rank %d ran out of memory at step %d under tuning version %d; rolled "
+                    "back to version %d", self.rank, step, failed, self.config.version)
+        return True
+
+    def _share(self, obj: dict | None) -> dict | None:
+        dist = _dist()
+        if dist is None or self.world_size == 1:
+            return obj
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, device=device)
+        return box[0]
+
     # ------------------------------------------------------------------ metrics
     def end_step(self) -> dict[str, float]:
         """Close the timer's step; returns its metrics plus ``tuning_version``,
@@ -249,6 +333,31 @@ class TuningSession:
                  grad_accum_steps=float(self.grad_accum_steps),
                  num_workers=float(self.config.dataloader.num_workers))
         return m
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error: ``MemoryError``,
+    ``torch.cuda.OutOfMemoryError`` (``torch.OutOfMemoryError``), or a ``RuntimeError``
+    whose message says ``out of memory`` or ``can't allocate memory`` (torch's CPU
+    allocator)."""
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom is not None and isinstance(exc, oom):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text
+                                              or "can't allocate memory" in text)
+
+
+def _free_memory() -> None:
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _dist() -> Any:

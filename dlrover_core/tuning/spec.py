@@ -59,14 +59,17 @@ def validate_tuning(spec: Any, plugin_manager: Any) -> None:
     if t.lr_scaling not in LR_SCALING_RULES:
         raise SpecError("tuning.lr_scaling", t.lr_scaling, ", ".join(LR_SCALING_RULES))
     g = t.guard
-    if not 0 <= g.tolerance < 1:
-        raise SpecError("tuning.guard.tolerance", g.tolerance, "a fraction in [0, 1)")
-    if g.memory_limit_bytes < 0:
-        raise SpecError("tuning.guard.memory_limit_bytes", g.memory_limit_bytes,
-                        "bytes >= 0 (0: the capacity the ranks report)")
-    if not 0 <= g.memory_headroom < 1:
-        raise SpecError("tuning.guard.memory_headroom", g.memory_headroom,
-                        "a fraction in [0, 1)")
+    for key, ok, allowed in (
+            ("windows", g.windows >= 2, "an integer >= 2 (the t-test needs two windows)"),
+            ("confidence", 0.5 <= g.confidence < 1, "a number in [0.5, 1)"),
+            ("min_gain", 0 <= g.min_gain < 10, "a number in [0, 10)"),
+            ("max_retries", g.max_retries >= 0, "an integer >= 0"),
+            ("retry_shift", g.retry_shift > 0, "a number > 0"),
+            ("memory_limit_bytes", g.memory_limit_bytes >= 0,
+             "bytes >= 0 (0: the capacity the ranks report)"),
+            ("memory_headroom", 0 <= g.memory_headroom < 1, "a fraction in [0, 1)")):
+        if not ok:
+            raise SpecError(f"tuning.guard.{key}", getattr(g, key), allowed)
     if not t.tuners:
         installed = ", ".join(sorted(plugin_manager.tuners())) or "none"
         raise SpecError("tuning.tuners", [], f"a list of installed tuners: {installed}")

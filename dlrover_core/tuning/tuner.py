@@ -3,10 +3,12 @@
 A tuner is registered through the ``dlrover_tuners`` hook as a
 :class:`~dlrover_core.plugins.records.Tuner` record naming a ``TunerBase`` subclass by
 import path. The JobMaster constructs one instance per job (``cls(options)`` with the
-job's ``tuning.options.<name>``) and, every ``tuning.interval_steps`` steps, calls
+job's ``tuning.options.<name>``) and, once a configuration is measured, calls
 :meth:`TunerBase.propose` with a :class:`WindowSummary` of the steps measured under
-the current :class:`~dlrover_core.tuning.config.TuningConfig`. After the proposal was
-tried, :meth:`TunerBase.feedback` says whether the guard kept or reverted it.
+the current :class:`~dlrover_core.tuning.config.TuningConfig` (``tuning.guard.windows``
+windows merged: throughput is samples over wall time). After the proposal was tried,
+:meth:`TunerBase.feedback` says whether the guard kept or reverted it, and
+:meth:`TunerBase.out_of_memory` that a rank ran out of memory under it.
 
 Tuner modules run in the client (option validation) and the master: they must import
 nothing heavy (torch, megatron).
@@ -14,7 +16,6 @@ nothing heavy (torch, megatron).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -23,19 +24,30 @@ from dlrover_core.tuning.config import TuningConfig
 
 @dataclass(frozen=True)
 class WindowSummary:
-    """What the ranks reported over one measurement window of one config version.
+    """What the ranks reported over the measurement windows of one config version.
+
+    Throughput is samples over wall time (see :mod:`dlrover_core.tuning.metrics`):
+    ``samples_per_s = samples / elapsed_s``, where ``elapsed_s`` is the sum of rank 0's
+    ``interval_s`` over the steps (end of the previous step to the end of this one,
+    data waits and everything between steps included).
 
     Attributes:
-        version: the ``TuningConfig`` version the window ran under.
-        steps: steps in the window; ``first_step``/``last_step``: their range.
-        samples_per_s: median over the window's steps of rank 0's global samples/s.
-        step_s, data_wait_s, compute_s, optimizer_s: medians over steps, seconds (rank 0).
-        data_wait_share: ``data_wait_s / step_s`` (0..1).
+        version: the ``TuningConfig`` version the windows ran under.
+        steps: steps measured; ``first_step``/``last_step``: their range.
+        samples_per_s: ``samples / elapsed_s`` (global samples, or whatever unit the
+            workload passes to ``StepTimer.end_step``, per second).
+        step_s: ``elapsed_s / steps``: mean wall time per step, seconds.
+        data_wait_s, compute_s, optimizer_s: means per step of rank 0's phases, seconds.
+        data_wait_share: ``sum(data_wait_s) / elapsed_s`` (0..1).
         memory_bytes: the largest per-step memory peak of any rank (CUDA
             ``max_memory_allocated`` where reported, else peak RSS), bytes.
         memory_capacity_bytes: the smallest capacity any rank reported, bytes (0: unknown).
         prefetch_depth: mean ready batches in rank 0's loader queue (-1: not reported).
         world_size: data-parallel ranks of the tuned role.
+        samples: global samples of the measured steps.
+        elapsed_s: their wall time, seconds.
+        window_rates: ``samples / elapsed_s`` of each window on its own (what the guard
+            tests; one entry for a single window).
     """
 
     version: int
@@ -52,38 +64,93 @@ class WindowSummary:
     memory_capacity_bytes: float
     prefetch_depth: float
     world_size: int
+    samples: float = 0.0
+    elapsed_s: float = 0.0
+    window_rates: tuple = ()
 
     def as_dict(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        out["window_rates"] = [round(r, 6) for r in self.window_rates]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> WindowSummary:
+        """The inverse of :meth:`as_dict` (a persisted summary)."""
+        return cls(**{**data, "window_rates": tuple(data.get("window_rates") or ())})
 
     @classmethod
     def from_reports(cls, version: int, rank0: list[tuple[int, dict]],
                      memory_by_rank: dict[int, float], capacity_by_rank: dict[int, float],
                      world_size: int) -> WindowSummary:
-        """Summarise rank 0's ``(step, metrics)`` reports and every rank's memory peaks.
+        """Summarise rank 0's ``(step, metrics)`` reports of one window (each with the
+        ``samples`` and ``interval_s`` of :meth:`StepTimer.end_step
+        <dlrover_core.tuning.metrics.StepTimer.end_step>`) and every rank's memory peaks.
 
         Raises:
-            ValueError: ``rank0`` is empty.
+            ValueError: ``rank0`` is empty, or a report lacks ``samples`` or ``interval_s``.
         """
         if not rank0:
             raise ValueError("a window needs at least one step report")
+        for step, m in rank0:
+            if "samples" not in m or "interval_s" not in m:
+                raise ValueError(f"the report of step {step} has no 'samples' or "
+                                 "'interval_s'; allowed: reports made with "
+                                 "StepTimer.end_step() (or TuningSession.end_step())")
+        n = len(rank0)
+        samples = float(sum(m["samples"] for _, m in rank0))
+        elapsed = float(sum(m["interval_s"] for _, m in rank0))
 
-        def med(key: str) -> float:
-            vals = [m[key] for _, m in rank0 if key in m]
-            return float(statistics.median(vals)) if vals else 0.0
+        def total(key: str) -> float:
+            return float(sum(m.get(key, 0.0) for _, m in rank0))
 
-        step_s = med("step_s")
         depth = [m["prefetch_depth"] for _, m in rank0 if "prefetch_depth" in m]
         caps = [c for c in capacity_by_rank.values() if c > 0]
-        return cls(version=version, steps=len(rank0), first_step=rank0[0][0],
-                   last_step=rank0[-1][0], samples_per_s=med("samples_per_s"), step_s=step_s,
-                   data_wait_s=med("data_wait_s"), compute_s=med("compute_s"),
-                   optimizer_s=med("optimizer_s"),
-                   data_wait_share=(med("data_wait_s") / step_s) if step_s > 0 else 0.0,
+        rate = samples / elapsed if elapsed > 0 else 0.0
+        return cls(version=version, steps=n, first_step=rank0[0][0], last_step=rank0[-1][0],
+                   samples_per_s=rate, step_s=elapsed / n,
+                   data_wait_s=total("data_wait_s") / n, compute_s=total("compute_s") / n,
+                   optimizer_s=total("optimizer_s") / n,
+                   data_wait_share=min(1.0, total("data_wait_s") / elapsed) if elapsed else 0.0,
                    memory_bytes=max(memory_by_rank.values(), default=0.0),
                    memory_capacity_bytes=min(caps) if caps else 0.0,
                    prefetch_depth=(sum(depth) / len(depth)) if depth else -1.0,
-                   world_size=world_size)
+                   world_size=world_size, samples=samples, elapsed_s=elapsed,
+                   window_rates=(rate,))
+
+    @classmethod
+    def merge(cls, windows: list[WindowSummary]) -> WindowSummary:
+        """One summary of several windows of the same version: totals over all of them
+        (samples over wall time, phase means weighted by steps, the largest memory
+        peak), and every window's own rate in ``window_rates``.
+
+        Raises:
+            ValueError: ``windows`` is empty.
+        """
+        if not windows:
+            raise ValueError("merge() needs at least one window")
+        if len(windows) == 1:
+            return windows[0]
+        steps = sum(w.steps for w in windows)
+        samples = sum(w.samples for w in windows)
+        elapsed = sum(w.elapsed_s for w in windows)
+
+        def mean(key: str) -> float:
+            return sum(getattr(w, key) * w.steps for w in windows) / steps
+
+        caps = [w.memory_capacity_bytes for w in windows if w.memory_capacity_bytes > 0]
+        depth = [w.prefetch_depth for w in windows if w.prefetch_depth >= 0]
+        wait = sum(w.data_wait_s * w.steps for w in windows)
+        return cls(version=windows[-1].version, steps=steps, first_step=windows[0].first_step,
+                   last_step=windows[-1].last_step,
+                   samples_per_s=samples / elapsed if elapsed > 0 else 0.0,
+                   step_s=elapsed / steps, data_wait_s=mean("data_wait_s"),
+                   compute_s=mean("compute_s"), optimizer_s=mean("optimizer_s"),
+                   data_wait_share=min(1.0, wait / elapsed) if elapsed else 0.0,
+                   memory_bytes=max(w.memory_bytes for w in windows),
+                   memory_capacity_bytes=min(caps) if caps else 0.0,
+                   prefetch_depth=sum(depth) / len(depth) if depth else -1.0,
+                   world_size=windows[-1].world_size, samples=samples, elapsed_s=elapsed,
+                   window_rates=tuple(r for w in windows for r in w.window_rates))
 
 
 class TunerBase:
@@ -132,7 +199,7 @@ class TunerBase:
     def propose(self, window: WindowSummary, current: TuningConfig) -> dict | None:
         """Return the changes to try next, as ``{section: {key: value}}`` (e.g.
         ``{"dataloader": {"num_workers": 4}}``), or ``None`` to keep ``current``.
-        Called in the master every ``tuning.interval_steps`` steps. An exception is
+        Called in the master once the current config was measured. An exception is
         logged as a ``tuning_tuner_failed`` event and the tuner is skipped this round."""
         raise NotImplementedError
 
@@ -141,6 +208,12 @@ class TunerBase:
         """The guard's verdict on this tuner's last proposal: ``accepted`` (kept) or
         reverted; ``before``/``after``: the windows before and under the change
         (``after`` is ``None`` when the change never ran, e.g. it was invalid)."""
+
+    def out_of_memory(self, failed: TuningConfig) -> None:
+        """A rank ran out of memory under ``failed`` (a version this or another tuner
+        proposed); the ranks already rolled back. Record what it means for later
+        proposals (the controller itself never proposes a micro-batch at or above
+        ``failed.dataloader.batch_size`` again). Called in the master."""
 
     def state_dict(self) -> dict:
         """JSON-able state persisted with the job (a restarted master restores it)."""

@@ -9,8 +9,16 @@ and loader workers at a step boundary that all ranks share. The global batch per
 rank is ``micro_batch * grad_accum_steps`` (kept by the micro-batch tuner). The loader
 position is saved with every checkpoint, so a restarted rank continues the epoch.
 
+A step that runs out of memory under a tuned version is rolled back in place
+(:meth:`TuningSession.out_of_memory <dlrover_core.tuning.TuningSession.out_of_memory>`):
+the ranks return to the settings before, the loader rewinds to the step's start, and
+the step runs again; no process restarts.
+
 Extra config keys: ``micro_batch``, ``grad_accum_steps``, ``num_workers`` (the
-starting settings), ``read_latency_s``, ``activation_checkpointing`` (bool), and, for
+starting settings), ``read_latency_s``, ``activation_checkpointing`` (bool),
+``memory_budget_bytes`` (0: none; a stand-in for a GPU's memory on a machine without
+one: a micro-batch whose activations, estimated by :func:`activation_bytes`, exceed it
+raises ``MemoryError`` before its forward pass, as a CUDA allocation would), and, for
 tests, ``record_samples`` (a directory: each rank appends one JSON line per step with
 the sample ids it trained on).
 """
@@ -28,6 +36,19 @@ from examples.nanogpt.data import CharDataset
 from examples.nanogpt.model import GPT, Block, GPTConfig
 from examples.nanogpt.stored_data import StoredCharWindows
 from examples.nanogpt.workload import GPTWorkload, adamw, warmup_cosine_lr
+
+
+#: float32 values one transformer layer keeps for backward per token and unit of width
+#: (attention and MLP inputs and outputs, the 4x-wide MLP hidden, layer norms): a rough
+#: count, used only by the ``memory_budget_bytes`` stand-in.
+ACTIVATION_FLOATS_PER_TOKEN_WIDTH = 16
+
+
+def activation_bytes(micro_batch: int, block_size: int, n_embd: int, n_layer: int) -> int:
+    """Estimated bytes of activations kept for backward by one micro-batch:
+    ``micro_batch * block_size * n_embd * n_layer * 16`` float32 values (4 bytes)."""
+    return (4 * ACTIVATION_FLOATS_PER_TOKEN_WIDTH * micro_batch * block_size * n_embd
+            * n_layer)
 
 
 class TunedGPTWorkload(GPTWorkload):
@@ -75,32 +96,55 @@ class TunedGPTWorkload(GPTWorkload):
         """The tuned peak learning rate with the warm-up and cosine decay of the base."""
         return warmup_cosine_lr(step, self.tuning.learning_rate, self.config)
 
+    def check_memory_budget(self, micro_batch: int) -> None:
+        """Raise ``MemoryError`` when ``micro_batch`` needs more than
+        ``config.memory_budget_bytes`` of activations (see the module docstring)."""
+        budget = int(self.config.get("memory_budget_bytes", 0) or 0)
+        need = activation_bytes(micro_batch, self.cfg.block_size, self.cfg.n_embd,
+                                self.cfg.n_layer)
+        if budget and need > budget:
+            raise MemoryError(f"out of memory: micro-batch {micro_batch} needs about {need} "
+                              f"bytes of activations; memory_budget_bytes={budget}")
+
+    def train_step(self, step: int) -> tuple[float, list[int]]:
+        """One optimizer step (``grad_accum_steps`` micro-batches); returns the mean
+        micro-batch loss and the sample ids trained on."""
+        timer, accum = self.tuning.timer, self.tuning.grad_accum_steps
+        device = self.backend.device
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(step)
+        loss_sum, ids = 0.0, []
+        for i in range(accum):
+            x, y, sid = self.loader.next_batch(timer)
+            self.check_memory_budget(int(x.shape[0]))
+            ids += sid.tolist()
+            with timer.phase("compute"), gradient_sync(self.model, i == accum - 1):
+                _, loss = self.model(x.to(device), y.to(device))
+                (loss / accum).backward()
+            loss_sum += loss.item()
+        with timer.phase("optimizer"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return loss_sum / accum, ids
+
     def run(self) -> dict:
         c = self.config
         max_steps, eval_every = int(c.max_steps), int(c.eval_every)
-        device = self.backend.device
         step, val = self.start_step, float("nan")
         while step < max_steps:
             self._maybe_fault(step)
             self.tuning.boundary(step)
-            timer, accum = self.tuning.timer, self.tuning.grad_accum_steps
-            timer.start_step()
-            for g in self.opt.param_groups:
-                g["lr"] = self.lr_at(step)
-            loss_sum, ids = 0.0, []
-            for i in range(accum):
-                x, y, sid = self.loader.next_batch(timer)
-                ids += sid.tolist()
-                with timer.phase("compute"), gradient_sync(self.model, i == accum - 1):
-                    _, loss = self.model(x.to(device), y.to(device))
-                    (loss / accum).backward()
-                loss_sum += loss.item()
-            with timer.phase("optimizer"):
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-                self.opt.step()
+            self.tuning.start_step()
+            try:
+                loss, ids = self.train_step(step)
+            except Exception as exc:  # noqa: BLE001 - re-raised unless out of memory
+                if not self.tuning.out_of_memory(exc, step):
+                    raise
                 self.opt.zero_grad(set_to_none=True)
-            metrics = {"loss": loss_sum / accum, "lr": self.lr_at(step),
-                       **self.tuning.end_step()}
+                continue  # the same step again, on the settings rolled back to
+            metrics = {"loss": loss, "lr": self.opt.param_groups[0]["lr"],
+                       "peak_lr": self.tuning.learning_rate, **self.tuning.end_step()}
             if self._record is not None:
                 self._record.write(json.dumps({"rank": self.rank, "step": step,
                                                "attempt": self.attempt,

@@ -1,0 +1,132 @@
+"""The guard against noise: step times that vary 3x from step to step (each step's
+wall time is its configuration's time multiplied by a uniform factor in [1, 3], from a
+seeded generator, so every run of this test sees the same numbers). With the default
+guard (3 windows of 10 steps per configuration, one-sided Welch's t-test at 90 %):
+a change that is 30 % faster is kept, one 30 % slower is reverted, and one that is as
+fast is not flip-flopped (tried, reverted, and not tried again while nothing changed).
+A reverted change is retried when the conditions moved, at most ``max_retries``
+times. The Welch statistics match scipy's, and the fallback t distribution matches
+scipy's too."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dlrover_core.tuning.controller import TuningController
+from dlrover_core.tuning.guard import Guard, _t_sf, welch_greater
+from dlrover_core.tuning.tuner import TunerBase
+
+SAMPLES = 64
+CHANGE = {"dataloader": {"num_workers": 1}}
+
+
+class AlwaysPropose(TunerBase):
+    """Proposes one worker whenever the loader has none (every round)."""
+
+    def propose(self, window, current):
+        return CHANGE if current.dataloader.num_workers == 0 else None
+
+
+class NoisyJob:
+    """Step reports of a job whose step takes ``base_s / speed`` seconds times a factor
+    drawn uniformly from [1, 3] (3x per-step noise); ``speed`` is ``trial_speed`` with
+    one loader worker, else 1. ``slowdown`` multiplies every step from ``slow_from``
+    on (storage got slower: the conditions changed)."""
+
+    def __init__(self, trial_speed: float, seed: int = 0, slowdown: float = 1.0,
+                 slow_from: int = 10**9) -> None:
+        self.trial_speed, self.rng = trial_speed, random.Random(seed)
+        self.slowdown, self.slow_from = slowdown, slow_from
+
+    def step(self, cfg: dict, step: int) -> dict:
+        speed = self.trial_speed if cfg["dataloader"]["num_workers"] == 1 else 1.0
+        dt = 0.1 / speed * self.rng.uniform(1.0, 3.0)
+        if step >= self.slow_from:
+            dt *= self.slowdown
+        return {"tuning_version": cfg["version"], "samples": SAMPLES, "interval_s": dt,
+                "step_s": dt, "data_wait_s": 0.5 * dt, "compute_s": 0.5 * dt,
+                "optimizer_s": 0.0, "samples_per_s": SAMPLES / dt}
+
+
+def run(job: NoisyJob, steps: int, guard: Guard | None = None):
+    events: list = []
+    ctl = TuningController([("workers", AlwaysPropose())], role="trainer", world_size=1,
+                           interval_steps=10, warmup_steps=2, guard=guard or Guard(),
+                           emit=lambda e, **f: events.append({"event": e, **f}))
+    ctl.sync("trainer", 0, {"dataloader": {"batch_size": 8}})
+    workers = []
+    for step in range(steps):
+        cfg = ctl.current()
+        workers.append(cfg["dataloader"]["num_workers"])
+        ctl.on_report("trainer", 0, step, job.step(cfg, step))
+    return ctl, events, workers
+
+
+def kinds(events: list) -> list[str]:
+    return [e["event"] for e in events if e["event"] in (
+        "tuning_proposed", "tuning_retry", "tuning_accepted", "tuning_reverted")]
+
+
+def test_a_30_percent_gain_is_kept_under_3x_noise():
+    ctl, events, workers = run(NoisyJob(1.3), 200)
+    assert kinds(events) == ["tuning_proposed", "tuning_accepted"]
+    assert workers[-1] == 1 and ctl.summary()["accepted"] == 1
+    kept = [e for e in events if e["event"] == "tuning_accepted"][0]
+    assert "90% confidence" in kept["reason"] and len(kept["after"]["window_rates"]) == 3
+    # the per-step rates are 3x apart, the windows' rates much closer
+    rates = kept["after"]["window_rates"]
+    assert max(rates) / min(rates) < 1.3
+
+
+def test_a_30_percent_loss_is_reverted_under_3x_noise():
+    ctl, events, workers = run(NoisyJob(0.7), 200)
+    assert kinds(events) == ["tuning_proposed", "tuning_reverted"]
+    assert workers[-1] == 0
+    assert ctl.summary()["reverted"] == 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_an_equal_change_is_not_flip_flopped(seed):
+    ctl, events, workers = run(NoisyJob(1.0, seed=seed), 400)
+    # tried once, not kept (no gain shown), never proposed again: the settings switch
+    # twice in 400 steps, then stay
+    assert kinds(events) == ["tuning_proposed", "tuning_reverted"]
+    switches = sum(1 for a, b in zip(workers, workers[1:]) if a != b)
+    assert switches == 2 and workers[-1] == 0
+    assert ctl.summary()["retried"] == 0
+
+
+def test_a_reverted_change_is_retried_when_conditions_change_at_most_max_retries():
+    # the change does not pay (as fast) and is reverted; then storage gets 2x slower
+    # and the baseline moves by more than retry_shift: the change is tried once more,
+    # and only once (max_retries=1)
+    job = NoisyJob(1.0, seed=3, slowdown=2.0, slow_from=80)
+    ctl, events, _ = run(job, 160, guard=Guard(max_retries=1))
+    ev = kinds(events)
+    assert ev[:2] == ["tuning_proposed", "tuning_reverted"]
+    assert "tuning_retry" in ev and ev.count("tuning_retry") == 1
+    retry = [e for e in events if e["event"] == "tuning_retry"][0]
+    assert retry["changes"] == {"dataloader": {"num_workers": [0, 1]}}
+    assert ctl.summary()["retried"] == 1
+    # with no retries allowed the same run never tries it again
+    ctl0, events0, _ = run(NoisyJob(1.0, seed=3, slowdown=2.0, slow_from=80), 160,
+                           guard=Guard(max_retries=0))
+    assert kinds(events0) == ["tuning_proposed", "tuning_reverted"]
+
+
+def test_welch_statistics_match_scipy_and_the_fallback_t_distribution():
+    stats = pytest.importorskip("scipy.stats")
+    a, b = [130.0, 118.0, 141.0, 125.0], [100.0, 96.0, 111.0]
+    res = welch_greater(a, b)
+    ref = stats.ttest_ind(a, b, equal_var=False, alternative="greater")
+    assert res.t == pytest.approx(ref.statistic) and res.p == pytest.approx(ref.pvalue)
+    assert res.df == pytest.approx(ref.df)
+    for t, df in ((0.3, 2.0), (1.9, 4.7), (-2.2, 9.0), (6.0, 1.2), (0.0, 30.0)):
+        assert _t_sf(t, df) == pytest.approx(stats.t.sf(t, df), rel=1e-9, abs=1e-12)
+    assert welch_greater([1.0, 1.0], [1.0, 1.0]).p == 0.5
+    with pytest.raises(ValueError, match="tuning.guard.windows >= 2"):
+        welch_greater([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="tuning.guard.confidence: 1.2 is invalid"):
+        Guard(confidence=1.2)
