@@ -17,8 +17,9 @@ Save (blocking only for the copy):
    because waiting would stall training for a disk write (the issue's "blocks only for
    the copy"), and the step it would have replaced is on its way to disk;
 3. mark the slot WRITING, ``tensor.copy_`` every tensor into it (raw bytes; DTensors
-   their local shard; CUDA tensors by DMA into the pinned buffer), write the pickled
-   meta block, mark it READY with the step, a crc32 of the meta block and the writer;
+   their local shard; CUDA tensors through pinned staging buffers, :mod:`.staging`),
+   write the pickled meta block, mark it READY with the step, a crc32 of the meta
+   block and the writer;
 4. notify the node's persister (one non-blocking actor call) and return.
 
 Persist, breakpoint save and the commit run in the persister (:mod:`.persister`).
@@ -40,7 +41,7 @@ from typing import Any
 
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
 from dlrover_core.spec.errors import SpecError
-from dlrover_plugin_flashckpt import capacity, layout, shm
+from dlrover_plugin_flashckpt import capacity, layout, shm, staging
 from dlrover_plugin_flashckpt.loading import LoadingMixin
 from dlrover_plugin_flashckpt.options import FlashOptions
 
@@ -86,6 +87,7 @@ class FlashSaver(LoadingMixin, Saver):
         self._views: dict[int, tuple[bytes, shm.Segment, list[Any]]] = {}
         self._pinned: list[Any] = []
         self._pinned_segs: list[int] = []
+        self._staging = staging.HostStaging()
         self._data_len = 0
         self._persister: Any = None
         #: one background thread: finds the persister, lays out the buffers
@@ -494,13 +496,8 @@ class FlashSaver(LoadingMixin, Saver):
         assert seg is not None
         t1 = time.perf_counter()
         views = self._views_for(slot, seg, table, sig)
-        pinned = self._pin(sources)
-        for dst, src in zip(views, sources):
-            dst.copy_(src, non_blocking=pinned)
-        if pinned:
-            import torch
-
-            torch.cuda.synchronize()
+        # GPU tensors through pinned staging buffers on a side stream; CPU ones directly
+        self._staging.copy(views, sources)
         copy_s = time.perf_counter() - t1
         seg.write_meta(meta)
         with seg.locked():
