@@ -180,7 +180,9 @@ def dlrover_workload_failed(job: str, failure: Failure, verdict: FailureVerdict,
 def dlrover_job_finished(job: str, summary: dict, emit: Any) -> None:
     """The job ended (also after ``dlrover stop``); ``summary`` is what ``summary.json``
     holds. Master process. ``emit`` as in :func:`dlrover_workload_failed`; the
-    ``job_finished`` event comes after this hook's events."""
+    ``job_finished`` event comes after this hook's events. A hook may add keys to
+    ``summary`` (e.g. what it could not finish); ``summary.json`` is written again
+    after the hooks when it changed."""
 
 
 # --------------------------------------------------------------------------- failure classification

@@ -6,7 +6,9 @@ the saver in the worker process; the master-side hooks use Ray only.
   step every rank of its role holds in memory and that is not on disk yet
   (breakpoint save), before the recovery restarts the role.
 - ``dlrover_job_finished`` (master; also after ``dlrover stop``): persist what is not
-  on disk yet, stop the job's persisters and remove its shared-memory buffers.
+  on disk yet, stop the job's persisters and remove its shared-memory buffers, except
+  those holding a step newer than the newest commit: they stay, and the summary lists
+  them under ``checkpoint_not_persisted`` (role, rank, step, dir, node, name).
 - ``dlrover_cli_commands``: ``dlrover flash ls`` and ``dlrover flash clean``.
 """
 
@@ -69,11 +71,24 @@ def dlrover_job_finished(job: str, summary: dict, emit: Any) -> None:
         run_id = ray.get_runtime_context().get_actor_id()
         if not persisters_of(job):
             from dlrover_plugin_flashckpt.hygiene import current_session, remove_job
+            from dlrover_plugin_flashckpt.persister import DEFAULT_SHM_DIR
 
-            remove_job("/dev/shm", job, run_id, current_session())
-            return
-        report = finish_job(job, run_id, FINISH_TIMEOUT_S)
+            kept: list[dict] = []
+            remove_job(DEFAULT_SHM_DIR, job, run_id, current_session(), keep_unpersisted=True,
+                       kept=kept)
+            report = {"": {"not_persisted": kept}}
+        else:
+            report = finish_job(job, run_id, FINISH_TIMEOUT_S)
         log.info("flash checkpoint cleanup of %s: %s", job, report)
+        lost = [{**k, "node": node} for node, r in report.items()
+                for k in r.get("not_persisted", [])]
+        if lost:
+            # the caller writes summary.json again after this hook
+            summary["checkpoint_not_persisted"] = lost
+            log.warning("job %s ended with saves that are not on disk; their shared-memory "
+                        "buffers are kept (`dlrover flash ls`): %s", job,
+                        ", ".join(f"{k['role']} rank {k['rank']} step {k['step']}"
+                                  for k in lost))
         emit("flash_cleanup", report=report)
     except Exception as exc:  # noqa: BLE001
         log.warning("flash checkpoint cleanup of %s failed: %s", job, exc)

@@ -17,8 +17,9 @@ Save (blocking only for the copy):
    because waiting would stall training for a disk write (the issue's "blocks only for
    the copy"), and the step it would have replaced is on its way to disk;
 3. mark the slot WRITING, ``tensor.copy_`` every tensor into it (raw bytes; DTensors
-   their local shard; CUDA tensors by DMA into the pinned buffer), write the pickled
-   meta block, mark it READY with the step, a crc32 of the meta block and the writer;
+   their local shard; CUDA tensors by DMA into the pinned buffer), write the meta
+   block (tagged JSON, never pickled), mark it READY with the step, a crc32 of the
+   meta block and the writer;
 4. notify the node's persister (one non-blocking actor call) and return.
 
 Persist, breakpoint save and the commit run in the persister (:mod:`.persister`).
@@ -442,9 +443,10 @@ class FlashSaver(LoadingMixin, Saver):
         Args:
             step: the training step (>= 0). state_dict: nested dicts/lists/tuples of
                 dense tensors (any dtype of ``layout``; DTensors save their local
-                shard; CPU or CUDA) and small picklable values.
+                shard; CPU or CUDA) and small values of the types
+                :func:`layout.pack_meta` stores (no arbitrary objects).
         Raises:
-            ValueError: a negative step. TypeError: an unsupported tensor.
+            ValueError: a negative step. TypeError: an unsupported tensor or value.
             ShmSpaceError: ``options.shm_dir`` has too little space (says how much).
         """
         try:
