@@ -274,7 +274,7 @@ class JobController:
         atomic_write_json(s.path("summary.json"), self.summary)
         written = json.dumps(self.summary, sort_keys=True, default=str)
         try:
-            s.pm.job_finished(s.name, self.summary, s.emit)
+            s.pm.job_finished(s.name, self.summary, s.emit, s.spec)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         if json.dumps(self.summary, sort_keys=True, default=str) != written:

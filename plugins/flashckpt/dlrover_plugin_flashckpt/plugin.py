@@ -59,26 +59,42 @@ def dlrover_workload_failed(job: str, failure: Any, verdict: Any, emit: Any) -> 
              claimed=result["claimed"])
 
 
+def shm_dirs_of(spec: Any) -> list[str]:
+    """The shared-memory directory the job's flash saver was configured with
+    (``checkpoint.options.shm_dir``, default ``/dev/shm``), as a one-element list;
+    ``[]`` when the job does not use the flash saver."""
+    from dlrover_plugin_flashckpt.options import FlashOptions
+
+    ck = (spec or {}).get("checkpoint") or {}
+    if ck.get("saver") != "flash":
+        return []
+    return [FlashOptions.parse(dict(ck.get("options") or {})).shm_dir]
+
+
 @hookimpl
-def dlrover_job_finished(job: str, summary: dict, emit: Any) -> None:
+def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
     try:
         import ray
 
-        from dlrover_plugin_flashckpt.persister import finish_job, persisters_of
+        from dlrover_plugin_flashckpt.persister import (
+            DEFAULT_SHM_DIR,
+            finish_job,
+            persisters_of,
+        )
 
         if not ray.is_initialized():
             return
         run_id = ray.get_runtime_context().get_actor_id()
+        shm_dirs = shm_dirs_of(spec) if spec is not None else [DEFAULT_SHM_DIR]
         if not persisters_of(job):
             from dlrover_plugin_flashckpt.hygiene import current_session, remove_job
-            from dlrover_plugin_flashckpt.persister import DEFAULT_SHM_DIR
 
             kept: list[dict] = []
-            remove_job(DEFAULT_SHM_DIR, job, run_id, current_session(), keep_unpersisted=True,
-                       kept=kept)
+            for d in shm_dirs:
+                remove_job(d, job, run_id, current_session(), keep_unpersisted=True, kept=kept)
             report = {"": {"not_persisted": kept}}
         else:
-            report = finish_job(job, run_id, FINISH_TIMEOUT_S)
+            report = finish_job(job, run_id, FINISH_TIMEOUT_S, shm_dirs or None)
         log.info("flash checkpoint cleanup of %s: %s", job, report)
         lost = [{**k, "node": node} for node, r in report.items()
                 for k in r.get("not_persisted", [])]

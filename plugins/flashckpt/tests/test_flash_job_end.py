@@ -60,7 +60,8 @@ def test_final_step_of_a_stopped_persister_survives_the_job_end(job, tmp_path, m
         monkeypatch.setattr(plugin, "FINISH_TIMEOUT_S", 2.0)
         summary: dict = {}
         events: list = []
-        plugin.dlrover_job_finished(job, summary, lambda ev, **kw: events.append((ev, kw)))
+        plugin.dlrover_job_finished(job, summary, lambda ev, **kw: events.append((ev, kw)),
+                                    {"checkpoint": {"saver": "flash", "options": {}}})
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
