@@ -254,8 +254,8 @@ class Segment:
         # unique per call: two threads of one process may lay out the same slot at once
         tmp = f"{path}.{os.urandom(4).hex()}.tmp-{os.getpid()}"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
-        os.fchmod(fd, 0o600)  # whatever the umask
         try:
+            os.fchmod(fd, 0o600)  # whatever the umask
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
