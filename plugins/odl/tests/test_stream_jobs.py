@@ -1,7 +1,8 @@
 """Whole odl jobs on one real local Ray cluster (shared by this module): backpressure,
 SIGKILLed trainer, preprocess and driver processes with every record id counted,
-Redis Streams through a SIGKILLed broker and then a SIGKILLed trainer, a broker that
-is down at the start, and a stream source from a plugin distribution outside the
+Redis Streams through a SIGKILLed broker and then a SIGKILLed trainer, a Redis job
+resumed with fewer sources than its checkpoint has offsets for, a broker that is down
+at the start, and a stream source from a plugin distribution outside the
 core, found through its entry point."""
 
 from __future__ import annotations
