@@ -14,6 +14,22 @@ class CorruptCheckpointError(RuntimeError):
     """A committed step's files do not match its manifest."""
 
 
+class CheckpointLoadError(RuntimeError):
+    """Committed steps exist but none could be loaded; ``tried`` maps each step tried
+    to why it failed (the message lists them). Raised instead of returning ``None``, so
+    that a job never restarts from step 0 over a checkpoint it failed to read."""
+
+    def __init__(self, directory: str, tried: dict[int, str]) -> None:
+        self.directory = directory
+        self.tried = dict(tried)
+        lines = "; ".join(f"step {s}: {why}" for s, why in sorted(tried.items(), reverse=True))
+        super().__init__(f"{directory}: committed checkpoint steps exist but none loaded "
+                         f"(tried {len(tried)}): {lines}")
+
+    def __reduce__(self):  # keep the attributes when Ray pickles it
+        return (CheckpointLoadError, (self.directory, self.tried))
+
+
 def file_digest(path: str, chunk: int = 8 << 20) -> str:
     """``sha256`` hex digest of a file."""
     h = hashlib.sha256()

@@ -369,6 +369,8 @@ class FlashPersister:
         return claims
 
     def _release(self, claims: list[_Claim], results: dict[int, dict]) -> None:
+        """Give the claimed slots back (READY); those written (``results``) count as
+        persisted."""
         for c in claims:
             with c.seg.locked():
                 h = c.seg.read_header()
@@ -543,9 +545,10 @@ class FlashPersister:
         if not claims:
             return False
         results: dict[int, dict] = {}
+        attempts: list[dict] = []
         t0 = time.monotonic()
+        first = regs[claims[0].rank]
         try:
-            first = regs[claims[0].rank]
             throttle = storage.Throttle(first.throttle_mib_s * 2**20)
             for c in claims:
                 reg = regs[c.rank]
@@ -558,11 +561,17 @@ class FlashPersister:
                     if self.current is not None:
                         self.current["bytes"] += n
 
+                meta = c.seg.meta_bytes(h)
+                # the attempt that made this save (a trailer of its meta block); a save
+                # without one (an older saver) counts as run id + world size only
+                attempt = storage.meta_attempt(meta) or storage.make_attempt(
+                    reg.run_id, reg.world_size)
+                attempts.append(attempt)
                 with c.seg.data_view(h) as data:
                     results[c.rank] = storage.write_shard(
-                        reg.dir, step, c.rank, reg.world_size, c.seg.meta_bytes(h), data,
+                        reg.dir, step, c.rank, reg.world_size, meta, data,
                         extra={"seq": c.seq, "saved_at": h.saved_at}, throttle=throttle,
-                        progress=progress)
+                        progress=progress, attempt=attempt)
         except Exception as exc:  # noqa: BLE001
             self._error(f"persisting {role} step {step} failed: {type(exc).__name__}: {exc}")
         finally:
@@ -572,7 +581,8 @@ class FlashPersister:
         committed = False
         if len(results) == len(claims):
             try:
-                committed = storage.try_commit(first.dir, step, first.world_size, first.keep)
+                committed = storage.try_commit(first.dir, step, first.world_size, first.keep,
+                                               attempt=attempts[0])
             except Exception as exc:  # noqa: BLE001
                 self._error(f"committing {role} step {step} failed: {type(exc).__name__}: {exc}")
         with self._lock:

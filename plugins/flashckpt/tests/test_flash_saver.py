@@ -130,7 +130,7 @@ def test_persister_killed_mid_persist_leaves_previous_step_loadable(job, tmp_pat
     again.save(3, state(3, n))
     again.wait()
     assert again.committed_steps() == [1, 3]
-    assert sorted(os.listdir(d)) == ["latest", "step_00000001", "step_00000003"]
+    assert sorted(os.listdir(d)) == ["latest", "lineage.json", "step_00000001", "step_00000003"]
 
 
 def test_save_never_overwrites_a_buffer_being_persisted(job, tmp_path):

@@ -1,0 +1,128 @@
+"""The commit protocol of flash checkpoints on disk (storage.py), without Ray: faults
+are injected from outside the code under test (a stale temp folder of another run or
+world size, a truncated shard, a short-writing file, a full tmpfs, a stale lock)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dlrover_core.checkpoint.manifest import CorruptCheckpointError
+from dlrover_plugin_flashckpt import storage
+
+
+def _shard(d, step, rank, world, payload, attempt=None, seq=1):
+    return storage.write_shard(d, step, rank, world, b"meta%d" % rank, memoryview(payload),
+                               extra={"seq": seq}, attempt=attempt)
+
+
+def _data(d, step, rank=0):
+    with open(os.path.join(d, f"step_{step:08d}", f"rank_{rank:05d}.data"), "rb") as f:
+        return f.read()
+
+
+# ----------------------------------------------------------------------------- item 1
+def test_markers_of_two_world_sizes_never_make_a_commit(tmp_path):
+    """The review's reproduction: rank 0 written for world size 4, rank 1 for 2."""
+    d = str(tmp_path)
+    _shard(d, 7, 0, 4, b"a" * 64)
+    _shard(d, 7, 1, 2, b"b" * 64)
+    assert not storage.try_commit(d, 7, 2, keep=2)
+    assert storage.newest_committed(d) is None
+    assert not os.path.exists(os.path.join(d, "step_00000007"))
+
+
+def test_markers_of_two_runs_never_make_a_commit(tmp_path):
+    d = str(tmp_path)
+    _shard(d, 7, 0, 2, b"a" * 64, storage.make_attempt("run-a", 2, "e1"))
+    _shard(d, 7, 1, 2, b"b" * 64, storage.make_attempt("run-b", 2, "e1"))
+    assert not storage.try_commit(d, 7, 2, keep=2)
+    _shard(d, 7, 1, 2, b"c" * 64, storage.make_attempt("run-a", 2, "e1"))
+    assert storage.try_commit(d, 7, 2, keep=2)
+    manifest = storage.verify_step(os.path.join(d, "step_00000007"))
+    assert manifest["attempt"] == storage.make_attempt("run-a", 2, "e1")
+    assert _data(d, 7, 1) == b"c" * 64
+    # only the committed attempt's files are left, under their plain names
+    assert sorted(os.listdir(os.path.join(d, "step_00000007"))) == [
+        "manifest.json", "rank_00000.data", "rank_00000.meta", "rank_00001.data",
+        "rank_00001.meta"]
+
+
+@pytest.mark.parametrize("stale", ["other-world", "other-run"])
+def test_stale_temp_folder_of_another_attempt_is_not_committed_by_a_new_run(tmp_path, stale):
+    """A node died while step 5 was written; the job restarted from step 3 (a new
+    lineage) and reaches step 5 again. The stale folder is complete for its own
+    attempt, and it is never committed: only the new attempt's files are."""
+    d = str(tmp_path)
+    old = storage.make_attempt("run-1", 2, "old")
+    for r in range(2):
+        _shard(d, 3, r, 2, b"3" * 32, old)
+    assert storage.try_commit(d, 3, 2, keep=3)
+    if stale == "other-world":
+        stale_att = storage.make_attempt("run-1", 4, "old")
+        for r in range(4):
+            _shard(d, 5, r, 4, b"s" * 32, stale_att)
+    else:
+        stale_att = storage.make_attempt("run-0", 2, "old")
+        for r in range(2):
+            _shard(d, 5, r, 2, b"s" * 32, stale_att)
+    new = storage.make_attempt("run-1", 2, "new")
+    storage.start_lineage(d, new, base=3)
+    assert not storage.try_commit(d, 5, 2, keep=3)  # the stale attempt: refused
+    assert not storage.try_commit(d, 5, 4, keep=3)
+    _shard(d, 5, 0, 2, b"n" * 32, new)
+    assert not storage.try_commit(d, 5, 2, keep=3)  # rank 1 of the new attempt missing
+    _shard(d, 5, 1, 2, b"N" * 32, new)
+    assert storage.try_commit(d, 5, 2, keep=3)
+    assert storage.verify_step(os.path.join(d, "step_00000005"))["attempt"] == new
+    assert (_data(d, 5, 0), _data(d, 5, 1)) == (b"n" * 32, b"N" * 32)
+    assert storage.lineage_steps(d) == [3, 5]
+
+
+def test_a_step_above_the_base_of_another_lineage_no_longer_counts(tmp_path):
+    """Steps 4 and 6 were committed; the job explicitly restored step 4 and saves
+    step 5: it commits, step 6 (another lineage) is not "newest" any more, and a
+    re-save of step 6 by the new lineage replaces it."""
+    d = str(tmp_path)
+    a = storage.make_attempt("r", 1, "a")
+    for step in (4, 6):
+        _shard(d, step, 0, 1, b"%d" % step * 8, a)
+        assert storage.try_commit(d, step, 1, keep=5)
+    b = storage.make_attempt("r", 1, "b")
+    storage.start_lineage(d, b, base=4)
+    assert storage.newest_committed(d) == 4 and storage.latest_step(d) is None
+    _shard(d, 5, 0, 1, b"5" * 8, b)
+    assert storage.try_commit(d, 5, 1, keep=5)
+    assert storage.lineage_steps(d) == [4, 5] and storage.latest_step(d) == 5
+    _shard(d, 6, 0, 1, b"x" * 8, b)
+    assert storage.try_commit(d, 6, 1, keep=5)
+    assert _data(d, 6) == b"x" * 8 and storage.lineage_steps(d) == [4, 5, 6]
+
+
+def test_a_rank_never_rewrites_its_files_in_place(tmp_path):
+    d = str(tmp_path)
+    att = storage.make_attempt("r", 1, "e")
+    first = _shard(d, 2, 0, 1, b"1" * 16, att, seq=3)
+    tmp = storage.tmp_dir(d, 2)
+    first_file = os.path.join(tmp, first["files"]["rank_00000.data"]["tmp"])
+    ino = os.stat(first_file).st_ino
+    second = _shard(d, 2, 0, 1, b"2" * 16, att, seq=4)  # the same rank and step again
+    assert second["files"]["rank_00000.data"]["tmp"] != first["files"]["rank_00000.data"]["tmp"]
+    assert os.stat(first_file).st_ino == ino and open(first_file, "rb").read() == b"1" * 16
+    assert storage.try_commit(d, 2, 1, keep=2)
+    assert _data(d, 2) == b"2" * 16  # the newest sequence number of the rank wins
+
+
+def test_the_attempt_trailer_survives_the_meta_block():
+    import torch
+
+    from dlrover_plugin_flashckpt import layout
+
+    table, _, skeleton = layout.build_table({"w": torch.zeros(3)})
+    att = storage.make_attempt("run", 2, "e")
+    blob = layout.pack_meta(4, table, skeleton, {"rank": 1}) + storage.attempt_trailer(att)
+    assert layout.unpack_meta(blob)["step"] == 4  # pickle ignores the trailing bytes
+    assert storage.meta_attempt(blob) == att
+    assert storage.meta_attempt(layout.pack_meta(4, table, skeleton, {})) is None
