@@ -54,7 +54,7 @@ import zlib
 from typing import Any, Callable
 
 from dlrover_core.atomic_io import replace_dir, write_all
-from dlrover_core.checkpoint.manifest import MANIFEST, CorruptCheckpointError
+from dlrover_core.checkpoint.manifest import MANIFEST, CorruptCheckpointError, DamagedStepError
 from dlrover_core.checkpoint.saver import (
     atomic_write_json,
     atomic_write_text,
@@ -274,11 +274,6 @@ def _write_file(path: str, view: memoryview | bytes, throttle: Throttle,
     if size != n:
         raise OSError(f"{path}: {size} bytes on disk after writing {n}")
     return {"bytes": n, "crc32": crc}
-
-
-class DamagedStepError(CorruptCheckpointError):
-    """A committed step's file has another size or crc32 than its manifest says (the
-    step is quarantined by whoever finds it)."""
 
 
 def write_shard(directory: str, step: int, rank: int, world_size: int, meta: bytes,
