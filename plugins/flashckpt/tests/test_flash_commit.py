@@ -4,11 +4,14 @@ world size, a truncated shard, a short-writing file, a full tmpfs, a stale lock)
 
 from __future__ import annotations
 
-import json
+import errno
+import io
 import os
+import subprocess
 
 import pytest
 
+from dlrover_core.atomic_io import write_all
 from dlrover_core.checkpoint.manifest import CorruptCheckpointError
 from dlrover_plugin_flashckpt import storage
 
@@ -126,3 +129,73 @@ def test_the_attempt_trailer_survives_the_meta_block():
     assert layout.unpack_meta(blob)["step"] == 4  # pickle ignores the trailing bytes
     assert storage.meta_attempt(blob) == att
     assert storage.meta_attempt(layout.pack_meta(4, table, skeleton, {})) is None
+
+
+# ----------------------------------------------------------------------------- item 6
+class _ShortFileIO(io.FileIO):
+    """A raw file whose ``write`` writes at most 7 bytes a call, as FUSE or NFS may."""
+
+    def write(self, b):
+        return super().write(memoryview(b)[:7])
+
+
+def test_write_all_loops_until_every_byte_is_written(tmp_path):
+    path = str(tmp_path / "f")
+    with _ShortFileIO(path, "w") as f:
+        assert write_all(f, b"0123456789" * 5) == 50
+    assert open(path, "rb").read() == b"0123456789" * 5
+
+    class Stuck(io.FileIO):
+        def write(self, b):
+            return 0
+
+    with Stuck(path, "w") as f, pytest.raises(OSError, match="wrote nothing at byte 0"):
+        write_all(f, b"x")
+
+
+def test_short_writes_still_commit_whole_shards(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    monkeypatch.setattr(storage, "_open_for_write", lambda p: _ShortFileIO(p, "x"))
+    payload = bytes(range(256)) * 3
+    _shard(d, 1, 0, 1, payload)
+    assert storage.try_commit(d, 1, 1, keep=2)
+    storage.verify_step(os.path.join(d, "step_00000001"))
+    assert _data(d, 1) == payload
+
+
+def test_a_file_cut_short_after_its_marker_is_not_committed(tmp_path):
+    d = str(tmp_path)
+    marker = _shard(d, 1, 0, 1, b"z" * 500)
+    os.truncate(os.path.join(storage.tmp_dir(d, 1), marker["files"]["rank_00000.data"]["tmp"]),
+                100)
+    with pytest.raises(CorruptCheckpointError, match="has 100 bytes, its marker says 500"):
+        storage.try_commit(d, 1, 1, keep=2)
+    assert storage.newest_committed(d) is None
+    assert not os.path.exists(os.path.join(storage.tmp_dir(d, 1), ".commit"))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (needs the right to mount: root here); skipped where denied."""
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+                         capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_full_checkpoint_folder_fails_the_write_and_commits_nothing(small_tmpfs):
+    d = small_tmpfs
+    _shard(d, 1, 0, 1, b"a" * 1000)
+    assert storage.try_commit(d, 1, 1, keep=2)
+    with pytest.raises(OSError) as e:
+        _shard(d, 2, 0, 1, b"b" * (2 << 20))  # twice the tmpfs
+    assert e.value.errno == errno.ENOSPC
+    assert not storage.try_commit(d, 2, 1, keep=2)
+    assert storage.lineage_steps(d) == [1] and storage.newest_committed(d) == 1
+    assert _data(d, 1) == b"a" * 1000
