@@ -199,3 +199,51 @@ def test_full_checkpoint_folder_fails_the_write_and_commits_nothing(small_tmpfs)
     assert not storage.try_commit(d, 2, 1, keep=2)
     assert storage.lineage_steps(d) == [1] and storage.newest_committed(d) == 1
     assert _data(d, 1) == b"a" * 1000
+
+
+# ----------------------------------------------------------------------------- item 7
+@pytest.mark.parametrize("exchange", [True, False])
+def test_recommitting_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exchange):
+    """Step 4 is committed again by a new attempt. A crash is injected at each rename
+    of the commit (the shards to their plain names, the manifest, the swap of the step
+    directory or its two renames where the filesystem has no atomic exchange, then
+    ``latest``): afterwards step 4 is always listed and verifies, whole old or new."""
+    import dlrover_core.atomic_io as aio
+
+    real_rename, real_replace, real_exchange = os.rename, os.replace, aio._exchange
+    outcomes = set()
+    for crash_at in range(12):
+        d = str(tmp_path / f"c{crash_at}")
+        old = storage.make_attempt("r", 2, "old")
+        for r in range(2):
+            _shard(d, 4, r, 2, b"o" * 40, old)
+        assert storage.try_commit(d, 4, 2, keep=2)
+        new = storage.make_attempt("r", 2, "new")
+        for r in range(2):
+            _shard(d, 4, r, 2, b"n" * 40, new)
+        calls = []
+
+        def step(fn, *args, crash_at=crash_at, calls=calls):
+            calls.append(args)
+            if len(calls) > crash_at:
+                raise OSError("injected crash")
+            return fn(*args)
+
+        monkeypatch.setattr(os, "rename", lambda a, b: step(real_rename, a, b))
+        monkeypatch.setattr(os, "replace", lambda a, b: step(real_replace, a, b))
+        monkeypatch.setattr(aio, "_exchange", (lambda a, b: step(real_exchange, a, b))
+                            if exchange else (lambda a, b: False))
+        try:
+            crashed = not storage.try_commit(d, 4, 2, keep=2)
+        except OSError:
+            crashed = True
+        monkeypatch.setattr(os, "rename", real_rename)
+        monkeypatch.setattr(os, "replace", real_replace)
+        monkeypatch.setattr(aio, "_exchange", real_exchange)
+        assert storage.lineage_steps(d) == [4], crash_at
+        manifest = storage.verify_step(os.path.join(d, "step_00000004"))
+        got = {_data(d, 4, r) for r in range(2)}
+        assert got in ({b"o" * 40}, {b"n" * 40}), crash_at  # never a mix
+        assert manifest["attempt"] == (new if got == {b"n" * 40} else old)
+        outcomes.add((crashed, got == {b"n" * 40}))
+    assert outcomes == {(True, False), (True, True), (False, True)}
