@@ -127,11 +127,67 @@ class FlashPersister:
             self._repl_wake.set()
 
     # ------------------------------------------------------------------ replicas
-    def store_replica(self, info: dict, data: Any) -> str:
-        """Hold a replica of another node's save (called by that node's persister;
-        ``data`` arrives through Ray's object transfer). Returns the buffer name."""
+    def _allowed_shm_dir(self, shm_dir: str) -> str:
+        """``shm_dir`` when it is ``/dev/shm`` or the shared-memory directory of a rank
+        registered here, as an absolute path without symlinks.
+
+        Raises:
+            ValueError: any other directory (a caller-chosen path)."""
+        with self._lock:
+            allowed = {"/dev/shm"} | {r.shm_dir for r in self._regs.values()}
+        if not isinstance(shm_dir, str) or shm_dir not in allowed \
+                or os.path.realpath(shm_dir) != os.path.normpath(shm_dir):
+            raise ValueError(f"flash persister of job {self.job!r}: shm_dir {shm_dir!r} is not "
+                             f"allowed; allowed: {sorted(allowed)} (no symlinks)")
+        return shm_dir
+
+    def _allowed_dir(self, directory: str) -> str:
+        """``directory`` when it is the checkpoint directory of a role of this job: one
+        that a rank registered here, or a sibling of one (another role under the
+        job's checkpoint folder).
+
+        Raises:
+            ValueError: any other path."""
+        with self._lock:
+            dirs = {r.dir for r in self._regs.values()}
+        ok = isinstance(directory, str) and os.path.isabs(directory) \
+            and os.path.normpath(directory) == directory \
+            and (directory in dirs
+                 or os.path.dirname(directory) in {os.path.dirname(d) for d in dirs})
+        if not ok:
+            raise ValueError(f"flash persister of job {self.job!r}: checkpoint dir "
+                             f"{directory!r} is not this job's; registered: {sorted(dirs)}")
+        return directory
+
+    def _allowed_replica(self, path: str) -> str:
+        """``path`` when it names a replica buffer of this job in an allowed shared-
+        memory directory.
+
+        Raises:
+            ValueError: any other path."""
         from dlrover_plugin_flashckpt import replica
 
+        name = os.path.basename(path) if isinstance(path, str) else ""
+        try:
+            self._allowed_shm_dir(os.path.dirname(path))
+        except (ValueError, TypeError):
+            raise ValueError(f"flash persister of job {self.job!r}: replica path {path!r} "
+                             "is not in an allowed shared-memory directory") from None
+        if not name.startswith(shm.job_prefix(self.job)) or replica.parse_replica(name) is None:
+            raise ValueError(f"flash persister of job {self.job!r}: {path!r} is not a replica "
+                             f"buffer of this job (names start {shm.job_prefix(self.job)!r})")
+        return path
+
+    def store_replica(self, info: dict, data: Any) -> str:
+        """Hold a replica of another node's save (called by that node's persister;
+        ``data`` arrives through Ray's object transfer). Returns the buffer name.
+
+        Raises:
+            ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's."""
+        from dlrover_plugin_flashckpt import replica
+
+        self._allowed_dir(info.get("dir"))
+        self._allowed_shm_dir(info.get("shm_dir", "/dev/shm"))
         ident = {"job": self.job, "role": info.get("role", ""), "rank": info["rank"],
                  "world_size": info["world_size"], "dir": info["dir"], "session": self.session,
                  "run_id": info.get("run_id", ""), "replica_of": info.get("source", "")}
@@ -143,6 +199,9 @@ class FlashPersister:
         "path", "rank", "world_size", "step", "bytes"}]}``."""
         from dlrover_plugin_flashckpt import replica
 
+        if not isinstance(directory, str) or not os.path.isabs(directory):
+            raise ValueError(f"replicas: directory {directory!r} is not an absolute path")
+        self._allowed_shm_dir(shm_dir)  # listed; ``directory`` is only compared
         return {"node_id": self.node_id,
                 "held": replica.held(shm_dir, self.job, directory, self.node_id)}
 
@@ -151,10 +210,11 @@ class FlashPersister:
         ``{"meta", "data" (numpy uint8), "step"}``.
 
         Raises:
-            ValueError: it no longer holds ``step``."""
+            ValueError: it no longer holds ``step``, or ``path`` is not a replica
+                buffer of this job."""
         from dlrover_plugin_flashckpt import replica
 
-        return replica.read(path, step)
+        return replica.read(self._allowed_replica(path), step)
 
     def replica_status(self) -> dict:
         with self._lock:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
+import socket
 import subprocess
+import time
 
 import pytest
 
@@ -247,3 +250,31 @@ def test_recommitting_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exch
         assert manifest["attempt"] == (new if got == {b"n" * 40} else old)
         outcomes.add((crashed, got == {b"n" * 40}))
     assert outcomes == {(True, False), (True, True), (False, True)}
+
+
+# ----------------------------------------------------------------------------- item 9
+def _lock(d, step, owner):
+    with open(os.path.join(storage.tmp_dir(d, step), ".commit"), "w") as f:
+        json.dump(owner, f)
+
+
+def test_commit_lock_takeover_rule(tmp_path):
+    """A ``.commit`` lock is taken over when its holder is gone: on this host a dead
+    pid, on any host a lock older than LOCK_STALE_S; a fresh lock of a live holder
+    (or of another host) is respected."""
+    d = str(tmp_path)
+    _shard(d, 1, 0, 1, b"a" * 10)
+    now = time.time()
+    _lock(d, 1, {"host": "elsewhere", "pid": 1, "time": now - 10})
+    assert not storage.try_commit(d, 1, 1, keep=2)  # fresh, another host: respected
+    _lock(d, 1, {"host": socket.gethostname(), "pid": os.getpid(), "time": now})
+    assert not storage.try_commit(d, 1, 1, keep=2)  # a live holder here
+    _lock(d, 1, {"host": "elsewhere", "pid": 1, "time": now - storage.LOCK_STALE_S - 5})
+    assert storage.try_commit(d, 1, 1, keep=2)  # stale, another host: taken over
+    _shard(d, 2, 0, 1, b"b" * 10)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _lock(d, 2, {"host": socket.gethostname(), "pid": dead.pid, "time": now})
+    assert storage.try_commit(d, 2, 1, keep=2)  # this host, the holder is gone
+    assert storage.lineage_steps(d) == [1, 2]
+    assert not [n for n in os.listdir(os.path.join(d, "step_00000002")) if "commit" in n]

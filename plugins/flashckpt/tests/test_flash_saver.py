@@ -306,3 +306,33 @@ def test_load_raises_when_committed_steps_exist_but_none_loads(job, tmp_path):
     assert not got["model"]["w"].any() and got["extra"]["step"] == -1  # untouched
     assert sorted(n for n in os.listdir(d) if n.startswith("step_")) == [
         "step_00000001", "step_00000002"]
+
+
+def test_replica_calls_refuse_paths_outside_the_job(job, tmp_path):
+    """The persister's replica calls take only this job's checkpoint folder and
+    shared-memory names: a caller-chosen path is an error naming it."""
+    import numpy as np
+
+    d = str(tmp_path / "ckpt" / "trainer")
+    s = make_saver(job, d)
+    s.save(1, state(1))
+    s.wait()
+    p = s.persister()
+    info = {"dir": d, "role": "trainer", "rank": 0, "world_size": 1, "step": 1,
+            "meta": b"m", "data_len": 4, "shm_dir": "/dev/shm"}
+    data = np.zeros(4, dtype=np.uint8)
+    with pytest.raises(ValueError, match="'/tmp' is not allowed"):
+        ray.get(p.store_replica.remote({**info, "shm_dir": "/tmp"}, data))
+    with pytest.raises(ValueError, match="checkpoint dir '/etc' is not this job's"):
+        ray.get(p.store_replica.remote({**info, "dir": "/etc"}, data))
+    with pytest.raises(ValueError, match="'/etc/passwd' is not in an allowed"):
+        ray.get(p.read_replica.remote("/etc/passwd", 1))
+    with pytest.raises(ValueError, match="is not a replica buffer of this job"):
+        ray.get(p.read_replica.remote(s.paths[0], 1))  # a slot, not a replica
+    with pytest.raises(ValueError, match="'/tmp' is not allowed"):
+        ray.get(p.replicas.remote(d, "/tmp"))
+    assert ray.get(p.replicas.remote(d))["held"] == []
+    # a sibling role's folder of the same job is allowed
+    name = ray.get(p.store_replica.remote({**info, "dir": str(tmp_path / "ckpt" / "other")},
+                                          data))
+    assert name.startswith(shm.job_prefix(job))
