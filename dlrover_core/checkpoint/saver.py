@@ -81,7 +81,9 @@ class Saver(ABC):
     @abstractmethod
     def load(self, state_dict: dict, step: int | None = None) -> int | None:
         """Load the newest committed step (or ``step``) into ``state_dict`` in place;
-        return the step, or ``None`` when there is none."""
+        return the step, or ``None`` when there is none. When committed steps exist
+        but none loads, raise (``CheckpointLoadError``) rather than return ``None``: a
+        ``None`` restarts training from step 0."""
 
     def committed_steps(self) -> list[int]:
         """Committed steps on storage, oldest first."""

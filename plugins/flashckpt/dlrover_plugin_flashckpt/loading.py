@@ -211,6 +211,7 @@ class LoadingMixin:
                 if not self._relayout(state_dict, s, "memory", errors):
                     log.warning("step %d in shared memory has another layout and cannot be "
                                 "resharded from this node's buffers; trying the disk", s)
+                    tried[s] = "shared memory: another layout, not reshardable from here"
                     continue
                 errors, source = [], "memory-resharded"
             if not errors:

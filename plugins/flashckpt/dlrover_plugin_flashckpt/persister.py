@@ -142,9 +142,11 @@ class FlashPersister:
         return shm_dir
 
     def _allowed_dir(self, directory: str) -> str:
-        """``directory`` when it is the checkpoint directory of a role of this job: one
-        that a rank registered here, or a sibling of one (another role under the
-        job's checkpoint folder).
+        """``directory`` when it can be the checkpoint directory of a role of this
+        job: an absolute, normalized path; where ranks registered here, one of theirs
+        or a sibling (another role under the job's checkpoint folder). A node that
+        only holds replicas (no rank of the job) cannot tell more; the directory is
+        only hashed into buffer names and recorded, never opened.
 
         Raises:
             ValueError: any other path."""
@@ -152,7 +154,7 @@ class FlashPersister:
             dirs = {r.dir for r in self._regs.values()}
         ok = isinstance(directory, str) and os.path.isabs(directory) \
             and os.path.normpath(directory) == directory \
-            and (directory in dirs
+            and (not dirs or directory in dirs
                  or os.path.dirname(directory) in {os.path.dirname(d) for d in dirs})
         if not ok:
             raise ValueError(f"flash persister of job {self.job!r}: checkpoint dir "
