@@ -123,10 +123,14 @@ class DiskSaver(Saver):
                 raise CheckpointLoadError(self.config.dir, tried)
             return None
         path = os.path.join(self.config.dir, step_dir_name(chosen))
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path),
                      no_dist=dist is None)
-        except Exception as exc:  # the live state may be partly overwritten now
+        # the live state may be partly overwritten now (CheckpointException is a
+        # BaseException)
+        except (Exception, CheckpointException) as exc:
             tried[chosen] = f"{type(exc).__name__}: {exc}"
             raise CheckpointLoadError(self.config.dir, tried) from exc
         return chosen
