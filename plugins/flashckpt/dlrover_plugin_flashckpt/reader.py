@@ -29,6 +29,11 @@ PARALLEL_MIN = 64 << 20
 INLINE_MAX = 1 << 20
 
 
+class TornRead(RuntimeError):
+    """A flash buffer changed (was overwritten, replaced or emptied) while it was
+    being read."""
+
+
 @functools.cache
 def _threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
