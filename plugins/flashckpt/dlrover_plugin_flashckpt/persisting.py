@@ -10,12 +10,10 @@ end); forced steps first, then steps another node already started, then the newe
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 from dlrover_plugin_flashckpt import shm, storage
 

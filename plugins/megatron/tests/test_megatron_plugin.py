@@ -332,7 +332,7 @@ def test_stacked_layer_placement():
     assert placement_of(st, 2, 1) == Placement("decoder.layers.mlp.linear_fc1.weight#3",
                                                (8, 8), 0, 2)
     whole = ShardedTensor.from_rank_offsets("decoder.layers.ln.weight", torch.zeros(8),
-                                            (0, 2, 5), (1, 1, 1), prepend_axis_num=1)
+                                            (0, 2, 5), prepend_axis_num=1)
     assert placement_of(whole, 1, 0) == Placement("decoder.layers.ln.weight#2", (8,), None, 1)
     nested = ShardedTensor.from_rank_offsets("decoder.layers.experts.w", torch.zeros(8),
                                              (0, 1, 4), (1, 6, 8), prepend_axis_num=2)
