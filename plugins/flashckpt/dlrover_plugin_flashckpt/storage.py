@@ -1,4 +1,4 @@
-"""The on-disk format of flash checkpoints and its atomic commit. Imports no torch.
+"""Writing flash checkpoints to disk and their atomic commit. Imports no torch.
 
 A committed step (``<dir>/step_<step:08d>/``)::
 
@@ -9,11 +9,8 @@ A committed step (``<dir>/step_<step:08d>/``)::
                          "attempt", "files": {name: {"bytes", "crc32"}},
                          "ranks": {rank: {...}}}
 
-An **attempt** is one incarnation of the role: ``{"run_id", "world_size", "epoch"}``
-(``epoch``: a token rank 0 draws at every ``load()`` and shares with the other ranks).
-``<dir>/lineage.json`` names the current attempt and the step it restored (``base``):
-the **current lineage** is the committed steps up to ``base`` plus those the current
-attempt committed.
+Attempts (incarnations of the role) and the current lineage are :mod:`.lineage`'s;
+the committed step's files, manifest and verification :mod:`.committed`'s.
 
 Commit protocol (any number of nodes writing into a shared directory):
 
