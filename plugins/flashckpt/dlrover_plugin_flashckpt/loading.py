@@ -26,7 +26,7 @@ from dlrover_core.checkpoint.manifest import CheckpointLoadError, CorruptCheckpo
 from dlrover_core.checkpoint.saver import quarantine, step_dir_name
 from dlrover_plugin_flashckpt import layout, shm, storage
 from dlrover_plugin_flashckpt.meta import unpack_meta
-from dlrover_plugin_flashckpt.reader import ShardReader, TornRead
+from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, step_meta
 from dlrover_plugin_flashckpt.relayout import RelayoutMixin
 from dlrover_plugin_flashckpt.replica import ReplicaLoadingMixin
 
@@ -70,13 +70,7 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
         if seg is None:
             raise TornRead(f"flash buffer {self.paths[slot]} disappeared")
         where = f"flash buffer {seg.name} (step {step})"
-        with seg.locked():
-            h = seg.read_header()
-            if not shm.holds_step(h) or h.step != step:
-                raise TornRead(f"{where} no longer holds step {step}")
-            meta = seg.meta_bytes(h)
-        if zlib.crc32(meta) != h.meta_crc:
-            raise CorruptCheckpointError(f"{where}: crc32 of the meta block does not match")
+        h, meta = step_meta(seg, step, where)
         m = unpack_meta(meta)
         if m.get("rank") != self.rank or m.get("step") != step:
             raise CorruptCheckpointError(f"{where}: holds rank {m.get('rank')} step "

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from typing import Any
 
 from dlrover_core.checkpoint.manifest import CorruptCheckpointError
 from dlrover_core.checkpoint.saver import step_dir_name
 from dlrover_plugin_flashckpt import layout, shm, storage
 from dlrover_plugin_flashckpt.meta import unpack_meta
-from dlrover_plugin_flashckpt.reader import ShardReader, TornRead
+from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, step_meta
 from dlrover_plugin_flashckpt.replica import parse_replica
 from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
 
@@ -130,14 +129,7 @@ class RelayoutMixin:
                     seg = shm.Segment.attach(path)
                     if seg is None:
                         raise TornRead(f"flash buffer {path} disappeared")
-                    with seg.locked():
-                        h = seg.read_header()
-                        if not shm.holds_step(h) or h.step != step:
-                            raise TornRead(f"flash buffer {seg.name} no longer holds {step}")
-                        meta = seg.meta_bytes(h)
-                    if zlib.crc32(meta) != h.meta_crc:
-                        raise CorruptCheckpointError(f"flash buffer {seg.name}: crc32 of the "
-                                                     "meta block does not match")
+                    h, meta = step_meta(seg, step, f"flash buffer {seg.name}")
                     checks.append((seg, h.seq))
                     rd = ShardReader(path, h.data_offset)
                 else:
