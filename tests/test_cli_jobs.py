@@ -186,6 +186,7 @@ def test_driver_logs(ray_cluster, job_dir, capsys):
     assert summary["status"] == "succeeded", summary["error"]
     assert main(["logs", "cli-driver", "--job-dir", job_dir, "--role", "driver"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("==> driver attempt 0 <==\n")
+    assert out.startswith("=== run 1 of ")  # the run's header, then the driver's attempts
+    assert out.splitlines()[1] == "==> driver attempt 0 <=="
     assert "driver iteration 1: worker ranks [0, 1]" in out
     assert "driver done" in out  # stderr too

@@ -92,4 +92,5 @@ class DiskSaver(Saver):
             return None
         path = os.path.join(self.config.dir, step_dir_name(chosen))
         dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), no_dist=dist is None)
+        self.last_load_source = "disk"
         return chosen

@@ -1,5 +1,6 @@
 """Reading a job directory (``runs/<name>/``) for the commands that look at jobs after
-the fact: ``summary.json``, ``events.jsonl`` and ``metrics.jsonl``.
+the fact: one run's ``summary.json``, ``events.jsonl`` and ``metrics.jsonl`` (the latest
+run by default; where each run's files are: :func:`dlrover_core.runs.run_paths`).
 
 Each reader tolerates a job that is still running (no summary yet, a torn last line).
 """
@@ -11,10 +12,9 @@ import os
 from dataclasses import dataclass, field
 
 from dlrover_core.master.events import read_events
+from dlrover_core.runs import EVENTS, METRICS, SUMMARY, run_paths
 
-SUMMARY = "summary.json"
-EVENTS = "events.jsonl"
-METRICS = "metrics.jsonl"
+__all__ = ["EVENTS", "METRICS", "SUMMARY", "JobFiles", "resolve_job_dir"]
 
 
 def resolve_job_dir(job: str, job_dir: str | None = None, root: str = "runs") -> str:
@@ -36,26 +36,33 @@ def resolve_job_dir(job: str, job_dir: str | None = None, root: str = "runs") ->
 
 @dataclass
 class JobFiles:
-    """What a job directory holds. ``summary`` is ``None`` while the job runs."""
+    """What one run of a job directory holds. ``summary`` is ``None`` while it runs;
+    ``run`` is the run's number."""
 
     job_dir: str
     summary: dict | None = None
     events: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)  # the "step" records of metrics.jsonl
+    run: int = 1
 
     @classmethod
-    def read(cls, job_dir: str) -> JobFiles:
+    def read(cls, job_dir: str, run: str | int | None = None) -> JobFiles:
+        """Run ``run`` of ``job_dir`` (default: the latest).
+
+        Raises:
+            FileNotFoundError: no such run (see :func:`dlrover_core.runs.run_paths`).
+        """
+        paths = run_paths(job_dir, run)
         summary = None
-        path = os.path.join(job_dir, SUMMARY)
-        if os.path.exists(path):
+        if os.path.exists(paths.summary):
             try:
-                with open(path) as f:
+                with open(paths.summary) as f:
                     summary = json.load(f)
             except ValueError:
                 summary = None  # being replaced right now; atomic writes make this rare
-        return cls(job_dir, summary, read_events(os.path.join(job_dir, EVENTS)),
-                   [r for r in read_events(os.path.join(job_dir, METRICS))
-                    if r.get("event") == "step"])
+        return cls(job_dir, summary, read_events(paths.events),
+                   [r for r in read_events(paths.metrics) if r.get("event") == "step"],
+                   paths.run)
 
     @property
     def name(self) -> str:

@@ -4,16 +4,23 @@
     dlrover plugin new NAME --kind KIND [--dir DIR] [--force]
     dlrover templates list [--json]
     dlrover validate JOB.yaml [key=value ...]
-    dlrover submit JOB.yaml [key=value ...] [--address ADDR] [--job-dir DIR]
-    dlrover status NAME [--address ADDR] [--job-dir DIR] [--json]
+    dlrover submit JOB.yaml [key=value ...] [--address ADDR] [--job-dir DIR] [--fresh]
+    dlrover status NAME [--address ADDR] [--job-dir DIR] [--run N] [--json]
     dlrover stop NAME [--address ADDR]
     dlrover list [--root DIR] [--address ADDR] [--no-cluster] [--json]
-    dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR]
-    dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--json]
+    dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR] [--run N]
+    dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--run N] [--json]
     dlrover hooks [--json] [--write FILE]
 
+Each ``submit`` is a new run of the job in its job directory (``runs/NAME``): it
+resumes from the job's checkpoints and says from which step, source and path;
+``--fresh`` moves them aside (to ``<job_dir>/run-<N>/ckpt``) and starts over. ``status``,
+``logs`` and ``timeline`` show the latest run, ``--run N`` another one.
+
 Exit codes: 0 success (``submit``: the job succeeded), 1 the job failed or was
-stopped, 2 bad input (invalid spec, unknown name).
+stopped, 2 bad input (invalid spec, unknown name), 3 (``submit``) nothing to train:
+the checkpoint resumed from already reached ``config.max_steps`` (status
+``already_complete``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from dlrover_core.cli import hooks_doc, jobs_list, logs, plugin_new, timeline_cm
 from dlrover_core.cli.output import console_for, print_json, print_table
 
 err = console_for(stderr=True)
+
+#: ``dlrover submit``'s exit code by the job's final status (anything else: 1)
+EXIT_CODES = {"succeeded": 0, "already_complete": 3}
 
 
 def _pm():
@@ -87,7 +97,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     spec = _load(args)
     summary = submit_job(spec, address=args.address, job_dir=args.job_dir,
-                         progress=not args.no_progress, verbose=args.verbose)
+                         progress=not args.no_progress, verbose=args.verbose, fresh=args.fresh)
     if summary is None:
         err.print("the job ended without a summary")
         return 1
@@ -96,8 +106,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     else:
         print_summary(summary)
     job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
-    err.print(f"job directory: {job_dir}")
-    return 0 if summary.get("status") == "succeeded" else 1
+    err.print(f"job directory: {job_dir} (run {summary.get('run', '?')})")
+    return EXIT_CODES.get(summary.get("status"), 1)
 
 
 def _connect(address: str | None) -> bool:
@@ -115,14 +125,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     from dlrover_core.master.client import default_job_dir, get_master, read_summary
 
     st = None
-    if _connect(args.address):
+    if args.run is None and _connect(args.address):
         import ray
 
         master = get_master(args.name)
         if master is not None:
             st = ray.get(master.status.remote(), timeout=30)
     if st is None:
-        summary = read_summary(args.job_dir or default_job_dir(args.name))
+        summary = read_summary(args.job_dir or default_job_dir(args.name), args.run)
         if summary is None:
             err.print(f"no running job {args.name!r} and no summary in "
                       f"{args.job_dir or default_job_dir(args.name)}")
@@ -192,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="Ray cluster to join ('auto' or HOST:PORT); default: start a "
                                 "local cluster")
             s.add_argument("--job-dir", default=None, help="job directory (default runs/NAME)")
+            s.add_argument("--fresh", action="store_true",
+                           help="start over instead of resuming: the job's checkpoints are "
+                                "moved to <job_dir>/run-<N>/ckpt (kept, not deleted)")
             s.add_argument("--no-progress", action="store_true", help="no progress bar")
             s.add_argument("--verbose", "-v", action="store_true", help="show worker logs")
             s.add_argument("--json", action="store_true",
@@ -202,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("name")
     st.add_argument("--address", default=None)
     st.add_argument("--job-dir", default=None)
+    st.add_argument("--run", default=None,
+                    help="an earlier run's summary (N or run-N; default: the latest run)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
