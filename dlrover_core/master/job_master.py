@@ -2,8 +2,10 @@
 controller (:mod:`dlrover_core.master.controller`).
 
 The client calls ``start``, ``status``, ``stop``, ``wait`` and ``shutdown``; workers
-call ``report`` and ``checkpoint_saved`` (concurrency group ``report``: one at a
-time, in each sender's order), which go to the progress recorder. When Ray restarts
+call ``report``, ``checkpoint_loaded`` and ``checkpoint_saved`` (concurrency group
+``report``: one at a time, in each sender's order), which go to the progress recorder.
+A new master begins a new run in the job directory (:mod:`dlrover_core.runs`); a
+restarted one goes on with the same run. When Ray restarts
 the actor after it died, the new one re-attaches to the job from its JobContext.
 
 Where things are: the state loop and its transitions in ``controller``, the state
