@@ -2,7 +2,8 @@
 
 Layout::
 
-    <job_dir>/run.json          the latest run: {"run", "started_at", "run_id", "fresh"}
+    <job_dir>/run.json          the latest run: {"run", "name", "started_at", "run_id",
+                                "fresh"}
     <job_dir>/events.jsonl      the latest run's events, metrics, summary and worker logs
     <job_dir>/metrics.jsonl
     <job_dir>/summary.json
@@ -143,7 +144,7 @@ def run_paths(job_dir: str, run: str | int | None = None) -> RunPaths:
 
 
 def begin_run(job_dir: str, run_id: str = "", fresh: bool = False,
-              checkpoint_dir: str | None = None) -> RunPaths:
+              checkpoint_dir: str | None = None, name: str = "") -> RunPaths:
     """Start a new run in ``job_dir``: move the previous run's files to ``run-<N>/``,
     with ``fresh`` also its checkpoints (``checkpoint_dir``, default ``<job_dir>/ckpt``,
     to ``run-<N>/ckpt``: kept, but not resumed from), and write the new ``run.json``.
@@ -176,6 +177,6 @@ def begin_run(job_dir: str, run_id: str = "", fresh: bool = False,
         shutil.move(ckpt, os.path.join(archive, "ckpt"))
     number = max([previous or 0, *archived_runs(job_dir)]) + 1
     atomic_write_json(os.path.join(job_dir, RUN_INFO),
-                      {"run": number, "started_at": time.time(), "run_id": run_id,
-                       "fresh": bool(fresh)})
+                      {"run": number, "name": name, "started_at": time.time(),
+                       "run_id": run_id, "fresh": bool(fresh)})
     return RunPaths(job_dir, number, job_dir)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
 import yaml
 
-from dlrover_core.cli.job_files import JobFiles
+from dlrover_core.cli.job_files import AmbiguousJobError, JobFiles, find_job
+from dlrover_core.cli.jobs_list import list_jobs
 from dlrover_core.cli.main import main
 from dlrover_core.cli.timeline_model import build_timeline
 from dlrover_core.master.events import read_events
@@ -42,7 +44,7 @@ def runs(ray_cluster, tmp_path_factory):
     spec_file = str(tmp / "job.yaml")
     with open(spec_file, "w") as f:
         yaml.safe_dump(SPEC, f)
-    return str(tmp / "job"), spec_file
+    return str(tmp / "runs" / "job"), spec_file
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +141,43 @@ def test_fresh_moves_the_old_checkpoints_aside(runs, capsys):
     assert sorted(os.listdir(kept)) == ["latest", "step_00000004", "step_00000006"]
     assert "step_00000006" in os.listdir(os.path.join(job_dir, "ckpt", "trainer"))
     assert list_runs(job_dir) == [1, 2, 3, 4]
+
+
+def test_one_rule_finds_a_job_and_says_when_it_is_ambiguous(runs, monkeypatch, capfd):
+    """A name, a job directory's name or path; two directories of one job name are an
+    error listing both, and two rows of `dlrover list`."""
+    job_dir, _ = runs
+    root = os.path.dirname(job_dir)
+    other = os.path.join(root, "other")
+    shutil.copytree(job_dir, other)  # a second directory holding job 'runs-test'
+    monkeypatch.chdir(os.path.dirname(root))  # so that runs/ is the default root
+    assert find_job("other").job_dir == other
+    assert find_job(job_dir) == find_job("job")
+    assert find_job("job").name == "runs-test"
+    with pytest.raises(AmbiguousJobError) as e:
+        find_job("runs-test")
+    assert f"{job_dir} (job 'runs-test'); {other} (job 'runs-test')" in str(e.value)
+    assert main(["logs", "runs-test"]) == 2
+    assert main(["logs", "other", "--run", "1"]) == 0
+    assert capfd.readouterr().out.startswith("=== run 1 of other")
+    now = time.time()
+    rows = list_jobs("runs", cluster=False, now=now)
+    assert [(r["name"], r["job_dir"], r["run"]) for r in rows] == [
+        ("runs-test", job_dir, 4), ("runs-test", other, 4)]
+    info = json.load(open(os.path.join(job_dir, "run.json")))
+    assert rows[0]["started_at"] == json.load(open(os.path.join(job_dir, "summary.json"))
+                                              )["started_at"]
+    assert rows[0]["age_s"] == round(now - rows[0]["started_at"], 1)
+    assert info["run"] == 4 and info["name"] == "runs-test" and info["fresh"] is True
+    assert rows[0]["status"] == "succeeded" and rows[0]["error"] is None
+    shutil.rmtree(other)
+
+
+def test_status_during_start_up_says_starting():
+    from dlrover_core.cli.main import status_line
+
+    st = {"name": "ng", "run": 2, "job_dir": "/r/ng", "state": "placing", "step": -1,
+          "total_steps": 60, "elapsed_s": 3.2, "restarts": {"total": 0}, "metrics": {}}
+    assert status_line(st) == "ng run 2 (/r/ng): starting (placing) elapsed 3 s"
+    st.update(state="running", step=41, metrics={"loss": 1.5})
+    assert status_line(st) == "ng run 2 (/r/ng): running step 41/60 elapsed 3 s restarts 0 loss=1.5"

@@ -35,7 +35,8 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
     save_timeline(tl, args.output)
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in tl.breakdown.items())
-    print(f"wrote {args.output} (run {files.run}): {len(tl.rows)} instances, {len(tl.failures)} failures, "
+    print(f"wrote {args.output} (run {files.run}): {len(tl.rows)} instances, "
+          f"{len(tl.failures)} failures, "
           f"{len(tl.recoveries)} recoveries, {len(tl.checkpoints)} checkpoints; "
           f"wall {tl.wall_s:.1f} s = {parts}")
     return 0

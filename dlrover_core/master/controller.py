@@ -312,7 +312,8 @@ class JobController:
         s = self.scope
         with s.lock:
             return {
-                "name": s.name, "run": s.run, "state": self.state.value, "step": s.step,
+                "name": s.name, "run": s.run, "job_dir": s.job_dir, "state": self.state.value,
+                "step": s.step, "started_at": s.started_at,
                 "resumed_from": {role: dict(r) for role, r in s.resumed_from.items()},
                 "total_steps": _int_or_none(OmegaConf.select(s.spec, "config.max_steps")),
                 "metrics": dict(s.metrics), "restarts": s.failover.restart_counts(),

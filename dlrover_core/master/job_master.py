@@ -53,7 +53,8 @@ class JobMaster:
             run = latest_run(job_dir) or 1
         else:  # a new submit: a new run; the previous run's files move to run-<N>/
             ckpt = (spec.get("checkpoint") or {}).get("dir")
-            run = begin_run(job_dir, run_id, fresh, checkpoint_dir=ckpt).run
+            run = begin_run(job_dir, run_id, fresh, checkpoint_dir=ckpt,
+                            name=str(spec.get("name", ""))).run
         self.controller = JobController(OmegaConf.create(spec), job_dir, get_plugin_manager(),
                                         run_id, run=run)
         self.name = self.controller.scope.name
@@ -87,7 +88,8 @@ class JobMaster:
         return self.name
 
     def status(self) -> dict:
-        """``name``, ``state``, ``step``, ``total_steps``, ``metrics``, ``restarts``,
+        """``name``, ``run``, ``job_dir``, ``state``, ``step``, ``started_at`` (unix s),
+        ``resumed_from``, ``total_steps``, ``metrics``, ``restarts``,
         ``elapsed_s`` (s), ``error``, ``instances`` (label -> state, attempt, pid,
         node_id, step), ``standby`` (role -> warm) and, when finished, ``summary``."""
         return self.controller.status()
