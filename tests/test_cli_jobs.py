@@ -59,9 +59,13 @@ def test_list_after_the_job(job, capsys):
     (row,) = json.loads(capsys.readouterr().out)
     with open(os.path.join(job_dir, "summary.json")) as f:
         summary = json.load(f)
-    assert row == {"name": NAME, "status": "succeeded", "steps": 16,
+    age = row.pop("age_s")
+    assert row == {"name": NAME, "run": 1, "status": "succeeded", "steps": 16,
+                   "started_at": summary["started_at"],
                    "restarts": summary["restarts"]["total"], "wall_s": summary["wall_s"],
-                   "goodput": summary["goodput"], "source": job_dir}
+                   "goodput": summary["goodput"], "error": None, "job_dir": job_dir,
+                   "source": job_dir}
+    assert summary["ended_at"] - summary["started_at"] <= age
     assert row["restarts"] >= 1
     assert main(["list", "--root", root, "--no-cluster"]) == 0
     table = capsys.readouterr().out

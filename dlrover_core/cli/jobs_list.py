@@ -50,11 +50,12 @@ def _first_event(path: str) -> dict | None:
     return None
 
 
-def _first_line(text: Any, width: int = 80) -> str | None:
+def _first_line(text: Any, width: int | None = None) -> str | None:
+    """The first line of ``text`` (``None`` for none), cut to ``width`` characters."""
     if not text:
         return None
     line = str(text).strip().splitlines()[0]
-    return line if len(line) <= width else line[:width - 3] + "..."
+    return line if width is None or len(line) <= width else line[:width - 3] + "..."
 
 
 def jobs_in_root(root: str) -> list[dict]:
@@ -210,6 +211,6 @@ def cmd_list(args: argparse.Namespace) -> int:
                   time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started_at"]))
                   if r.get("started_at") else "-", _age(r.get("age_s")), _fmt(r["steps"]),
                   _fmt(r["restarts"]), _fmt(r["wall_s"], ".1f"), _fmt(r["goodput"], ".3f"),
-                  r.get("error") or "", r["source"])
+                  _first_line(r.get("error"), 40) or "", r["source"])
                  for r in rows), title="dlrover jobs")
     return 0
