@@ -109,12 +109,12 @@ def test_logs_are_per_run_with_a_header(runs, capsys):
     job_dir, _ = runs
     assert main(["logs", "runs-test", "--job-dir", job_dir, "--run", "1"]) == 0
     out1 = capsys.readouterr().out
-    assert out1.startswith("=== run 1 of job (started ")
+    assert out1.startswith("=== run 1 of runs-test (started ")
     assert "setup rank 0 attempt 0 from step 0" in out1
     assert "from step 4" not in out1 and "rank 0 step 3 loss" in out1
     assert main(["logs", "runs-test", "--job-dir", job_dir]) == 0
     out2 = capsys.readouterr().out
-    assert out2.startswith("=== run 2 of job (started ")
+    assert out2.startswith("=== run 2 of runs-test (started ")
     assert "setup rank 0 attempt 0 from step 4" in out2
     assert "from step 0" not in out2 and "rank 0 step 3 loss" not in out2
     assert "rank 0 step 5 loss" in out2
@@ -159,7 +159,7 @@ def test_one_rule_finds_a_job_and_says_when_it_is_ambiguous(runs, monkeypatch, c
     assert f"{job_dir} (job 'runs-test'); {other} (job 'runs-test')" in str(e.value)
     assert main(["logs", "runs-test"]) == 2
     assert main(["logs", "other", "--run", "1"]) == 0
-    assert capfd.readouterr().out.startswith("=== run 1 of other")
+    assert capfd.readouterr().out.startswith("=== run 1 of runs-test (started ")
     now = time.time()
     rows = list_jobs("runs", cluster=False, now=now)
     assert [(r["name"], r["job_dir"], r["run"]) for r in rows] == [

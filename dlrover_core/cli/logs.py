@@ -174,7 +174,7 @@ def run_header(run: RunPaths) -> str:
     """``=== run 2 of nanogpt (started 2026-11-25 02:40:11) ===``: the line that starts
     the logs of one run."""
     info = run.info
-    name = os.path.basename(run.job_dir)
+    name = info.get("name") or os.path.basename(run.job_dir)
     started = ""
     if info.get("started_at"):
         started = time.strftime(" (started %Y-%m-%d %H:%M:%S)",

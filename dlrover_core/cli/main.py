@@ -20,7 +20,8 @@ resumes from the job's checkpoints and says from which step, source and path;
 ``status``, ``stop``, ``logs`` and ``timeline`` find a job by one rule
 (:func:`dlrover_core.cli.job_files.find_job`): ``--job-dir``, else a job directory's
 path, else a name matching exactly one job directory under ``runs/`` (by directory or
-job name) or running job; several matches are an error that lists them.
+job name) or (``status``, ``stop``) running job; several matches are an error that
+lists them.
 
 Exit codes: 0 success (``submit``: the job succeeded), 1 the job failed or was
 stopped, 2 bad input (invalid spec, unknown name), 3 (``submit``) nothing to train:

@@ -301,10 +301,14 @@ class JobController:
         return _int_or_none(OmegaConf.select(self.scope.spec, "config.max_steps"))
 
     def _already_complete(self) -> bool:
-        """Every role that resumed loaded a step at or past ``config.max_steps``."""
-        max_steps, resumed = self._max_steps(), self.scope.resumed_from
-        return bool(resumed) and max_steps is not None and all(
-            r["step"] >= max_steps for r in resumed.values())
+        """Every role that resumed loaded a checkpoint at or past ``config.max_steps``
+        (checkpoint ``N``: ``N`` steps done) and no step after it was reported."""
+        s = self.scope
+        max_steps, resumed = self._max_steps(), s.resumed_from
+        if not resumed or max_steps is None:
+            return False
+        first = min(r["step"] for r in resumed.values())
+        return first >= max_steps and s.step < first
 
     # ================================================================== views
     def status(self) -> dict:
