@@ -73,6 +73,20 @@ def test_list_after_the_job(job, capsys):
     assert "succeeded" in line and job_dir in line
 
 
+def test_recovery_loads_are_events_not_where_the_run_resumed(job):
+    """The killed rank's reload is a `checkpoint_loaded` event of attempt 1; the run
+    itself started from nothing, so its summary has no `resumed_from`."""
+    _, job_dir, _ = job
+    with open(os.path.join(job_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["resumed_from"] is None and summary["run"] == 1
+    loads = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
+             if e["event"] == "checkpoint_loaded"]
+    assert loads and all(e["attempt"] >= 1 and e["source"] == "disk" for e in loads)
+    assert {e["step"] for e in loads} <= {4, 8}
+    assert all(e["path"].endswith(f"step_{e['step']:08d}") for e in loads)
+
+
 def test_timeline_png_of_the_failure(job, tmp_path, capsys):
     from matplotlib.image import imread
 
