@@ -1,7 +1,7 @@
 """Runs of one job directory, with real jobs (one DDP rank over gloo, a few steps of
 ``tests.cli_workloads:Chatty``): every ``dlrover submit`` is a new run; it says where it
 resumed from; a checkpoint already at ``config.max_steps`` is ``already_complete``
-(exit 3); ``--fresh`` moves the old checkpoints aside; events, summary, timeline and
+(exit 4); ``--fresh`` moves the old checkpoints aside; events, summary, timeline and
 logs are per run."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_logs_are_per_run_with_a_header(runs, capsys):
 def test_a_checkpoint_at_max_steps_is_already_complete(runs, results, capsys):
     job_dir, spec_file = runs
     code, summary, err = _submit(capsys, spec_file, job_dir, "config.max_steps=6")
-    assert code == 3
+    assert code == 4
     assert summary["status"] == "already_complete" and summary["run"] == 3
     assert summary["resumed_from"]["trainer"]["step"] == 6
     assert "config.max_steps=6" in summary["error"] and "--fresh" in summary["error"]

@@ -24,7 +24,7 @@ job name) or (``status``, ``stop``) running job; several matches are an error th
 lists them.
 
 Exit codes: 0 success (``submit``: the job succeeded), 1 the job failed or was
-stopped, 2 bad input (invalid spec, unknown name), 3 (``submit``) nothing to train:
+stopped, 2 bad input (invalid spec, unknown name), 4 (``submit``) nothing to train:
 the checkpoint resumed from already reached ``config.max_steps`` (status
 ``already_complete``).
 """
@@ -43,7 +43,7 @@ from dlrover_core.cli.output import console_for, print_json, print_table
 err = console_for(stderr=True)
 
 #: ``dlrover submit``'s exit code by the job's final status (anything else: 1)
-EXIT_CODES = {"succeeded": 0, "already_complete": 3}
+EXIT_CODES = {"succeeded": 0, "already_complete": 4}
 
 
 def _pm():

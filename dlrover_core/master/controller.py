@@ -52,7 +52,7 @@ from dlrover_core.plugins.records import FailoverLevel
 from dlrover_core.runs import RunPaths
 
 #: the status of a job whose checkpoint already reached ``config.max_steps``: it trained
-#: nothing (``dlrover submit`` exits 3; ``--fresh`` starts over)
+#: nothing (``dlrover submit`` exits 4; ``--fresh`` starts over)
 ALREADY_COMPLETE = "already_complete"
 
 
