@@ -2,6 +2,9 @@
 #             the core and every plugin (editable, with its `test` extra)
 # make demo:  the nanoGPT pre-training job on the Python reference manual
 # make test:  every test suite, core and each plugin
+# make gpu-check: on a CUDA machine, the gpu-marked tests, nanoGPT on cuda for 200 steps and
+#             the flash D2H figure, one JSON report (scripts/gpu_check.py); without CUDA it
+#             prints "no CUDA device" and exits 0
 # make dist:  a wheel and an sdist of the core and every plugin under dist/ (twine check)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -13,7 +16,7 @@ PYTEST_ARGS ?=
 APT_PACKAGES := redis-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test dist clean
+.PHONY: setup demo test gpu-check dist clean
 
 setup: $(STAMP)
 
@@ -36,6 +39,9 @@ test: setup
 	  echo "== $$p"; \
 	  $(BIN)/python -m pytest -q $${p}tests --rootdir $$p -c $${p}pyproject.toml $(PYTEST_ARGS); \
 	done
+
+gpu-check: setup
+	$(BIN)/python scripts/gpu_check.py
 
 dist: setup
 	scripts/build_dists.sh $(BIN)/python

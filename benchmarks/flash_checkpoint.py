@@ -32,6 +32,13 @@ which are interleaved: one memcpy, one save, one load per round). With a CUDA GP
 measured GPU-resident (``gpu`` list: device-to-pinned-host copy bound, flash save,
 load back into GPU tensors). The last line of output is one JSON object.
 
+``--gpu-d2h`` (CUDA only, no Ray; ``make gpu-check`` runs it) measures only the D2H
+of a GPU-resident state into a shared-memory segment: ``pinned_shm_d2h_gib_s``, the
+save's first choice (the segment page-locked, one DMA per tensor), and
+``staged_d2h_gib_s``, its fallback when the segment cannot be page-locked (the staging
+copy, :mod:`dlrover_plugin_flashckpt.staging`), against ``to_cpu_non_blocking_gib_s``,
+a plain ``tensor.to("cpu", non_blocking=True)`` of the same tensors into pinned memory.
+
     .venv/bin/python benchmarks/flash_checkpoint.py [--sizes-mib 256,1024] [--repeat 3]
 """
 
@@ -461,6 +468,66 @@ def bench_gpu_copy_path(size_mib: int, repeat: int) -> dict:
     return out
 
 
+def bench_gpu_staging(size_mib: int, repeat: int) -> dict:
+    """Device-to-host copy of a GPU-resident state (the D2H of a flash save):
+    ``pinned_shm_d2h_gib_s``, the segment page-locked and one ``copy_(non_blocking=True)``
+    per tensor into it (the save's first choice); ``staged_d2h_gib_s``, :class:`dlrover_plugin_flashckpt.staging.HostStaging` (pinned
+    staging buffers on a side stream, then into a shared-memory segment), against
+    ``to_cpu_non_blocking_gib_s``, a plain ``tensor.to("cpu", non_blocking=True)``
+    of the same tensors into pinned memory (the target is preallocated: ``copy_`` into
+    pinned tensors), both waited for with ``torch.cuda.synchronize()``."""
+    from dlrover_plugin_flashckpt import layout, shm
+    from dlrover_plugin_flashckpt.staging import HostStaging
+
+    state = make_state(size_mib, "cuda")
+    gib = nbytes(state) / GIB
+    out: dict[str, Any] = {"size_mib": size_mib, "device": torch.cuda.get_device_name()}
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+              for k, v in state["model"].items()}
+
+    def to_cpu() -> None:
+        for k, v in state["model"].items():
+            pinned[k].copy_(v, non_blocking=True)   # = v.to("cpu", non_blocking=True)
+        torch.cuda.synchronize()
+
+    to_cpu()
+    out["to_cpu_non_blocking_gib_s"] = gib / median_s(to_cpu, repeat)
+    del pinned
+    table, sources, _ = layout.build_table(state)
+    path = f"/dev/shm/{shm.NAME_PREFIX}gpustage-{os.getpid()}-{size_mib}"
+    seg = shm.Segment.create(path, 4096, layout.data_size(table), {"job": "gpubench"},
+                             layout.signature(table), 0, 1)
+    try:
+        h = seg.read_header()
+        views = [layout.tensor_view(seg.mm, h.data_offset, e) for e in table]
+        staging = HostStaging()
+
+        def staged() -> None:
+            staging.copy(views, sources)
+
+        staged()
+        out["staged_d2h_gib_s"] = gib / median_s(staged, repeat)
+        assert torch.equal(views[0].view(-1), sources[0].view(-1).cpu())
+        staging.close()
+        # the save's first choice: the segment page-locked, one DMA per tensor into it
+        bases = shm.pin_buffers([seg])
+        try:
+            def direct() -> None:
+                for dst, src in zip(views, sources):
+                    dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+
+            direct()
+            out["pinned_shm_d2h_gib_s"] = gib / median_s(direct, repeat)
+        finally:
+            shm.unpin_buffers(bases)
+        del views
+    finally:
+        seg.close()
+        os.unlink(path)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", default="256,1024",
@@ -469,6 +536,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-copy-path", action="store_true",
                    help="only the GPU-resident state, through the save's copy path without "
                         "Ray or a persister (for a GPU machine without Ray)")
+    p.add_argument("--gpu-d2h", action="store_true",
+                   help="only the D2H figure of a GPU-resident state: staged copy into "
+                        "shared memory vs tensor.to('cpu', non_blocking=True) into pinned "
+                        "memory (needs CUDA; no Ray)")
     p.add_argument("--dir", default=None, help="local-disk work directory (default: a temp "
                    "dir under the current directory)")
     args = p.parse_args(argv)
@@ -481,6 +552,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: use an integer >= 1")
 
+    if args.gpu_d2h:
+        if not torch.cuda.is_available():
+            p.error("--gpu-d2h needs a CUDA GPU")
+        gpu = []
+        for size in sizes:
+            g = bench_gpu_staging(size, args.repeat)
+            gpu.append({k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
+            print(f"{size:5d} MiB on {g['device']}: pinned shm D2H "
+                  f"{g['pinned_shm_d2h_gib_s']:.2f} | staged D2H {g['staged_d2h_gib_s']:.2f} "
+                  f"GiB/s | to('cpu', non_blocking) pinned {g['to_cpu_non_blocking_gib_s']:.2f}",
+                  file=sys.stderr, flush=True)
+        print(json.dumps({"gpu_d2h": gpu}))
+        return 0
     if args.gpu_copy_path:
         if not torch.cuda.is_available():
             p.error("--gpu-copy-path needs a CUDA GPU")

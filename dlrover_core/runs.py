@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from dlrover_core.atomic_io import atomic_write_json
+from dlrover_core.master.dir_lock import LOCK_NAME
 
 RUN_INFO = "run.json"
 EVENTS = "events.jsonl"
@@ -146,8 +147,9 @@ def run_paths(job_dir: str, run: str | int | None = None) -> RunPaths:
 def begin_run(job_dir: str, run_id: str = "", fresh: bool = False,
               checkpoint_dir: str | None = None, name: str = "") -> RunPaths:
     """Start a new run in ``job_dir``: move the previous run's files to ``run-<N>/``,
-    with ``fresh`` also its checkpoints (``checkpoint_dir``, default ``<job_dir>/ckpt``,
-    to ``run-<N>/ckpt``: kept, but not resumed from), and write the new ``run.json``.
+    with ``fresh`` also the checkpoints (what ``checkpoint_dir``, default
+    ``<job_dir>/ckpt``, holds, to ``run-<N>/ckpt/``: kept, but not resumed from; the
+    folder itself and its lock file stay), and write the new ``run.json``.
 
     Returns the new run's paths (number N + 1; 1 in a new directory).
 
@@ -159,22 +161,19 @@ def begin_run(job_dir: str, run_id: str = "", fresh: bool = False,
     previous = latest_run(job_dir)
     present = [f for f in RUN_FILES if os.path.exists(os.path.join(job_dir, f))]
     ckpt = os.path.abspath(checkpoint_dir or os.path.join(job_dir, "ckpt"))
-    move_ckpt = fresh and os.path.isdir(ckpt) and bool(os.listdir(ckpt))
-    if previous is not None and (present or move_ckpt):
-        archive = os.path.join(job_dir, f"{ARCHIVE_PREFIX}{previous}")
-        os.makedirs(archive, exist_ok=True)
+    # the folder stays (with the submit's lock file in it); what is in it moves
+    held = [n for n in (os.listdir(ckpt) if fresh and os.path.isdir(ckpt) else [])
+            if n != LOCK_NAME]
+    if present or held:
+        archive = os.path.join(job_dir, f"{ARCHIVE_PREFIX}{previous or 0}")
         moves = [(os.path.join(job_dir, f), os.path.join(archive, f)) for f in present]
-        if move_ckpt:
-            moves.append((ckpt, os.path.join(archive, "ckpt")))
+        moves += [(os.path.join(ckpt, n), os.path.join(archive, "ckpt", n)) for n in held]
         for _, dst in moves:
             if os.path.exists(dst):
-                raise FileExistsError(f"cannot keep run {previous}: {dst} exists already")
+                raise FileExistsError(f"cannot keep run {previous or 0}: {dst} exists already")
+        os.makedirs(os.path.join(archive, "ckpt") if held else archive, exist_ok=True)
         for src, dst in moves:
             shutil.move(src, dst)
-    elif move_ckpt:  # checkpoints but no run recorded: keep them as run 0's
-        archive = os.path.join(job_dir, f"{ARCHIVE_PREFIX}0")
-        os.makedirs(archive, exist_ok=True)
-        shutil.move(ckpt, os.path.join(archive, "ckpt"))
     number = max([previous or 0, *archived_runs(job_dir)]) + 1
     atomic_write_json(os.path.join(job_dir, RUN_INFO),
                       {"run": number, "name": name, "started_at": time.time(),

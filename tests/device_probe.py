@@ -9,20 +9,18 @@ import os
 import ray
 
 from dlrover_core import BaseWorkload
-from dlrover_core.runtime.devices import chosen_device
 
 
 class DeviceProbe(BaseWorkload):
     def run(self):
         ctx = ray.get_runtime_context()
         gpu = float(ctx.get_assigned_resources().get("GPU", 0.0))
-        node_gpus = int(next(n["Resources"].get("GPU", 0) for n in ray.nodes()
-                             if n["NodeID"] == ctx.get_node_id()))
+        cuda = self.context.cuda_device
         info = {"role": self.role, "rank": self.rank,
                 "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
                 "ray_gpu_ids": sorted(str(i) for i in ray.get_gpu_ids()),
-                "gpu": gpu, "device": chosen_device(self.local_rank, gpu, node_gpus),
+                "gpu": gpu, "device": "cpu" if cuda is None else f"cuda:{cuda}",
                 "collocation": self.get_device_collocation()}
         out = os.path.join(self.job_dir, "probe")
         os.makedirs(out, exist_ok=True)

@@ -124,7 +124,8 @@ def test_gpus_from_the_spec(tmp_path):
     """device_per_node / enable_ray_auto_visible_device on a Ray cluster with 4 fake GPUs
     (Ray resources only: this machine has no GPU, so the GPUs are declared, not real;
     CUDA itself is not exercised): CUDA_VISIBLE_DEVICES, LOCAL_RANK and the chosen
-    device per layout, read inside the instances."""
+    device per layout, read inside the instances and in the ``instance_started``
+    events: a rank computes on a GPU Ray reserved for it; only collocated roles share."""
     import subprocess
     import sys
 
@@ -142,12 +143,33 @@ def test_gpus_from_the_spec(tmp_path):
     def by(layout):
         return {(p["role"], p["rank"]): p for p in out[layout]["probes"]}
 
+    def started(layout):
+        return {(e["role"], e["rank"]): e for e in out[layout]["started"]
+                if e["role"] != "driver"}
+
+    def physical(e):  # the node's GPU id a rank computes on, from its event alone
+        if e["visible_devices"] is None:
+            return str(e["cuda_device"])
+        return e["visible_devices"].split(",")[e["cuda_device"]]
+
+    for layout in out:  # every event carries Ray's ids, the rank's env and its device
+        assert len(started(layout)) in (4, 8), layout
+        for key, e in started(layout).items():
+            assert len(e["gpu_ids"]) == 1, (layout, e)
+            assert physical(e) == e["gpu_ids"][0], (layout, e)   # the GPU Ray reserved
+            p = by(layout).get(key)  # the guide's program has no probe
+            if p is not None:
+                assert e["gpu_ids"] == p["ray_gpu_ids"]
+                assert e["visible_devices"] == p["CUDA_VISIBLE_DEVICES"]
+                assert p["device"] == f"cuda:{e['cuda_device']}"
+    assert len(by("two_slots")) == 4
+
     spmd = by("spmd")
     assert sorted(spmd) == [("trainer", r) for r in range(4)]
-    for (_, r), p in spmd.items():   # every GPU visible; each rank picks cuda:<local_rank>
-        assert (p["CUDA_VISIBLE_DEVICES"], p["LOCAL_RANK"], p["device"], p["gpu"]) == \
-            (None, str(r), f"cuda:{r}", 1.0)
-    assert len({p["ray_gpu_ids"][0] for p in spmd.values()}) == 4   # 4 distinct reservations
+    for (_, r), p in spmd.items():   # every GPU visible; each rank picks its Ray GPU
+        assert (p["CUDA_VISIBLE_DEVICES"], p["LOCAL_RANK"], p["gpu"]) == (None, str(r), 1.0)
+        assert p["device"] == f"cuda:{p['ray_gpu_ids'][0]}"
+    assert len({p["device"] for p in spmd.values()}) == 4   # 4 distinct GPUs
     ray_visible = by("spmd_ray_visible")
     for p in ray_visible.values():   # Ray's assignment: one visible GPU, cuda:0
         assert [p["CUDA_VISIBLE_DEVICES"]] == p["ray_gpu_ids"] and p["device"] == "cuda:0"
@@ -157,13 +179,19 @@ def test_gpus_from_the_spec(tmp_path):
     for r in range(4):               # trainer r and eval r share one GPU (0.5 each)
         t, e = colloc[("trainer", r)], colloc[("eval", r)]
         assert t["gpu"] == e["gpu"] == 0.5
-        assert t["ray_gpu_ids"] == e["ray_gpu_ids"] and t["device"] == e["device"] == f"cuda:{r}"
+        assert t["ray_gpu_ids"] == e["ray_gpu_ids"] and t["device"] == e["device"]
         assert t["collocation"] == "TRAINER,EVAL"
-    assert len({p["ray_gpu_ids"][0] for p in colloc.values()}) == 4
+    assert len({p["device"] for p in colloc.values()}) == 4
+    # not collocated: trainer and eval never compute on one GPU (they did: cuda:0 and
+    # cuda:1 for both roles, from local_rank)
+    for layout in ("separated", "two_slots"):
+        devices = [physical(e) for e in started(layout).values()]
+        assert len(devices) == 4 and len(set(devices)) == 4, (layout, devices)
     sep = by("separated")
-    assert len({p["ray_gpu_ids"][0] for p in sep.values()}) == 4   # 4 GPUs, none shared
-    for (_, r), p in sep.items():
-        assert p["gpu"] == 1.0 and p["device"] == f"cuda:{r}"
+    for p in sep.values():
+        assert p["gpu"] == 1.0
+    slots = by("two_slots")          # two node slots of one role on one node
+    assert len({p["device"] for p in slots.values()}) == 4
 
 
 def test_constructor_styles_are_told_apart():

@@ -5,8 +5,8 @@ guard (3 windows of 10 steps per configuration, one-sided Welch's t-test at 90 %
 a change that is 30 % faster is kept, one 30 % slower is reverted, and one that is as
 fast is not flip-flopped (tried, reverted, and not tried again while nothing changed).
 A reverted change is retried when the conditions moved, at most ``max_retries``
-times. The Welch statistics match scipy's, and the fallback t distribution matches
-scipy's too."""
+times. The guard's Welch statistics are scipy's, and samples without spread are
+decided where scipy answers nan."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import random
 import pytest
 
 from dlrover_core.tuning.controller import TuningController
-from dlrover_core.tuning.guard import Guard, _t_sf, welch_greater
+from dlrover_core.tuning.guard import Guard, welch_greater
 from dlrover_core.tuning.tuner import TunerBase
 
 SAMPLES = 64
@@ -116,15 +116,14 @@ def test_a_reverted_change_is_retried_when_conditions_change_at_most_max_retries
     assert kinds(events0) == ["tuning_proposed", "tuning_reverted"]
 
 
-def test_welch_statistics_match_scipy_and_the_fallback_t_distribution():
-    stats = pytest.importorskip("scipy.stats")
+def test_welch_statistics_match_scipy_and_degenerate_samples_are_decided():
+    from scipy import stats
+
     a, b = [130.0, 118.0, 141.0, 125.0], [100.0, 96.0, 111.0]
     res = welch_greater(a, b)
     ref = stats.ttest_ind(a, b, equal_var=False, alternative="greater")
     assert res.t == pytest.approx(ref.statistic) and res.p == pytest.approx(ref.pvalue)
     assert res.df == pytest.approx(ref.df)
-    for t, df in ((0.3, 2.0), (1.9, 4.7), (-2.2, 9.0), (6.0, 1.2), (0.0, 30.0)):
-        assert _t_sf(t, df) == pytest.approx(stats.t.sf(t, df), rel=1e-9, abs=1e-12)
     assert welch_greater([1.0, 1.0], [1.0, 1.0]).p == 0.5
     with pytest.raises(ValueError, match="tuning.guard.windows >= 2"):
         welch_greater([1.0], [1.0, 2.0])

@@ -24,8 +24,9 @@ job name) or (``status``, ``stop``) running job; several matches are an error th
 lists them.
 
 Exit codes: 0 success (``submit``: the job succeeded), 1 the job failed or was
-stopped, 2 bad input (invalid spec, unknown name), 4 (``submit``) nothing to train:
-the checkpoint resumed from already reached ``config.max_steps`` (status
+stopped, 2 bad input (invalid spec, unknown name), 3 (``submit``) the job directory
+or checkpoint folder is in use by another run, 4 (``submit``) nothing to train: the
+checkpoint resumed from already reached ``config.max_steps`` (status
 ``already_complete``).
 """
 
@@ -101,9 +102,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from dlrover_core.cli.progress import print_summary
     from dlrover_core.master.client import submit_job
 
+    from dlrover_core.master.dir_lock import DirInUseError
+
     spec = _load(args)
-    summary = submit_job(spec, address=args.address, job_dir=args.job_dir,
-                         progress=not args.no_progress, verbose=args.verbose, fresh=args.fresh)
+    try:
+        summary = submit_job(spec, address=args.address, job_dir=args.job_dir,
+                             progress=not args.no_progress, verbose=args.verbose,
+                             fresh=args.fresh)
+    except DirInUseError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 3
     if summary is None:
         err.print("the job ended without a summary")
         return 1

@@ -11,10 +11,12 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
+from dlrover_core.master.dir_lock import DirLock
 from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
 
 MASTER_MAX_RESTARTS = 3
@@ -90,11 +92,41 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     (step, memory or disk, path); ``fresh`` moves them aside instead.
 
     Ctrl-C stops the job (embedded cluster) or detaches (joined cluster: the job goes on).
+    The job directory and the checkpoint folder are locked until this returns
+    (:func:`run_locks`).
+
+    Raises:
+        DirInUseError: another run holds the job directory or the checkpoint folder.
     """
+    job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
+    with run_locks(spec, job_dir):
+        return _submit_locked(spec, address, job_dir, progress, verbose, fresh)
+
+
+def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
+    """The job's checkpoint folder: ``checkpoint.dir`` (relative to the current
+    directory) or ``<job_dir>/ckpt``."""
+    ck = spec.get("checkpoint") or {}
+    return os.path.abspath(ck.get("dir") or os.path.join(job_dir, "ckpt"))
+
+
+@contextmanager
+def run_locks(spec: DictConfig, job_dir: str) -> Iterator[None]:
+    """Hold exclusive locks (:mod:`.dir_lock`) on ``job_dir`` and on the checkpoint
+    folder for the life of this run.
+
+    Raises:
+        DirInUseError: another run holds one of them (nothing was written there).
+    """
+    with DirLock(job_dir, "job directory", spec.name), \
+            DirLock(checkpoint_dir(spec, job_dir), "checkpoint folder", spec.name):
+        yield
+
+
+def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress: bool,
+                   verbose: bool, fresh: bool = False) -> dict:
     import ray
 
-    job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
-    os.makedirs(job_dir, exist_ok=True)
     started_here = init_ray(address, verbose=verbose)
     master = create_master(spec, job_dir, fresh=fresh)
     ray.get(master.start.remote())

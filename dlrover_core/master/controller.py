@@ -23,6 +23,7 @@ change goes through :meth:`JobController._set_state`, which checks it against
 from __future__ import annotations
 
 import collections
+import json
 import os
 import threading
 import time
@@ -287,10 +288,15 @@ class JobController:
                 self.summary["tuning"] = self.progress.tuning.summary()
         s.context.set("summary", self.summary)
         atomic_write_json(s.run_paths.summary, self.summary)
+        written = json.dumps(self.summary, sort_keys=True, default=str)
         try:
-            s.pm.job_finished(s.name, self.summary, s.emit)
+            s.pm.job_finished(s.name, self.summary, s.emit, s.spec)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
+        if json.dumps(self.summary, sort_keys=True, default=str) != written:
+            # a hook added to the summary (e.g. a checkpoint step that is not on disk)
+            s.context.set("summary", self.summary)
+            atomic_write_json(s.run_paths.summary, self.summary)
         s.emit("job_finished", status=status.value, error=(error or None),
                steps=self.summary["steps"], wall_s=self.summary["wall_s"])
         s.events.close()

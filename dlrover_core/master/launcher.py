@@ -268,7 +268,8 @@ class Launcher:
             s.emit("instance_started", role=inst.role, rank=inst.rank, pid=inst.pid,
                    node_id=inst.node_id, attempt=inst.attempt, in_place=inst not in fresh,
                    placement_group_id=inst.info.get("placement_group_id"),
-                   bundle_index=bundle_index(inst.info.get("assigned_resources", {})))
+                   bundle_index=bundle_index(inst.info.get("assigned_resources", {})),
+                   **res["device"])
         for inst, _ in setups:
             self.monitor.watch_instance(inst)
 
@@ -303,7 +304,7 @@ class Launcher:
         self.await_refs([(inst, handle.setup.remote())])
         s.instances.set_state(inst, InstanceState.RUNNING)
         s.emit("instance_started", role=DRIVER, rank=0, pid=inst.pid, node_id=inst.node_id,
-               attempt=attempt)
+               attempt=attempt, **info["device"])
         self.monitor.watch_instance(inst)
 
     def start_everything(self, attempt_bump: int = 0) -> None:

@@ -12,6 +12,15 @@ the cluster has no room for the spare's bundle, the spare waits (it is not warm)
 failed rank is replaced by a fresh actor in its own bundle, as without a standby. A
 role whose ranks ask for no resources gets a spare without a bundle.
 
+A GPU role on a cluster with no free GPU (one GPU node, its GPU held by the rank) gets
+a **GPU-less spare**: no bundle, no reservation, every GPU of the node visible
+(``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``); it warms up without a GPU (imports,
+``warm_up()``, which must not touch CUDA). Promoted, it takes a lease on the failed
+rank's bundle (:class:`dlrover_core.runtime.host.ResourceLease`: an actor owned by the
+spare's process, holding the bundle's CPU and GPU), computes on the GPU the lease got
+from Ray, and the rank keeps its bundle; the lease dies with the process, so the
+bundle is free again for whatever replaces it next.
+
 The pool watches its spares (one pending ``wait_stopped()`` each): a spare that dies
 is noticed by :meth:`StandbyPool.check` (``standby_died``) and replaced. Spare names are
 kept in the JobContext (``standbys``) so that a restarted master can kill the old ones.
@@ -29,7 +38,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dlrover_core.master.launcher import kill_actor
 from dlrover_core.runtime.context import MASTER_NAMESPACE
-from dlrover_core.runtime.host import remote_workload_host
+from dlrover_core.runtime.devices import actor_env
+from dlrover_core.runtime.host import LEASE_WAIT_S, remote_workload_host
 
 #: s a promotion waits for a spare's answer to a ping (its process runs)
 PING_S = 2.0
@@ -55,6 +65,8 @@ class Spare:
     name: str
     slot: InstanceSlot | None
     watch: Any
+    #: warms up without a GPU and leases the failed rank's bundle when promoted
+    gpu_less: bool = False
 
 
 class StandbyPool:
@@ -85,12 +97,19 @@ class StandbyPool:
                 continue
             if s.instances.roles.get((role, 0)) is None or self.launcher.plan is None:
                 continue
-            slot = self.free_slots.pop(role, None) or self._new_slot(role)
+            slot = self.free_slots.pop(role, None)
+            gpu_less = slot is None and self._no_free_gpu(role)
+            if slot is None and not gpu_less:
+                slot = self._new_slot(role)
             # unique across master restarts: an earlier master's standby may still hold
             # an older name until the re-attach kills it
             name = f"dlrover-{s.name}-{role}-standby-{uuid.uuid4().hex[:8]}"
+            gpu = self.launcher.plan.slots[(role, 0)].resources.get("GPU", 0.0) if gpu_less \
+                else (slot.resources.get("GPU", 0.0) if slot else 0.0)
             env = {**dict(r.env), "OMP_NUM_THREADS": str(max(1, int(r.resources.cpu))),
-                   **self.launcher.device_env(role, slot.resources.get("GPU", 0.0) if slot else 0.0)}
+                   **self.launcher.device_env(role, gpu)}
+            if gpu_less:  # must see the node's GPUs once promoted, whatever the mode
+                env.update(actor_env(gpu, ray_auto_visible_device=False))
             opts: dict[str, Any] = {"name": name, "namespace": MASTER_NAMESPACE,
                                     "max_restarts": 0, "lifetime": "detached",
                                     "runtime_env": {"env_vars": env}, "num_cpus": 0}
@@ -105,8 +124,15 @@ class StandbyPool:
             handle = remote_workload_host().options(**opts).remote(
                 r.workload, self.launcher.worker_context(role, 0, 0))
             self.spares[role] = Spare(handle, handle.prepare.remote(), name, slot,
-                                      handle.wait_stopped.remote())
+                                      handle.wait_stopped.remote(), gpu_less)
+            s.emit("standby_created", role=role, actor=name, gpu_less=gpu_less)
         self._persist()
+
+    def _no_free_gpu(self, role: str) -> bool:
+        """Whether a rank of ``role`` asks for GPUs and the cluster has fewer free
+        (``ray.available_resources()``) than one rank asks for."""
+        need = self.launcher.plan.slots[(role, 0)].resources.get("GPU", 0.0)
+        return bool(need) and ray.available_resources().get("GPU", 0.0) < need
 
     def _new_slot(self, role: str) -> InstanceSlot | None:
         """A placement group of one bundle with the resources of one rank of ``role``
@@ -145,8 +171,14 @@ class StandbyPool:
                 ray.get(spare.handle.ping.remote(), timeout=PING_S)
                 ray.wait([spare.prepared], timeout=PREPARE_WAIT_S)
             ray.get(spare.prepared, timeout=0)
+            lease = None
+            if spare.gpu_less:  # take the failed rank's bundle (its actor was stopped)
+                slot = self.launcher.plan.slots[(role, rank)]
+                lease = {"placement_group": self.launcher.pgs[slot.pg],
+                         "bundle_index": slot.bundle, "resources": dict(slot.resources)}
             ray.get(spare.handle.assign.remote(
-                self.launcher.worker_context(role, rank, attempt)), timeout=5)
+                self.launcher.worker_context(role, rank, attempt), lease),
+                timeout=5 + (LEASE_WAIT_S if lease else 0))
         except Exception as exc:  # noqa: BLE001 - not warm yet, or dead: start a fresh one
             s.emit("standby_unusable", role=role, actor=spare.name,
                    reason=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -154,7 +186,7 @@ class StandbyPool:
             if spare.slot is not None:
                 self.free_slots[role] = spare.slot
             return None
-        if spare.slot is not None:
+        if spare.slot is not None and not spare.gpu_less:
             slots = self.launcher.plan.slots
             self.free_slots[role] = slots[(role, rank)]
             slots[(role, rank)] = spare.slot

@@ -177,10 +177,13 @@ def dlrover_workload_failed(job: str, failure: Failure, verdict: FailureVerdict,
 
 
 @hookspec
-def dlrover_job_finished(job: str, summary: dict, emit: Any) -> None:
+def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
     """The job ended (also after ``dlrover stop``); ``summary`` is what ``summary.json``
     holds. Master process. ``emit`` as in :func:`dlrover_workload_failed`; the
-    ``job_finished`` event comes after this hook's events."""
+    ``job_finished`` event comes after this hook's events. ``spec``: the job's spec
+    (``DictConfig``; ``None`` when called outside a JobMaster). A hook may add keys to
+    ``summary`` (e.g. what it could not finish); ``summary.json`` is written again
+    after the hooks when it changed."""
 
 
 # --------------------------------------------------------------------------- failure classification

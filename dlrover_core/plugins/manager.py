@@ -364,9 +364,11 @@ class PluginManager:
         self._pm.hook.dlrover_workload_failed(job=job, failure=failure, verdict=verdict,
                                               emit=emit or _no_emit)
 
-    def job_finished(self, job: str, summary: dict, emit: Emit | None = None) -> None:
+    def job_finished(self, job: str, summary: dict, emit: Emit | None = None,
+                     spec: Any = None) -> None:
         """``dlrover_job_finished``, before the ``job_finished`` event. Master process."""
-        self._pm.hook.dlrover_job_finished(job=job, summary=summary, emit=emit or _no_emit)
+        self._pm.hook.dlrover_job_finished(job=job, summary=summary, emit=emit or _no_emit,
+                                           spec=spec)
 
 
 def _no_emit(event: str, **fields: Any) -> None:

@@ -40,23 +40,24 @@ class BackendSession:
 class TorchDistributedSession(BackendSession):
     """A torch.distributed process group per role: ``init_method=tcp://`` at the role's
     rendezvous (``MASTER_ADDR``/``MASTER_PORT``), ``rank``/``world_size`` of the role,
-    the job's ``failover.pg_timeout_s``; NCCL on ``cuda:<local_rank % visible GPUs>``
-    when CUDA is available (see :mod:`dlrover_core.runtime.devices`), else gloo on the CPU. Backends built on torch.distributed
-    (DDP, FSDP, DeepSpeed) subclass it. torch is imported here only when used."""
+    the job's ``failover.pg_timeout_s``; NCCL on ``cuda:<context.cuda_device>`` (the GPU
+    Ray reserved for this rank, see :mod:`dlrover_core.runtime.devices`) when the rank
+    has one and CUDA is available, else gloo on the CPU. Backends built on
+    torch.distributed (DDP, FSDP, DeepSpeed, Megatron) subclass it. torch is imported
+    here only when used."""
 
     @property
     def device(self) -> Any:
         import torch
 
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+        index = self.context.cuda_device
+        if index is not None and torch.cuda.is_available():
+            return torch.device("cuda", index)
         return torch.device("cpu")
 
     @property
     def dist_backend(self) -> str:
-        import torch
-
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if self.device.type == "cuda" else "gloo"
 
     @property
     def timeout(self) -> Any:
@@ -70,10 +71,8 @@ class TorchDistributedSession(BackendSession):
         import torch.distributed as dist
 
         ctx = self.context
-        if torch.cuda.is_available():
-            from dlrover_core.runtime.devices import device_index
-
-            torch.cuda.set_device(device_index(ctx.local_rank, torch.cuda.device_count()))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group(

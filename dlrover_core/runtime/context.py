@@ -27,6 +27,10 @@ class WorkerContext:
         checkpoint / failover: the ``checkpoint`` and ``failover`` sections (dicts).
         job_dir: absolute path of the job directory.
         attempt: how many times this instance was restarted (0 at first start).
+        gpu_ids: the GPU ids Ray reserved for this instance (strings; ``[]``: none);
+            ``cuda_device``: the CUDA device index it computes on in its own process
+            (``None``: the CPU). Set by the worker at ``setup()`` from Ray's
+            assignment (:mod:`dlrover_core.runtime.devices`).
         run_id: identifies this run of the job (the JobMaster's actor id, hex; the same
             after a master restart, new for every submission).
     """
@@ -49,6 +53,8 @@ class WorkerContext:
     master_addr: str = ""
     master_port: int = 0
     run_id: str = ""
+    gpu_ids: list = field(default_factory=list)
+    cuda_device: int | None = None
 
     @property
     def name(self) -> str:

@@ -56,6 +56,16 @@ class _HostBase:
         self._run_outcome: tuple[bool, Any] = (True, None)
         # what user code runs now: (``"run"`` or the called method, unix s, thread id)
         self._busy: tuple[str, float, int] | None = None
+        #: a promoted GPU-less standby's GPU ids (its lease on the failed rank's GPU)
+        self._gpu_ids: list[str] | None = None
+        self._lease: Any = None  # its ResourceLease actor
+
+    def device_assignment(self) -> dict:
+        """``{"gpu_ids", "visible_devices", "cuda_device"}`` of this process
+        (:func:`dlrover_core.runtime.devices.current_assignment`; no CUDA needed)."""
+        from dlrover_core.runtime.devices import current_assignment
+
+        return current_assignment(self._gpu_ids).as_dict()
 
     def _raise(self, exc: BaseException, role: str, rank: int, step: int) -> None:
         raise WorkloadError(role, rank, self._phase, _qualname(exc), str(exc),
@@ -76,7 +86,8 @@ class _HostBase:
             assigned = ctx.get_assigned_resources()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "hostname": socket.gethostname(), "pid": os.getpid(),
-                "placement_group_id": pg, "assigned_resources": assigned}
+                "placement_group_id": pg, "assigned_resources": assigned,
+                "device": self.device_assignment()}
 
     @ray.method(concurrency_group="monitor")
     def ping(self) -> float:
@@ -165,6 +176,21 @@ class _HostBase:
         return "stopped"
 
 
+#: s a promoted GPU-less standby waits for its :class:`ResourceLease` to be scheduled
+LEASE_WAIT_S = 30.0
+
+
+@ray.remote(num_cpus=0)
+class ResourceLease:
+    """Holds a bundle's resources for the process that created it (and dies with it,
+    as an owned actor): a promoted GPU-less standby's reservation of the failed rank's
+    CPU and GPU. Runs no user code."""
+
+    def gpu_ids(self) -> list[str]:
+        """The GPU ids Ray reserved for this lease (strings)."""
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
 class WorkloadHost(_HostBase):
     """Hosts one role instance's workload.
 
@@ -214,8 +240,31 @@ class WorkloadHost(_HostBase):
             return {"step": -1, "metrics": {}}
         return {"step": w._last_step, "metrics": dict(w._last_metrics)}
 
-    def assign(self, context: WorkerContext) -> None:
-        """Standby only: become the role instance described by ``context``."""
+    def assign(self, context: WorkerContext, lease: dict | None = None) -> None:
+        """Standby only: become the role instance described by ``context``.
+
+        ``lease`` (a GPU-less spare): ``{"placement_group", "bundle_index",
+        "resources"}`` of the failed rank's bundle (resources in Ray's names: ``CPU``,
+        ``GPU``, ``memory``); a :class:`ResourceLease` owned by this process holds them,
+        and this instance computes on the GPU Ray gave the lease.
+
+        Raises:
+            GetTimeoutError: the lease was not scheduled within
+                :data:`LEASE_WAIT_S` (the bundle is still held).
+        """
+        if lease is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            res = lease["resources"]
+            opts: dict[str, Any] = {
+                "num_cpus": res.get("CPU", 0.0), "num_gpus": res.get("GPU", 0.0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=lease["placement_group"],
+                    placement_group_bundle_index=lease["bundle_index"])}
+            if res.get("memory"):
+                opts["memory"] = res["memory"]
+            self._lease = ResourceLease.options(**opts).remote()
+            self._gpu_ids = ray.get(self._lease.gpu_ids.remote(), timeout=LEASE_WAIT_S)
         self.context = context
         os.environ.update(context.env())
 
@@ -245,6 +294,8 @@ class WorkloadHost(_HostBase):
         if local_rank is not None:
             ctx.local_rank, ctx.local_world_size, ctx.node_rank = (local_rank, local_world_size,
                                                                    node_rank)
+        device = self.device_assignment()
+        ctx.gpu_ids, ctx.cuda_device = device["gpu_ids"], device["cuda_device"]
         os.environ.update(ctx.env())
         self._phase = "setup"
         t = [time.perf_counter()]
@@ -268,7 +319,7 @@ class WorkloadHost(_HostBase):
         self._phase = "run"
         timings = {"import_s": t[1] - t[0], "process_group_s": t[2] - t[1],
                    "user_setup_s": t[3] - t[2]}
-        return {"invocations": collect_invocations(type(self.workload)),
+        return {"invocations": collect_invocations(type(self.workload)), "device": device,
                 "timings": {k: round(v, 3) for k, v in timings.items()}}
 
     def run(self) -> Any:

@@ -62,7 +62,8 @@ class RoleBuilder:
 
     def enable_ray_auto_visible_device(self) -> RoleBuilder:
         """Let Ray assign this role's GPUs (its ``CUDA_VISIBLE_DEVICES``); by default
-        every GPU of the node is visible and each instance uses ``cuda:<local_rank>``."""
+        every GPU of the node is visible and each instance uses the one Ray reserved for
+        it (``cuda:<Ray's GPU id>``)."""
         self._role["enable_ray_auto_visible_device"] = True
         return self
 

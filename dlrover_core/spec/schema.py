@@ -53,7 +53,8 @@ class RoleSpec:
     env: Dict[str, str] = field(default_factory=dict)
     config: Dict[str, Any] = field(default_factory=dict)
     #: off (default): every GPU of the node is visible to the role's instances and each
-    #: uses ``cuda:<local_rank>``; on: Ray's own ``CUDA_VISIBLE_DEVICES`` assignment.
+    #: uses the GPU Ray reserved for it (``cuda:<Ray's id>``); on: Ray sets
+    #: ``CUDA_VISIBLE_DEVICES`` to that GPU and the instance uses ``cuda:0``.
     enable_ray_auto_visible_device: bool = False
 
 

@@ -18,16 +18,13 @@ change whose memory peak crossed the limit (``memory_limit_bytes``, or, when tha
 0, the smallest capacity a rank reported minus ``memory_headroom`` of it) is reverted
 whatever its speed.
 
-The Student t survival function comes from ``scipy.stats.t.sf`` when scipy is
-installed; else from the regularized incomplete beta function,
-``P(T_df >= t) = I_x(df/2, 1/2) / 2`` with ``x = df / (df + t^2)`` for ``t >= 0``
-(Abramowitz and Stegun, "Handbook of Mathematical Functions", 26.7.1 with 26.5.2),
-evaluated by its continued fraction (26.5.8) with the modified Lentz method.
+The test itself is scipy's (``scipy.stats.ttest_ind``, ``equal_var=False``).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from dlrover_core.tuning.tuner import WindowSummary
@@ -44,79 +41,27 @@ class WelchResult:
     p: float
 
 
-def _mean_var(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    return m, sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-
-
 def welch_greater(a: list[float], b: list[float]) -> WelchResult:
-    """One-sided Welch's t-test of ``mean(a) > mean(b)`` (formulas in the module
-    docstring). Samples without spread give ``t = +-inf`` (or 0 when the means are
-    equal) and ``p`` 0, 1 (or 0.5).
+    """One-sided Welch's t-test of ``mean(a) > mean(b)``: ``scipy.stats.ttest_ind``
+    with ``equal_var=False, alternative="greater"`` (formulas in the module docstring).
+    Samples without spread give ``t = +-inf`` (or 0 when the means are equal) and
+    ``p`` 0, 1 (or 0.5), where scipy would answer ``nan``.
 
     Raises:
         ValueError: a sample with fewer than 2 values.
     """
+    from scipy.stats import ttest_ind
+
     if len(a) < 2 or len(b) < 2:
         raise ValueError(f"Welch's t-test needs >= 2 values per sample, got {len(a)} and "
                          f"{len(b)}; allowed: tuning.guard.windows >= 2")
-    ma, va = _mean_var(list(a))
-    mb, vb = _mean_var(list(b))
-    qa, qb = va / len(a), vb / len(b)
-    se2 = qa + qb
-    if se2 <= 0.0:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    if statistics.variance(a) + statistics.variance(b) <= 0.0:
         if ma == mb:
             return WelchResult(0.0, math.inf, 0.5)
         return WelchResult(math.copysign(math.inf, ma - mb), math.inf, 0.0 if ma > mb else 1.0)
-    t = (ma - mb) / math.sqrt(se2)
-    den = (qa * qa / (len(a) - 1) if qa else 0.0) + (qb * qb / (len(b) - 1) if qb else 0.0)
-    df = se2 * se2 / den
-    return WelchResult(t, df, student_t_sf(t, df))
-
-
-def student_t_sf(t: float, df: float) -> float:
-    """``P(T >= t)`` for Student's t with ``df`` degrees of freedom (scipy when
-    installed, else the incomplete beta function; see the module docstring)."""
-    try:
-        from scipy.stats import t as student_t
-    except ImportError:
-        return _t_sf(t, df)
-    return float(student_t.sf(t, df))
-
-
-def _t_sf(t: float, df: float) -> float:
-    if math.isinf(df):
-        return 0.5 * math.erfc(t / math.sqrt(2.0))
-    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-    return tail if t >= 0 else 1.0 - tail
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta ``I_x(a, b)`` (A&S 26.5.8 continued fraction; the
-    symmetry ``I_x(a,b) = 1 - I_{1-x}(b,a)`` where it converges faster)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                 + a * math.log(x) + b * math.log1p(-x))
-    if x > (a + 1.0) / (a + b + 2.0):
-        return 1.0 - _betainc(b, a, 1.0 - x)
-    tiny, eps = 1e-300, 1e-15
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    f = d
-    for m in range(1, 500):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            f *= c * d
-        if abs(c * d - 1.0) < eps:
-            break
-    return math.exp(log_front) * f / a
+    res = ttest_ind(list(a), list(b), equal_var=False, alternative="greater")
+    return WelchResult(float(res.statistic), float(res.df), float(res.pvalue))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ gloo; with ``pipeline_parallel`` > 1 each rank builds its stage and a step runs
 ``micro_batches`` micro-batches through the stages with
 :func:`dlrover_plugin_megatron.pipeline.gpipe_forward_backward`. With CUDA and
 ``config.model: gpt``: megatron-core's ``GPTModel`` (:mod:`examples.megatron_gpt.gpt`),
-with TP.
+with TP, and with PP through megatron-core's 1F1B schedule
+(:func:`dlrover_plugin_megatron.pipeline.megatron_forward_backward`).
 
 Data: the Python reference manual (``examples.nanogpt.data.CharDataset``, 103
 symbols, the last 10% held out). Every rank of a tensor-parallel group reads the same
@@ -57,11 +58,16 @@ class MegatronGPTWorkload(BaseWorkload):
         else:
             model = TensorParallelCharGPT(self.shape)
         self.pp = self.backend.settings.pipeline_parallel
+        self.gpu_schedule = self.backend.device.type == "cuda"
+        if self.pp > 1 and self.gpu_schedule and c.get("model", "tp_char_gpt") != "gpt":
+            raise ValueError("config.model: 'tp_char_gpt' with pipeline_parallel > 1 on a GPU "
+                             "is not supported; allowed: model 'gpt' (megatron-core's "
+                             "schedule), or the CPU")
         self.micro_batches = int(c.get("micro_batches", 2 * self.pp if self.pp > 1 else 1))
         if self.micro_batches < 1 or int(c.batch_size) % self.micro_batches:
             raise ValueError(f"config.micro_batches: {self.micro_batches} is invalid; allowed: "
                              f"a divisor of config.batch_size {int(c.batch_size)}")
-        self.num_params = _num_params(model)
+        self.num_params = _num_params(model, self.backend.device)
         # with pipeline stages, gradients are averaged over data parallel after the
         # whole pipelined step (DDP would reduce at every micro-batch's backward)
         self.model = self.backend.wrap(model) if self.pp == 1 else model.to(self.backend.device)
@@ -86,13 +92,14 @@ class MegatronGPTWorkload(BaseWorkload):
         data-parallel rank, averaged over them."""
         n = int(self.config.get("eval_batches", 8))
         self.model.eval()
-        total = torch.zeros(1)
+        # on the backend's device: NCCL reduces only CUDA tensors
+        total = torch.zeros(1, device=self.backend.device)
         for i in range(n):
             x, y = self._batch("val", i, 0)
             if self.pp > 1:
                 total += self._pipelined(x, y, 1, forward_only=True)
             else:
-                total += self.model(x, y).detach().float().cpu()
+                total += self.model(x, y).detach().float()
         self.model.train()
         total /= n
         if self.backend.dp_size > 1:
@@ -104,14 +111,23 @@ class MegatronGPTWorkload(BaseWorkload):
 
     def _pipelined(self, x: torch.Tensor, y: torch.Tensor, micro_batches: int,
                    forward_only: bool = False) -> float:
-        """One GPipe pass of the batch ``x``, ``y`` ``[b, s]`` in ``micro_batches``
-        micro-batches through the pipeline stages; returns the mean loss."""
-        from dlrover_plugin_megatron.pipeline import gpipe_forward_backward
+        """One pipelined pass of the batch ``x``, ``y`` ``[b, s]`` in ``micro_batches``
+        micro-batches through the stages: megatron-core's 1F1B schedule on a GPU, GPipe
+        on gloo; returns the mean loss."""
+        from dlrover_plugin_megatron.pipeline import (gpipe_forward_backward,
+                                                      megatron_forward_backward)
 
         xs, ys = x.chunk(micro_batches), y.chunk(micro_batches)
+        if self.gpu_schedule:
+            from examples.megatron_gpt.gpt import gpt_forward_step
+
+            return megatron_forward_backward(
+                gpt_forward_step, list(zip(xs, ys)), self.model, self.shape.block_size,
+                xs[0].shape[0], self.backend.device, forward_only=forward_only)
         shape = (self.shape.block_size, xs[0].shape[0], self.shape.hidden_size)
         return gpipe_forward_backward(lambda i, h: self.model(xs[i], ys[i], hidden=h),
-                                      micro_batches, shape, forward_only=forward_only)
+                                      micro_batches, shape, forward_only=forward_only,
+                                      device=self.backend.device)
 
     def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward of one batch (gradients averaged over data parallel);
@@ -157,7 +173,7 @@ class MegatronGPTWorkload(BaseWorkload):
             x, y = self._batch("train", step, seed)
             self.opt.zero_grad(set_to_none=True)
             loss = self._train_step(x, y)
-            _clip_grad_norm(self.model, 1.0)
+            _clip_grad_norm(self.model, 1.0, self.backend.device)
             self.opt.step()
             step += 1
             now = time.perf_counter()
@@ -180,32 +196,34 @@ class MegatronGPTWorkload(BaseWorkload):
         return {"val_loss": val, "steps": step, "params": self.num_params}
 
 
-def _num_params(model: torch.nn.Module) -> int:
+def _num_params(model: torch.nn.Module, device: torch.device) -> int:
     """Parameters of the whole model: TP-split ones counted at their global size, the
-    stages' summed over the pipeline group."""
+    stages' summed over the pipeline group (reduced on ``device``, the backend's)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
     n = torch.tensor([sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-                          for p in model.parameters())])
+                          for p in model.parameters())], device=device)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(n, group=ps.get_pipeline_model_parallel_group())
     return int(n)
 
 
-def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> float:
     """Clip by the global gradient norm over the whole model: squares of TP-split
     gradients are summed over the tensor-parallel group, replicated ones counted once,
-    and the stages' sums over the pipeline group (Megatron-LM's ``clip_grad_norm_fp32``).
+    and the stages' sums over the pipeline group (Megatron-LM's ``clip_grad_norm_fp32``),
+    all on ``device`` (the backend's: NCCL reduces only CUDA tensors).
     Returns the norm before clipping."""
     from megatron.core import parallel_state as ps
 
-    split, whole = torch.zeros(1), torch.zeros(1)
+    split = torch.zeros(1, device=device)
+    whole = torch.zeros(1, device=device)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     for p in model.parameters():
         if p.grad is None:
             continue
-        sq = p.grad.detach().float().pow(2).sum().cpu()
+        sq = p.grad.detach().float().pow(2).sum().to(device)
         if getattr(p, "tensor_model_parallel", False):
             split += sq
         else:

@@ -72,12 +72,12 @@ class GPTWorkload(BaseWorkload):
         averaged over ranks."""
         c = self.config
         self.model.eval()
-        total = torch.zeros(1)
+        total = torch.zeros(1, device=self.backend.device)  # NCCL reduces CUDA tensors
         n = int(c.get("eval_batches", 8))
         for i in range(n):
             x, y = self.data.batch("val", int(c.batch_size), self.cfg.block_size, 0, self.rank, i)
             _, loss = self.model(x.to(self.backend.device), y.to(self.backend.device))
-            total += loss.detach().float().cpu()
+            total += loss.detach().float()
         self.model.train()
         total /= n
         if dist.is_initialized():

@@ -2,9 +2,10 @@
 (``num_gpus=4``: Ray resources only; this machine has no GPU, so CUDA itself is not
 exercised). Runs seed 004's "Use API for Submit" program (``node_num(1)``,
 ``device_per_node(4)``, no job name) and the SPMD, Ray-assigned, collocated and
-separated layouts with ``tests.device_probe``. Run as
+separated layouts and two node slots of one role on one node with
+``tests.device_probe``; each layout's ``instance_started`` events come back too. Run as
 ``python -m tests.scenarios.fake_gpus ROOT``; prints one JSON line
-``{layout: {"status": ..., "probes": [...]}}``."""
+``{layout: {"status": ..., "probes": [...], "started": [...]}}``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 import ray
 
 from dlrover_core import DLJobBuilder
+from dlrover_core.master.events import read_events
 from dlrover_core.testing import start_test_ray
 
 P = "tests.device_probe"
@@ -46,6 +48,10 @@ def layouts() -> dict:
                            .resource(cpu=0.25)
                            .workload("eval", P, "DeviceProbe").total(2).per_node(2)
                            .resource(cpu=0.25),
+        # one role, two node slots of 2 on the one node: local_rank 0,1,0,1
+        "two_slots": DLJobBuilder().dl_type("SFT").device_per_node(4)
+                                   .workload("trainer", P, "DeviceProbe").total(4).per_node(2)
+                                   .resource(cpu=0.25),
     }
 
 
@@ -60,8 +66,10 @@ def main(root: str) -> None:
             probes = [json.load(open(p)) for p in
                       sorted(glob.glob(os.path.join(job_dir, "probe", "*.json")))]
             fit = os.path.join(job_dir, "guide_fit.json")
+            started = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
+                       if e["event"] == "instance_started"]
             out[layout] = {"status": summary["status"], "error": summary.get("error"),
-                           "name": job.name, "probes": probes,
+                           "name": job.name, "probes": probes, "started": started,
                            "fit": json.load(open(fit)) if os.path.exists(fit) else None}
     finally:
         ray.shutdown()

@@ -13,6 +13,12 @@ empty for buffers written outside a job). A buffer is **stale** when
 Stale buffers are removed when a node's persister starts (the next job start on that
 node), and by ``dlrover flash clean``. A job's own buffers are removed at its end
 (``dlrover_job_finished``, which ``dlrover stop`` also triggers).
+
+A buffer that holds a step newer than the newest step committed in its checkpoint
+directory (:func:`unpersisted_step`) is never removed by the job's end nor as stale:
+it may be the only copy of the final step. ``dlrover flash ls`` marks it
+``not_persisted``; the next run of the job loads it from memory and its persister
+writes it; ``dlrover flash clean --job NAME --force`` drops it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import logging
 import os
 from typing import Callable
 
-from dlrover_plugin_flashckpt import shm
+from dlrover_plugin_flashckpt import shm, storage
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,32 @@ def current_session() -> str:
         return ""
 
 
+def unpersisted_step(seg: shm.Segment) -> int | None:
+    """The step ``seg`` holds when it is newer than the newest committed step of the
+    buffer's checkpoint directory (which exists), else ``None``."""
+    h = seg.read_header()
+    if not shm.holds_step(h):
+        return None
+    directory = seg.ident().get("dir")
+    if not directory or not os.path.isdir(directory):
+        return None
+    newest = storage.newest_committed(directory)
+    return h.step if newest is None or h.step > newest else None
+
+
+def _unpersisted_at(path: str) -> int | None:
+    try:
+        seg = shm.Segment.attach(path)
+    except shm.ShmTrustError:
+        return None
+    if seg is None:
+        return None
+    try:
+        return unpersisted_step(seg)
+    finally:
+        seg.close()
+
+
 def stale_reason(path: str, session: str,
                  master_alive: Callable[[str, str], bool] | None = None) -> str | None:
     """Why the buffer at ``path`` is stale, or ``None`` when it may still be used.
@@ -61,7 +93,11 @@ def stale_reason(path: str, session: str,
     owner = shm.tmp_owner(path)
     if owner is not None:
         return None if shm.proc_start(owner) is not None else f"temp file of dead process {owner}"
-    seg = shm.Segment.attach(path)
+    try:
+        seg = shm.Segment.attach(path)
+    except shm.ShmTrustError as exc:  # not ours to judge nor to remove: reported by ls
+        log.warning("%s", exc)
+        return None
     if seg is None:
         return "not a valid flash buffer"
     try:
@@ -92,6 +128,12 @@ def remove_stale(shm_dir: str, session: str,
         reason = stale_reason(path, session, master_alive)
         if reason is None:
             continue
+        step = _unpersisted_at(path)
+        if step is not None:
+            log.warning("kept flash-checkpoint buffer %s (%s): it holds step %d, newer than "
+                        "the newest committed step of its directory", os.path.basename(path),
+                        reason, step)
+            continue
         try:
             os.unlink(path)
         except OSError:
@@ -102,21 +144,36 @@ def remove_stale(shm_dir: str, session: str,
 
 
 def remove_job(shm_dir: str, job: str, run_id: str | None = None,
-               session: str | None = None) -> list[str]:
+               session: str | None = None, keep_unpersisted: bool = False,
+               kept: list[dict] | None = None) -> list[str]:
     """Remove the buffers of ``job`` in ``shm_dir`` (only those of ``run_id`` and
-    ``session`` when given); return their names."""
+    ``session`` when given); return their names. With ``keep_unpersisted`` a buffer
+    holding a step newer than its directory's newest commit stays, and is appended to
+    ``kept`` (``{"name", "role", "rank", "step", "dir"}``)."""
     removed = []
     for path in shm.list_segments(shm_dir, shm.job_prefix(job)):
         if shm.tmp_owner(path) is None:
-            seg = shm.Segment.attach(path)
+            try:
+                seg = shm.Segment.attach(path)
+            except shm.ShmTrustError:
+                continue  # not a buffer this user made: left alone
             if seg is not None:
-                ident = seg.ident()
-                seg.close()
+                try:
+                    ident = seg.ident()
+                    step = unpersisted_step(seg) if keep_unpersisted else None
+                    rank = seg.read_header().rank
+                finally:
+                    seg.close()
                 if ident.get("job") != job:
                     continue
                 if run_id is not None and ident.get("run_id", "") != run_id:
                     continue
                 if session is not None and ident.get("session", "") != session:
+                    continue
+                if step is not None:
+                    if kept is not None:
+                        kept.append({"name": os.path.basename(path), "role": ident.get("role"),
+                                     "rank": rank, "step": step, "dir": ident.get("dir")})
                     continue
         try:
             os.unlink(path)
@@ -127,20 +184,32 @@ def remove_job(shm_dir: str, job: str, run_id: str | None = None,
 
 
 def describe(shm_dir: str) -> list[dict]:
-    """One row per flash buffer in ``shm_dir``: name, job, role, rank, state, step, bytes."""
+    """One row per flash buffer in ``shm_dir``: name, job, role, rank, state, step, bytes,
+    session, run_id; ``not_persisted: True`` when it holds a step newer than the newest
+    committed one of its directory; ``state: refused`` (with ``error``) for a file the
+    saver would not map (:class:`shm.ShmTrustError`)."""
     rows = []
     for path in shm.list_segments(shm_dir):
-        seg = shm.Segment.attach(path)
+        try:
+            seg = shm.Segment.attach(path)
+        except shm.ShmTrustError as exc:
+            rows.append({"name": os.path.basename(path), "state": "refused",
+                         "error": str(exc)})
+            continue
         if seg is None:
             rows.append({"name": os.path.basename(path), "state": "invalid"})
             continue
         try:
             ident, h = seg.ident(), seg.read_header()
+            unpersisted = unpersisted_step(seg)
         finally:
             seg.close()
-        rows.append({"name": os.path.basename(path), "job": ident.get("job"),
-                     "role": ident.get("role"), "rank": h.rank, "step": h.step,
-                     "state": shm.STATE_NAMES.get(shm.effective_state(h), "?"),
-                     "bytes": os.path.getsize(path), "session": ident.get("session"),
-                     "run_id": ident.get("run_id")})
+        row = {"name": os.path.basename(path), "job": ident.get("job"),
+               "role": ident.get("role"), "rank": h.rank, "step": h.step,
+               "state": shm.STATE_NAMES.get(shm.effective_state(h), "?"),
+               "bytes": os.path.getsize(path), "session": ident.get("session"),
+               "run_id": ident.get("run_id")}
+        if unpersisted is not None:
+            row["not_persisted"] = True
+        rows.append(row)
     return rows

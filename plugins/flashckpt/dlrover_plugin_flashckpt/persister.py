@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "dlrover"
 POLL_S = 0.5
+#: where buffers are looked for at job end when no saver said otherwise
+DEFAULT_SHM_DIR = "/dev/shm"
 
 
 def persister_name(job: str, node_id: str) -> str:
@@ -250,8 +252,11 @@ class FlashPersister:
     def finish(self, run_id: str | None = None, timeout: float = 300.0) -> dict:
         """The job ends: persist the newest step every local rank holds when it is not
         on disk yet (waiting up to ``timeout`` s for this node's part), stop the loop
-        and remove the job's buffers on this node (those of ``run_id`` when given).
-        Returns ``{"flushed": {role: step}, "removed": [names], "errors": [...]}``."""
+        and remove the job's buffers on this node (those of ``run_id`` when given),
+        except those holding a step newer than their directory's newest commit: they
+        stay for the next run (:func:`hygiene.remove_job`, ``keep_unpersisted``).
+        Returns ``{"flushed": {role: step}, "removed": [names], "not_persisted": [{"name",
+        "role", "rank", "step", "dir"}], "shm_dirs": [...], "errors": [...]}``."""
         flushed: dict[str, int] = {}
         with self._lock:
             roles = sorted({ro for ro, _ in self._regs})
@@ -274,15 +279,18 @@ class FlashPersister:
         self._wake.set()
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
         with self._lock:
-            shm_dirs = {r.shm_dir for r in self._regs.values()} or {"/dev/shm"}
+            shm_dirs = {r.shm_dir for r in self._regs.values()} or {DEFAULT_SHM_DIR}
             for seg in list(self._segs.values()) + self._retired:
                 seg.close()
             self._segs.clear()
             self._retired.clear()
-        removed = []
-        for d in shm_dirs:
-            removed += hygiene.remove_job(d, self.job, run_id, self.session)
-        return {"flushed": flushed, "removed": removed, "errors": list(self.errors)}
+        removed: list[str] = []
+        kept: list[dict] = []
+        for d in sorted(shm_dirs):
+            removed += hygiene.remove_job(d, self.job, run_id, self.session,
+                                          keep_unpersisted=True, kept=kept)
+        return {"flushed": flushed, "removed": removed, "not_persisted": kept,
+                "shm_dirs": sorted(shm_dirs), "errors": list(self.errors)}
 
     # ================================================================== internals
     def _seg(self, path: str) -> shm.Segment | None:
@@ -681,36 +689,44 @@ def breakpoint_save(job: str, role: str, timeout: float = 30.0) -> dict:
     return {"step": step, "claimed": claimed, "reason": "persisting"}
 
 
-def finish_job(job: str, run_id: str | None = None, timeout: float = 300.0) -> dict:
-    """End of ``job``: on every alive node, flush and stop the job's persister and
-    remove the job's buffers (of ``run_id`` when given); returns ``{node: report}``."""
+def finish_job(job: str, run_id: str | None = None, timeout: float = 300.0,
+               shm_dirs: list[str] | None = None) -> dict:
+    """End of ``job``: on every alive node, flush and stop the job's persister (waiting
+    at most ``timeout`` s for it) and remove the job's buffers (of ``run_id`` when
+    given) in the shared-memory directories its savers registered, except buffers
+    holding a step newer than the newest commit, which stay (listed under
+    ``not_persisted``); returns ``{node: report}`` (see :meth:`FlashPersister.finish`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0, max_retries=0)
-    def _finish_node(job: str, run_id: str | None, timeout: float) -> dict:
+    def _finish_node(job: str, run_id: str | None, timeout: float,
+                     shm_dirs: list[str] | None) -> dict:
         node = ray.get_runtime_context().get_node_id()
-        report: dict = {"flushed": {}, "removed": [], "errors": []}
+        report: dict = {"flushed": {}, "removed": [], "not_persisted": [], "errors": []}
         try:
             handle = ray.get_actor(persister_name(job, node), namespace=NAMESPACE)
         except ValueError:
             handle = None
         if handle is not None:
             try:
-                report = ray.get(handle.finish.remote(run_id, timeout), timeout=timeout + 30)
-            except Exception as exc:  # noqa: BLE001
+                report = ray.get(handle.finish.remote(run_id, timeout), timeout=timeout + 5)
+            except Exception as exc:  # noqa: BLE001 - stuck or dead: its buffers stay
                 report["errors"].append(f"persister: {type(exc).__name__}: {exc}")
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-        report["removed"] = report.get("removed", []) + hygiene.remove_job(
-            "/dev/shm", job, run_id, hygiene.current_session())
+        kept: list[dict] = []
+        for d in report.get("shm_dirs") or shm_dirs or [DEFAULT_SHM_DIR]:
+            report["removed"] = report.get("removed", []) + hygiene.remove_job(
+                d, job, run_id, hygiene.current_session(), keep_unpersisted=True, kept=kept)
+        report["not_persisted"] = kept  # what is left now, after the persister's part
         return report
 
     nodes = _alive_nodes()
     refs = [_finish_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node_id=n, soft=False)).remote(job, run_id, timeout) for n in nodes]
+        node_id=n, soft=False)).remote(job, run_id, timeout, shm_dirs) for n in nodes]
     out = {}
     for n, ref in zip(nodes, refs):
         try:

@@ -6,7 +6,9 @@ the saver in the worker process; the master-side hooks use Ray only.
   step every rank of its role holds in memory and that is not on disk yet
   (breakpoint save), before the recovery restarts the role.
 - ``dlrover_job_finished`` (master; also after ``dlrover stop``): persist what is not
-  on disk yet, stop the job's persisters and remove its shared-memory buffers.
+  on disk yet, stop the job's persisters and remove its shared-memory buffers, except
+  those holding a step newer than the newest commit: they stay, and the summary lists
+  them under ``checkpoint_not_persisted`` (role, rank, step, dir, node, name).
 - ``dlrover_cli_commands``: ``dlrover flash ls`` and ``dlrover flash clean``.
 """
 
@@ -57,23 +59,52 @@ def dlrover_workload_failed(job: str, failure: Any, verdict: Any, emit: Any) -> 
              claimed=result["claimed"])
 
 
+def shm_dirs_of(spec: Any) -> list[str]:
+    """The shared-memory directory the job's flash saver was configured with
+    (``checkpoint.options.shm_dir``, default ``/dev/shm``), as a one-element list;
+    ``[]`` when the job does not use the flash saver."""
+    from dlrover_plugin_flashckpt.options import FlashOptions
+
+    ck = (spec or {}).get("checkpoint") or {}
+    if ck.get("saver") != "flash":
+        return []
+    return [FlashOptions.parse(dict(ck.get("options") or {})).shm_dir]
+
+
 @hookimpl
-def dlrover_job_finished(job: str, summary: dict, emit: Any) -> None:
+def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
     try:
         import ray
 
-        from dlrover_plugin_flashckpt.persister import finish_job, persisters_of
+        from dlrover_plugin_flashckpt.persister import (
+            DEFAULT_SHM_DIR,
+            finish_job,
+            persisters_of,
+        )
 
         if not ray.is_initialized():
             return
         run_id = ray.get_runtime_context().get_actor_id()
+        shm_dirs = shm_dirs_of(spec) if spec is not None else [DEFAULT_SHM_DIR]
         if not persisters_of(job):
             from dlrover_plugin_flashckpt.hygiene import current_session, remove_job
 
-            remove_job("/dev/shm", job, run_id, current_session())
-            return
-        report = finish_job(job, run_id, FINISH_TIMEOUT_S)
+            kept: list[dict] = []
+            for d in shm_dirs:
+                remove_job(d, job, run_id, current_session(), keep_unpersisted=True, kept=kept)
+            report = {"": {"not_persisted": kept}}
+        else:
+            report = finish_job(job, run_id, FINISH_TIMEOUT_S, shm_dirs or None)
         log.info("flash checkpoint cleanup of %s: %s", job, report)
+        lost = [{**k, "node": node} for node, r in report.items()
+                for k in r.get("not_persisted", [])]
+        if lost:
+            # the caller writes summary.json again after this hook
+            summary["checkpoint_not_persisted"] = lost
+            log.warning("job %s ended with saves that are not on disk; their shared-memory "
+                        "buffers are kept (`dlrover flash ls`): %s", job,
+                        ", ".join(f"{k['role']} rank {k['rank']} step {k['step']}"
+                                  for k in lost))
         emit("flash_cleanup", report=report)
     except Exception as exc:  # noqa: BLE001
         log.warning("flash checkpoint cleanup of %s failed: %s", job, exc)

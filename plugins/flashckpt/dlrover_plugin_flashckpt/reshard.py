@@ -246,6 +246,8 @@ def restore_resharded(template: Any, sources: list[RankSource], rank: int, where
             src = sources[saved.rank]
             return load_tensor(live if layout.is_tensor(live) else None,
                                src.meta["table"][saved.index], src)
+        if isinstance(saved, layout.SavedObject):
+            return layout.apply_object(live, saved, where, merge)
         if isinstance(saved, dict):
             if isinstance(live, dict):
                 for k, v in saved.items():

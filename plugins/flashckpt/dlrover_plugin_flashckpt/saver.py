@@ -17,8 +17,10 @@ Save (blocking only for the copy):
    because waiting would stall training for a disk write (the issue's "blocks only for
    the copy"), and the step it would have replaced is on its way to disk;
 3. mark the slot WRITING, ``tensor.copy_`` every tensor into it (raw bytes; DTensors
-   their local shard; CUDA tensors by DMA into the pinned buffer), write the pickled
-   meta block, mark it READY with the step, a crc32 of the meta block and the writer;
+   their local shard; CUDA tensors by DMA into the page-locked buffer, or through
+   pinned staging buffers, :mod:`.staging`, when the buffer cannot be page-locked),
+   write the meta block (tagged JSON, never pickled), mark it READY with the step, a
+   crc32 of the meta block and the writer;
 4. notify the node's persister (one non-blocking actor call) and return.
 
 Persist, breakpoint save and the commit run in the persister (:mod:`.persister`).
@@ -40,13 +42,15 @@ from typing import Any
 
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
 from dlrover_core.spec.errors import SpecError
-from dlrover_plugin_flashckpt import capacity, layout, shm
+from dlrover_plugin_flashckpt import capacity, layout, shm, staging
 from dlrover_plugin_flashckpt.loading import LoadingMixin
 from dlrover_plugin_flashckpt.options import FlashOptions
 
 log = logging.getLogger(__name__)
 
 META_MIN = 64 << 10
+#: seconds a rank without a process group waits for the others at a load's gather
+GATHER_TIMEOUT_S = 60.0
 
 
 class _Superseded(Exception):
@@ -61,7 +65,8 @@ class FlashSaver(LoadingMixin, Saver):
             ``keep`` (committed steps kept, >= 1), ``job`` (names the buffers),
             ``options`` (:class:`FlashOptions`).
         context: rank, world size, and whether a torch.distributed group is up (used
-            to agree on the step at load).
+            to agree on the step at load; without one the ranks agree through a Ray
+            actor, :mod:`.agreement`).
     Raises:
         SpecError: a bad option or ``keep``, or ``options.shm_dir`` is not a directory.
     """
@@ -86,6 +91,7 @@ class FlashSaver(LoadingMixin, Saver):
         self._views: dict[int, tuple[bytes, shm.Segment, list[Any]]] = {}
         self._pinned: list[Any] = []
         self._pinned_segs: list[int] = []
+        self._staging = staging.HostStaging()
         self._data_len = 0
         self._persister: Any = None
         #: one background thread: finds the persister, lays out the buffers
@@ -100,6 +106,9 @@ class FlashSaver(LoadingMixin, Saver):
         self.last_reserve: dict = {}
         self._notified: Any = None
         self._run_id: str | None = None
+        #: gather board and round of ranks without a process group (``_gather``)
+        self._board: Any = None
+        self._gather_round = 0
         self._newest_saved: int | None = None
         #: where the last :meth:`load` came from: ``memory``, ``disk`` or ``None``
         self.last_load_source: str | None = None
@@ -126,12 +135,42 @@ class FlashSaver(LoadingMixin, Saver):
         return dist if dist.is_available() and dist.is_initialized() else None
 
     def _gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of the role, in rank order: ``all_gather_object`` with a
+        process group, else through the role's gather board (:mod:`.agreement`), so
+        ranks without a group still choose the same step at load. ``[obj]`` alone when
+        this is the only rank, or when the board cannot be reached or the others do
+        not post within ``GATHER_TIMEOUT_S`` (logged)."""
         dist = self._dist()
-        if dist is None:
+        if dist is not None:
+            out: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(out, obj)
+            return out
+        if self.world_size <= 1:
             return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
+        try:
+            import ray
+
+            from dlrover_plugin_flashckpt.agreement import board_for
+
+            if not ray.is_initialized():
+                raise RuntimeError("this process is not connected to Ray")
+            if self._board is None:
+                self._board = board_for(self.job, self.dir)
+            self._gather_round += 1
+            got = ray.get(self._board.gather.remote(self._gather_round, self.rank, obj,
+                                                    self.world_size, GATHER_TIMEOUT_S),
+                          timeout=GATHER_TIMEOUT_S + 30)
+        except Exception as exc:  # noqa: BLE001 - deciding alone is what it did before
+            self._board = None
+            log.warning("flash saver rank %d could not agree with the other ranks (%s: %s); "
+                        "it decides alone", self.rank, type(exc).__name__, exc)
+            return [obj]
+        if got is None:
+            log.warning("flash saver rank %d: not every rank of %d reached gather %d within "
+                        "%g s; it decides alone", self.rank, self.world_size,
+                        self._gather_round, GATHER_TIMEOUT_S)
+            return [obj]
+        return got
 
     def _ident(self) -> dict:
         from dlrover_plugin_flashckpt import hygiene
@@ -442,9 +481,10 @@ class FlashSaver(LoadingMixin, Saver):
         Args:
             step: the training step (>= 0). state_dict: nested dicts/lists/tuples of
                 dense tensors (any dtype of ``layout``; DTensors save their local
-                shard; CPU or CUDA) and small picklable values.
+                shard; CPU or CUDA) and small values of the types
+                :func:`layout.pack_meta` stores (no arbitrary objects).
         Raises:
-            ValueError: a negative step. TypeError: an unsupported tensor.
+            ValueError: a negative step. TypeError: an unsupported tensor or value.
             ShmSpaceError: ``options.shm_dir`` has too little space (says how much).
         """
         try:
@@ -494,13 +534,18 @@ class FlashSaver(LoadingMixin, Saver):
         assert seg is not None
         t1 = time.perf_counter()
         views = self._views_for(slot, seg, table, sig)
-        pinned = self._pin(sources)
-        for dst, src in zip(views, sources):
-            dst.copy_(src, non_blocking=pinned)
-        if pinned:
+        if self._pin(sources):
+            # the buffers are page-locked: one DMA per tensor straight into shared
+            # memory (50-51 GiB/s on an H100, docs/flash-checkpoint.md)
+            for dst, src in zip(views, sources):
+                dst.copy_(src, non_blocking=True)
             import torch
 
             torch.cuda.synchronize()
+        else:
+            # CPU tensors directly; GPU tensors, when cudaHostRegister refused the
+            # buffers, through pinned staging buffers on a side stream
+            self._staging.copy(views, sources)
         copy_s = time.perf_counter() - t1
         seg.write_meta(meta)
         with seg.locked():

@@ -6,12 +6,21 @@ out as::
     [0, 4096)              header: fixed binary fields (struct ``_HDR``) at 0, and the
                            identity block (JSON: job, role, rank, dir, session, run)
                            at 512
-    [4096, 4096+meta_cap)  meta block: pickled tensor table + skeleton of the last save
+    [4096, 4096+meta_cap)  meta block: tensor table + skeleton of the last save (tagged
+                           JSON with a magic, version and crc32: ``layout.pack_meta``;
+                           never unpickled)
     [data_offset, ...)     data area: the tensors' raw bytes (see ``layout``)
 
 Names: ``dlrflash-<job>-<key>-r<rank>-s<slot>`` where ``key`` is a digest of the
 checkpoint directory (which already names the role), so two jobs or two test
 sessions on one machine never share a buffer.
+
+Trust: a buffer is created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` and mode 0600 under a
+random temp name, then renamed into place; :meth:`Segment.attach` opens with
+``O_NOFOLLOW`` and refuses (:class:`ShmTrustError`) a file that is not a regular file
+owned by this user with mode 0600, or whose header has another magic or version. Nothing
+read from a buffer is unpickled, so a file planted in ``/dev/shm`` by another user can
+neither be attached nor run code.
 
 Slot states (``state`` field), changed only under the slot's lock (``flock`` on the
 file plus a thread lock), so a trainer and the node's persister never race:
@@ -60,6 +69,31 @@ _SAFE_RE = re.compile(r"[^A-Za-z0-9_.]+")
 
 class ShmSpaceError(MemoryError):
     """The shared-memory filesystem has too little free space for the buffers."""
+
+
+class ShmTrustError(PermissionError):
+    """A file at a buffer's path is not one this user's flash saver made: a symlink, not
+    a regular file, owned by another user, a mode other than 0600, or a header of another
+    magic or version. The message names the path, what was found and what to do."""
+
+
+def check_trusted(path: str, st: os.stat_result) -> None:
+    """Raise :class:`ShmTrustError` unless ``st`` (``fstat`` of ``path``) is a regular file
+    of the current user with mode 0600."""
+    import stat as stat_mod
+
+    problem = None
+    if not stat_mod.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif stat_mod.S_IMODE(st.st_mode) != 0o600:
+        problem = f"has mode {stat_mod.S_IMODE(st.st_mode):04o}, not 0600"
+    if problem:
+        raise ShmTrustError(
+            f"flash buffer {path} {problem}: the flash saver only maps buffers it created "
+            "(owner-only, mode 0600); remove the file if it is yours, or report it: another "
+            "user may have planted it")
 
 
 @dataclass
@@ -219,8 +253,9 @@ class Segment:
         size = data_offset + round_up(max(data_cap, 1))
         # unique per call: two threads of one process may lay out the same slot at once
         tmp = f"{path}.{os.urandom(4).hex()}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # whatever the umask
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
@@ -258,25 +293,42 @@ class Segment:
 
     @classmethod
     def attach(cls, path: str, populate: bool = False) -> Segment | None:
-        """Map an existing buffer; ``None`` when it is missing or not a flash buffer."""
+        """Map an existing buffer; ``None`` when it is missing or too short to be one.
+
+        Raises:
+            ShmTrustError: ``path`` is a symlink, not a regular file, not owned by this
+                user, not mode 0600, or its header has another magic or version.
+        """
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ShmTrustError(f"flash buffer {path} is a symbolic link: the flash saver "
+                                    "never follows one; remove it (another user may have "
+                                    "planted it)") from None
             return None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            check_trusted(path, st)
+            size = st.st_size
             if size < HEADER_SIZE:
                 os.close(fd)
                 return None
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             mm = mmap.mmap(fd, size, flags=flags)
+        except ShmTrustError:
+            os.close(fd)
+            raise
         except OSError:
             os.close(fd)
             return None
-        if mm[:8] != MAGIC:
+        magic, version = struct.unpack_from("<8sI", mm, 0)
+        if magic != MAGIC or version != VERSION:
             mm.close()
             os.close(fd)
-            return None
+            raise ShmTrustError(f"flash buffer {path} has magic {magic!r} version {version}, "
+                                f"not {MAGIC!r} version {VERSION}: not a buffer of this flash "
+                                "saver; remove it")
         return cls(path, fd, mm, size, populate)
 
     def install(self) -> None:

@@ -220,8 +220,9 @@ def rank_state(rank: int, step: int, n: int = 1 << 16) -> dict:
 
 
 class SaverRank:
-    """One rank's ``FlashSaver`` in its own Ray actor, without a process group (each
-    rank decides alone); for tests that place ranks on nodes themselves."""
+    """One rank's ``FlashSaver`` in its own Ray actor, without a process group (the
+    ranks agree at load through the gather board, :mod:`.agreement`); for tests that
+    place ranks on nodes themselves."""
 
     def __init__(self, job: str, directory: str, rank: int, world_size: int,
                  options: dict) -> None:

@@ -34,7 +34,6 @@ class MegatronSession(TorchDistributedSession):
         Raises:
             SpecError: bad sizes in the role's config (also refused at spec load).
         """
-        import torch
         from megatron.core import parallel_state as ps
 
         from dlrover_plugin_megatron.seeding import seed_rank
@@ -54,7 +53,7 @@ class MegatronSession(TorchDistributedSession):
             distributed_timeout_minutes=max(1, math.ceil(self.timeout.total_seconds() / 60)),
             # the extra gloo groups serve the distributed optimizer's checkpoints on GPU;
             # on the CPU every group is gloo already
-            create_gloo_process_groups=torch.cuda.is_available(),
+            create_gloo_process_groups=self.device.type == "cuda",
         )
         self.seed = seed_rank(s.seed, bool(self.context.config.get("data_parallel_random_init",
                                                                    False)))
@@ -114,7 +113,7 @@ class MegatronSession(TorchDistributedSession):
             context_parallel_size=s.context_parallel,
             virtual_pipeline_model_parallel_size=(s.virtual_pipeline
                                                   if (s.virtual_pipeline or 1) > 1 else None),
-            use_cpu_initialization=not torch.cuda.is_available(),
+            use_cpu_initialization=self.device.type != "cuda",
             params_dtype=torch.float32,
         )
         kw.update(overrides)

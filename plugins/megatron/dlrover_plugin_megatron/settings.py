@@ -12,14 +12,18 @@ Settings are keys of the role's config (the job's ``config`` merged with the rol
 | --- | --- | --- |
 | ``tensor_parallel`` | 1 | TP size: ranks that split each weight matrix |
 | ``pipeline_parallel`` | 1 | PP size: ranks that split the layers into stages |
-| ``context_parallel`` | 1 | CP size: ranks that split the sequence |
-| ``virtual_pipeline`` | none | model chunks per pipeline rank (interleaved schedule) |
+| ``context_parallel`` | 1 | CP size; only 1 is accepted (see below) |
+| ``virtual_pipeline`` | none | model chunks per pipeline rank; only none or 1 accepted |
 | ``seed`` | 1234 | base seed; see :mod:`dlrover_plugin_megatron.seeding` |
 
 The data-parallel size is what is left: ``world_size / (TP * PP * CP)``. When the
 config also gives the model's ``num_layers``, ``num_attention_heads`` or
 ``num_query_groups``, their divisibility by the sizes is checked too (the same
 constraints megatron-core asserts later, on every rank, after the processes started).
+
+Context parallelism (CP > 1) and the virtual pipeline (> 1) are refused at spec load:
+nothing in this backend splits the sequence or builds model chunks, and without a GPU
+the megatron-core paths that would do it could not be tested.
 """
 
 from __future__ import annotations
@@ -67,8 +71,9 @@ class MegatronSettings:
                 (default ``config.<key>``).
         Raises:
             SpecError: a size that is not a positive integer, a world size not
-                divisible by ``TP * PP * CP``, a virtual pipeline without PP > 1, or
-                model dimensions not divisible by the sizes; the message names the
+                divisible by ``TP * PP * CP``, a virtual pipeline without PP > 1, a
+                virtual pipeline > 1 or CP > 1 (not supported), or model dimensions not
+                divisible by the sizes; the message names the
                 key, the value and what is allowed.
         """
         key_of = key_of or (lambda k: f"config.{k}")
@@ -99,6 +104,17 @@ class MegatronSettings:
             raise SpecError(key_of("virtual_pipeline"), vpp,
                             "none or 1 unless pipeline_parallel >= 2",
                             f"pipeline_parallel is {pp}: there is no pipeline to interleave")
+        if vpp is not None and vpp > 1:
+            raise SpecError(key_of("virtual_pipeline"), vpp, "none or 1",
+                            "no schedule here uses model chunks: the interleaved schedule "
+                            "(megatron-core's, on GPUs) needs a model built as chunks, which "
+                            "this backend does not build and which cannot be tested without "
+                            "a GPU")
+        if cp > 1:
+            raise SpecError(key_of("context_parallel"), cp, "1",
+                            "nothing here splits the sequence over context-parallel ranks "
+                            "(megatron-core's context parallelism runs inside its attention "
+                            "on GPUs, untested here without a GPU)")
         layers = get_int("num_layers", None, 1)
         if layers is not None:
             stages = pp * (vpp or 1)

@@ -72,8 +72,10 @@ def _spec(total: int = 2, role_config: dict | None = None, **config):
      "config.num_attention_heads", 6, "a multiple of tensor_parallel=4"),
     (4, {"pipeline_parallel": 4}, {"num_layers": 6}, "config.num_layers", 6,
      "a multiple of pipeline_parallel=4 = 4"),
-    (4, {"pipeline_parallel": 2, "virtual_pipeline": 2}, {"num_layers": 6}, "config.num_layers",
-     6, "a multiple of pipeline_parallel=2 * virtual_pipeline=2 = 4"),
+    # not supported: refused with the reason (nothing builds chunks / splits sequences)
+    (4, {"pipeline_parallel": 2, "virtual_pipeline": 2}, {},
+     "roles.trainer.config.virtual_pipeline", 2, "none or 1"),
+    (4, {"context_parallel": 2}, {}, "roles.trainer.config.context_parallel", 2, "1"),
     (2, {"virtual_pipeline": 2}, {}, "roles.trainer.config.virtual_pipeline", 2,
      "none or 1 unless pipeline_parallel >= 2"),
     (2, {"tensor_parallel": 0}, {}, "roles.trainer.config.tensor_parallel", 0,
@@ -91,7 +93,7 @@ def test_bad_parallel_sizes_refused_at_spec_load(total, role_config, config, key
 
 def test_good_sizes_load():
     spec = load_spec(_spec(8, {"tensor_parallel": 2, "pipeline_parallel": 2,
-                               "virtual_pipeline": 2}))
+                               "virtual_pipeline": 1}))
     assert spec.roles.trainer.config.tensor_parallel == 2
     spec = load_spec("examples/megatron_gpt/job.yaml")
     assert spec.roles.trainer.backend == "megatron"

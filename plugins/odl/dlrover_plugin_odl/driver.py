@@ -21,6 +21,9 @@ its model. A (re)started driver asks trainer rank 0 for the progress of the mode
 in memory (after a trainer restart: the checkpoint it loaded) and seeks every
 source partition there. When the trainer reports a newly committed checkpoint, the
 driver tells each source partition to ``commit`` its offset (Redis: ``XACK``).
+Offsets of partitions ``k`` >= the number of sources (a job resumed with fewer) go
+to source ``k % n``, with the seek and with every commit: it delivers what is left
+of them first, under key ``k`` (see :meth:`StreamSourceBase.take_over`).
 """
 
 from __future__ import annotations
@@ -87,7 +90,14 @@ class ODLTrainer(BaseTrainer):
         self.prequential = PrequentialStats.from_state(progress.get("prequential")).metrics()
         self.offsets: dict[str, Any] = dict(progress["offsets"])
         self.restored_step = progress.get("restored_step")
-        ray.get([h.call.remote("seek", self.offsets.get(str(p)))
+        # departed partitions (offsets k >= the number of sources: a job resumed with
+        # fewer) go to source k % n, which delivers what is left of them first
+        n = len(self.sources)
+        departed: dict[int, dict[str, Any]] = collections.defaultdict(dict)
+        for k, pos in self.offsets.items():
+            if int(k) >= n:
+                departed[int(k) % n][k] = pos
+        ray.get([h.call.remote("seek", self.offsets.get(str(p)), departed.get(p, {}))
                  for p, h in enumerate(self.sources)])
 
     # ------------------------------------------------------------------ the pipeline
@@ -161,9 +171,9 @@ class ODLTrainer(BaseTrainer):
         if not committed:
             return
         ray.get(self._commit_refs)  # surface a failed commit of the previous round
-        self._commit_refs = [self.sources[int(p)].call.remote("commit", pos)
-                             for p, pos in committed["offsets"].items()
-                             if int(p) < len(self.sources)]
+        n = len(self.sources)
+        self._commit_refs = [self.sources[int(p) % n].call.remote("commit", pos, int(p))
+                             for p, pos in committed["offsets"].items()]
         self.committed_step = committed["step"]
 
     def _score(self, chunks: list[_Chunk]) -> None:
@@ -226,7 +236,7 @@ class ODLTrainer(BaseTrainer):
                 self._training_chunks += len(chunks)
                 issued_offsets = dict(issued_offsets)
                 for c in chunks:
-                    issued_offsets[str(c.partition)] = c.meta["last"]
+                    issued_offsets[c.meta["key"]] = c.meta["last"]
                 self._issued_records += sum(c.meta["n"] for c in chunks)
                 calls = [h.call.remote("train_step", next_step,
                                        chunks[r].batch if r < len(chunks) else None,

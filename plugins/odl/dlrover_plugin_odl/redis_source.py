@@ -26,11 +26,31 @@ A broker that is down or unreachable is retried every 0.5 s: at the start for
 ``connect_timeout_s`` (a warning says what it waits for), while streaming for
 ``reconnect_timeout_s``; then :class:`BrokerUnavailable` names the address.
 Consumer names are stable across restarts (the partition), so a restarted
-source finds its own PEL. Entries pending at a consumer that no longer exists (a
-job restarted with fewer ``source`` instances) are not claimed: the trainer's
-offsets of that partition are not known to the others, so a claim could not tell
-trained entries from untrained ones. Partition 0 counts them
-(``departed_pending``) and logs a warning naming the consumers.
+source finds its own PEL.
+
+A job resumed with fewer ``source`` instances (``n``) leaves entries pending at
+consumers ``<consumer_prefix><k>``, ``k >= n``, that no longer exist (*departed*).
+Partition ``k % n`` takes consumer ``k`` over (:meth:`RedisStreamSource.take_over`),
+with the trainer's checkpointed offset of partition ``k`` that the driver passes to it:
+
+- it finds the departed consumers from ``XINFO CONSUMERS`` (the names, nothing else)
+  and reads each one's own PEL *as that consumer* (``XREADGROUP GROUP <group>
+  <prefix><k> ... <id>``, never ``>``), in id order after the checkpointed offset,
+  before its own entries. Entries never change owner: no ``XCLAIM`` or
+  ``XAUTOCLAIM``, which takes idle entries of any consumer, live ones included, and
+  would mix partition ``k``'s positions into this consumer's PEL, where this
+  partition's offset could not tell them apart;
+- the records it hands out from there carry ``ReadResult.partition = k``, so the
+  trainer's checkpoint advances partition ``k``'s offset with them;
+- entries at or before partition ``k``'s offset count as handed out (the checkpoint
+  the job resumed from trained them): they are acknowledged with the next commit
+  (:meth:`RedisStreamSource.commit_taken_over`, ``XACK`` of consumer ``k``'s PEL up to
+  ``min(offset, last handed out)``), the rest once trained and committed, so the
+  departed consumer's PEL empties and no entry is acknowledged untrained. A job
+  resumed again (with any number of partitions) finds what is left where it was.
+
+Partition 0 counts the entries pending at departed consumers when it starts
+(``departed_pending``).
 
 redis-py is an optional dependency: ``pip install 'dlrover-plugin-odl[redis]'``.
 """
@@ -147,6 +167,8 @@ class RedisStreamSource(StreamSourceBase):
         self.departed_pending = 0
         if partition == 0:
             self.departed_pending = self._with_retry(self._count_departed)
+        # departed partition k -> {"consumer", "handed", "cursor"} (see take_over)
+        self._departed: dict[int, dict[str, Any]] = {}
 
     @property
     def address(self) -> str:
@@ -202,24 +224,29 @@ class RedisStreamSource(StreamSourceBase):
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def _count_departed(self) -> int:
-        """Pending entries of this group's consumers ``<prefix><k>`` with ``k`` >=
-        the number of partitions; logs a warning naming them."""
+    def _departed_consumers(self) -> dict[int, tuple[str, int]]:
+        """This group's consumers ``<prefix><k>`` with ``k`` >= the number of
+        partitions and a non-empty PEL: ``k -> (name, pending entries)``."""
         prefix = self.consumer[:-len(str(self.partition))]
-        departed = {}
+        out = {}
         for c in self.client.xinfo_consumers(self.stream, self.group):
             name, pending = _text(c["name"]), int(c["pending"])
             k = name[len(prefix):]
             if name.startswith(prefix) and k.isdigit() and int(k) >= self.num_partitions \
                     and pending:
-                departed[name] = pending
+                out[int(k)] = (name, pending)
+        return out
+
+    def _count_departed(self) -> int:
+        """Pending entries of departed consumers; logs which partition takes each over."""
+        departed = self._departed_consumers()
         if departed:
-            log.warning("consumers %s of group %r on stream %r hold %d pending entries but "
-                        "this job has %d source partitions: they are not read; restart with "
-                        "roles.source.total >= %d to read them, or XCLAIM them",
-                        sorted(departed), self.group, self.stream, sum(departed.values()),
-                        self.num_partitions, 1 + max(int(n[len(prefix):]) for n in departed))
-        return sum(departed.values())
+            log.warning("consumers %s of group %r on stream %r hold %d pending entries; "
+                        "this job has %d source partitions: partition k %% %d reads and "
+                        "acknowledges consumer k's", sorted(n for n, _ in departed.values()),
+                        self.group, self.stream, sum(p for _, p in departed.values()),
+                        self.num_partitions, self.num_partitions)
+        return sum(p for _, p in departed.values())
 
     # ------------------------------------------------------------------ the interface
     def seek(self, position: Any | None) -> None:
@@ -229,33 +256,65 @@ class RedisStreamSource(StreamSourceBase):
         self._handed = str(position) if position is not None else None
         self._pending_cursor = self._handed or "0"
 
-    def _xread(self, start: str, count: int, block_ms: int | None) -> list:
-        out = self.client.xreadgroup(self.group, self.consumer, {self.stream: start},
-                                     count=count, block=block_ms)
+    def take_over(self, positions: dict[int, Any]) -> None:
+        """Take over the departed consumers ``<prefix><k>`` with ``k % num_partitions
+        == partition`` that have pending entries; ``positions``: the trainer's
+        checkpointed offset of partition ``k`` (absent: none of its entries trained).
+        Their PELs are read before this consumer's (see the module docstring)."""
+        found = self._with_retry(self._departed_consumers)
+        self._departed = {}
+        for k, (name, pending) in sorted(found.items()):
+            if k % self.num_partitions != self.partition:
+                continue
+            pos = positions.get(k)
+            handed = str(pos) if pos is not None else None
+            self._departed[k] = {"consumer": name, "handed": handed, "cursor": handed or "0"}
+            log.warning("partition %d takes over consumer %r (%d pending entries) of a "
+                        "departed partition; its checkpointed offset: %s", self.partition,
+                        name, pending, handed)
+
+    def _xread(self, start: str, count: int, block_ms: int | None,
+               consumer: str | None = None) -> list:
+        out = self.client.xreadgroup(self.group, consumer or self.consumer,
+                                     {self.stream: start}, count=count, block=block_ms)
         return out[0][1] if out else []
 
-    def _fetch(self, max_records: int, block_ms: int) -> list:
-        """This consumer's PEL after the cursor while there is one, else new entries.
-        Retried as a whole by :meth:`_with_retry`, which moves the cursor back."""
+    def _fetch(self, max_records: int, block_ms: int) -> tuple[int | None, list]:
+        """``(departed partition or None, entries)``: the PEL of a departed consumer
+        taken over after its cursor, then this consumer's PEL after the cursor while
+        there is one, then new entries. Retried as a whole by :meth:`_with_retry`,
+        which moves this consumer's cursor back (a departed PEL is only re-read)."""
+        for k, d in self._departed.items():
+            if d["cursor"] is not None:
+                entries = self._xread(d["cursor"], max_records, None, d["consumer"])
+                if entries:
+                    return k, entries
+                d["cursor"] = None  # its PEL is handed out
         if self._pending_cursor is not None:
             entries = self._xread(self._pending_cursor, max_records, None)
             if entries:
-                return entries
+                return None, entries
             self._pending_cursor = None  # the PEL is handed out; now new entries
-        return self._xread(">", max_records, block_ms)
+        return None, self._xread(">", max_records, block_ms)
 
     def read(self, max_records: int, timeout_s: float) -> ReadResult:
-        """Up to ``max_records`` entries: first this consumer's pending ones after the
-        last handed out (after a seek, a connection error or a timeout), then new
-        ones (``XREADGROUP ... >``, blocking up to ``timeout_s``)."""
+        """Up to ``max_records`` entries of one consumer: first the pending ones of
+        departed consumers taken over (``ReadResult.partition`` = theirs), then this
+        consumer's pending ones after the last handed out (after a seek, a connection
+        error or a timeout), then new ones (``XREADGROUP ... >``, blocking up to
+        ``timeout_s``)."""
         positions: list[str] = []
         records: list[dict] = []
-        entries = self._with_retry(self._fetch, max_records, max(1, int(timeout_s * 1000)))
+        k, entries = self._with_retry(self._fetch, max_records,
+                                      max(1, int(timeout_s * 1000)))
         if entries:
             last = _text(entries[-1][0])
-            self._handed = last
-            if self._pending_cursor is not None:
-                self._pending_cursor = last
+            if k is not None:
+                self._departed[k]["handed"] = self._departed[k]["cursor"] = last
+            else:
+                self._handed = last
+                if self._pending_cursor is not None:
+                    self._pending_cursor = last
         for entry_id, fields in entries:
             if fields is None:  # deleted from the stream while pending
                 continue
@@ -263,13 +322,14 @@ class RedisStreamSource(StreamSourceBase):
             positions.append(eid)
             records.append(_decode(eid, fields))
         self.read_records += len(records)
-        return ReadResult(positions, records, False)
+        return ReadResult(positions, records, False, k)
 
-    def _ack_upto(self, position: str) -> int:
+    def _ack_upto(self, position: str, consumer: str | None = None) -> int:
         n = 0
         while True:
             pending = self.client.xpending_range(self.stream, self.group, min="-", max=position,
-                                                 count=1000, consumername=self.consumer)
+                                                 count=1000,
+                                                 consumername=consumer or self.consumer)
             ids = [p["message_id"] for p in pending]
             if ids:
                 n += self.client.xack(self.stream, self.group, *ids)
@@ -283,6 +343,17 @@ class RedisStreamSource(StreamSourceBase):
             return
         upto = min(str(position), self._handed, key=id_key)
         self.acked += self._with_retry(self._ack_upto, upto)
+
+    def commit_taken_over(self, partition: int, position: Any) -> None:
+        """``XACK`` the pending entries of the departed consumer of ``partition``
+        (taken over by this source) up to ``min(position, last handed out)``; entries
+        at or before its checkpointed offset count as handed out. Nothing for a
+        partition not taken over."""
+        d = self._departed.get(int(partition))
+        if d is None or d["handed"] is None:
+            return
+        upto = min(str(position), d["handed"], key=id_key)
+        self.acked += self._with_retry(self._ack_upto, upto, d["consumer"])
 
     def stats(self) -> dict[str, float]:
         return {"source_read_records": float(self.read_records),

@@ -10,6 +10,14 @@ everything after that position. :meth:`StreamSourceBase.commit` tells the source
 that a committed checkpoint holds everything up to a position (a broker may now
 forget those records: Redis ``XACK``).
 
+A job resumed with fewer partitions than its checkpoint has offsets for: partition
+``k >= num_partitions`` is *departed*, and the driver hands its checkpointed position
+to partition ``k % num_partitions`` (:meth:`StreamSourceBase.take_over`). A source
+that can still reach a departed partition's records delivers them under that
+partition's offset key (:attr:`ReadResult.partition`) and is told of its commits by
+:meth:`StreamSourceBase.commit_taken_over`; the defaults do nothing (the replay
+source re-partitions its records by ``num_partitions`` anyway).
+
 Write a source as a subclass, register it with the ``dlrover_stream_sources`` hook
 (a :class:`dlrover_core.plugins.records.StreamSource` record naming the class), and
 select it with ``config.odl.source.kind``.
@@ -35,11 +43,15 @@ class ReadResult:
         positions: position of each record in the partition, increasing.
         records: the records (JSON-like dicts; ``id`` identifies one for counting).
         end: the partition has no more records, now or later (a finite replay).
+        partition: ``None`` when the positions are this source's own partition's;
+            else the departed partition (``k >= num_partitions``) they belong to
+            (its offset in the trainer's checkpoint advances with them).
     """
 
     positions: list
     records: list
     end: bool = False
+    partition: int | None = None
 
 
 class StreamSourceBase(ABC):
@@ -68,8 +80,20 @@ class StreamSourceBase(ABC):
         """Up to ``max_records`` records after the last one read, waiting at most
         ``timeout_s`` seconds for the first; may return none."""
 
+    def take_over(self, positions: dict[int, Any]) -> None:
+        """Called after :meth:`seek` on every start: ``positions`` maps each departed
+        partition ``k`` (``k >= num_partitions``, ``k % num_partitions ==
+        partition``) that the trainer's checkpoint has an offset for to that offset.
+        Records of departed partitions, if the source can reach them, are read
+        before this partition's own. Default: nothing."""
+
     def commit(self, position: Any) -> None:
         """A committed trainer checkpoint holds every record up to ``position``."""
+
+    def commit_taken_over(self, partition: int, position: Any) -> None:
+        """A committed trainer checkpoint holds every record of the departed
+        ``partition`` (taken over by this source) up to ``position``. Default:
+        nothing."""
 
     def stats(self) -> dict[str, float]:
         """Counters for the driver's metrics (``name -> number``)."""

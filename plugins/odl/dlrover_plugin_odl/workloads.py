@@ -88,18 +88,27 @@ class SourceWorkload(BaseWorkload):
         self.stream = cls(dict(self.odl.source.options), self.rank, self.world_size,
                           self.context.job)
 
-    def seek(self, position: Any | None) -> None:
+    def seek(self, position: Any | None, departed: dict | None = None) -> None:
+        """Resume after ``position``; ``departed``: offsets (``str(k) -> position``)
+        of departed partitions this one takes over (see
+        :meth:`StreamSourceBase.take_over`)."""
         self.stream.seek(position)
+        self.stream.take_over({int(k): v for k, v in (departed or {}).items()})
 
     def read(self, max_records: int) -> dict:
-        """Read one chunk. Returns its metadata ``{"partition", "n", "first", "last",
-        "end"}``; the records stay in the object store, referenced by ``data``
+        """Read one chunk. Returns its metadata ``{"partition", "key", "n", "first",
+        "last", "end"}`` (``key``: the partition whose offset ``last`` is, ``str``);
+        the records stay in the object store, referenced by ``data``
         (a one-element list holding the ``ObjectRef``, so the driver never fetches
         them)."""
         import ray
 
         r = self.stream.read(max_records, self.odl.read_timeout_s)
-        meta: dict[str, Any] = {"partition": self.rank, "n": len(r.records), "end": r.end,
+        # key: the partition whose offset the positions advance (a departed one
+        # taken over, or this one)
+        key = self.rank if r.partition is None else r.partition
+        meta: dict[str, Any] = {"partition": self.rank, "key": str(key),
+                                "n": len(r.records), "end": r.end,
                                 "first": r.positions[0] if r.positions else None,
                                 "last": r.positions[-1] if r.positions else None}
         if r.records:
@@ -107,8 +116,13 @@ class SourceWorkload(BaseWorkload):
                                      "records": r.records})]
         return meta
 
-    def commit(self, position: Any) -> None:
-        self.stream.commit(position)
+    def commit(self, position: Any, partition: int | None = None) -> None:
+        """A committed checkpoint holds this partition's records up to ``position``
+        (or, with ``partition``, those of that departed partition taken over)."""
+        if partition is None or int(partition) == self.rank:
+            self.stream.commit(position)
+        else:
+            self.stream.commit_taken_over(int(partition), position)
 
     def stats(self) -> dict[str, float]:
         return self.stream.stats()

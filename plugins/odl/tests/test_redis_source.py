@@ -188,4 +188,76 @@ def test_entries_of_a_departed_consumer_are_counted_and_named(server, caplog):
     src = RedisStreamSource({"stream": "s7", "port": server.port}, 0, 2, "t")
     assert src.stats()["departed_pending"] == 5
     assert "consumers ['t-3'] of group 'dlrover' on stream 's7' hold 5 pending" in caplog.text
-    assert "roles.source.total >= 4" in caplog.text
+    assert "partition k % 2 reads and acknowledges consumer k's" in caplog.text
+
+
+def _pel(client, stream, consumer):
+    return [p["message_id"].decode() for p in
+            client.xpending_range(stream, "dlrover", "-", "+", 1000, consumername=consumer)]
+
+
+def test_resume_with_fewer_partitions_takes_over_the_departed_consumers_pel(server):
+    client = server.client()
+    ids = produce(client, "s8", [{"id": i} for i in range(40)])
+    # a job with 2 source partitions: consumer t-0 gets ids 0-19, t-1 ids 20-34 handed
+    # out and 35-39 delivered with the reply lost
+    a0, a1 = (RedisStreamSource({"stream": "s8", "port": server.port}, p, 2, "t")
+              for p in (0, 1))
+    assert [r["id"] for r in a0.read(20, 0.1).records] == list(range(20))
+    assert [r["id"] for r in a1.read(15, 0.1).records] == list(range(20, 35))
+    client.xreadgroup("dlrover", "t-1", {"s8": ">"}, count=5)
+    a0.commit(ids[9])
+    # the job stops; its last committed checkpoint trained 0-14 and 20-29, the driver
+    # never acknowledged 10-14 and 20-29 (it died first)
+    offsets = {"0": ids[14], "1": ids[29]}
+    ids += produce(client, "s8", [{"id": i} for i in range(40, 50)])
+    # resumed with 1 partition: it takes over consumer t-1 with partition 1's offset
+    b = RedisStreamSource({"stream": "s8", "port": server.port}, 0, 1, "t")
+    assert b.stats()["departed_pending"] == 20
+    b.seek(offsets["0"])
+    b.take_over({1: offsets["1"]})
+    b.commit_taken_over(1, ids[39])    # nothing of t-1 handed out yet: only up to 29
+    assert _pel(client, "s8", "t-1") == ids[30:40]
+    trained = list(range(15)) + list(range(20, 30))
+    while True:
+        r = b.read(4, 0.05)
+        if not r.records:
+            break
+        rids = [rec["id"] for rec in r.records]
+        trained += rids
+        # departed entries first, under partition 1's offset; then t-0's, then new
+        assert r.partition == (1 if 30 <= rids[0] < 40 else None)
+        if r.partition is not None:
+            offsets["1"] = r.positions[-1]
+        else:
+            offsets["0"] = r.positions[-1]
+    assert trained[25:] == list(range(30, 40)) + list(range(15, 20)) + list(range(40, 50))
+    assert sorted(trained) == list(range(50))     # lost == 0, duplicated == 0
+    # the live consumer kept its own entries: none was claimed, t-1 still owns its
+    assert _pel(client, "s8", "t-0") == ids[10:20] + ids[40:50]
+    assert _pel(client, "s8", "t-1") == ids[30:40]
+    b.commit_taken_over(1, offsets["1"])
+    b.commit(offsets["0"])
+    assert _pel(client, "s8", "t-1") == [] and _pel(client, "s8", "t-0") == []
+    assert client.xpending("s8", "dlrover")["pending"] == 0
+
+
+def test_a_departed_consumer_goes_to_partition_k_mod_n_and_live_ones_keep_theirs(server):
+    client = server.client()
+    ids = produce(client, "s9", [{"id": i} for i in range(9)])
+    source(server, "s9")                       # creates the group
+    for c in ("t-0", "t-1", "t-2"):            # a job with 3 sources, nothing trained
+        client.xreadgroup("dlrover", c, {"s9": ">"}, count=3)
+    before = client.xpending_range("s9", "dlrover", "-", "+", 100, consumername="t-1")
+    p0, p1 = (RedisStreamSource({"stream": "s9", "port": server.port}, p, 2, "t")
+              for p in (0, 1))
+    for p in (p0, p1):
+        p.seek(None)
+        p.take_over({})                        # no offset of partition 2 in the checkpoint
+    r0, r1 = drain(p0), drain(p1)
+    assert [i for _, i in r0] == [6, 7, 8, 0, 1, 2] and [i for _, i in r1] == [3, 4, 5]
+    after = client.xpending_range("s9", "dlrover", "-", "+", 100, consumername="t-1")
+    assert [p["message_id"] for p in after] == [p["message_id"] for p in before]
+    p0.commit_taken_over(2, ids[8])
+    p1.commit_taken_over(2, ids[8])            # not p1's: nothing happens
+    assert _pel(client, "s9", "t-2") == [] and _pel(client, "s9", "t-0") == ids[:3]

@@ -1,7 +1,8 @@
 """Whole odl jobs on one real local Ray cluster (shared by this module): backpressure,
 SIGKILLed trainer, preprocess and driver processes with every record id counted,
-Redis Streams through a SIGKILLed broker and then a SIGKILLed trainer, a broker that
-is down at the start, and a stream source from a plugin distribution outside the
+Redis Streams through a SIGKILLed broker and then a SIGKILLed trainer, a Redis job
+resumed with fewer sources than its checkpoint has offsets for, a broker that is down
+at the start, and a stream source from a plugin distribution outside the
 core, found through its entry point."""
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ def cluster(tmp_path_factory):
     reset_plugin_manager(None)
 
 
-def odl_spec(name, odl, roles=None, every=5, **config):
+def odl_spec(name, odl, roles=None, every=5, ckpt_dir=None, **config):
     roles = {"trainer": {"workload": f"{TOY}:ToyTrainer", "resources": {"cpu": 0.5}},
              **(roles or {})}
-    return load_spec({"name": name, "template": "odl", "roles": roles,
-                      "checkpoint": {"every_steps": every, "keep": 2},
+    ckpt = {"every_steps": every, "keep": 2, **({"dir": ckpt_dir} if ckpt_dir else {})}
+    return load_spec({"name": name, "template": "odl", "roles": roles, "checkpoint": ckpt,
                       "failover": {"max_restarts": 5},
                       "config": {"lr": 0.02, "odl": {"log_record_ids": True, **odl}, **config}})
 
@@ -270,6 +271,46 @@ def test_redis_broker_sigkilled_then_trainer_sigkilled_lose_nothing(cluster, job
         # everything trained is in the final committed checkpoint, and acknowledged
         assert srv.client().xpending("events", "trainers")["pending"] == 0
         assert m["source_acked"] >= n
+
+
+@pytest.mark.slow
+def test_redis_job_resumed_with_fewer_sources_trains_a_departed_consumers_entries(
+        cluster, job_dir, tmp_path):
+    from dlrover_plugin_odl.redis_server import LocalRedisServer
+    from dlrover_plugin_odl.redis_source import produce
+
+    n, batch = 400, 16
+    with LocalRedisServer() as srv:
+        client = srv.client()
+        produce(client, "events", [{"id": i, "x": [float(i % 5) - 2, 1.0, 0.0, -1.0],
+                                    "y": int(i % 5 > 2)} for i in range(n)])
+
+        def spec(name, total, max_records):
+            return odl_spec(name, {
+                "source": {"kind": "redis", "options": {
+                    "port": srv.port, "stream": "events", "consumer_prefix": "c-"}},
+                "batch_size": batch, "buffer": 6, "max_records": max_records,
+                "read_timeout_s": 0.2, "idle_timeout_s": 10, "publish_every": 0},
+                roles={"source": {"total": total, "resources": {"cpu": 0.25}}},
+                ckpt_dir=str(tmp_path / "ckpt"))
+
+        # 2 source partitions stop at 160 records; read-ahead chunks stay pending
+        first = finish(start(spec("odl-redis-2", 2, 160), job_dir))
+        assert first["status"] == "succeeded", first["error"]
+        departed = client.xpending_range("events", "dlrover", "-", "+", 1000,
+                                         consumername="c-1")
+        assert departed, "consumer c-1 kept no pending entries: nothing to take over"
+        # resumed from its checkpoint with 1 partition: it reads c-1's entries too
+        job2 = str(tmp_path / "job2")
+        second = finish(start(spec("odl-redis-1", 1, n), job2))
+        assert second["status"] == "succeeded", second["error"]
+        counts = trained_ids(job_dir) + trained_ids(job2)
+        assert set(counts) == set(map(str, range(n)))          # lost == 0
+        assert max(counts.values()) == 1                        # duplicated == 0
+        assert second["metrics"]["departed_pending"] == len(departed)
+        assert client.xpending_range("events", "dlrover", "-", "+", 1000,
+                                     consumername="c-1") == []
+        assert client.xpending("events", "dlrover")["pending"] == 0
 
 
 def test_a_broker_down_at_job_start_fails_the_job_naming_its_address(cluster, job_dir):

@@ -72,7 +72,7 @@ class Probe(BaseWorkload):
         self.model = self.backend.wrap(torch.nn.Linear(4, 1))
 
     def all_reduce(self, value: float) -> float:
-        t = torch.tensor([float(value)])
+        t = torch.tensor([float(value)], device=self.backend.device)
         dist.all_reduce(t)
         return t.item()
 
