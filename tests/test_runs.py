@@ -103,6 +103,9 @@ def test_runs_have_their_own_events_summary_and_timeline(runs, results, capfd):
     assert main(["timeline", "runs-test", "--job-dir", job_dir, "--run", "7"]) == 2
     with pytest.raises(FileNotFoundError, match="no run 7; its runs: 1, 2"):
         run_paths(job_dir, 7)
+    with pytest.raises(SystemExit) as e:  # a usage error, before anything is read
+        main(["logs", "runs-test", "--job-dir", job_dir, "--run", "second"])
+    assert e.value.code == 2
 
 
 def test_logs_are_per_run_with_a_header(runs, capsys):

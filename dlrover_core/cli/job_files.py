@@ -18,6 +18,20 @@ __all__ = ["EVENTS", "METRICS", "SUMMARY", "AmbiguousJobError", "JobFiles", "Job
            "find_job", "is_job_dir", "job_name_of", "resolve_job_dir"]
 
 
+def run_option(text: str) -> str:
+    """argparse ``type`` of ``--run``: ``N``, ``run-N`` or ``latest``, checked here so a
+    bad value is a usage error (exit 2) naming the forms allowed."""
+    import argparse
+
+    from dlrover_core.runs import parse_run
+
+    try:
+        parse_run(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 class AmbiguousJobError(LookupError):
     """A job name matches several job directories (the message lists them)."""
 

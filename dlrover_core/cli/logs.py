@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Iterable
 
+from dlrover_core.cli.job_files import run_option
 from dlrover_core.runs import SUMMARY
 from dlrover_core.runtime.log_capture import LOGS_DIR
 
@@ -192,7 +193,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing new output until the job ends")
     p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
-    p.add_argument("--run", default=None,
+    p.add_argument("--run", default=None, type=run_option,
                    help="which run of the job directory (N or run-N; default: the latest)")
     p.set_defaults(func=cmd_logs)
 

@@ -39,6 +39,7 @@ from typing import Sequence
 
 from dlrover_core import __version__
 from dlrover_core.cli import hooks_doc, jobs_list, logs, plugin_new, timeline_cmd
+from dlrover_core.cli.job_files import run_option
 from dlrover_core.cli.output import console_for, print_json, print_table
 
 err = console_for(stderr=True)
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("name", help="job name, or a job directory")
     st.add_argument("--address", default=None)
     st.add_argument("--job-dir", default=None)
-    st.add_argument("--run", default=None,
+    st.add_argument("--run", default=None, type=run_option,
                     help="an earlier run's summary (N or run-N; default: the latest run)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)

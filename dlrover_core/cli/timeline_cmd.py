@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from dlrover_core.cli.job_files import run_option
 from dlrover_core.cli.output import print_json
 
 
@@ -15,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default="timeline.png",
                    help="image to write (.png, .svg, .pdf; default timeline.png)")
     p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
-    p.add_argument("--run", default=None,
+    p.add_argument("--run", default=None, type=run_option,
                    help="which run of the job directory (N or run-N; default: the latest)")
     p.add_argument("--json", action="store_true",
                    help="print the drawn data as JSON instead of drawing")
