@@ -67,3 +67,105 @@ def read_checksummed(path: str) -> bytes | None:
         raise ValueError(f"{path}: sha256 of the payload does not match its header line "
                          "(a torn or corrupt file)")
     return payload
+
+
+def write_all(f: Any, data: bytes | memoryview) -> int:
+    """Write every byte of ``data`` to the raw file ``f`` (an unbuffered ``FileIO``):
+    ``FileIO.write`` may write fewer bytes than asked (a signal, FUSE, NFS), so this
+    loops on the rest. Returns the bytes written (``len(data)``).
+
+    Raises:
+        OSError: ``f.write`` wrote nothing (``0`` or ``None``: a non-blocking file
+            that is not ready); a full disk raises ``ENOSPC`` from ``f.write`` itself.
+    """
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        n = f.write(view[done:])
+        if not n:
+            raise OSError(f"write to {getattr(f, 'name', f)!r} wrote nothing at byte {done} "
+                          f"of {len(view)}")
+        done += n
+    return done
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` in one step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); ``False`` where the C library or the filesystem lacks it."""
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                   ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # e.g. NFS, some FUSE filesystems, seccomp
+    raise OSError(err, os.strerror(err), a)
+
+
+def aside_name(path: str) -> str:
+    """Where :func:`replace_dir` keeps the old ``path`` on a filesystem without an
+    atomic exchange, between its two renames."""
+    return path.rstrip("/") + ".replaced"
+
+
+def replace_dir(src: str, dst: str) -> str | None:
+    """Move the directory ``src`` to ``dst``, replacing a ``dst`` that exists, so that
+    at every moment either the old or the new ``dst`` is complete and can be found.
+
+    Design: a new ``dst`` is one ``rename``. An existing one is swapped with ``src``
+    in one step (``renameat2(RENAME_EXCHANGE)``, Linux >= 3.15 on ext4, xfs, btrfs,
+    tmpfs); afterwards ``src`` holds the old directory. Where that is not supported
+    (NFS, macOS), the old ``dst`` is first renamed to :func:`aside_name` and then
+    ``src`` to ``dst``: between the two renames a reader finds the old copy there
+    (:func:`recover_aside` puts it back after a crash). ``fsync``s the parent.
+
+    Returns the path now holding the old directory (the caller removes it), or
+    ``None`` when ``dst`` did not exist.
+    """
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.exists(dst):
+        os.rename(src, dst)
+        fsync_dir(parent)
+        return None
+    if _exchange(src, dst):
+        fsync_dir(parent)
+        return src
+    aside = aside_name(dst)
+    if os.path.exists(aside):
+        import shutil
+
+        shutil.rmtree(aside)  # a finished replacement's leftover (dst is complete)
+    os.rename(dst, aside)
+    try:
+        os.rename(src, dst)
+    except OSError:
+        recover_aside(dst)  # a reader put the old copy back first: it stays
+        raise
+    fsync_dir(parent)
+    return aside
+
+
+def recover_aside(dst: str) -> bool:
+    """After a crash between :func:`replace_dir`'s two renames (or while one is
+    between them: its second rename then fails and the old copy stays): put the old
+    copy back when ``dst`` is missing. Returns whether it did."""
+    aside = aside_name(dst)
+    if os.path.isdir(aside) and not os.path.exists(dst):
+        try:
+            os.rename(aside, dst)
+        except OSError:
+            return False
+        return True
+    return False

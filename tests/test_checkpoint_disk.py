@@ -10,7 +10,7 @@ import torch
 
 from dlrover_core.checkpoint import Checkpointer, SaverConfig, SaverContext
 from dlrover_core.checkpoint.disk import DiskSaver
-from dlrover_core.checkpoint.manifest import CorruptCheckpointError, verify
+from dlrover_core.checkpoint.manifest import CheckpointLoadError, CorruptCheckpointError, verify
 
 
 def make(tmp_path, keep=3):
@@ -86,3 +86,99 @@ def test_corrupt_and_partial_steps_are_skipped(tmp_path, caplog):
     assert "skipping checkpoint step 4" in caplog.text
     for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def _params(m):
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def test_damaged_step_is_quarantined_and_prune_keeps_the_step_just_saved(tmp_path):
+    """A shard of the newest step is cut short from outside: the load falls back to
+    the older step and renames the damaged one ``.corrupt``; a save below it with
+    ``keep=1`` keeps the step it just saved."""
+    ck = make(tmp_path)
+    m, opt = model_and_opt(0)
+    ck.save(2, model=m, optimizer=opt)
+    ck.save(4, model=model_and_opt(4)[0], optimizer=opt)
+    d = tmp_path / "ck"
+    shard = next(p for p in (d / "step_00000004").iterdir() if p.suffix == ".distcp")
+    os.truncate(shard, shard.stat().st_size // 2)
+    m2, opt2 = model_and_opt(9)
+    assert ck.load(model=m2, optimizer=opt2) == 2
+    assert all(torch.equal(a, b) for a, b in zip(_params(m), _params(m2)))
+    assert (d / "step_00000004.corrupt").is_dir() and not (d / "step_00000004").exists()
+    one = make(tmp_path, keep=1)
+    one.save(3, model=m2, optimizer=opt2)
+    assert one.saver.committed_steps() == [3]
+    assert (d / "latest").read_text().strip() == "3"
+
+
+def test_load_raises_when_committed_steps_exist_but_none_loads(tmp_path):
+    """Every committed step lost a file (a prune racing the load, an NFS glitch):
+    the load raises with each step tried and why, instead of returning None (which
+    would restart training from step 0); the steps are not quarantined."""
+    ck = make(tmp_path)
+    m, opt = model_and_opt(0)
+    for step in (2, 4):
+        ck.save(step, model=m, optimizer=opt)
+        shard = next(p for p in (tmp_path / "ck" / f"step_{step:08d}").iterdir()
+                     if p.suffix == ".distcp")
+        shard.unlink()
+    m2, opt2 = model_and_opt(9)
+    before = _params(m2)
+    with pytest.raises(CheckpointLoadError) as e:
+        ck.load(model=m2, optimizer=opt2)
+    assert sorted(e.value.tried) == [2, 4]
+    assert "step 4: CorruptCheckpointError" in str(e.value) and "is missing" in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(m2)))
+    assert ck.saver.committed_steps() == [2, 4]
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exchange):
+    """Step 4 is saved again (a restart from an older step reached it again). A crash
+    is injected at each rename of the save (DCP's own, then the replacement's swap, or
+    its two renames where the filesystem has no atomic exchange): afterwards step 4
+    is always listed and verifies, holding the old or the new state."""
+    import dlrover_core.atomic_io as aio
+
+    real_rename, real_replace, real_exchange = os.rename, os.replace, aio._exchange
+    m_old, opt = model_and_opt(0)
+    m_new, _ = model_and_opt(5)
+    outcomes = set()
+    for crash_at in range(8):
+        root = tmp_path / f"c{crash_at}"
+        ck = make(root)
+        ck.save(4, model=m_old, optimizer=opt)
+        calls = []
+
+        def step(fn, *args, crash_at=crash_at, calls=calls):
+            calls.append(args)
+            if len(calls) > crash_at:
+                raise OSError("injected crash")
+            return fn(*args)
+
+        monkeypatch.setattr(os, "rename", lambda a, b: step(real_rename, a, b))
+        monkeypatch.setattr(os, "replace", lambda a, b: step(real_replace, a, b))
+        monkeypatch.setattr(aio, "_exchange", (lambda a, b: step(real_exchange, a, b))
+                            if exchange else (lambda a, b: False))
+        try:
+            ck.save(4, model=m_new, optimizer=opt)
+            crashed = False
+        except BaseException as exc:  # DCP wraps it in CheckpointException(BaseException)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            crashed = True
+        monkeypatch.setattr(os, "rename", real_rename)
+        monkeypatch.setattr(os, "replace", real_replace)
+        monkeypatch.setattr(aio, "_exchange", real_exchange)
+        assert ck.saver.committed_steps() == [4], crash_at
+        verify(str(root / "ck" / "step_00000004"))
+        m2, opt2 = model_and_opt(9)
+        assert ck.load(model=m2, optimizer=opt2) == 4
+        got = [any(torch.equal(a, b) for a, b in zip(_params(w), _params(m2)))
+               for w in (m_old, m_new)]
+        assert got[0] != got[1] and (crashed or got[1]), crash_at  # whole old or new
+        outcomes.add((crashed, got[1]))
+    # crashes before the swap (old), after it (new), and a finished save (new)
+    assert outcomes == {(True, False), (True, True), (False, True)}

@@ -95,6 +95,7 @@ def test_the_loop_raises_workers_then_the_micro_batch_and_keeps_the_global_batch
     ctl.on_report("trainer", 0, 120, {**model_step(cfg), "tuning_version": 99})
     ctl.phase, ctl.applied_step, ctl.previous = "trial", None, ctl.config
     ctl.config = ctl.config.updated({"dataloader": {"num_workers": 5}}, version=cfg["version"] + 1)
+    ctl.history.append({"version": ctl.config.version, "kind": "proposal"})
     s = ctl.summary()
     assert s["version"] == cfg["version"] and s["pending"]["dataloader"]["num_workers"] == 5
 
@@ -127,6 +128,26 @@ def test_memory_over_the_limit_is_reverted():
     assert rev and "memory peak" in rev[0]["reason"]
     assert ctl.current()["dataloader"]["batch_size"] == 8  # 16 needs 2.6e8 > 2e8 bytes
     assert mbt.done and mbt.predicted_memory(16) == pytest.approx(2.6e8)
+
+
+def test_a_revert_the_job_never_ran_is_pending_in_the_summary():
+    """The job ends right after a revert was published: the summary names the version
+    the ranks ran last, and the revert as pending."""
+    events: list = []
+    mbt = MicroBatchTuner({"max_micro_batch": 64, "max_data_wait_share": 1.0})
+    ctl = controller(events, tuners=[("micro_batch", mbt)],
+                     guard=Guard(memory_limit_bytes=int(1e8 + 10 * 1e7)))
+    step = 0
+    while not any(e["event"] == "tuning_reverted" for e in events):
+        drive(ctl, 1, start=step)
+        step += 1
+        assert step < 400, names(events)
+    rev = [e for e in events if e["event"] == "tuning_reverted"][0]
+    s = ctl.summary()
+    assert s["version"] == rev["reverted_version"] and s["pending"]["version"] == rev["version"]
+    drive(ctl, 1, start=step)  # a report under the revert: now it ran
+    s = ctl.summary()
+    assert s["version"] == rev["version"] and s["pending"] is None
 
 
 def test_a_tuner_that_raises_is_skipped_and_the_others_still_tune():

@@ -115,6 +115,9 @@ class Checkpointer:
         """Load the newest committed step (or ``step``) into ``objects`` in place.
 
         Returns the loaded step, or ``None`` when no checkpoint exists (objects untouched).
+        Raises:
+            CheckpointLoadError: checkpoints exist but none could be loaded (the
+                built-in savers; the objects may be partly overwritten: do not train on).
         """
         template = self.engine.state_dict(objects)
         loaded = self.saver.load(template, step)

@@ -1,12 +1,17 @@
 """The built-in ``disk`` saver: torch.distributed.checkpoint to a directory, committed
 atomically.
 
-Save (blocking): every rank writes its shards with DCP into ``.tmp_step_<n>/``
+Save (blocking): every rank writes its shards with DCP into ``.step_<n>.tmp/``
 (files fsynced); rank 0 writes ``manifest.json`` (sizes + sha256 of every file),
-fsyncs, renames the directory to ``step_<n>``, updates ``latest`` atomically and
-prunes to ``keep`` steps; a barrier ends the save on every rank.
-Load: the newest step whose manifest verifies; corrupt steps are skipped with a
-warning. With a torch.distributed group, rank 0 picks the step and broadcasts it.
+fsyncs, moves the directory to ``step_<n>`` (an existing ``step_<n>``, a re-save after
+a restart from an older step, is swapped in one step:
+:func:`dlrover_core.atomic_io.replace_dir`), updates ``latest`` atomically and prunes
+to ``keep`` steps, never the one just saved; a barrier ends the save on every rank.
+Load: the newest step whose manifest verifies; a step whose file has another size or
+sha256 is quarantined (``step_<n>.corrupt``) and skipped with a warning; when
+committed steps exist but none loads, :class:`CheckpointLoadError` is raised (never
+``None``: that would restart training from step 0). With a torch.distributed group,
+rank 0 picks the step and broadcasts it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ import os
 import shutil
 from typing import Any
 
-from dlrover_core.checkpoint.manifest import MANIFEST, CorruptCheckpointError, build_manifest, verify
+from dlrover_core.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointLoadError,
+    CorruptCheckpointError,
+    DamagedStepError,
+    build_manifest,
+    verify,
+)
 from dlrover_core.checkpoint.saver import (
     Saver,
     atomic_write_json,
@@ -24,6 +36,8 @@ from dlrover_core.checkpoint.saver import (
     committed_steps,
     fsync_dir,
     prune,
+    quarantine,
+    replace_dir,
     step_dir_name,
 )
 
@@ -59,38 +73,65 @@ class DiskSaver(Saver):
             manifest = build_manifest(tmp, step, {"world_size": self.context.world_size,
                                                   "format": "dcp"})
             atomic_write_json(os.path.join(tmp, MANIFEST), manifest)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_dir(directory)
+            fsync_dir(tmp)
+            old = replace_dir(tmp, final)  # the old step_<n> stays whole until the swap
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
             atomic_write_text(os.path.join(directory, "latest"), f"{step}\n")
-            prune(directory, self.config.keep)
+            prune(directory, self.config.keep, protect=step)
         self._barrier()
 
-    def _pick_step(self, step: int | None) -> int | None:
+    def _pick_step(self, step: int | None) -> tuple[int | None, dict[int, str]]:
+        """(the newest step that verifies, or ``None``; the steps tried before and why
+        each failed). A damaged step is quarantined."""
         directory = self.config.dir
         candidates = [step] if step is not None else committed_steps(directory)[::-1]
+        tried: dict[int, str] = {}
         for s in candidates:
             path = os.path.join(directory, step_dir_name(s))
             try:
                 verify(path)
-                return s
+                return s, tried
             except CorruptCheckpointError as exc:
                 log.warning("skipping checkpoint step %d: %s", s, exc)
-        return None
+                tried[s] = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, DamagedStepError):
+                    quarantine(directory, s, str(exc))
+        return None, tried
 
     def load(self, state_dict: dict, step: int | None = None) -> int | None:
+        """Load the newest committed step that verifies (or ``step``) into
+        ``state_dict`` in place; ``None`` when no step is committed.
+
+        Raises:
+            CheckpointLoadError: committed steps exist but none verified or loaded
+                (each step tried and why).
+        """
         import torch.distributed.checkpoint as dcp
 
         dist = _dist()
-        chosen = self._pick_step(step) if self.context.rank == 0 or dist is None else None
+        picked: tuple[int | None, dict[int, str]] = (None, {})
+        if self.context.rank == 0 or dist is None:
+            picked = self._pick_step(step)
         if dist is not None:
-            box = [chosen]
+            box = [picked]
             dist.broadcast_object_list(box, src=0)
-            chosen = box[0]
+            picked = box[0]
+        chosen, tried = picked
         if chosen is None:
+            if tried:
+                raise CheckpointLoadError(self.config.dir, tried)
             return None
         path = os.path.join(self.config.dir, step_dir_name(chosen))
-        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), no_dist=dist is None)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path),
+                     no_dist=dist is None)
+        # the live state may be partly overwritten now (CheckpointException is a
+        # BaseException)
+        except (Exception, CheckpointException) as exc:
+            tried[chosen] = f"{type(exc).__name__}: {exc}"
+            raise CheckpointLoadError(self.config.dir, tried) from exc
         self.last_load_source = "disk"
         return chosen

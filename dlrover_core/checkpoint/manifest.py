@@ -14,6 +14,29 @@ class CorruptCheckpointError(RuntimeError):
     """A committed step's files do not match its manifest."""
 
 
+class DamagedStepError(CorruptCheckpointError):
+    """A committed step's file has another size or checksum than its manifest says:
+    the step is quarantined (:func:`dlrover_core.checkpoint.saver.quarantine`) by
+    whoever finds it. A missing file or manifest is not "damaged" (a prune may be
+    racing the reader)."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """Committed steps exist but none could be loaded; ``tried`` maps each step tried
+    to why it failed (the message lists them). Raised instead of returning ``None``, so
+    that a job never restarts from step 0 over a checkpoint it failed to read."""
+
+    def __init__(self, directory: str, tried: dict[int, str]) -> None:
+        self.directory = directory
+        self.tried = dict(tried)
+        lines = "; ".join(f"step {s}: {why}" for s, why in sorted(tried.items(), reverse=True))
+        super().__init__(f"{directory}: committed checkpoint steps exist but none loaded "
+                         f"(tried {len(tried)}): {lines}")
+
+    def __reduce__(self):  # keep the attributes when Ray pickles it
+        return (CheckpointLoadError, (self.directory, self.tried))
+
+
 def file_digest(path: str, chunk: int = 8 << 20) -> str:
     """``sha256`` hex digest of a file."""
     h = hashlib.sha256()
@@ -43,7 +66,8 @@ def verify(step_dir: str) -> dict:
     """Check sizes and checksums against the manifest; return the manifest.
 
     Raises:
-        CorruptCheckpointError: missing manifest, missing file, size or checksum mismatch.
+        DamagedStepError: a size or checksum mismatch.
+        CorruptCheckpointError: missing manifest or file.
     """
     path = os.path.join(step_dir, MANIFEST)
     try:
@@ -57,8 +81,8 @@ def verify(step_dir: str) -> dict:
             raise CorruptCheckpointError(f"{step_dir}: file {rel} is missing")
         size = os.path.getsize(p)
         if size != meta["bytes"]:
-            raise CorruptCheckpointError(
+            raise DamagedStepError(
                 f"{step_dir}: {rel} has {size} bytes, manifest says {meta['bytes']}")
         if file_digest(p) != meta["sha256"]:
-            raise CorruptCheckpointError(f"{step_dir}: {rel} checksum does not match the manifest")
+            raise DamagedStepError(f"{step_dir}: {rel} checksum does not match the manifest")
     return manifest

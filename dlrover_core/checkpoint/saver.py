@@ -6,18 +6,29 @@ from this module."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from dlrover_core.atomic_io import atomic_write_json, atomic_write_text, fsync_dir
+from dlrover_core.atomic_io import (
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+    recover_aside,
+    replace_dir,
+)
 
 __all__ = ["STEP_DIR_RE", "Saver", "SaverConfig", "SaverContext", "atomic_write_json",
-           "atomic_write_text", "committed_steps", "fsync_dir", "prune", "step_dir_name"]
+           "atomic_write_text", "committed_steps", "fsync_dir", "prune", "quarantine",
+           "replace_dir", "step_dir_name"]
+
+log = logging.getLogger(__name__)
 
 STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
+_ASIDE_RE = re.compile(r"^(step_\d{8,})\.replaced$")
 
 
 def step_dir_name(step: int) -> str:
@@ -73,7 +84,9 @@ class Saver(ABC):
     @abstractmethod
     def load(self, state_dict: dict, step: int | None = None) -> int | None:
         """Load the newest committed step (or ``step``) into ``state_dict`` in place;
-        return the step, or ``None`` when there is none."""
+        return the step, or ``None`` when there is none. When committed steps exist
+        but none loads, raise (``CheckpointLoadError``) rather than return ``None``: a
+        ``None`` restarts training from step 0."""
 
     def committed_steps(self) -> list[int]:
         """Committed steps on storage, oldest first."""
@@ -87,9 +100,18 @@ class Saver(ABC):
 
 
 def committed_steps(directory: str) -> list[int]:
-    """Steps with a committed ``step_<n>`` directory under ``directory``, oldest first."""
+    """Steps with a committed ``step_<n>`` directory under ``directory``, oldest first.
+
+    Quarantined steps (``step_<n>.corrupt``, see :func:`quarantine`) are not listed. A
+    step whose replacement crashed between two renames (``step_<n>.replaced`` only,
+    see :func:`dlrover_core.atomic_io.replace_dir`) is put back first."""
     if not os.path.isdir(directory):
         return []
+    names = os.listdir(directory)
+    for name in names:
+        m = _ASIDE_RE.match(name)
+        if m:
+            recover_aside(os.path.join(directory, m.group(1)))
     steps = []
     for name in os.listdir(directory):
         m = STEP_DIR_RE.match(name)
@@ -98,10 +120,36 @@ def committed_steps(directory: str) -> list[int]:
     return sorted(steps)
 
 
-def prune(directory: str, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` committed steps; returns the deleted steps."""
-    steps = committed_steps(directory)
+def prune(directory: str, keep: int, steps: list[int] | None = None,
+          protect: int | None = None) -> list[int]:
+    """Delete all but the newest ``keep`` of ``steps`` (default: the committed steps),
+    never ``protect`` (the step just committed); returns the deleted steps."""
+    steps = committed_steps(directory) if steps is None else sorted(steps)
     old = steps[:-keep] if keep > 0 else []
+    old = [s for s in old if s != protect]
     for s in old:
         shutil.rmtree(os.path.join(directory, step_dir_name(s)), ignore_errors=True)
     return old
+
+
+def quarantine(directory: str, step: int, reason: str) -> str | None:
+    """Rename the committed ``step`` that failed its check to ``step_<n>.corrupt``
+    (``.corrupt-2``, ... when taken), so that no listing, commit, prune or load
+    counts it again; the files stay for inspection. Returns the new path, or ``None``
+    when the step is gone already (pruned by another process)."""
+    src = os.path.join(directory, step_dir_name(step))
+    for k in range(1, 100):
+        dst = f"{src}.corrupt" + (f"-{k}" if k > 1 else "")
+        if os.path.exists(dst):
+            continue
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            continue  # taken meanwhile
+        fsync_dir(directory)
+        log.warning("quarantined checkpoint step %d as %s: %s", step, os.path.basename(dst),
+                    reason)
+        return dst
+    return None

@@ -483,7 +483,7 @@ class TuningController:
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:
         """For ``summary.json``: the ``version`` and ``config`` the ranks ran last (a
-        proposal published but never run when the job ended is ``pending``), how many
+        proposal or revert published but never run when the job ended is ``pending``), how many
         versions were ``proposed`` (retries included), ``retried``, ``accepted`` and
         ``reverted`` (out of memory included), the ``memory_ceiling`` (the smallest
         micro-batch that ran out of memory, or ``None``) and the ``history``."""
@@ -492,8 +492,10 @@ class TuningController:
 
     def _summary(self) -> dict:
         ended, pending = self.config, None
-        if self.phase == "trial" and self.applied_step is None and self.previous is not None:
-            ended, pending = self.previous, self.config  # proposed, never run: not the end
+        if (self.applied_step is None and self.previous is not None and self.config is not None
+                and self.history and self.history[-1]["version"] == self.config.version):
+            # proposed or reverted, never run (the job ended first): not the end
+            ended, pending = self.previous, self.config
         return {
             "version": None if ended is None else ended.version,
             "config": None if ended is None else ended.to_dict(),

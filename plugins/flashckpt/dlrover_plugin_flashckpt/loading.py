@@ -23,8 +23,8 @@ import re
 import zlib
 from typing import Any
 
-from dlrover_core.checkpoint.manifest import CorruptCheckpointError
-from dlrover_core.checkpoint.saver import committed_steps, step_dir_name
+from dlrover_core.checkpoint.manifest import CheckpointLoadError, CorruptCheckpointError
+from dlrover_core.checkpoint.saver import quarantine, step_dir_name
 from dlrover_plugin_flashckpt import layout, shm, storage
 from dlrover_plugin_flashckpt.reader import ShardReader
 
@@ -49,6 +49,8 @@ class LoadingMixin:
     opts: Any
     paths: list[str]
     last_load_source: str | None
+    _attempt: dict | None
+    _next_attempt: tuple[dict, int | None] | None
 
     def _memory_steps(self) -> dict[int, int]:
         """step -> slot of the complete saves this rank's buffers hold."""
@@ -135,15 +137,27 @@ class LoadingMixin:
         Then reserves the buffers for this state in the background (first save at
         steady speed).
 
-        Returns the step, or ``None`` when there is none.
+        A committed step whose files fail their check (size, crc32) is quarantined
+        (renamed ``step_<n>.corrupt``) and the next older one is tried. A load draws
+        a new attempt token shared by every rank; the first save after it makes it
+        the lineage of :attr:`dir` with the loaded step as its base (a load alone
+        changes nothing on disk but quarantines).
+
+        Returns the step, or ``None`` when there is none (no committed step and no
+        complete save in memory).
         Raises:
             LayoutError: the saved state does not fit the live one (another model or
                 world size), from memory and from disk alike.
+            CheckpointLoadError: saves exist but none loaded (``tried``: each step and
+                why); the live state may have been partly overwritten, so training
+                must not go on from it.
         """
         self.last_load_source = None
         self._wait_reserve()
         try:
-            return self._load(state_dict, step)
+            loaded = self._load(state_dict, step)
+            self._agree_attempt(loaded)
+            return loaded
         finally:
             # the persister is looked up (or started: it removes stale buffers of dead
             # jobs) in the background thread since the saver was made; a load reads
@@ -164,7 +178,7 @@ class LoadingMixin:
         worlds = {h[2] for h in held}
         common_other = set(held[0][1]).intersection(*(set(h[1]) for h in held[1:])) \
             if len(worlds) == 1 else set()
-        disk = committed_steps(self.dir)
+        disk = storage.lineage_steps(self.dir, check_sizes=False)  # verified below
         if self._dist() is not None:  # rank 0's view of the directory decides
             box = [disk]
             self._dist().broadcast_object_list(box, src=0)
@@ -176,6 +190,7 @@ class LoadingMixin:
             mem = sorted(common | common_other, reverse=True)[:1]
             if mem and disk and disk[-1] > mem[0]:
                 mem = []
+        tried: dict[int, str] = {}
         for s in mem:
             err: BaseException | None = None
             source = "memory"
@@ -196,6 +211,7 @@ class LoadingMixin:
                 if not self._relayout(state_dict, s, "memory", errors):
                     log.warning("step %d in shared memory has another layout and cannot be "
                                 "resharded from this node's buffers; trying the disk", s)
+                    tried[s] = "shared memory: another layout, not reshardable from here"
                     continue
                 errors, source = [], "memory-resharded"
             if not errors:
@@ -206,6 +222,7 @@ class LoadingMixin:
                 raise layout.LayoutError("; ".join(errors))
             log.warning("loading step %d from shared memory failed (%s); trying the disk",
                         s, "; ".join(errors))
+            tried[s] = "shared memory: " + "; ".join(errors)
         for s in sorted(disk, reverse=True):
             step_dir = os.path.join(self.dir, step_dir_name(s))
             err = None
@@ -221,6 +238,8 @@ class LoadingMixin:
             errors = self._all_ok(err)
             if errors:
                 log.warning("skipping checkpoint step %d: %s", s, "; ".join(errors))
+                tried[s] = "; ".join(errors)
+                self._quarantine_if_damaged(s, errors)
                 continue
             try:
                 if saved_world == self.world_size:
@@ -239,10 +258,46 @@ class LoadingMixin:
                 if any("LayoutError" in e for e in errors):
                     raise layout.LayoutError("; ".join(errors))
                 log.warning("skipping checkpoint step %d: %s", s, "; ".join(errors))
+                tried[s] = "; ".join(errors)
+                self._quarantine_if_damaged(s, errors)
                 continue
             self.last_load_source = source
             return s
+        if tried:
+            raise CheckpointLoadError(self.dir, tried)
         return None
+
+    def _quarantine_if_damaged(self, step: int, errors: list[str]) -> None:
+        """Rank 0 renames ``step`` to ``step_<n>.corrupt`` when a rank found a file of
+        another size or crc32 than its manifest (not for a missing file or manifest:
+        a prune racing the load, an NFS glitch)."""
+        if self.rank == 0 and any("DamagedStepError" in e for e in errors):
+            quarantine(self.dir, step, "; ".join(errors))
+
+    def _agree_attempt(self, base: int | None) -> None:
+        """Draw this incarnation's attempt (collective with a process group: every
+        rank takes rank 0's epoch); the first save makes it the lineage of :attr:`dir`
+        with ``base`` (the step restored) as its base (:meth:`_start_attempt`). Without
+        a process group the epoch is empty when ``world_size > 1`` (the ranks cannot
+        agree on a random one): the attempt is then the run id and world size only."""
+        epoch = storage.new_epoch() if self._dist() is not None or self.world_size == 1 \
+            else ""
+        attempt = storage.make_attempt(self._ident()["run_id"], self.world_size, epoch)
+        self._attempt = None
+        self._next_attempt = (self._gather(attempt)[0], base)
+
+    def _start_attempt(self) -> dict:
+        """At the first save after a load (or the first save at all: collective then):
+        rank 0 writes the lineage (:func:`.storage.start_lineage`) before the save's
+        meta block names the attempt, so no marker of it can precede the lineage."""
+        if self._next_attempt is None:
+            self._agree_attempt(storage.newest_committed(self.dir) if self.rank == 0 else None)
+        assert self._next_attempt is not None
+        attempt, base = self._next_attempt
+        if self.rank == 0:
+            storage.start_lineage(self.dir, attempt, base)
+        self._attempt, self._next_attempt = attempt, None
+        return attempt
 
     # ------------------------------------------------------------------ other world size
     def _node_saves(self) -> dict[int, dict[int, dict[int, str]]]:

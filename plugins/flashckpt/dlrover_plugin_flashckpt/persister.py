@@ -129,11 +129,69 @@ class FlashPersister:
             self._repl_wake.set()
 
     # ------------------------------------------------------------------ replicas
-    def store_replica(self, info: dict, data: Any) -> str:
-        """Hold a replica of another node's save (called by that node's persister;
-        ``data`` arrives through Ray's object transfer). Returns the buffer name."""
+    def _allowed_shm_dir(self, shm_dir: str) -> str:
+        """``shm_dir`` when it is ``/dev/shm`` or the shared-memory directory of a rank
+        registered here, as an absolute path without symlinks.
+
+        Raises:
+            ValueError: any other directory (a caller-chosen path)."""
+        with self._lock:
+            allowed = {"/dev/shm"} | {r.shm_dir for r in self._regs.values()}
+        if not isinstance(shm_dir, str) or shm_dir not in allowed \
+                or os.path.realpath(shm_dir) != os.path.normpath(shm_dir):
+            raise ValueError(f"flash persister of job {self.job!r}: shm_dir {shm_dir!r} is not "
+                             f"allowed; allowed: {sorted(allowed)} (no symlinks)")
+        return shm_dir
+
+    def _allowed_dir(self, directory: str) -> str:
+        """``directory`` when it can be the checkpoint directory of a role of this
+        job: an absolute, normalized path; where ranks registered here, one of theirs
+        or a sibling (another role under the job's checkpoint folder). A node that
+        only holds replicas (no rank of the job) cannot tell more; the directory is
+        only hashed into buffer names and recorded, never opened.
+
+        Raises:
+            ValueError: any other path."""
+        with self._lock:
+            dirs = {r.dir for r in self._regs.values()}
+        ok = isinstance(directory, str) and os.path.isabs(directory) \
+            and os.path.normpath(directory) == directory \
+            and (not dirs or directory in dirs
+                 or os.path.dirname(directory) in {os.path.dirname(d) for d in dirs})
+        if not ok:
+            raise ValueError(f"flash persister of job {self.job!r}: checkpoint dir "
+                             f"{directory!r} is not this job's; registered: {sorted(dirs)}")
+        return directory
+
+    def _allowed_replica(self, path: str) -> str:
+        """``path`` when it names a replica buffer of this job in an allowed shared-
+        memory directory.
+
+        Raises:
+            ValueError: any other path."""
         from dlrover_plugin_flashckpt import replica
 
+        name = os.path.basename(path) if isinstance(path, str) else ""
+        try:
+            self._allowed_shm_dir(os.path.dirname(path))
+        except (ValueError, TypeError):
+            raise ValueError(f"flash persister of job {self.job!r}: replica path {path!r} "
+                             "is not in an allowed shared-memory directory") from None
+        if not name.startswith(shm.job_prefix(self.job)) or replica.parse_replica(name) is None:
+            raise ValueError(f"flash persister of job {self.job!r}: {path!r} is not a replica "
+                             f"buffer of this job (names start {shm.job_prefix(self.job)!r})")
+        return path
+
+    def store_replica(self, info: dict, data: Any) -> str:
+        """Hold a replica of another node's save (called by that node's persister;
+        ``data`` arrives through Ray's object transfer). Returns the buffer name.
+
+        Raises:
+            ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's."""
+        from dlrover_plugin_flashckpt import replica
+
+        self._allowed_dir(info.get("dir"))
+        self._allowed_shm_dir(info.get("shm_dir", "/dev/shm"))
         ident = {"job": self.job, "role": info.get("role", ""), "rank": info["rank"],
                  "world_size": info["world_size"], "dir": info["dir"], "session": self.session,
                  "run_id": info.get("run_id", ""), "replica_of": info.get("source", "")}
@@ -145,6 +203,9 @@ class FlashPersister:
         "path", "rank", "world_size", "step", "bytes"}]}``."""
         from dlrover_plugin_flashckpt import replica
 
+        if not isinstance(directory, str) or not os.path.isabs(directory):
+            raise ValueError(f"replicas: directory {directory!r} is not an absolute path")
+        self._allowed_shm_dir(shm_dir)  # listed; ``directory`` is only compared
         return {"node_id": self.node_id,
                 "held": replica.held(shm_dir, self.job, directory, self.node_id)}
 
@@ -153,10 +214,11 @@ class FlashPersister:
         ``{"meta", "data" (numpy uint8), "step"}``.
 
         Raises:
-            ValueError: it no longer holds ``step``."""
+            ValueError: it no longer holds ``step``, or ``path`` is not a replica
+                buffer of this job."""
         from dlrover_plugin_flashckpt import replica
 
-        return replica.read(path, step)
+        return replica.read(self._allowed_replica(path), step)
 
     def replica_status(self) -> dict:
         with self._lock:
@@ -377,6 +439,8 @@ class FlashPersister:
         return claims
 
     def _release(self, claims: list[_Claim], results: dict[int, dict]) -> None:
+        """Give the claimed slots back (READY); those written (``results``) count as
+        persisted."""
         for c in claims:
             with c.seg.locked():
                 h = c.seg.read_header()
@@ -551,9 +615,10 @@ class FlashPersister:
         if not claims:
             return False
         results: dict[int, dict] = {}
+        attempts: list[dict] = []
         t0 = time.monotonic()
+        first = regs[claims[0].rank]
         try:
-            first = regs[claims[0].rank]
             throttle = storage.Throttle(first.throttle_mib_s * 2**20)
             for c in claims:
                 reg = regs[c.rank]
@@ -566,11 +631,17 @@ class FlashPersister:
                     if self.current is not None:
                         self.current["bytes"] += n
 
+                meta = c.seg.meta_bytes(h)
+                # the attempt that made this save (a trailer of its meta block); a save
+                # without one (an older saver) counts as run id + world size only
+                attempt = storage.meta_attempt(meta) or storage.make_attempt(
+                    reg.run_id, reg.world_size)
+                attempts.append(attempt)
                 with c.seg.data_view(h) as data:
                     results[c.rank] = storage.write_shard(
-                        reg.dir, step, c.rank, reg.world_size, c.seg.meta_bytes(h), data,
+                        reg.dir, step, c.rank, reg.world_size, meta, data,
                         extra={"seq": c.seq, "saved_at": h.saved_at}, throttle=throttle,
-                        progress=progress)
+                        progress=progress, attempt=attempt)
         except Exception as exc:  # noqa: BLE001
             self._error(f"persisting {role} step {step} failed: {type(exc).__name__}: {exc}")
         finally:
@@ -580,7 +651,8 @@ class FlashPersister:
         committed = False
         if len(results) == len(claims):
             try:
-                committed = storage.try_commit(first.dir, step, first.world_size, first.keep)
+                committed = storage.try_commit(first.dir, step, first.world_size, first.keep,
+                                               attempt=attempts[0])
             except Exception as exc:  # noqa: BLE001
                 self._error(f"committing {role} step {step} failed: {type(exc).__name__}: {exc}")
         with self._lock:

@@ -42,7 +42,7 @@ from typing import Any
 
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
 from dlrover_core.spec.errors import SpecError
-from dlrover_plugin_flashckpt import capacity, layout, shm, staging
+from dlrover_plugin_flashckpt import capacity, layout, shm, staging, storage
 from dlrover_plugin_flashckpt.loading import LoadingMixin
 from dlrover_plugin_flashckpt.options import FlashOptions
 
@@ -110,6 +110,10 @@ class FlashSaver(LoadingMixin, Saver):
         self._board: Any = None
         self._gather_round = 0
         self._newest_saved: int | None = None
+        #: this incarnation's attempt (storage.make_attempt), set by load() or the
+        #: first save; every save's meta block names it
+        self._attempt: dict | None = None
+        self._next_attempt: tuple[dict, int | None] | None = None
         #: where the last :meth:`load` came from: ``memory``, ``disk`` or ``None``
         self.last_load_source: str | None = None
         #: ``{"step", "slot", "copy_s", "total_s", "bytes"}`` of the last save
@@ -503,8 +507,12 @@ class FlashSaver(LoadingMixin, Saver):
     def _save(self, step: int, state_dict: dict, t0: float) -> None:
         table, sources, skeleton = layout.build_table(state_dict)
         sig = layout.signature(table)
+        if self._attempt is None:  # the first save of this attempt
+            self._start_attempt()
+        assert self._attempt is not None
         meta = layout.pack_meta(step, table, skeleton,
-                                {"rank": self.rank, "world_size": self.world_size})
+                                {"rank": self.rank, "world_size": self.world_size}) \
+            + storage.attempt_trailer(self._attempt)
         data_len = layout.data_size(table)
         persister = self.persister()
         due = self.opts.is_due(step)
@@ -565,6 +573,12 @@ class FlashSaver(LoadingMixin, Saver):
             if fut is not None and not fut.done():  # an older growth: let it finish
                 return
             self.reserve(data_len + data_len // 8, 2 * len(meta) + META_MIN, grow=True)
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps of the current lineage, oldest first: not quarantined, of
+        the attempt that restored the lineage's base or older, with every file of the
+        size its manifest gives (:func:`.storage.lineage_steps`)."""
+        return storage.lineage_steps(self.dir)
 
     # ================================================================== end
     def wait(self) -> None:

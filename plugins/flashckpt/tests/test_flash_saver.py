@@ -130,7 +130,7 @@ def test_persister_killed_mid_persist_leaves_previous_step_loadable(job, tmp_pat
     again.save(3, state(3, n))
     again.wait()
     assert again.committed_steps() == [1, 3]
-    assert sorted(os.listdir(d)) == ["latest", "step_00000001", "step_00000003"]
+    assert sorted(os.listdir(d)) == ["latest", "lineage.json", "step_00000001", "step_00000003"]
 
 
 def test_save_never_overwrites_a_buffer_being_persisted(job, tmp_path):
@@ -242,3 +242,99 @@ def test_verify_memory_data_catches_corrupted_memory_and_falls_back_to_disk(job,
         assert fresh.load(got) == 1
     assert fresh.last_load_source == "disk" and same(got, state(1))
     assert any("crc32 of the data" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_newest_step_is_quarantined_and_a_lower_save_is_persisted(job, tmp_path,
+                                                                           damage):
+    """Step 300's shard is damaged from outside (cut short, or one byte flipped: only
+    its crc32 tells). The load falls back to 200 and step 300 ends up as
+    ``step_00000300.corrupt``; a save of 210 is then persisted and reported persisted
+    truthfully (it is on disk, ``latest`` names it), and ``keep=1`` keeps it."""
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    for step in (200, 300):
+        s.save(step, state(step))
+        s.wait()
+    assert s.committed_steps() == [200, 300]
+    s.close()
+    hygiene.remove_job("/dev/shm", job)  # the node lost its memory
+    shard = os.path.join(d, "step_00000300", "rank_00000.data")
+    if damage == "truncate":
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    else:
+        with open(shard, "r+b") as f:
+            f.seek(100)
+            f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    again = FlashSaver(SaverConfig(dir=d, keep=1, job=job, options={"wait_timeout_s": 60}),
+                       SaverContext())
+    got = blank()
+    assert again.load(got) == 200 and again.last_load_source == "disk"
+    assert same(got, state(200))
+    assert os.path.isdir(os.path.join(d, "step_00000300.corrupt"))
+    # what ODL's trainer asks before it acknowledges stream entries: not step 300
+    assert again.committed_steps() == [200]
+    again.save(210, state(210))
+    again.wait()
+    assert ray.get(again.persister().flush.remote("", 210)) == 210
+    assert again.committed_steps() == [210]
+    assert sorted(os.listdir(d)) == ["latest", "lineage.json", "step_00000210",
+                                     "step_00000300.corrupt"]
+    assert open(os.path.join(d, "latest")).read().strip() == "210"
+    hygiene.remove_job("/dev/shm", job)
+    got = blank()
+    assert make_saver(job, d).load(got) == 210 and same(got, state(210))
+
+
+def test_load_raises_when_committed_steps_exist_but_none_loads(job, tmp_path):
+    """Every committed step lost its data file (a prune racing the load, an NFS
+    glitch): load() raises with each step tried and why, instead of returning None
+    (a restart from step 0); the steps are not quarantined (nothing is damaged)."""
+    from dlrover_core.checkpoint.manifest import CheckpointLoadError
+
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    for step in (1, 2):
+        s.save(step, state(step))
+        s.wait()
+    hygiene.remove_job("/dev/shm", job)
+    for step in (1, 2):
+        os.unlink(os.path.join(d, f"step_{step:08d}", "rank_00000.data"))
+    got = blank()
+    with pytest.raises(CheckpointLoadError) as e:
+        make_saver(job, d).load(got)
+    assert sorted(e.value.tried) == [1, 2]
+    assert "rank_00000.data is missing" in e.value.tried[2]
+    assert not got["model"]["w"].any() and got["extra"]["step"] == -1  # untouched
+    assert sorted(n for n in os.listdir(d) if n.startswith("step_")) == [
+        "step_00000001", "step_00000002"]
+
+
+def test_replica_calls_refuse_paths_outside_the_job(job, tmp_path):
+    """The persister's replica calls take only this job's checkpoint folder and
+    shared-memory names: a caller-chosen path is an error naming it."""
+    import numpy as np
+
+    d = str(tmp_path / "ckpt" / "trainer")
+    s = make_saver(job, d)
+    s.save(1, state(1))
+    s.wait()
+    p = s.persister()
+    info = {"dir": d, "role": "trainer", "rank": 0, "world_size": 1, "step": 1,
+            "meta": b"m", "data_len": 4, "shm_dir": "/dev/shm"}
+    data = np.zeros(4, dtype=np.uint8)
+    with pytest.raises(ValueError, match="'/tmp' is not allowed"):
+        ray.get(p.store_replica.remote({**info, "shm_dir": "/tmp"}, data))
+    with pytest.raises(ValueError, match="checkpoint dir '/etc' is not this job's"):
+        ray.get(p.store_replica.remote({**info, "dir": "/etc"}, data))
+    with pytest.raises(ValueError, match="'/etc/passwd' is not in an allowed"):
+        ray.get(p.read_replica.remote("/etc/passwd", 1))
+    with pytest.raises(ValueError, match="is not a replica buffer of this job"):
+        ray.get(p.read_replica.remote(s.paths[0], 1))  # a slot, not a replica
+    with pytest.raises(ValueError, match="'/tmp' is not allowed"):
+        ray.get(p.replicas.remote(d, "/tmp"))
+    assert ray.get(p.replicas.remote(d))["held"] == []
+    # a sibling role's folder of the same job is allowed
+    name = ray.get(p.store_replica.remote({**info, "dir": str(tmp_path / "ckpt" / "other")},
+                                          data))
+    assert name.startswith(shm.job_prefix(job))

@@ -8,8 +8,10 @@ Layout under a directory (``<job dir>/published`` in an ``odl`` job)::
     latest                           "50"
 
 A version is written to a hidden temp directory, fsynced, given its manifest and
-renamed into place; ``latest`` is replaced atomically after that, so a reader sees
-either the previous version or the complete new one. :func:`load_latest` verifies
+moved into place (:func:`dlrover_core.atomic_io.replace_dir`: a version published
+again is swapped in one step, the old copy is never deleted first); ``latest`` is
+replaced atomically after that, so a reader sees either the previous version or the
+complete new one. :func:`load_latest` verifies
 the manifest and falls back to the previous version when the newest is corrupt.
 """
 
@@ -27,6 +29,7 @@ from dlrover_core.checkpoint.manifest import (
     build_manifest,
     verify,
 )
+from dlrover_core.atomic_io import recover_aside, replace_dir
 from dlrover_core.checkpoint.saver import (
     atomic_write_json,
     atomic_write_text,
@@ -45,6 +48,9 @@ def versions(directory: str) -> list[int]:
     """Versions with a manifest under ``directory``, oldest first."""
     if not os.path.isdir(directory):
         return []
+    for name in os.listdir(directory):  # a replacement that crashed between renames
+        if name.startswith(_PREFIX) and name.endswith(".replaced"):
+            recover_aside(os.path.join(directory, name[:-len(".replaced")]))
     out = []
     for name in os.listdir(directory):
         if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit() and \
@@ -70,10 +76,10 @@ def publish(directory: str, version: int, state_dict: dict, meta: dict | None = 
         os.fsync(f.fileno())
     atomic_write_json(os.path.join(tmp, "meta.json"), {"version": version, **(meta or {})})
     atomic_write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, version))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(directory)
+    fsync_dir(tmp)
+    old = replace_dir(tmp, final)  # fsyncs the directory
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
     atomic_write_text(os.path.join(directory, "latest"), f"{version}\n")
     for old in versions(directory)[:-keep] if keep > 0 else []:
         shutil.rmtree(version_dir(directory, old), ignore_errors=True)

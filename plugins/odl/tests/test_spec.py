@@ -140,6 +140,45 @@ def test_published_versions_are_atomic_verified_and_pruned(tmp_path):
     assert version == 30 and float(state["weight"][0, 0]) == 30.0
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+def test_republishing_a_version_never_leaves_it_missing(tmp_path, monkeypatch, exchange):
+    """Version 10 is published again. A crash is injected at each rename of the
+    publish (its files, the swap of the version directory or its two renames where
+    the filesystem has no atomic exchange, ``latest``): afterwards version 10 is
+    always there, whole old or new; before, the old directory was deleted first."""
+    import dlrover_core.atomic_io as aio
+
+    real_rename, real_replace, real_exchange = os.rename, os.replace, aio._exchange
+    outcomes = set()
+    for crash_at in range(8):
+        d = str(tmp_path / f"c{crash_at}")
+        publish(d, 10, {"w": torch.zeros(3)}, {"which": "old"})
+        calls = []
+
+        def step(fn, *args, crash_at=crash_at, calls=calls):
+            calls.append(args)
+            if len(calls) > crash_at:
+                raise OSError("injected crash")
+            return fn(*args)
+
+        monkeypatch.setattr(os, "rename", lambda a, b: step(real_rename, a, b))
+        monkeypatch.setattr(os, "replace", lambda a, b: step(real_replace, a, b))
+        monkeypatch.setattr(aio, "_exchange", (lambda a, b: step(real_exchange, a, b))
+                            if exchange else (lambda a, b: False))
+        try:
+            publish(d, 10, {"w": torch.ones(3)}, {"which": "new"})
+            crashed = False
+        except OSError:
+            crashed = True
+        monkeypatch.undo()
+        assert versions(d) == [10], crash_at
+        version, state, meta = load_latest(d)
+        assert version == 10 and float(state["w"].sum()) == (3.0 if meta["which"] == "new"
+                                                             else 0.0)
+        outcomes.add((crashed, meta["which"]))
+    assert outcomes == {(True, "old"), (True, "new"), (False, "new")}
+
+
 def test_dl_type_odl_in_the_job_builder_selects_the_template(plugin_manager):
     from dlrover_core import DLJobBuilder
 
