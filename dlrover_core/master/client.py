@@ -55,8 +55,10 @@ def get_master(name: str) -> Any:
         return None
 
 
-def create_master(spec: DictConfig, job_dir: str) -> Any:
-    """Create the named, detached JobMaster actor of ``spec.name``.
+def create_master(spec: DictConfig, job_dir: str, fresh: bool = False) -> Any:
+    """Create the named, detached JobMaster actor of ``spec.name``: a new run in
+    ``job_dir`` (``fresh``: without resuming from the old checkpoints, which are moved
+    to ``<job_dir>/run-<N>/ckpt``; see :func:`dlrover_core.runs.begin_run`).
 
     Raises:
         RuntimeError: a job of that name is already running.
@@ -76,7 +78,7 @@ def create_master(spec: DictConfig, job_dir: str) -> Any:
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-    ).remote(OmegaConf.to_container(spec, resolve=True), job_dir)
+    ).remote(OmegaConf.to_container(spec, resolve=True), job_dir, fresh)
 
 
 def default_job_dir(name: str) -> str:
@@ -84,8 +86,10 @@ def default_job_dir(name: str) -> str:
 
 
 def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None = None,
-               progress: bool = True, verbose: bool = False) -> dict:
-    """Run a validated job to its end and return its summary (``summary.json``).
+               progress: bool = True, verbose: bool = False, fresh: bool = False) -> dict:
+    """Run a validated job to its end (a new run in ``job_dir``) and return its summary
+    (``summary.json``). A run resumes from the job's checkpoints and says so on stderr
+    (step, memory or disk, path); ``fresh`` moves them aside instead.
 
     Ctrl-C stops the job (embedded cluster) or detaches (joined cluster: the job goes on).
     The job directory and the checkpoint folder are locked until this returns
@@ -96,7 +100,7 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     """
     job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
     with run_locks(spec, job_dir):
-        return _submit_locked(spec, address, job_dir, progress, verbose)
+        return _submit_locked(spec, address, job_dir, progress, verbose, fresh)
 
 
 def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
@@ -120,11 +124,11 @@ def run_locks(spec: DictConfig, job_dir: str) -> Iterator[None]:
 
 
 def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress: bool,
-                   verbose: bool) -> dict:
+                   verbose: bool, fresh: bool = False) -> dict:
     import ray
 
     started_here = init_ray(address, verbose=verbose)
-    master = create_master(spec, job_dir)
+    master = create_master(spec, job_dir, fresh=fresh)
     ray.get(master.start.remote())
     try:
         summary = follow(master, progress=progress, job_dir=job_dir)
@@ -157,6 +161,7 @@ def follow(master: Any, progress: bool = True, poll_s: float = 0.5,
     from dlrover_core.cli.progress import JobProgress
 
     bar = JobProgress(enabled=progress)
+    told: set[str] = set()
     with bar:
         while True:
             try:
@@ -167,9 +172,23 @@ def follow(master: Any, progress: bool = True, poll_s: float = 0.5,
                 time.sleep(poll_s)  # the master is restarting
                 continue
             bar.update(st)
+            for role, r in sorted((st.get("resumed_from") or {}).items()):
+                if role not in told:
+                    told.add(role)
+                    bar.console.print(resume_line(st.get("run"), role, r), highlight=False,
+                                      markup=False)
             if st["summary"] is not None:
                 return st["summary"]
             time.sleep(poll_s)
+
+
+def resume_line(run: int | None, role: str, resumed: dict) -> str:
+    """``run 2: trainer resumed from step 8 (disk, checkpoint /.../trainer/step_00000008)``:
+    where a run's role resumed from (``source``: ``memory``, ``disk``, ... as its saver
+    says; the path is the step's directory, where a memory checkpoint is persisted)."""
+    head = f"run {run}: " if run else ""
+    return (f"{head}{role} resumed from step {resumed['step']} "
+            f"({resumed.get('source') or 'unknown'}, checkpoint {resumed.get('path', '')})")
 
 
 def _gone(master: Any) -> bool:
@@ -185,8 +204,11 @@ def _gone(master: Any) -> bool:
         return False  # unavailable for now: restarting
 
 
-def read_summary(job_dir: str) -> dict | None:
-    path = os.path.join(job_dir, "summary.json")
+def read_summary(job_dir: str, run: str | int | None = None) -> dict | None:
+    """The summary of run ``run`` of ``job_dir`` (default: the latest), or ``None``."""
+    from dlrover_core.runs import run_paths
+
+    path = run_paths(job_dir, run).summary
     if not os.path.exists(path):
         return None
     with open(path) as f:

@@ -250,8 +250,11 @@ class DLJob:
         return self.spec.name
 
     def submit(self, address: str | None = None, job_dir: str | None = None,
-               progress: bool = False) -> dict:
-        """Run the job and block until it ends; returns the summary (``summary.json``)."""
+               progress: bool = False, fresh: bool = False) -> dict:
+        """Run the job (a new run in ``job_dir``) and block until it ends; returns the
+        summary (``summary.json``). It resumes from the job's checkpoints unless
+        ``fresh`` (see :func:`dlrover_core.master.client.submit_job`)."""
         from dlrover_core.master.client import submit_job
 
-        return submit_job(self.spec, address=address, job_dir=job_dir, progress=progress)
+        return submit_job(self.spec, address=address, job_dir=job_dir, progress=progress,
+                          fresh=fresh)

@@ -52,6 +52,13 @@ def test_sigkill_after_save_is_persisted_at_breakpoint_and_restored_from_memory(
     assert m["resumed_from"] == 4.0  # the step saved right before the SIGKILL
     assert m["from_memory"] == 1.0  # ... loaded from shared memory by the restarted ranks
     assert m["on_disk"] == 4.0  # ... and committed meanwhile by the breakpoint save
+    # the master's record of the reload: where from, and that it was a recovery
+    from dlrover_core.master.events import read_events
+    from dlrover_core.runs import run_paths
+
+    loads = [(e["step"], e["source"], e["attempt"]) for e in
+             read_events(run_paths(job_dir).events) if e["event"] == "checkpoint_loaded"]
+    assert (4, "memory", 1) in loads and summary["resumed_from"] is None
     # step 4 by the breakpoint, step 8 by the job end; nothing else was due
     assert committed_steps(os.path.join(ckpt, "trainer")) == [4, 8]
     assert buffers(name) == [] and persisters_of(name) == {}
