@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from dlrover_core.runtime.backend import BackendSession
@@ -48,6 +49,8 @@ SCRIPT_BACKEND = "torchrun"
 CONFIG_KEY = "_dlrover_script"
 
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
 
 # run ``module:function`` as the script: argv[0] is the module, the rest its arguments;
 # an int it returns is the exit code (``sys.exit`` semantics)
@@ -203,9 +206,39 @@ class ScriptWorkload(BaseWorkload):
               f"{self.context.attempt})", flush=True)
         code = proc.wait()
         if code != 0:
-            raise ScriptExitError(f"{self.context.name}: script {cmd.target!r} (pid {proc.pid}) "
-                                  f"ended with {describe_exit(code)}", code, proc.pid)
+            # no pid in the message: the classifier compares messages across restarts to
+            # find a deterministic error (the pid is in the log line above)
+            last = self.last_error_line()
+            raise ScriptExitError(f"{self.context.name}: script {cmd.target!r} ended with "
+                                  f"{describe_exit(code)}" + (f"; its last error: {last}"
+                                                              if last else ""), code, proc.pid)
         return 0
+
+    def last_error_line(self, settle_s: float = 0.3) -> str:
+        """The last line of this attempt's log that names a Python exception
+        (``RuntimeError: ... Connection closed by peer``), without torch's ``[rankN]:``
+        prefix, at most 300 characters; ``""`` when there is none or no log. Waits
+        ``settle_s`` s first so that the log capture has written the child's last output.
+        It lets the failure classifier see what the script died of (a broken collective
+        is a ``process`` failure)."""
+        from dlrover_core.runtime.log_capture import attempt_path
+
+        ctx = self.context
+        if not ctx.job_dir:
+            return ""
+        time.sleep(settle_s)
+        try:
+            with open(attempt_path(ctx.job_dir, ctx.role, ctx.rank, ctx.attempt), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 32768))
+                tail = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(tail):
+            line = _RANK_PREFIX.sub("", line.strip())
+            if _EXC_LINE.match(line):
+                return line[:300]
+        return ""
 
     def stop_script(self, timeout: float = 5.0) -> str:
         """Stop the child (SIGTERM, then SIGKILL after ``timeout`` s), as torchrun's
