@@ -53,8 +53,6 @@ class RoleSpec:
     """
 
     workload: str = MISSING
-    command: Optional[str] = None
-    working_dir: Optional[str] = None
     total: int = 1
     per_node: int = 0  # 0: all instances on one node (per_node = total)
     backend: Optional[str] = None
@@ -64,6 +62,8 @@ class RoleSpec:
     #: off (default): every GPU of the node is visible to the role's instances and each
     #: uses ``cuda:<local_rank>``; on: Ray's own ``CUDA_VISIBLE_DEVICES`` assignment.
     enable_ray_auto_visible_device: bool = False
+    command: Optional[str] = None
+    working_dir: Optional[str] = None
 
 
 @dataclass
