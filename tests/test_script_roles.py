@@ -230,6 +230,10 @@ def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_res
     started = _events(job_dir, "instance_started")
     pgs = {e["placement_group_id"] for e in started}
     assert len(pgs) == 1 and {e["attempt"] for e in started} == {0, 1}
+    # both actors outlived their scripts: the group restarted in the same two processes
+    again = [e for e in started if e["attempt"] == 1]
+    assert sorted(e["rank"] for e in again) == [0, 1] and all(e["in_place"] for e in again)
+    assert {e["pid"] for e in again} == {e["pid"] for e in started if e["attempt"] == 0}
     log1 = (job_dir / "logs" / "trainer-1" / "attempt-1.log").read_text()
     assert "(restart count 1)" in log1 and f"resumed from step {SAVE_EVERY}" in log1
     # `dlrover logs` reads the script's output
