@@ -194,12 +194,27 @@ def _child_pid(run_id: str, rank: int, restart: int, timeout: float = 120) -> in
     raise AssertionError(f"no script process {want}")
 
 
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 @pytest.mark.slow
-def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_result):
-    """torchrun's semantics: a rank's script is SIGKILLed after the first snapshot; the
-    group's processes restart (``TORCHELASTIC_RESTART_COUNT`` 1) in the same placement
-    group, resume from the script's own snapshot and end on the loss of a clean run."""
-    run_id = f"kill-{os.getpid()}"
+@pytest.mark.parametrize("victim", ["script", "actor"])
+def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_result, victim):
+    """torchrun's semantics: rank 1's script (or the actor that runs it) is SIGKILLed
+    after the first snapshot; the group's processes restart
+    (``TORCHELASTIC_RESTART_COUNT`` 1) in the same placement group, resume from the
+    script's own snapshot and end on the loss of a clean run. A killed actor takes its
+    script with it (no orphan) and is replaced; a killed script's actor stays."""
+    run_id = f"kill-{victim}-{os.getpid()}"
     job_dir = tmp_path / "job"
     proc = subprocess.Popen(
         [str(BIN / "dlrover-run"), "--nproc_per_node", "2", "--max-restarts", "1",
@@ -207,11 +222,19 @@ def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_res
          *_train_args(tmp_path, "killed", "--step-sleep", "0.05")],
         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        victim = _child_pid(run_id, 1, 0)
+        target = _child_pid(run_id, 1, 0)
         deadline = time.time() + 120
         while not (tmp_path / "killed.pt").exists() and time.time() < deadline:
             time.sleep(0.05)
-        os.kill(victim, signal.SIGKILL)
+        script_pid = target
+        if victim == "actor":
+            target = _ppid(script_pid)  # the rank's WorkloadHost actor process
+        os.kill(target, signal.SIGKILL)
+        if victim == "actor":  # PR_SET_PDEATHSIG: the script goes with its actor
+            deadline = time.time() + 10
+            while _alive(script_pid) and time.time() < deadline:
+                time.sleep(0.05)
+            assert not _alive(script_pid), "the script outlived its killed actor"
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -222,18 +245,24 @@ def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_res
     summary = json.loads((job_dir / "summary.json").read_text())
     assert summary["restarts"]["process"] == 1 and summary["restarts"]["total"] == 1
     failed = _events(job_dir, "instance_failed")[0]
-    assert failed["exc_type"].endswith("ScriptExitError")
-    if failed["rank"] == 1:  # else rank 0 saw its peer go first (a broken collective)
+    if failed["rank"] == 1 and victim == "script":  # else rank 0 may have failed first
+        assert failed["exc_type"].endswith("ScriptExitError")
         assert "SIGKILL" in failed["message"]
+    if failed["rank"] == 1 and victim == "actor":
+        assert failed["kind"] == "actor_died"
     rec = _events(job_dir, "recovery_finished")[0]
     assert rec["phases"]["survivor_abort"]["trainer-0"].startswith("script")
     started = _events(job_dir, "instance_started")
     pgs = {e["placement_group_id"] for e in started}
     assert len(pgs) == 1 and {e["attempt"] for e in started} == {0, 1}
-    # both actors outlived their scripts: the group restarted in the same two processes
-    again = [e for e in started if e["attempt"] == 1]
-    assert sorted(e["rank"] for e in again) == [0, 1] and all(e["in_place"] for e in again)
-    assert {e["pid"] for e in again} == {e["pid"] for e in started if e["attempt"] == 0}
+    again = {e["rank"]: e for e in started if e["attempt"] == 1}
+    first = {e["rank"]: e for e in started if e["attempt"] == 0}
+    assert sorted(again) == [0, 1] and again[0]["in_place"]
+    assert again[0]["pid"] == first[0]["pid"]
+    if victim == "script":  # its actor outlived it: the group restarted in the same actors
+        assert again[1]["in_place"] and again[1]["pid"] == first[1]["pid"]
+    else:  # a new actor, in the same placement group (checked above)
+        assert not again[1]["in_place"] and again[1]["pid"] != first[1]["pid"]
     log1 = (job_dir / "logs" / "trainer-1" / "attempt-1.log").read_text()
     assert "(restart count 1)" in log1 and f"resumed from step {SAVE_EVERY}" in log1
     # `dlrover logs` reads the script's output
