@@ -1,7 +1,7 @@
 """The core's own defaults, registered through the same hooks as any plugin:
 placement policies ``pack`` and ``spread``, the fallback failure classifier, the
-``torchrun`` backend of script roles, the ``disk`` saver, the ``plain`` state-dict engine, and the capture of worker output into
-the job directory."""
+``torchrun`` backend of script roles, the ``disk`` saver, the ``plain`` state-dict
+engine, and the capture of worker output into the job directory."""
 
 from __future__ import annotations
 

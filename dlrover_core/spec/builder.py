@@ -280,7 +280,11 @@ def _command_name(command: str | None) -> str:
     if not command:
         return ""
     words = command.split()
+    if not words:
+        return ""
     head = words[1] if words[0] in ("-m", "--module") and len(words) > 1 else words[0]
+    if ":" in head and not head.endswith(".py"):
+        return head.rpartition(":")[2]
     return os.path.splitext(os.path.basename(head))[0].replace(".", "-")
 
 
