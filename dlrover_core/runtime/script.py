@@ -187,7 +187,9 @@ class ScriptWorkload(BaseWorkload):
 
         Raises:
             ScriptExitError: it ended with a non-zero code or a signal (the message
-                names the rank, the pid and the code or signal).
+                names the rank, the code or signal and the script's last exception line;
+                the pid is in the exception's ``pid`` and in the log line printed at
+                the start).
         """
         cfg = self._script_config()
         cmd = parse_command(cfg["command"])
@@ -201,8 +203,9 @@ class ScriptWorkload(BaseWorkload):
             self._proc = subprocess.Popen(cmd.argv(), cwd=cwd, env=self.child_env(),
                                           preexec_fn=_die_with_parent)
         proc = self._proc
+        shown = (["-m"] if cmd.kind == "module" else []) + [cmd.target, *cmd.args]
         print(f"[dlrover] {self.context.name}: started pid {proc.pid}: "
-              f"{' '.join(shlex.quote(a) for a in cmd.argv()[2:])} (restart count "
+              f"{' '.join(shlex.quote(a) for a in shown)} (restart count "
               f"{self.context.attempt})", flush=True)
         code = proc.wait()
         if code != 0:
