@@ -1,12 +1,13 @@
 """The core's own defaults, registered through the same hooks as any plugin:
 placement policies ``pack`` and ``spread``, the fallback failure classifier, the
-``disk`` saver, the ``plain`` state-dict engine, and the capture of worker output into
-the job directory."""
+``torchrun`` backend of script roles, the ``disk`` saver, the ``plain`` state-dict
+engine, and the capture of worker output into the job directory."""
 
 from __future__ import annotations
 
 from dlrover_core.plugins.hookspecs import hookimpl
 from dlrover_core.plugins.records import (
+    Backend,
     CheckpointSaver,
     Failure,
     FailureVerdict,
@@ -25,6 +26,14 @@ def dlrover_placement_policies() -> list[PlacementPolicy]:
         PlacementPolicy(name="spread", plan=plan_spread,
                         description="bundles over as many nodes as possible (SPREAD)"),
     ]
+
+
+@hookimpl
+def dlrover_backends() -> list[Backend]:
+    return [Backend(name="torchrun", session="dlrover_core.runtime.script:ScriptSession",
+                    state_dict_engine="plain",
+                    description="script roles (roles.<role>.command): a rendezvous address, "
+                                "the script makes its own process group")]
 
 
 @hookimpl

@@ -128,7 +128,14 @@ class _HostBase:
         a gloo collective fails within milliseconds once the master kills the failed
         peer ("Connection closed by peer"). Returns what was done, for the recovery's
         ``phases``: ``"none"`` (no group), ``"aborted (nccl)"`` or ``"skipped (gloo)"``.
+
+        A script role (:mod:`dlrover_core.runtime.script`) has no group in this process:
+        its child process is stopped instead, as torchrun's agent stops every worker
+        of the group when one fails (``"script stopped (SIGTERM)"`` ...).
         """
+        stop_script = getattr(getattr(self, "workload", None), "stop_script", None)
+        if callable(stop_script):
+            return stop_script()
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return "none"

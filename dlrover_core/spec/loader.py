@@ -123,6 +123,7 @@ def load_spec(
         raise _convert(exc, label) from None
     spec = apply_overrides(spec, overrides, label)
 
+    _apply_script_roles(spec)
     template_name = spec.template
     if template_name is None and spec.driver is None:
         if spec.dl_type not in DL_TYPES:
@@ -213,6 +214,88 @@ def apply_overrides(spec: DictConfig, overrides: Iterable[str],
         except OmegaConfBaseException as exc:
             raise _convert(exc, "the overrides") from None
     return spec
+
+
+def _apply_script_roles(spec: DictConfig) -> None:
+    """Turn each role with a ``command`` into a script role: workload
+    :class:`~dlrover_core.runtime.script.ScriptWorkload`, backend ``torchrun``, the
+    command and working directory in the role's config. Checks, before anything starts,
+    that the script file exists (relative to ``working_dir``), that a ``-m`` module can
+    be found, and that a ``module:function`` entry imports and is callable (the module
+    is imported here, in the client, with ``working_dir`` on ``sys.path``).
+
+    Raises:
+        SpecError: a role with both ``workload`` and ``command``, an empty or
+            unparsable command, a missing file, module or function, a ``working_dir``
+            that is not a directory, a ``backend`` other than ``torchrun``, or
+            ``failover.hang_timeout_s`` > 0 (a script reports no steps).
+    """
+    import importlib
+    import importlib.util
+    import sys
+
+    from dlrover_core.runtime.script import (
+        CONFIG_KEY,
+        SCRIPT_BACKEND,
+        SCRIPT_WORKLOAD,
+        parse_command,
+    )
+
+    for role, r in spec.roles.items():
+        if r.get("command") is None:
+            continue
+        k = f"roles.{role}"
+        if not OmegaConf.is_missing(r, "workload") and r.workload != SCRIPT_WORKLOAD:
+            raise SpecError(f"{k}.workload", r.workload,
+                            f"no workload in a script role ({k}.command is set)",
+                            "a role runs either a BaseWorkload class or a command")
+        allowed = ("a script and its arguments ('train.py --epochs 3'), '-m pkg.module "
+                   "args' or 'pkg.module:function args'")
+        try:
+            cmd = parse_command(r.command)
+        except ValueError as exc:
+            raise SpecError(f"{k}.command", r.command, allowed, str(exc)) from None
+        wd = os.path.abspath(r.working_dir or os.getcwd())
+        if not os.path.isdir(wd):
+            raise SpecError(f"{k}.working_dir", r.working_dir, "an existing directory")
+        if cmd.kind == "script":
+            path = os.path.join(wd, cmd.target)
+            if not os.path.isfile(path):
+                raise SpecError(f"{k}.command", r.command,
+                                f"{allowed}, with a file that exists",
+                                f"no file {cmd.target!r} in working_dir {wd}")
+        else:
+            module, _, function = cmd.target.partition(":")
+            sys.path.insert(0, wd)
+            try:
+                found = importlib.util.find_spec(module)
+                obj = None
+                if found is not None and cmd.kind == "function":
+                    obj = getattr(importlib.import_module(module), function, None)
+            except Exception as exc:  # noqa: BLE001 - the user's module failed to import
+                raise SpecError(f"{k}.command", r.command, f"{allowed}, importable",
+                                f"importing {module!r} raised {type(exc).__name__}: "
+                                f"{exc}") from None
+            finally:
+                sys.path.remove(wd)
+            if found is None:
+                raise SpecError(f"{k}.command", r.command, f"{allowed}, importable",
+                                f"no module named {module!r} (working_dir {wd})")
+            if cmd.kind == "function" and not callable(obj):
+                raise SpecError(f"{k}.command", r.command, f"{allowed}, importable",
+                                f"module {module!r} has no function {function!r}")
+        if r.backend not in (None, SCRIPT_BACKEND):
+            raise SpecError(f"{k}.backend", r.backend,
+                            f"none or {SCRIPT_BACKEND!r} in a script role",
+                            "the script sets up its own process group")
+        if spec.failover.hang_timeout_s:
+            raise SpecError("failover.hang_timeout_s", spec.failover.hang_timeout_s,
+                            f"0 in a job with a script role ({k})",
+                            "a plain script reports no steps, so every rank would look hung")
+        r.backend = SCRIPT_BACKEND
+        r.workload = SCRIPT_WORKLOAD
+        r.working_dir = wd
+        r.config[CONFIG_KEY] = {"command": r.command, "working_dir": wd}
 
 
 def _apply_devices(spec: DictConfig) -> None:

@@ -43,6 +43,13 @@ class RoleSpec:
     subclass; ``backend`` names an SPMD backend (``ddp``, ``fsdp``) or is empty for
     roles without a process group; ``config`` is merged over the job's ``config``
     for this role only.
+
+    ``command`` makes it a *script role* instead (no ``workload``): an unchanged
+    torchrun script, ``"train.py --epochs 3"``, ``"-m pkg.train args"`` or
+    ``"pkg.train:main args"``, run by each rank as a child process with torchrun's
+    environment (see :mod:`dlrover_core.runtime.script`); ``working_dir`` is its
+    working directory (default: the directory the spec was loaded from, i.e. the
+    current directory, as with torchrun).
     """
 
     workload: str = MISSING
@@ -56,6 +63,8 @@ class RoleSpec:
     #: uses the GPU Ray reserved for it (``cuda:<Ray's id>``); on: Ray sets
     #: ``CUDA_VISIBLE_DEVICES`` to that GPU and the instance uses ``cuda:0``.
     enable_ray_auto_visible_device: bool = False
+    command: Optional[str] = None
+    working_dir: Optional[str] = None
 
 
 @dataclass
