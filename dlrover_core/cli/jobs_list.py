@@ -87,9 +87,12 @@ def jobs_on_cluster(address: str | None) -> list[dict] | None:
     """Rows of the JobMasters alive on the cluster at ``address`` (``None``: the one on
     this machine, if any); ``None`` when there is no cluster to join."""
     from dlrover_core.master.client import init_ray
+    from dlrover_core.master.ray_auth import ClusterAuthError
 
     try:
         init_ray(address or "auto")
+    except ClusterAuthError:
+        raise
     except (ConnectionError, RuntimeError, ValueError):
         return None
     import ray

@@ -28,7 +28,12 @@ class JobNotFound(LookupError):
 
 def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -> bool:
     """Start or join Ray unless already connected. Returns True when this call started
-    an embedded local cluster.
+    an embedded local cluster. ``address=None`` or ``"auto"`` with ``RAY_ADDRESS`` set
+    joins that address, as ``ray.init`` does; joining by address turns on Ray's token
+    authentication when a token is found (:mod:`dlrover_core.master.ray_auth`).
+
+    Raises:
+        ClusterAuthError: the cluster refused this process for want of a token.
 
     The current directory and ``PYTHONPATH`` are put on the workers' ``PYTHONPATH`` so
     that ``workload: package.module:Class`` resolves as it does here.
@@ -37,11 +42,23 @@ def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -
 
     if ray.is_initialized():
         return False
+    from dlrover_core.master import ray_auth
+
+    if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]  # as ray.init() itself reads it
+    if address not in (None, "local", "auto"):
+        ray_auth.prepare_token_auth(address)
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
-    ray.init(address=address or "local", namespace=MASTER_NAMESPACE, runtime_env=runtime_env,
-             log_to_driver=verbose, include_dashboard=False, configure_logging=verbose,
-             logging_level="INFO" if verbose else "ERROR", **kwargs)
+    try:
+        ray.init(address=address or "local", namespace=MASTER_NAMESPACE,
+                 runtime_env=runtime_env, log_to_driver=verbose, include_dashboard=False,
+                 configure_logging=verbose, logging_level="INFO" if verbose else "ERROR",
+                 **kwargs)
+    except Exception as exc:
+        if address not in (None, "local") and ray_auth.is_auth_failure(exc):
+            raise ray_auth.missing_token_error(address, exc) from exc
+        raise
     return address is None
 
 
