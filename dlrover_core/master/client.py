@@ -48,6 +48,7 @@ def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -
         address = os.environ["RAY_ADDRESS"]  # as ray.init() itself reads it
     if address not in (None, "local", "auto"):
         ray_auth.prepare_token_auth(address)
+        ray_auth.check_token(address)
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
     try:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from dlrover_core.master.instances import DRIVER, Instance, InstanceState
+from dlrover_core.master.raylet_probe import raylet_reachable
 from dlrover_core.plugins.records import Failure, FailureKind
 from dlrover_core.runtime.errors import WorkloadError
 
@@ -138,7 +139,7 @@ class Monitor:
         that instance."""
         failure = failure_from_exception(inst, exc)
         if failure.kind == FailureKind.ACTOR_DIED and inst.node_id and \
-                not node_alive(inst.node_id):
+                not raylet_reachable(inst.node_id):  # dead, or its raylet is gone
             failure = Failure.node_lost(inst.role, inst.rank, inst.node_id, failure.message,
                                         phase=failure.phase, step=failure.step,
                                         attempt=failure.attempt)

@@ -1,0 +1,31 @@
+"""Is a node's raylet still there? A direct TCP probe of its node-manager port.
+
+When a machine (or every process of a node) is lost at once, Ray's GCS marks the node
+dead only after its health checks fail (``health_check_period_ms`` x
+``health_check_failure_threshold``: 3 s x 5 by default), while the owner of the
+node's actors sees them die at once. In that window ``ray.nodes()`` still calls the
+node alive, and a recovery that trusts it restarts the ranks in place, on a node that
+is gone. A raylet whose port refuses a connection (or does not answer within
+``timeout_s``) is treated as lost.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+
+
+def raylet_reachable(node_id: str, timeout_s: float = 1.0) -> bool:
+    """Whether the raylet of ``node_id`` accepts a TCP connection on its node-manager
+    port (address and port from ``ray.nodes()``). A node not in the table, or one Ray
+    already marks dead, is unreachable."""
+    row = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if row is None or not row.get("Alive"):
+        return False
+    try:
+        socket.create_connection((row["NodeManagerAddress"], int(row["NodeManagerPort"])),
+                                 timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
