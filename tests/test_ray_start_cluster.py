@@ -164,6 +164,8 @@ def test_worker_node_sigkilled_job_recovers_and_new_node_is_used(cluster, tmp_pa
     events = read_events(os.path.join(job_dir, "events.jsonl"))
     assert [e["level"] for e in events if e["event"] == "failure_classified"][:1] == ["node"]
     assert not [e for e in events if e["event"] == "master_restarted"]  # master unaffected
+    head = next(n["node_id"] for n in state["nodes"] if n["head"])
+    assert [e["master_node_id"] for e in events if e["event"] == "job_started"] == [head]
     after = [e for e in _started(job_dir) if e["attempt"] >= 1]
     assert after and all(e["node_id"] != victim["node_id"] for e in after)
 

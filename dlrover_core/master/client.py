@@ -89,12 +89,24 @@ def create_master(spec: DictConfig, job_dir: str) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cls = ray.remote(concurrency_groups={"report": 1})(JobMaster)
-    here = ray.get_runtime_context().get_node_id()  # the submitting (head) node, if it can
+    here = head_node_id() or ray.get_runtime_context().get_node_id()  # head, if it can
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
     ).remote(OmegaConf.to_container(spec, resolve=True), job_dir)
+
+
+def head_node_id() -> str | None:
+    """The id of the cluster's alive head node (the one with Ray's
+    ``node:__internal_head__`` resource), or ``None``. A driver on a machine with
+    several nodes may attach to any of them; the JobMaster belongs on the head, the
+    node whose loss ends the cluster anyway."""
+    import ray
+
+    return next((n["NodeID"] for n in ray.nodes()
+                 if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})),
+                None)
 
 
 def default_job_dir(name: str) -> str:

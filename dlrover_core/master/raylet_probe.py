@@ -16,16 +16,20 @@ import socket
 import ray
 
 
-def raylet_reachable(node_id: str, timeout_s: float = 1.0) -> bool:
-    """Whether the raylet of ``node_id`` accepts a TCP connection on its node-manager
-    port (address and port from ``ray.nodes()``). A node not in the table, or one Ray
-    already marks dead, is unreachable."""
-    row = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
-    if row is None or not row.get("Alive"):
-        return False
-    try:
-        socket.create_connection((row["NodeManagerAddress"], int(row["NodeManagerPort"])),
-                                 timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
+def first_gone(node_ids: list[str], timeout_s: float = 1.0) -> str | None:
+    """The first of ``node_ids`` whose raylet does not accept a TCP connection on its
+    node-manager port (address and port from one ``ray.nodes()`` read), or ``None``. A
+    node not in the table, or one Ray already marks dead, is gone."""
+    if not node_ids:
+        return None
+    table = {n["NodeID"]: n for n in ray.nodes()}
+    for node_id in node_ids:
+        row = table.get(node_id)
+        if row is None or not row.get("Alive"):
+            return node_id
+        try:
+            socket.create_connection((row["NodeManagerAddress"], int(row["NodeManagerPort"])),
+                                     timeout=timeout_s).close()
+        except OSError:
+            return node_id
+    return None
