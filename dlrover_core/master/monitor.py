@@ -159,13 +159,15 @@ class Monitor:
         A whole node lost at once shows first as some rank's error: the dead rank's
         actor, or a survivor's broken collective, often before Ray's GCS marks the node
         dead. Whichever failure comes first, a gone node makes it a lost node, so the
-        recovery re-places the ranks instead of restarting them in place on it."""
+        recovery re-places the ranks instead of restarting them in place on it. Nodes
+        an earlier recovery already excluded (``failover.bad_nodes``) are left out."""
         for i in self.scope.instances.all():
             if i.node_id:
                 self._job_nodes[i.node_id] = None
+        handled = self.scope.failover.bad_nodes  # excluded by an earlier recovery
         nodes = ([inst.node_id] if inst.node_id else []) + [
             n for n in self._job_nodes if n != inst.node_id]
-        return first_gone(nodes)
+        return first_gone([n for n in nodes if n not in handled])
 
     def dead_instances(self, timeout: float = 2.0) -> list[Instance]:
         """Running role instances that do not answer a ping (dead actors)."""
