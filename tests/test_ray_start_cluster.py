@@ -99,6 +99,7 @@ def test_cluster_nodes_are_separate_ray_start_processes(cluster):
     assert again.returncode == 2 and "already up" in again.stderr
 
 
+@pytest.mark.slow
 def test_submit_by_ray_address_then_status_list_stop_from_other_processes(cluster, tmp_path):
     """RAY_ADDRESS (no --address) for submit; --address for status/list/stop."""
     job_dir = str(tmp_path / "job")
