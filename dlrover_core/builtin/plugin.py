@@ -79,8 +79,11 @@ def dlrover_workload_setup(workload) -> None:
     """Worker output of every (re)start to ``<job_dir>/logs/<role>-<rank>/attempt-<N>.log``
     (``dlrover logs``; see :mod:`dlrover_core.runtime.log_capture`); first, so that what
     other plugins' setup hooks print is captured too."""
+    from dlrover_core.runtime import attempt_log
     from dlrover_core.runtime.log_capture import capture_output
 
     ctx = workload.context
     capture_output(ctx.job_dir, ctx.role, ctx.rank, ctx.attempt,
                    getattr(ctx, "observability", None))
+    attempt_log.install()  # the workload's logging records and warnings go there too
+    attempt_log.header(ctx)

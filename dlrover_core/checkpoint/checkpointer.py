@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from dlrover_core.checkpoint.engine import PlainEngine, StateDictEngineBase
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext, step_dir_name
+from dlrover_core.runtime import attempt_log
 
 if TYPE_CHECKING:
     from dlrover_core.runtime.context import WorkerContext
@@ -100,6 +101,7 @@ class Checkpointer:
         self.saver.save(step, self.engine.state_dict(objects))
         self.last_save_s = time.perf_counter() - t0
         self.last_step = step
+        attempt_log.saved(step, attempt_log.saver_source(self.saver), self.last_save_s)
         if self._on_saved is not None:
             self._on_saved(step, self.last_save_s)
         return self.last_save_s
@@ -121,6 +123,7 @@ class Checkpointer:
         """
         template = self.engine.state_dict(objects)
         loaded = self.saver.load(template, step)
+        attempt_log.restored(loaded, attempt_log.saver_source(self.saver))
         if loaded is None:
             return None
         self.engine.load_state_dict(objects, template)

@@ -107,9 +107,12 @@ def running_masters(address: str | None) -> dict[str, tuple[Any, dict]] | None:
     machine, if any): job name -> (actor handle, its ``status()``); ``None`` when there
     is no cluster to join."""
     from dlrover_core.master.client import init_ray
+    from dlrover_core.master.ray_auth import ClusterAuthError
 
     try:
         init_ray(address or "auto")
+    except ClusterAuthError:
+        raise
     except (ConnectionError, RuntimeError, ValueError):
         return None
     import ray

@@ -8,6 +8,7 @@
     dlrover status NAME [--address ADDR] [--job-dir DIR] [--run N] [--json]
     dlrover stop NAME [--address ADDR] [--job-dir DIR]
     dlrover list [--root DIR] [--address ADDR] [--no-cluster] [--json]
+    dlrover cluster up|add|env|status|down [--dir DIR]  (a `ray start` cluster here)
     dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR] [--run N]
     dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--run N] [--json]
     dlrover hooks [--json] [--write FILE]
@@ -38,7 +39,7 @@ import sys
 from typing import Sequence
 
 from dlrover_core import __version__
-from dlrover_core.cli import hooks_doc, jobs_list, logs, plugin_new, timeline_cmd
+from dlrover_core.cli import cluster, hooks_doc, jobs_list, logs, plugin_new, timeline_cmd
 from dlrover_core.cli.job_files import run_option
 from dlrover_core.cli.output import console_for, print_json, print_table
 
@@ -128,10 +129,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _connect(address: str | None) -> bool:
     """Join the Ray cluster a job runs on (``auto``: the one on this machine)."""
     from dlrover_core.master.client import init_ray
+    from dlrover_core.master.ray_auth import ClusterAuthError
 
     try:
         init_ray(address or "auto")
         return True
+    except ClusterAuthError:
+        raise
     except (ConnectionError, RuntimeError, ValueError):
         return False
 
@@ -281,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_stop)
 
     jobs_list.add_parser(sub)
+    cluster.add_parser(sub)
     logs.add_parser(sub)
     timeline_cmd.add_parser(sub)
     hooks_doc.add_parser(sub)
@@ -290,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from dlrover_core.cli.job_files import AmbiguousJobError
+    from dlrover_core.master.ray_auth import ClusterAuthError
     from dlrover_core.plugins.manager import PluginError, UnknownPluginError
     from dlrover_core.spec.errors import SpecError
 
@@ -298,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (SpecError, UnknownPluginError, PluginError, FileNotFoundError,
-            AmbiguousJobError) as exc:
+            AmbiguousJobError, ClusterAuthError) as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     except BrokenPipeError:  # `dlrover ... | head`: the reader left; not an error

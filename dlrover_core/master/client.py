@@ -28,7 +28,12 @@ class JobNotFound(LookupError):
 
 def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -> bool:
     """Start or join Ray unless already connected. Returns True when this call started
-    an embedded local cluster.
+    an embedded local cluster. ``address=None`` or ``"auto"`` with ``RAY_ADDRESS`` set
+    joins that address, as ``ray.init`` does; joining by address turns on Ray's token
+    authentication when a token is found (:mod:`dlrover_core.master.ray_auth`).
+
+    Raises:
+        ClusterAuthError: the cluster refused this process for want of a token.
 
     The current directory and ``PYTHONPATH`` are put on the workers' ``PYTHONPATH`` so
     that ``workload: package.module:Class`` resolves as it does here.
@@ -37,11 +42,24 @@ def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -
 
     if ray.is_initialized():
         return False
+    from dlrover_core.master import ray_auth
+
+    if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]  # as ray.init() itself reads it
+    if address not in (None, "local", "auto"):
+        ray_auth.prepare_token_auth(address)
+        ray_auth.check_token(address)
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
-    ray.init(address=address or "local", namespace=MASTER_NAMESPACE, runtime_env=runtime_env,
-             log_to_driver=verbose, include_dashboard=False, configure_logging=verbose,
-             logging_level="INFO" if verbose else "ERROR", **kwargs)
+    try:
+        ray.init(address=address or "local", namespace=MASTER_NAMESPACE,
+                 runtime_env=runtime_env, log_to_driver=verbose, include_dashboard=False,
+                 configure_logging=verbose, logging_level="INFO" if verbose else "ERROR",
+                 **kwargs)
+    except Exception as exc:
+        if address not in (None, "local") and ray_auth.is_auth_failure(exc):
+            raise ray_auth.missing_token_error(address, exc) from exc
+        raise
     return address is None
 
 
@@ -73,12 +91,24 @@ def create_master(spec: DictConfig, job_dir: str, fresh: bool = False) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cls = ray.remote(concurrency_groups={"report": 1})(JobMaster)
-    here = ray.get_runtime_context().get_node_id()  # the submitting (head) node, if it can
+    here = head_node_id() or ray.get_runtime_context().get_node_id()  # head, if it can
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
     ).remote(OmegaConf.to_container(spec, resolve=True), job_dir, fresh)
+
+
+def head_node_id() -> str | None:
+    """The id of the cluster's alive head node (the one with Ray's
+    ``node:__internal_head__`` resource), or ``None``. A driver on a machine with
+    several nodes may attach to any of them; the JobMaster belongs on the head, the
+    node whose loss ends the cluster anyway."""
+    import ray
+
+    return next((n["NodeID"] for n in ray.nodes()
+                 if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})),
+                None)
 
 
 def default_job_dir(name: str) -> str:

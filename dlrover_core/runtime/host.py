@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from dlrover_core.runtime import attempt_log
 from dlrover_core.runtime.context import WorkerContext
 from dlrover_core.runtime.errors import WorkloadError
 
@@ -153,6 +154,7 @@ class _HostBase:
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001
+            attempt_log.ended(step_of(), exc)
             self._busy = None
             try:
                 self._raise(exc, role, rank, step_of())
@@ -160,6 +162,7 @@ class _HostBase:
                 self._run_outcome = (False, werr)
                 self._run_done.set()
                 raise
+        attempt_log.ended(step_of())
         self._busy = None
         self._run_outcome = (True, result)
         self._run_done.set()
