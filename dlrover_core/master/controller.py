@@ -45,6 +45,7 @@ from dlrover_core.master.progress import ProgressRecorder
 from dlrover_core.master.reattach import reattach
 from dlrover_core.master.recovery import OpenRecovery, RecoveryExecutor
 from dlrover_core.master.scope import JobScope, JobStopped
+from dlrover_core.master.shards import ShardRegistry
 from dlrover_core.master.standby import StandbyPool
 from dlrover_core.master.states import JobState, check_transition
 from dlrover_core.observability.tensorboard import attach_tensorboard
@@ -75,6 +76,7 @@ class JobController:
         self.launcher.standby = self.standby
         self.recovery = RecoveryExecutor(s, self.launcher, self.monitor, self.standby)
         self.progress = ProgressRecorder(s)
+        self.shards = ShardRegistry()
         self.tensorboard = attach_tensorboard(spec, job_dir, s.events, self.progress.metrics_log)
         self.state = JobState.PENDING
         self.error = ""
@@ -268,6 +270,11 @@ class JobController:
                 "failures": s.failover.failure_log(),
                 "goodput": s.failover.goodput(wall, s.step_times),
             }
+            if self.shards.services:  # per-sample ledger of the shard service
+                ledger = self.shards.ledger()
+                self.summary.update(samples_lost=ledger["samples_lost"],
+                                    samples_duplicated=ledger["samples_duplicated"],
+                                    shards=ledger["roles"])
             if self.progress.tuning is not None:  # the config the job ended on
                 self.summary["tuning"] = self.progress.tuning.summary()
         s.context.set("summary", self.summary)
