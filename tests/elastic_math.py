@@ -34,6 +34,13 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(IN, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
 
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum: no per-step counter in its state, so a DCP state-dict template
+    (which initializes optimizer state with a zero-gradient step, as a job's checkpoint
+    load does) leaves the first real step unchanged (AdamW's ``step`` would shift)."""
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +57,7 @@ def _worker(rank: int, world: int, port: int, first: int, last: int, global_batc
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = make_optimizer(model)
     if state_in:
         st = torch.load(state_in)
         model.load_state_dict(st["model"])

@@ -4,6 +4,7 @@ gradient accumulation at any world size, checkpoints through the job's saver."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -13,7 +14,7 @@ import torch
 from dlrover_core import BaseWorkload
 from dlrover_core.runtime.elastic import ElasticBatch, accumulation_step
 from dlrover_core.runtime.sharding import ShardSampler
-from tests.elastic_math import _data, _model
+from tests.elastic_math import _data, _model, make_optimizer
 
 
 def _mse(model, batch):
@@ -32,10 +33,15 @@ class ElasticRegression(BaseWorkload):
         self.max_steps = int(c.max_steps)
         self.plan = ElasticBatch(int(c.global_batch), int(c.micro_batch), self.world_size)
         self.model = self.backend.wrap(_model())
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.opt = make_optimizer(self.model)
         self.extra = {"step": 0}
         loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
         self.start = int(self.extra["step"]) if loaded is not None else 0
+        if self.rank == 0:  # where each start restored from, for the tests
+            source = getattr(self.checkpointer.saver, "last_load_source", None)
+            with open(os.path.join(self.job_dir, "loads.jsonl"), "a") as f:
+                f.write(json.dumps({"world_size": self.world_size, "loaded": loaded,
+                                    "source": source}) + "\n")
         self.x, self.y = _data(int(c.global_batch) * self.max_steps)
         self.sampler = ShardSampler.for_workload(
             self, batch_size=int(c.micro_batch), num_samples=len(self.x),
@@ -65,4 +71,18 @@ class ElasticRegression(BaseWorkload):
             self.checkpointer.maybe_save(step + 1, model=self.model, optimizer=self.opt,
                                          extra=self.extra)
             time.sleep(float(c.get("sleep_s", 0.0)))
+        if self.rank == 0:
+            open(os.path.join(self.job_dir, "trainer_done"), "w").close()
         return {"steps": step + 1}
+
+
+class Watcher(BaseWorkload):
+    """Another role of the job: reports a step every 0.2 s until the trainer is done."""
+
+    def run(self) -> int:
+        step = 0
+        while not os.path.exists(os.path.join(self.job_dir, "trainer_done")):
+            self.report(step, alive=1.0)
+            step += 1
+            time.sleep(0.2)
+        return step

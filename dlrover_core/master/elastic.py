@@ -13,8 +13,9 @@ healthy nodes (torchrun's ``--nnodes=MIN:MAX``; Ray Train v2's ``num_workers=(mi
   master looks for room for more node-slots of a role below ``MAX`` nodes; once there
   is room, the role is restarted at the larger size right after its next checkpoint
   (rank 0's next ``checkpoint_saved``).
-- **History**: every size the role ran at, with the job's last step when it changed
-  (``world_sizes`` in ``summary.json``).
+- **History**: every size the role ran at, with the role's last reported step when it
+  changed and the newest checkpoint step the master knew of then (``world_sizes`` in
+  ``summary.json``).
 
 Room is counted in *node-slots*: on each alive node not marked bad, how many times its
 total resources hold ``per_node`` ranks of the role (its CPU, GPU and memory request),
@@ -98,15 +99,16 @@ class ElasticManager:
                 return nodes * rng.per_node
         return None
 
-    def node_slots(self, role: str) -> int:
+    def node_slots(self, role: str, exclude: set[str] = frozenset()) -> int:  # type: ignore[assignment]
         """How many node-slots of ``role`` (``per_node`` ranks each) the alive nodes not
-        marked bad hold, by their total resources."""
+        marked bad (nor in ``exclude``) hold, by their total resources."""
         r = self.scope.graph.roles[role]
         need = {k: v * r.per_node for k, v in r.resources.as_ray().items() if v > 0}
         if not need:
             need = {"CPU": 0.001 * r.per_node}
         slots = 0
-        for node in ClusterResources.from_ray(exclude=self.scope.failover.bad_nodes).nodes:
+        skip = set(self.scope.failover.bad_nodes) | set(exclude)
+        for node in ClusterResources.from_ray(exclude=skip).nodes:
             slots += int(min(node.resources.get(k, 0.0) / v + 1e-9 for k, v in need.items()))
         return slots
 
@@ -135,14 +137,16 @@ class ElasticManager:
             JobStopped: the job was stopped while waiting.
         """
         s, role = self.scope, failure.role
-        lost = self.lost_nodes(role) or [failure.node_id]
+        # Ray may list a lost node as alive for a moment: never count it as room
+        lost = sorted(set(self.lost_nodes(role)) | ({failure.node_id} if
+                      failure.kind == FailureKind.NODE_LOST and failure.node_id else set()))
         current = s.graph.roles[role].total
         per_node = self.ranges[role].per_node
         t0 = time.time()
         deadline = t0 + self.replacement_timeout_s
         while True:
             s.check_stop()
-            slots = self.node_slots(role)
+            slots = self.node_slots(role, exclude=set(lost))
             if slots * per_node >= current or time.time() >= deadline:
                 break
             time.sleep(min(REPLACEMENT_POLL_S, max(0.0, deadline - time.time())))
@@ -201,6 +205,7 @@ class ElasticManager:
         t0 = time.time()
         old = s.graph.roles[role].total
         members = [i for (r, _), i in s.instances.roles.items() if r == role]
+        last_step = max((i.last_step for i in members), default=-1)
         attempts = {(role, i.rank): i.attempt + 1 for i in members}
         self.standby.drop()
         self.launcher.stop_instances(members)
@@ -214,7 +219,7 @@ class ElasticManager:
         attempts = {(role, k): attempts.get((role, k), 0) for k in range(world_size)}
         self.launcher.start_roles([role], attempts)
         self.standby.ensure()
-        entry = {"role": role, "world_size": world_size, "step": s.step, "reason": reason,
+        entry = {"role": role, "world_size": world_size, "step": last_step, "reason": reason,
                  "checkpoint_step": s.checkpoint_steps.get(role)}
         self.history.append(entry)
         s.context.set("world_sizes", self.history)
