@@ -99,7 +99,7 @@ class ElasticManager:
                 return nodes * rng.per_node
         return None
 
-    def node_slots(self, role: str, exclude: set[str] = frozenset()) -> int:  # type: ignore[assignment]
+    def node_slots(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> int:
         """How many node-slots of ``role`` (``per_node`` ranks each) the alive nodes not
         marked bad (nor in ``exclude``) hold, by their total resources."""
         r = self.scope.graph.roles[role]
@@ -151,11 +151,12 @@ class ElasticManager:
                 break
             time.sleep(min(REPLACEMENT_POLL_S, max(0.0, deadline - time.time())))
         waited = round(time.time() - t0, 3)
-        target = self.largest_valid(role, slots)
+        target = self.largest_valid(role, min(slots, current // per_node))
         if target is None:
             rng = self.ranges[role]
             raise JobFailed(
-                f"role {role!r} lost node(s) {', '.join(n[:12] for n in lost)} and no replacement came within "
+                f"role {role!r} lost node(s) {', '.join(n[:12] for n in lost)} and no "
+                "replacement came within "
                 f"elastic.replacement_timeout_s={self.replacement_timeout_s:g}: the cluster holds "
                 f"{slots} node-slot(s) of {per_node} rank(s), fewer than roles.{role}.nodes "
                 f"minimum {rng.min_nodes} (or no size in {rng.min_nodes}..{rng.max_nodes} nodes "
