@@ -36,7 +36,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-G, B = 12, 4  # global batch 12 splits over 1, 3 ranks (and micro-batches of 4)
+G, B = 24, 4  # the global batch splits into micro-batches of 4 at 1, 2 and 3 ranks
 
 
 def _cluster():
@@ -168,7 +168,7 @@ def run_ray_train(args) -> dict:
         return {"ray_train_error": f"Ray Train is not installed (pip install -e '.[bench]'): "
                                    f"{exc}"}
     cluster, nodes = _cluster()
-    ray.init(address=cluster.address)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     log = tempfile.mktemp(prefix="raytrain-elastic-", suffix=".jsonl")
     by_id = {n.node_id: n for n in nodes}
     try:
