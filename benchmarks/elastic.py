@@ -87,7 +87,11 @@ def run_ours(args) -> dict:
             continue
         step = st["instances"].get("trainer-0", {}).get("step", -1)
         if removed_ts is None and step >= args.remove_at:
-            node_id = st["instances"]["trainer-2"]["node_id"]
+            # a trainer node without the JobMaster (losing that is a master restart)
+            master_node = next((e.get("master_node_id") for e in read_events(
+                os.path.join(job_dir, "events.jsonl")) if e["event"] == "job_started"), None)
+            node_id = next(st["instances"][f"trainer-{r}"]["node_id"] for r in (2, 1, 0)
+                           if st["instances"][f"trainer-{r}"]["node_id"] != master_node)
             cluster.remove_node(by_id[node_id])
             removed_ts = time.time()
         if removed_ts is not None and added is None and step >= args.add_at:

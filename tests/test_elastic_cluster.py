@@ -1,7 +1,7 @@
 """Shrink and grow for real on a 3-node ``ray.cluster_utils.Cluster`` (its own Ray, in a
 subprocess: ``tests/scenarios/elastic_resize.py``): trainer rank 1's node is removed at
 step 20, no replacement comes, the trainer continues at 1 rank from its newest
-checkpoint; a node joins at step 32 and the trainer is back at 2 ranks after its next
+in-memory flash checkpoint (restored into the other world size); a node joins at step 32 and the trainer is back at 2 ranks after its next
 checkpoint. The loss curve stays on the 2-rank curve (computed here with real gloo
 ranks, ``tests/elastic_math.py``) within 1e-4 at every step, no sample is lost, and the
 job's other role never restarts."""
@@ -23,8 +23,8 @@ from tests.scenarios.elastic_resize import ADD_AT, EVERY, REMOVE_AT, STEPS, B, G
 @pytest.mark.slow
 def test_shrink_then_grow_on_the_two_rank_curve(tmp_path):
     job_dir = tmp_path / "job"
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.elastic_resize", str(job_dir)],
-                         capture_output=True, text=True, timeout=420)
+    out = subprocess.run([sys.executable, "-m", "tests.scenarios.elastic_resize", str(job_dir),
+                          "flash"], capture_output=True, text=True, timeout=420)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     summary = res["summary"]
@@ -37,6 +37,8 @@ def test_shrink_then_grow_on_the_two_rank_curve(tmp_path):
     loads = [(ld["world_size"], ld["loaded"]) for ld in res["loads"]]
     assert loads[0] == (2, None) and loads[1][0] == 1 and loads[1][1] >= REMOVE_AT - EVERY
     assert loads[2][0] == 2 and loads[2][1] > loads[1][1]
+    # both resizes restored from the flash checkpoint in memory, into another world size
+    assert [ld["source"] for ld in res["loads"][1:]] == ["memory-resharded"] * 2
     assert summary["samples_lost"] == 0
     assert summary["samples_duplicated"] <= 2 * EVERY * G  # one window per resize
     assert summary["restarts"]["node"] == 1
