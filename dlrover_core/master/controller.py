@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from dlrover_core.atomic_io import atomic_write_json
 from dlrover_core.graph.graph import ComputationGraph
 from dlrover_core.master.context import JobContext
+from dlrover_core.master.elastic import ElasticManager
 from dlrover_core.master.events import EventLog
 from dlrover_core.master.failover import FailoverCoordinator, JobFailed, RecoveryAction
 from dlrover_core.master.instances import InstanceFailure, InstanceState, InstanceTable
@@ -45,6 +46,7 @@ from dlrover_core.master.progress import ProgressRecorder
 from dlrover_core.master.reattach import reattach
 from dlrover_core.master.recovery import OpenRecovery, RecoveryExecutor
 from dlrover_core.master.scope import JobScope, JobStopped
+from dlrover_core.master.shards import ShardRegistry
 from dlrover_core.master.standby import StandbyPool
 from dlrover_core.master.states import JobState, check_transition
 from dlrover_core.observability.tensorboard import attach_tensorboard
@@ -81,7 +83,9 @@ class JobController:
         self.standby = StandbyPool(s, self.launcher)
         self.launcher.standby = self.standby
         self.recovery = RecoveryExecutor(s, self.launcher, self.monitor, self.standby)
+        self.elastic = ElasticManager(s, self.launcher, self.standby)
         self.progress = ProgressRecorder(s)
+        self.shards = ShardRegistry()
         self.tensorboard = attach_tensorboard(spec, job_dir, s.events, self.progress.metrics_log)
         self.state = JobState.PENDING
         self.error = ""
@@ -172,6 +176,12 @@ class JobController:
             raise JobFailed("nothing is running but the job did not finish (internal error)")
         self.progress.flush_due()
         self.standby.check()
+        if self.elastic.ranges:
+            try:
+                self.elastic.check_grow()
+            except InstanceFailure as f:
+                self._failures.append(self.monitor.diagnose(f.inst, f.exc))
+                return JobState.RECOVERING
         found = self.monitor.poll()
         if found is None:
             return None
@@ -188,6 +198,15 @@ class JobController:
             return None  # replaced by the recovery of an earlier failure
         action = self._decide(found)
         self._open = self.recovery.begin(action, found.failure)
+        if self.elastic.handles(found.failure) and not self._start_failed:
+            # a lost node of an elastic role: that role alone restarts, at the size the
+            # nodes left can hold once the replacement wait is over (master/elastic.py)
+            try:
+                self._open.phases = self.elastic.shrink(found.failure)
+            except InstanceFailure as f:
+                self._failures.appendleft(self.monitor.diagnose(f.inst, f.exc))
+                return None
+            return JobState.RUNNING
         if action.level in (FailoverLevel.NODE, FailoverLevel.JOB) or self._start_failed:
             # a start-up that failed part-way is started again as a whole (the other
             # roles and the driver may not be set up yet), whatever the level
@@ -284,6 +303,13 @@ class JobController:
                 "failures": s.failover.failure_log(),
                 "goodput": s.failover.goodput(wall, s.step_times),
             }
+            if self.elastic.ranges:  # every size an elastic role ran at
+                self.summary["world_sizes"] = list(self.elastic.history)
+            if self.shards.services:  # per-sample ledger of the shard service
+                ledger = self.shards.ledger()
+                self.summary.update(samples_lost=ledger["samples_lost"],
+                                    samples_duplicated=ledger["samples_duplicated"],
+                                    shards=ledger["roles"])
             if self.progress.tuning is not None:  # the config the job ended on
                 self.summary["tuning"] = self.progress.tuning.summary()
         s.context.set("summary", self.summary)

@@ -150,6 +150,31 @@ class JobMaster:
         self.controller.progress.on_checkpoint_saved(role, rank, step, seconds)
 
 
+    # ================================================================== shard service
+    def shards_open(self, role: str, config: dict) -> int:
+        """Open (or join) the shard service of ``role``; returns the data set size. See
+        :class:`dlrover_core.master.shards.ShardRegistry`."""
+        return self.controller.shards.open(role, config)
+
+    def shards_lease(self, role: str, rank: int, generation: int) -> dict | None:
+        """The next shard for ``rank`` of ``role`` (see ``ShardService.lease``)."""
+        return self.controller.shards.get(role).lease(rank, generation)
+
+    @ray.method(concurrency_group="report")
+    def shards_report(self, role: str, generation: int, rank: int, step: int,
+                      spans: list) -> None:
+        """``rank`` of ``role`` trained ``spans`` in ``step`` (see ``ShardService.report``)."""
+        self.controller.shards.get(role).report(generation, rank, step, spans)
+
+    def shards_restore(self, role: str, step: int) -> int:
+        """Roll the shard service of ``role`` back to ``step``; the new generation."""
+        return self.controller.shards.get(role).restore(step)
+
+    def shards_ledger(self) -> dict:
+        """``samples_lost``, ``samples_duplicated`` and per role the ledger."""
+        return self.controller.shards.ledger()
+
+
 def _was_reconstructed() -> bool:
     """True when Ray restarted this (master) actor after it died."""
     try:

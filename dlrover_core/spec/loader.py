@@ -432,6 +432,9 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
         raise SpecError("failover.hang_timeout_s", spec.failover.hang_timeout_s, "seconds >= 0 (0 = off)")
     if spec.failover.pg_timeout_s <= 0:
         raise SpecError("failover.pg_timeout_s", spec.failover.pg_timeout_s, "seconds > 0")
+    from dlrover_core.spec.elastic import validate_elastic
+
+    validate_elastic(spec)
     from dlrover_core.tuning.spec import validate_tuning
 
     validate_tuning(spec, pm)
