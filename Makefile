@@ -5,6 +5,9 @@
 # make gpu-check: on a CUDA machine, the gpu-marked tests, nanoGPT on cuda for 200 steps and
 #             the flash D2H figure, one JSON report (scripts/gpu_check.py); without CUDA it
 #             prints "no CUDA device" and exits 0
+# make cluster-up NODES=2 [CPUS=2]: a head and NODES worker nodes, each its own `ray start`
+#             process on this machine (dlrover cluster up); prints the export lines for clients
+# make cluster-down: stop exactly those nodes (dlrover cluster down)
 # make dist:  a wheel and an sdist of the core and every plugin under dist/ (twine check)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -12,11 +15,13 @@ BIN := $(VENV)/bin
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+NODES ?= 2
+CPUS ?= 2
 # Debian packages the test suites need (the odl plugin's Redis Streams cases run a real redis-server)
 APT_PACKAGES := redis-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test gpu-check dist clean
+.PHONY: setup demo test gpu-check dist clean cluster-up cluster-down
 
 setup: $(STAMP)
 
@@ -39,6 +44,12 @@ test: setup
 	  echo "== $$p"; \
 	  $(BIN)/python -m pytest -q $${p}tests --rootdir $$p -c $${p}pyproject.toml $(PYTEST_ARGS); \
 	done
+
+cluster-up: setup
+	$(BIN)/dlrover cluster up --nodes $(NODES) --cpus-per-node $(CPUS)
+
+cluster-down:
+	$(BIN)/dlrover cluster down
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py

@@ -59,14 +59,32 @@ def test_list_after_the_job(job, capsys):
     (row,) = json.loads(capsys.readouterr().out)
     with open(os.path.join(job_dir, "summary.json")) as f:
         summary = json.load(f)
-    assert row == {"name": NAME, "status": "succeeded", "steps": 16,
+    age = row.pop("age_s")
+    assert row == {"name": NAME, "run": 1, "status": "succeeded", "steps": 16,
+                   "started_at": summary["started_at"],
                    "restarts": summary["restarts"]["total"], "wall_s": summary["wall_s"],
-                   "goodput": summary["goodput"], "source": job_dir}
+                   "goodput": summary["goodput"], "error": None, "job_dir": job_dir,
+                   "source": job_dir}
+    assert summary["ended_at"] - summary["started_at"] <= age
     assert row["restarts"] >= 1
     assert main(["list", "--root", root, "--no-cluster"]) == 0
     table = capsys.readouterr().out
     line = next(ln for ln in table.splitlines() if NAME in ln)
     assert "succeeded" in line and job_dir in line
+
+
+def test_recovery_loads_are_events_not_where_the_run_resumed(job):
+    """The killed rank's reload is a `checkpoint_loaded` event of attempt 1; the run
+    itself started from nothing, so its summary has no `resumed_from`."""
+    _, job_dir, _ = job
+    with open(os.path.join(job_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["resumed_from"] is None and summary["run"] == 1
+    loads = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
+             if e["event"] == "checkpoint_loaded"]
+    assert loads and all(e["attempt"] >= 1 and e["source"] == "disk" for e in loads)
+    assert {e["step"] for e in loads} <= {4, 8}
+    assert all(e["path"].endswith(f"step_{e['step']:08d}") for e in loads)
 
 
 def test_timeline_png_of_the_failure(job, tmp_path, capsys):
@@ -186,6 +204,7 @@ def test_driver_logs(ray_cluster, job_dir, capsys):
     assert summary["status"] == "succeeded", summary["error"]
     assert main(["logs", "cli-driver", "--job-dir", job_dir, "--role", "driver"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("==> driver attempt 0 <==\n")
+    assert out.startswith("=== run 1 of ")  # the run's header, then the driver's attempts
+    assert out.splitlines()[1] == "==> driver attempt 0 <=="
     assert "driver iteration 1: worker ranks [0, 1]" in out
     assert "driver done" in out  # stderr too

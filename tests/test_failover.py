@@ -144,7 +144,7 @@ def test_ray_kill_actor(ray_cluster, job_dir):
 
 
 def test_exception_at_step(ray_cluster, job_dir):
-    s = spec("ft-raise", 16, "config.fault={rank: 0, step: 6, kind: raise}")
+    s = spec("ft-raise", 16, "+config.fault={rank: 0, step: 6, kind: raise}")
     summary = finish(start(s, job_dir))
     assert_recovered(summary, job_dir)
     failed = events(job_dir, "instance_failed")[0]
@@ -153,7 +153,7 @@ def test_exception_at_step(ray_cluster, job_dir):
 
 
 def test_hang_is_detected(ray_cluster, job_dir):
-    s = spec("ft-hang", 16, "config.fault={rank: 1, step: 6, kind: hang}",
+    s = spec("ft-hang", 16, "+config.fault={rank: 1, step: 6, kind: hang}",
              "failover.hang_timeout_s=4")
     summary = finish(start(s, job_dir))
     assert_recovered(summary, job_dir)
@@ -193,7 +193,7 @@ def test_fatal_bug_at_startup_stops_at_once(ray_cluster, job_dir):
 
 
 def test_deterministic_bug_becomes_fatal(ray_cluster, job_dir):
-    s = spec("ft-determ", 16, "config.fault={rank: 0, step: 6, kind: raise, attempt: any}")
+    s = spec("ft-determ", 16, "+config.fault={rank: 0, step: 6, kind: raise, attempt: any}")
     summary = finish(start(s, job_dir))
     assert summary["status"] == "failed"
     assert "deterministic" in summary["error"]

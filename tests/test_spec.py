@@ -21,7 +21,7 @@ def base(**extra):
 def test_valid_yaml_with_overrides(tmp_path):
     p = tmp_path / "job.yaml"
     p.write_text(OmegaConf.to_yaml(base(config={"lr": 0.1})))
-    spec = load_spec(str(p), ["roles.trainer.total=4", "config.lr=0.5", "config.new=1"])
+    spec = load_spec(str(p), ["roles.trainer.total=4", "config.lr=0.5", "+config.new=1"])
     assert spec.roles.trainer.total == 4
     assert spec.config.lr == 0.5 and spec.config.new == 1
     assert spec.checkpoint.saver == "disk"  # schema default
@@ -37,9 +37,47 @@ def test_unknown_key():
 
 
 def test_unknown_top_level_key_in_override():
-    with pytest.raises(SpecError, match=r"placment.*unknown key in the overrides.*allowed: one "
-                                        r"of: name, template"):
-        load_spec(base(), ["placment=spread"])
+    for item in ("placment=spread", "+placment=spread"):  # '+' cannot add to the schema
+        with pytest.raises(SpecError, match=r"placment.*unknown key in the overrides; did you "
+                                            r"mean 'placement'\?.*allowed: one of: name, "
+                                            r"template"):
+            load_spec(base(), [item])
+
+
+def test_override_of_a_key_the_file_lacks_is_an_error_with_the_nearest_key(tmp_path):
+    """Hydra's rule: `key=value` changes a key the file has; a typo is not a new key."""
+    p = tmp_path / "job.yaml"
+    p.write_text(OmegaConf.to_yaml(base(config={"max_steps": 400, "lr": 0.1})))
+    with pytest.raises(SpecError) as e:
+        load_spec(str(p), ["config.max_step=60"])
+    msg = str(e.value)
+    assert msg.startswith("config.max_step: '60' is invalid")
+    assert "did you mean 'max_steps'?" in msg and "+config.max_step=60 to add it" in msg
+    with pytest.raises(SpecError, match=r"no key 'trainr' at 'roles'; did you mean 'trainer'"):
+        load_spec(str(p), ["roles.trainr.total=4"])
+    with pytest.raises(SpecError, match=r"no key 'x' at 'config.lr'"):
+        load_spec(str(p), ["config.lr.x=1"])  # below a value: nothing to change
+
+
+def test_plus_adds_a_key_and_double_plus_sets_either_way(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text(OmegaConf.to_yaml(base(config={"max_steps": 400})))
+    spec = load_spec(str(p), ["+config.new_key=7", "config.new_key=8", "+config.fault.rank=1",
+                              "++config.max_steps=60", "++config.other=x"])
+    assert spec.config.new_key == 8 and spec.config.fault.rank == 1
+    assert spec.config.max_steps == 60 and spec.config.other == "x"
+    with pytest.raises(SpecError, match=r"\+config.max_steps adds a key, but .* has it.*"
+                                        r"write config.max_steps=60 to change it"):
+        load_spec(str(p), ["+config.max_steps=60"])
+    # environment variables are added without '+'
+    assert load_spec(str(p), ["env.MY_FLAG=1"]).env.MY_FLAG == "1"
+
+
+def test_unknown_spec_keys_suggest_the_nearest():
+    with pytest.raises(SpecError, match=r"checkpoint.every_step.*did you mean 'every_steps'"):
+        load_spec(base(checkpoint={"every_step": 5}))
+    with pytest.raises(SpecError, match=r"failovr.*did you mean 'failover'"):
+        load_spec(base(failovr={"max_restarts": 1}))
 
 
 def test_wrong_type():

@@ -34,7 +34,7 @@ def spec(name: str, steps: int, job_dir: str, *extra: str):
     return load_spec("examples/nanogpt/job_tuned.yaml",
                      TINY + [f"name={name}", f"config.max_steps={steps}",
                              f"config.eval_every={steps}",
-                             f"config.record_samples={os.path.join(job_dir, 'samples')}",
+                             f"+config.record_samples={os.path.join(job_dir, 'samples')}",
                              *extra])
 
 
@@ -71,7 +71,7 @@ def samples(job_dir: str) -> list[dict]:
 def test_tuned_job_switches_together_and_a_killed_rank_resumes_with_the_version(
         ray_cluster, job_dir):
     s = spec("tune-job", STEPS, job_dir, "checkpoint.every_steps=4",
-             "config.fault={rank: 1, step: 13, kind: kill}")
+             "+config.fault={rank: 1, step: 13, kind: kill}")
     summary = run_job(s, job_dir)
     assert summary["status"] == "succeeded", summary["error"]
     ev = [e["event"] for e in events(job_dir)]
@@ -172,7 +172,7 @@ def test_a_micro_batch_that_runs_out_of_memory_is_rolled_back_without_a_restart(
     budget = activation_bytes(4, 32, 32, 1)  # micro-batch 4 fits, 8 does not
     s = spec("tune-oom", n, job_dir, "tuning.tuners=[micro_batch]", "tuning.guard.windows=2",
              "config.micro_batch=4", "config.grad_accum_steps=4",
-             f"config.memory_budget_bytes={budget}")
+             f"+config.memory_budget_bytes={budget}")
     summary = run_job(s, job_dir)
     assert summary["status"] == "succeeded", summary["error"]
     assert summary["restarts"]["total"] == 0

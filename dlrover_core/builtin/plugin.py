@@ -1,12 +1,13 @@
 """The core's own defaults, registered through the same hooks as any plugin:
 placement policies ``pack`` and ``spread``, the fallback failure classifier, the
-``disk`` saver, the ``plain`` state-dict engine, and the capture of worker output into
-the job directory."""
+``torchrun`` backend of script roles, the ``disk`` saver, the ``plain`` state-dict
+engine, and the capture of worker output into the job directory."""
 
 from __future__ import annotations
 
 from dlrover_core.plugins.hookspecs import hookimpl
 from dlrover_core.plugins.records import (
+    Backend,
     CheckpointSaver,
     Failure,
     FailureVerdict,
@@ -25,6 +26,14 @@ def dlrover_placement_policies() -> list[PlacementPolicy]:
         PlacementPolicy(name="spread", plan=plan_spread,
                         description="bundles over as many nodes as possible (SPREAD)"),
     ]
+
+
+@hookimpl
+def dlrover_backends() -> list[Backend]:
+    return [Backend(name="torchrun", session="dlrover_core.runtime.script:ScriptSession",
+                    state_dict_engine="plain",
+                    description="script roles (roles.<role>.command): a rendezvous address, "
+                                "the script makes its own process group")]
 
 
 @hookimpl
@@ -70,8 +79,11 @@ def dlrover_workload_setup(workload) -> None:
     """Worker output of every (re)start to ``<job_dir>/logs/<role>-<rank>/attempt-<N>.log``
     (``dlrover logs``; see :mod:`dlrover_core.runtime.log_capture`); first, so that what
     other plugins' setup hooks print is captured too."""
+    from dlrover_core.runtime import attempt_log
     from dlrover_core.runtime.log_capture import capture_output
 
     ctx = workload.context
     capture_output(ctx.job_dir, ctx.role, ctx.rank, ctx.attempt,
                    getattr(ctx, "observability", None))
+    attempt_log.install()  # the workload's logging records and warnings go there too
+    attempt_log.header(ctx)

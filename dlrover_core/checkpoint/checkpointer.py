@@ -8,7 +8,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dlrover_core.checkpoint.engine import PlainEngine, StateDictEngineBase
-from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
+from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext, step_dir_name
+from dlrover_core.runtime import attempt_log
 
 if TYPE_CHECKING:
     from dlrover_core.runtime.context import WorkerContext
@@ -26,14 +27,18 @@ class Checkpointer:
     Args:
         saver: the job's saver. engine: the backend's state-dict engine.
         every_steps: interval of :meth:`maybe_save` (0: never).
+        on_saved: ``on_saved(step, seconds)`` after each save.
+        on_loaded: ``on_loaded(step, source, path)`` after a load found a checkpoint
+            (``source``: the saver's ``last_load_source``; ``path``: the step's directory).
     """
 
     def __init__(self, saver: Saver, engine: StateDictEngineBase | None = None,
-                 every_steps: int = 0, on_saved: Any = None) -> None:
+                 every_steps: int = 0, on_saved: Any = None, on_loaded: Any = None) -> None:
         self.saver = saver
         self.engine = engine or PlainEngine()
         self.every_steps = every_steps
         self._on_saved = on_saved
+        self._on_loaded = on_loaded
         self.last_save_s = 0.0
         self.last_step: int | None = None
 
@@ -82,7 +87,13 @@ class Checkpointer:
             if master is not None:
                 master.checkpoint_saved.remote(ctx.role, ctx.rank, step, seconds)
 
-        return cls(saver, engine, int(ck.get("every_steps", 0)), on_saved)
+        def on_loaded(step: int, source: str | None, path: str) -> None:
+            master = workload._master_or_none() if workload is not None else None
+            if master is not None:
+                master.checkpoint_loaded.remote(ctx.role, ctx.rank, step, source, path,
+                                                ctx.attempt)
+
+        return cls(saver, engine, int(ck.get("every_steps", 0)), on_saved, on_loaded)
 
     def save(self, step: int, **objects: Any) -> float:
         """Save ``objects`` as ``step``; returns the blocking time in s."""
@@ -90,6 +101,7 @@ class Checkpointer:
         self.saver.save(step, self.engine.state_dict(objects))
         self.last_save_s = time.perf_counter() - t0
         self.last_step = step
+        attempt_log.saved(step, attempt_log.saver_source(self.saver), self.last_save_s)
         if self._on_saved is not None:
             self._on_saved(step, self.last_save_s)
         return self.last_save_s
@@ -111,10 +123,14 @@ class Checkpointer:
         """
         template = self.engine.state_dict(objects)
         loaded = self.saver.load(template, step)
+        attempt_log.restored(loaded, attempt_log.saver_source(self.saver))
         if loaded is None:
             return None
         self.engine.load_state_dict(objects, template)
         self.last_step = loaded
+        if self._on_loaded is not None:
+            self._on_loaded(loaded, getattr(self.saver, "last_load_source", None),
+                            os.path.join(self.saver.config.dir, step_dir_name(loaded)))
         return loaded
 
     def wait(self) -> None:

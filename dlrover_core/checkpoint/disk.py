@@ -133,4 +133,5 @@ class DiskSaver(Saver):
         except (Exception, CheckpointException) as exc:
             tried[chosen] = f"{type(exc).__name__}: {exc}"
             raise CheckpointLoadError(self.config.dir, tried) from exc
+        self.last_load_source = "disk"
         return chosen

@@ -70,6 +70,9 @@ class Saver(ABC):
     small picklable values, as a ``StateDictEngine`` produces it.
     """
 
+    #: where the last :meth:`load` read from (``memory``, ``disk``, ...); set by the saver
+    last_load_source: str | None = None
+
     def __init__(self, config: SaverConfig, context: SaverContext) -> None:
         self.config = config
         self.context = context

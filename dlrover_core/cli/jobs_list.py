@@ -1,7 +1,8 @@
 """``dlrover list [--root runs] [--address ADDR] [--no-cluster] [--json]``: the jobs of
-a job root (each ``<root>/<name>/`` with an ``events.jsonl``) and the running jobs of
-the Ray cluster (their JobMaster actors), one row per job: name, status, steps,
-restarts, wall time (s), goodput, and where the row came from.
+a job root (each ``<root>/<dir>/`` holding a run) and the running jobs of the Ray
+cluster (their JobMaster actors), one row per job directory (two directories of one
+job name are two rows): name, latest run, status, start time, age, steps, restarts,
+wall time (s), goodput, error (its first line), and where the row came from.
 
 A job found in both places shows the running master's view. A directory without a
 ``summary.json`` whose master is not found is ``unfinished`` (it runs on a cluster
@@ -13,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
-from dlrover_core.cli.job_files import EVENTS, METRICS, SUMMARY
 from dlrover_core.cli.output import console_for, print_json, print_table
 
-COLUMNS = ("name", "status", "steps", "restarts", "wall_s", "goodput", "source")
+COLUMNS = ("name", "run", "status", "started_at", "age_s", "steps", "restarts", "wall_s",
+           "goodput", "error", "job_dir", "source")
 
 
 def _tail_step(path: str, chunk: int = 65536) -> int | None:
@@ -48,48 +50,69 @@ def _first_event(path: str) -> dict | None:
     return None
 
 
+def _first_line(text: Any, width: int | None = None) -> str | None:
+    """The first line of ``text`` (``None`` for none), cut to ``width`` characters."""
+    if not text:
+        return None
+    line = str(text).strip().splitlines()[0]
+    return line if width is None or len(line) <= width else line[:width - 3] + "..."
+
+
 def jobs_in_root(root: str) -> list[dict]:
-    """One row per job directory under ``root`` (sorted by name)."""
+    """One row per job directory under ``root`` (sorted by directory), from its latest
+    run: name, run, status, started_at (unix s), steps, restarts, wall_s, goodput, error
+    (its first line), job_dir and source."""
+    from dlrover_core.cli.job_files import is_job_dir, job_name_of
+    from dlrover_core.runs import run_paths
+
     rows = []
     if not os.path.isdir(root):
         return rows
-    for name in sorted(os.listdir(root)):
-        d = os.path.join(root, name)
-        events = os.path.join(d, EVENTS)
-        if not os.path.isfile(events):
+    for entry in sorted(os.listdir(root)):
+        d = os.path.abspath(os.path.join(root, entry))
+        if not os.path.isdir(d) or not is_job_dir(d):
             continue
-        row: dict[str, Any] = {"name": name, "status": "unfinished", "steps": None,
-                               "restarts": None, "wall_s": None, "goodput": None,
-                               "source": os.path.abspath(d)}
+        paths = run_paths(d)
+        info = paths.info
+        row: dict[str, Any] = {"name": job_name_of(d), "run": paths.run,
+                               "status": "unfinished", "started_at": info.get("started_at"),
+                               "steps": None, "restarts": None, "wall_s": None,
+                               "goodput": None, "error": None, "job_dir": d, "source": d}
         summary = None
         try:
-            with open(os.path.join(d, SUMMARY)) as f:
+            with open(paths.summary) as f:
                 summary = json.load(f)
         except (OSError, ValueError):
             pass
+        first = _first_event(paths.events) if os.path.isfile(paths.events) else None
+        if row["started_at"] is None and first and first.get("event") == "job_started":
+            row["started_at"] = float(first["ts"])
         if summary:
-            row.update(name=summary.get("name", name), status=summary.get("status"),
-                       steps=summary.get("steps"),
+            row.update(status=summary.get("status"), steps=summary.get("steps"),
                        restarts=(summary.get("restarts") or {}).get("total", 0),
-                       wall_s=summary.get("wall_s"), goodput=summary.get("goodput"))
+                       wall_s=summary.get("wall_s"), goodput=summary.get("goodput"),
+                       error=_first_line(summary.get("error")))
+            row["started_at"] = summary.get("started_at", row["started_at"])
         else:
-            first = _first_event(events)
-            if first and first.get("event") == "job_started":
-                row["name"] = first.get("job", name)
-                row["wall_s"] = round(os.path.getmtime(events) - float(first["ts"]), 3)
-            last = _tail_step(os.path.join(d, METRICS))
+            if first and first.get("event") == "job_started" and os.path.isfile(paths.events):
+                row["wall_s"] = round(os.path.getmtime(paths.events) - float(first["ts"]), 3)
+            last = _tail_step(paths.metrics)
             row["steps"] = last + 1 if last is not None else 0
         rows.append(row)
     return rows
 
 
-def jobs_on_cluster(address: str | None) -> list[dict] | None:
-    """Rows of the JobMasters alive on the cluster at ``address`` (``None``: the one on
-    this machine, if any); ``None`` when there is no cluster to join."""
+def running_masters(address: str | None) -> dict[str, tuple[Any, dict]] | None:
+    """The JobMasters alive on the cluster at ``address`` (``None``: the one on this
+    machine, if any): job name -> (actor handle, its ``status()``); ``None`` when there
+    is no cluster to join."""
     from dlrover_core.master.client import init_ray
+    from dlrover_core.master.ray_auth import ClusterAuthError
 
     try:
         init_ray(address or "auto")
+    except ClusterAuthError:
+        raise
     except (ConnectionError, RuntimeError, ValueError):
         return None
     import ray
@@ -97,7 +120,7 @@ def jobs_on_cluster(address: str | None) -> list[dict] | None:
     from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
 
     prefix = master_actor_name("")
-    rows = []
+    found = {}
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a.get("namespace") != MASTER_NAMESPACE or not a["name"].startswith(prefix):
             continue
@@ -106,25 +129,57 @@ def jobs_on_cluster(address: str | None) -> list[dict] | None:
             st = ray.get(master.status.remote(), timeout=15)
         except Exception:  # noqa: BLE001 - a master that is restarting or gone
             continue
+        found[st.get("name", a["name"][len(prefix):])] = (master, st)
+    return found
+
+
+def jobs_on_cluster(address: str | None) -> list[dict] | None:
+    """Rows of the JobMasters alive on the cluster at ``address`` (``None``: the one on
+    this machine, if any); ``None`` when there is no cluster to join."""
+    masters = running_masters(address)
+    if masters is None:
+        return None
+    rows = []
+    for name, (_, st) in masters.items():
         summary = st.get("summary") or {}
-        rows.append({"name": st.get("name", a["name"][len(prefix):]),
+        rows.append({"name": name, "run": st.get("run"),
                      "status": summary.get("status") or st.get("state"),
+                     "started_at": st.get("started_at"),
                      "steps": summary.get("steps", max(st.get("step", -1), -1) + 1),
                      "restarts": (st.get("restarts") or {}).get("total", 0),
                      "wall_s": summary.get("wall_s", round(st.get("elapsed_s", 0.0), 3)),
-                     "goodput": summary.get("goodput"), "source": "cluster"})
+                     "goodput": summary.get("goodput"),
+                     "error": _first_line(summary.get("error") or st.get("error")),
+                     "job_dir": st.get("job_dir"), "source": "cluster"})
     return rows
 
 
-def list_jobs(root: str, address: str | None = None, cluster: bool = True) -> list[dict]:
-    """Rows of :func:`jobs_in_root` merged with :func:`jobs_on_cluster` by name."""
-    by_name = {r["name"]: r for r in jobs_in_root(root)}
+def list_jobs(root: str, address: str | None = None, cluster: bool = True,
+              now: float | None = None) -> list[dict]:
+    """Rows of :func:`jobs_in_root` and :func:`jobs_on_cluster`, one per job directory
+    (a running job's row is its master's view), each with ``age_s``: seconds since its
+    latest run started (``now``: unix s, default the current time)."""
+    by_dir: dict[str, dict] = {r["job_dir"]: r for r in jobs_in_root(root)}
     live = jobs_on_cluster(address) if cluster else None
     for r in live or []:
-        if r["name"] in by_name:
-            r = {**r, "source": f"cluster, {by_name[r['name']]['source']}"}
-        by_name[r["name"]] = r
-    return sorted(by_name.values(), key=lambda r: r["name"])
+        key = os.path.abspath(r["job_dir"]) if r.get("job_dir") else f"cluster:{r['name']}"
+        if key in by_dir:
+            r = {**r, "job_dir": key, "source": f"cluster, {by_dir[key]['source']}"}
+        by_dir[key] = r
+    now = time.time() if now is None else now
+    rows = sorted(by_dir.values(), key=lambda r: (r["name"], r.get("job_dir") or ""))
+    for r in rows:
+        r["age_s"] = round(now - r["started_at"], 1) if r.get("started_at") else None
+    return rows
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -153,8 +208,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         console_for(stderr=True).print(f"no jobs in {os.path.abspath(args.root)}"
                                        + ("" if args.no_cluster else " or on the cluster"))
         return 0
-    print_table(("name", "status", "steps", "restarts", "wall (s)", "goodput", "source"),
-                ((r["name"], r["status"], _fmt(r["steps"]), _fmt(r["restarts"]),
-                  _fmt(r["wall_s"], ".1f"), _fmt(r["goodput"], ".3f"), r["source"])
+    print_table(("name", "run", "status", "started", "age", "steps", "restarts", "wall (s)",
+                 "goodput", "error", "source"),
+                ((r["name"], _fmt(r.get("run")), r["status"],
+                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started_at"]))
+                  if r.get("started_at") else "-", _age(r.get("age_s")), _fmt(r["steps"]),
+                  _fmt(r["restarts"]), _fmt(r["wall_s"], ".1f"), _fmt(r["goodput"], ".3f"),
+                  _first_line(r.get("error"), 40) or "", r["source"])
                  for r in rows), title="dlrover jobs")
     return 0

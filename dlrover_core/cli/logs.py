@@ -1,12 +1,14 @@
-"""``dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR]``: the
-stdout/stderr of role instances, from the job directory (``logs/<role>-<rank>/
-attempt-<N>.log`` and its rotated parts, see :mod:`dlrover_core.runtime.log_capture`),
-so it works while the job runs, after it ended and after a master restart.
+"""``dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR] [--run N]``:
+the stdout/stderr of role instances of one run (the latest by default), from the job
+directory (``logs/<role>-<rank>/attempt-<N>.log`` and its rotated parts, see
+:mod:`dlrover_core.runtime.log_capture`; an earlier run's under ``run-<N>/logs/``), so it
+works while the job runs, after it ended and after a master restart.
 
-One instance: its attempts in order, each under a ``==> trainer-1 attempt 0 <==``
-line. Several: every line prefixed with ``[trainer-1 a0]``. ``-f`` keeps printing
-what is appended (new attempts included) until the job's ``summary.json`` appears and
-nothing more is written for ``--settle`` seconds, or Ctrl-C.
+The output starts with a ``=== run 2 of nanogpt (started ...) ===`` header. One
+instance: its attempts in order, each under a ``==> trainer-1 attempt 0 <==`` line.
+Several: every line prefixed with ``[trainer-1 a0]``. ``-f`` keeps printing what is
+appended (new attempts included) until the run's ``summary.json`` appears and nothing
+more is written for ``--settle`` seconds, or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import IO, Iterable
+from typing import IO, TYPE_CHECKING, Iterable
 
+from dlrover_core.cli.job_files import run_option
+from dlrover_core.runs import SUMMARY
 from dlrover_core.runtime.log_capture import LOGS_DIR
+
+if TYPE_CHECKING:
+    from dlrover_core.runs import RunPaths
 
 _ATTEMPT_RE = re.compile(r"^attempt-(\d+)\.log$")
 _ROTATED_RE = re.compile(r"^attempt-(\d+)\.log\.(\d+)$")
@@ -155,13 +162,25 @@ def follow(job_dir: str, role: str | None, rank: int | None, attempt: int | None
         now = time.time()
         if wrote:
             quiet_since = now
-        ended = os.path.exists(os.path.join(job_dir, "summary.json"))
+        ended = os.path.exists(os.path.join(job_dir, SUMMARY))
         if ended and now - quiet_since >= settle_s:
             break
         if timeout_s is not None and now - start >= timeout_s:
             break
         time.sleep(poll_s)
     printer.finish()
+
+
+def run_header(run: RunPaths) -> str:
+    """``=== run 2 of nanogpt (started 2026-11-25 02:40:11) ===``: the line that starts
+    the logs of one run."""
+    info = run.info
+    name = info.get("name") or os.path.basename(run.job_dir)
+    started = ""
+    if info.get("started_at"):
+        started = time.strftime(" (started %Y-%m-%d %H:%M:%S)",
+                                time.localtime(float(info["started_at"])))
+    return f"=== run {run.run} of {name}{started} ==="
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -174,6 +193,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing new output until the job ends")
     p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
+    p.add_argument("--run", default=None, type=run_option,
+                   help="which run of the job directory (N or run-N; default: the latest)")
     p.set_defaults(func=cmd_logs)
 
 
@@ -181,7 +202,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from dlrover_core.cli.job_files import resolve_job_dir
     from dlrover_core.cli.output import console_for
 
-    job_dir = resolve_job_dir(args.job, args.job_dir)
+    from dlrover_core.runs import run_paths
+
+    run = run_paths(resolve_job_dir(args.job, args.job_dir), args.run)
+    job_dir = run.dir  # the run's files: find_sources/follow read <dir>/logs
     sources = find_sources(job_dir, args.role, args.rank, args.attempt)
     labels = {s.label for s in sources}
     if not sources and not args.follow:
@@ -193,6 +217,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             + (f" for {what}" if what else "")
             + (f"; logged instances: {', '.join(have)}" if have else ""), highlight=False)
         return 2
+    sys.stdout.write(run_header(run) + "\n")
     single = (args.role is not None and args.rank is not None) or args.role == "driver"
     prefixed = len(labels) > 1 or (args.follow and not single)
     if args.follow:

@@ -4,17 +4,31 @@
     dlrover plugin new NAME --kind KIND [--dir DIR] [--force]
     dlrover templates list [--json]
     dlrover validate JOB.yaml [key=value ...]
-    dlrover submit JOB.yaml [key=value ...] [--address ADDR] [--job-dir DIR]
-    dlrover status NAME [--address ADDR] [--job-dir DIR] [--json]
-    dlrover stop NAME [--address ADDR]
+    dlrover submit JOB.yaml [key=value ...] [--address ADDR] [--job-dir DIR] [--fresh]
+    dlrover status NAME [--address ADDR] [--job-dir DIR] [--run N] [--json]
+    dlrover stop NAME [--address ADDR] [--job-dir DIR]
     dlrover list [--root DIR] [--address ADDR] [--no-cluster] [--json]
-    dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR]
-    dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--json]
+    dlrover cluster up|add|env|status|down [--dir DIR]  (a `ray start` cluster here)
+    dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR] [--run N]
+    dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--run N] [--json]
     dlrover hooks [--json] [--write FILE]
+
+Each ``submit`` is a new run of the job in its job directory (``runs/NAME``): it
+resumes from the job's checkpoints and says from which step, source and path;
+``--fresh`` moves them aside (to ``<job_dir>/run-<N>/ckpt``) and starts over. ``status``,
+``logs`` and ``timeline`` show the latest run, ``--run N`` another one.
+
+``status``, ``stop``, ``logs`` and ``timeline`` find a job by one rule
+(:func:`dlrover_core.cli.job_files.find_job`): ``--job-dir``, else a job directory's
+path, else a name matching exactly one job directory under ``runs/`` (by directory or
+job name) or (``status``, ``stop``) running job; several matches are an error that
+lists them.
 
 Exit codes: 0 success (``submit``: the job succeeded), 1 the job failed or was
 stopped, 2 bad input (invalid spec, unknown name), 3 (``submit``) the job directory
-or checkpoint folder is in use by another run.
+or checkpoint folder is in use by another run, 4 (``submit``) nothing to train: the
+checkpoint resumed from already reached ``config.max_steps`` (status
+``already_complete``).
 """
 
 from __future__ import annotations
@@ -25,10 +39,14 @@ import sys
 from typing import Sequence
 
 from dlrover_core import __version__
-from dlrover_core.cli import hooks_doc, jobs_list, logs, plugin_new, timeline_cmd
+from dlrover_core.cli import cluster, hooks_doc, jobs_list, logs, plugin_new, timeline_cmd
+from dlrover_core.cli.job_files import run_option
 from dlrover_core.cli.output import console_for, print_json, print_table
 
 err = console_for(stderr=True)
+
+#: ``dlrover submit``'s exit code by the job's final status (anything else: 1)
+EXIT_CODES = {"succeeded": 0, "already_complete": 4}
 
 
 def _pm():
@@ -91,7 +109,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     spec = _load(args)
     try:
         summary = submit_job(spec, address=args.address, job_dir=args.job_dir,
-                             progress=not args.no_progress, verbose=args.verbose)
+                             progress=not args.no_progress, verbose=args.verbose,
+                             fresh=args.fresh)
     except DirInUseError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 3
@@ -103,38 +122,85 @@ def cmd_submit(args: argparse.Namespace) -> int:
     else:
         print_summary(summary)
     job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
-    err.print(f"job directory: {job_dir}")
-    return 0 if summary.get("status") == "succeeded" else 1
+    err.print(f"job directory: {job_dir} (run {summary.get('run', '?')})")
+    return EXIT_CODES.get(summary.get("status"), 1)
 
 
 def _connect(address: str | None) -> bool:
     """Join the Ray cluster a job runs on (``auto``: the one on this machine)."""
     from dlrover_core.master.client import init_ray
+    from dlrover_core.master.ray_auth import ClusterAuthError
 
     try:
         init_ray(address or "auto")
         return True
+    except ClusterAuthError:
+        raise
     except (ConnectionError, RuntimeError, ValueError):
         return False
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from dlrover_core.master.client import default_job_dir, get_master, read_summary
+def _find_running(args: argparse.Namespace, connect: bool = True):
+    """The job that ``args.name`` (``--job-dir``) names, by the one rule of
+    :func:`dlrover_core.cli.job_files.find_job` over the job directories under ``runs/``
+    and the running jobs of the cluster; returns ``(JobRef or None, master or None,
+    its status or None)``. Without a job directory, a running job of that name counts.
 
-    st = None
-    if _connect(args.address):
+    Raises:
+        FileNotFoundError, AmbiguousJobError: see ``find_job``.
+    """
+    from dlrover_core.cli.job_files import find_job
+    from dlrover_core.cli.jobs_list import running_masters
+
+    masters = (running_masters(args.address) if connect else None) or {}
+    running = {n: st.get("job_dir") or "" for n, (_, st) in masters.items()}
+    try:
+        ref = find_job(args.name, args.job_dir, running=running if connect else None)
+    except FileNotFoundError:
+        if args.job_dir or args.name not in masters:
+            raise
+        master, st = masters[args.name]  # running, its directory unknown here
+        return None, master, st
+    hit = masters.get(ref.name)
+    if hit is not None and os.path.abspath(hit[1].get("job_dir") or "") == ref.job_dir:
+        return ref, hit[0], hit[1]
+    return ref, None, None
+
+
+def status_line(st: dict) -> str:
+    """``nanogpt run 2 (/.../runs/nanogpt): running step 41/100 elapsed 35 s restarts 0
+    loss=1.9``; during start-up (pending, placing, starting) ``starting (placing)``
+    and no step."""
+    head = f"{st['name']} run {st.get('run', '?')}"
+    if st.get("job_dir"):
+        head += f" ({st['job_dir']})"
+    elapsed = f"elapsed {st.get('elapsed_s', 0):.0f} s"
+    if st["state"] in ("pending", "placing", "starting"):
+        return f"{head}: starting ({st['state']}) {elapsed}"
+    step = (f"step {st['step']}" + (f"/{st['total_steps']}" if st.get("total_steps") else "")
+            if st.get("step", -1) >= 0 else "no step yet")
+    m = ", ".join(f"{k}={v:.4g}" for k, v in st.get("metrics", {}).items())
+    return (f"{head}: {st['state']} {step} {elapsed} restarts {st['restarts']['total']}"
+            + (f" {m}" if m else ""))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dlrover_core.master.client import read_summary
+
+    ref, master, st = _find_running(args, connect=args.run is None and _connect(args.address))
+    if master is not None:
         import ray
 
-        master = get_master(args.name)
-        if master is not None:
-            st = ray.get(master.status.remote(), timeout=30)
-    if st is None:
-        summary = read_summary(args.job_dir or default_job_dir(args.name))
+        st = ray.get(master.status.remote(), timeout=30)
+    else:
+        summary = read_summary(ref.job_dir, args.run)
         if summary is None:
-            err.print(f"no running job {args.name!r} and no summary in "
-                      f"{args.job_dir or default_job_dir(args.name)}")
+            err.print(f"job {ref.name!r} in {ref.job_dir}: no running master and no summary "
+                      "(unfinished: it runs on a cluster this command did not join, or its "
+                      "master died with its cluster)", highlight=False)
             return 2
-        st = {"name": args.name, "state": summary["status"], "summary": summary}
+        st = {"name": ref.name, "state": summary["status"], "summary": summary,
+              "job_dir": ref.job_dir}
     if args.json:
         print_json(st)
     else:
@@ -143,29 +209,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         if st.get("summary"):
             print_summary(st["summary"])
         else:
-            m = ", ".join(f"{k}={v:.4g}" for k, v in st.get("metrics", {}).items())
-            print(f"{st['name']}: {st['state']} step {st['step']}"
-                  f"{'/' + str(st['total_steps']) if st.get('total_steps') else ''}"
-                  f" elapsed {st['elapsed_s']:.0f} s restarts {st['restarts']['total']} {m}")
+            print(status_line(st))
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from dlrover_core.master.client import get_master
-
     if not _connect(args.address):
         err.print("no Ray cluster to connect to; nothing is running")
         return 2
     import ray
 
-    master = get_master(args.name)
+    ref, master, _ = _find_running(args)
     if master is None:
-        err.print(f"no running job {args.name!r}")
+        err.print(f"job {ref.name!r} in {ref.job_dir} is not running", highlight=False)
         return 2
     ray.get(master.stop.remote())
     summary = ray.get(master.wait.remote(120))
     master.shutdown.remote()
-    print(f"{args.name}: {summary['status'] if summary else 'stopping'}")
+    print(f"{ref.name if ref else args.name}: {summary['status'] if summary else 'stopping'}")
     return 0
 
 
@@ -199,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="Ray cluster to join ('auto' or HOST:PORT); default: start a "
                                 "local cluster")
             s.add_argument("--job-dir", default=None, help="job directory (default runs/NAME)")
+            s.add_argument("--fresh", action="store_true",
+                           help="start over instead of resuming: the job's checkpoints are "
+                                "moved to <job_dir>/run-<N>/ckpt (kept, not deleted)")
             s.add_argument("--no-progress", action="store_true", help="no progress bar")
             s.add_argument("--verbose", "-v", action="store_true", help="show worker logs")
             s.add_argument("--json", action="store_true",
@@ -206,18 +270,22 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(func=func)
 
     st = sub.add_parser("status", help="state of a job")
-    st.add_argument("name")
+    st.add_argument("name", help="job name, or a job directory")
     st.add_argument("--address", default=None)
     st.add_argument("--job-dir", default=None)
+    st.add_argument("--run", default=None, type=run_option,
+                    help="an earlier run's summary (N or run-N; default: the latest run)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
     sp = sub.add_parser("stop", help="stop a running job")
-    sp.add_argument("name")
+    sp.add_argument("name", help="job name, or a job directory")
     sp.add_argument("--address", default=None)
+    sp.add_argument("--job-dir", default=None)
     sp.set_defaults(func=cmd_stop)
 
     jobs_list.add_parser(sub)
+    cluster.add_parser(sub)
     logs.add_parser(sub)
     timeline_cmd.add_parser(sub)
     hooks_doc.add_parser(sub)
@@ -226,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from dlrover_core.cli.job_files import AmbiguousJobError
+    from dlrover_core.master.ray_auth import ClusterAuthError
     from dlrover_core.plugins.manager import PluginError, UnknownPluginError
     from dlrover_core.spec.errors import SpecError
 
@@ -233,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(parser, argv)
     try:
         return int(args.func(args) or 0)
-    except (SpecError, UnknownPluginError, PluginError, FileNotFoundError) as exc:
+    except (SpecError, UnknownPluginError, PluginError, FileNotFoundError,
+            AmbiguousJobError, ClusterAuthError) as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
     except BrokenPipeError:  # `dlrover ... | head`: the reader left; not an error

@@ -74,6 +74,11 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t = Table(title=f"job {summary.get('name')}: {summary.get('status')}", show_header=False)
     t.add_column("key", style="bold", no_wrap=True)
     t.add_column("value", overflow="fold")
+    if summary.get("run"):
+        t.add_row("run", str(summary["run"]))
+    for role, r in sorted((summary.get("resumed_from") or {}).items()):
+        t.add_row("resumed", f"{role} from step {r['step']} ({r.get('source')}, "
+                             f"checkpoint {r.get('path')})")
     t.add_row("steps", str(summary.get("steps")))
     t.add_row("wall time", f"{summary.get('wall_s', 0):.1f} s")
     r = summary.get("restarts") or {}

@@ -1,9 +1,11 @@
-"""``dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--json]``."""
+"""``dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--run N] [--json]``: one run
+of the job (the latest by default), so the time between runs is not counted."""
 
 from __future__ import annotations
 
 import argparse
 
+from dlrover_core.cli.job_files import run_option
 from dlrover_core.cli.output import print_json
 
 
@@ -14,6 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default="timeline.png",
                    help="image to write (.png, .svg, .pdf; default timeline.png)")
     p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
+    p.add_argument("--run", default=None, type=run_option,
+                   help="which run of the job directory (N or run-N; default: the latest)")
     p.add_argument("--json", action="store_true",
                    help="print the drawn data as JSON instead of drawing")
     p.set_defaults(func=cmd_timeline)
@@ -23,15 +27,17 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     from dlrover_core.cli.job_files import JobFiles, resolve_job_dir
     from dlrover_core.cli.timeline_model import build_timeline
 
-    tl = build_timeline(JobFiles.read(resolve_job_dir(args.job, args.job_dir)))
+    files = JobFiles.read(resolve_job_dir(args.job, args.job_dir), args.run)
+    tl = build_timeline(files)
     if args.json:
-        print_json(tl.as_dict())
+        print_json({"run": files.run, **tl.as_dict()})
         return 0
     from dlrover_core.cli.timeline_plot import save_timeline
 
     save_timeline(tl, args.output)
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in tl.breakdown.items())
-    print(f"wrote {args.output}: {len(tl.rows)} instances, {len(tl.failures)} failures, "
+    print(f"wrote {args.output} (run {files.run}): {len(tl.rows)} instances, "
+          f"{len(tl.failures)} failures, "
           f"{len(tl.recoveries)} recoveries, {len(tl.checkpoints)} checkpoints; "
           f"wall {tl.wall_s:.1f} s = {parts}")
     return 0

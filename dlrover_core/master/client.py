@@ -28,7 +28,12 @@ class JobNotFound(LookupError):
 
 def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -> bool:
     """Start or join Ray unless already connected. Returns True when this call started
-    an embedded local cluster.
+    an embedded local cluster. ``address=None`` or ``"auto"`` with ``RAY_ADDRESS`` set
+    joins that address, as ``ray.init`` does; joining by address turns on Ray's token
+    authentication when a token is found (:mod:`dlrover_core.master.ray_auth`).
+
+    Raises:
+        ClusterAuthError: the cluster refused this process for want of a token.
 
     The current directory and ``PYTHONPATH`` are put on the workers' ``PYTHONPATH`` so
     that ``workload: package.module:Class`` resolves as it does here.
@@ -37,11 +42,24 @@ def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -
 
     if ray.is_initialized():
         return False
+    from dlrover_core.master import ray_auth
+
+    if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]  # as ray.init() itself reads it
+    if address not in (None, "local", "auto"):
+        ray_auth.prepare_token_auth(address)
+        ray_auth.check_token(address)
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
-    ray.init(address=address or "local", namespace=MASTER_NAMESPACE, runtime_env=runtime_env,
-             log_to_driver=verbose, include_dashboard=False, configure_logging=verbose,
-             logging_level="INFO" if verbose else "ERROR", **kwargs)
+    try:
+        ray.init(address=address or "local", namespace=MASTER_NAMESPACE,
+                 runtime_env=runtime_env, log_to_driver=verbose, include_dashboard=False,
+                 configure_logging=verbose, logging_level="INFO" if verbose else "ERROR",
+                 **kwargs)
+    except Exception as exc:
+        if address not in (None, "local") and ray_auth.is_auth_failure(exc):
+            raise ray_auth.missing_token_error(address, exc) from exc
+        raise
     return address is None
 
 
@@ -55,8 +73,10 @@ def get_master(name: str) -> Any:
         return None
 
 
-def create_master(spec: DictConfig, job_dir: str) -> Any:
-    """Create the named, detached JobMaster actor of ``spec.name``.
+def create_master(spec: DictConfig, job_dir: str, fresh: bool = False) -> Any:
+    """Create the named, detached JobMaster actor of ``spec.name``: a new run in
+    ``job_dir`` (``fresh``: without resuming from the old checkpoints, which are moved
+    to ``<job_dir>/run-<N>/ckpt``; see :func:`dlrover_core.runs.begin_run`).
 
     Raises:
         RuntimeError: a job of that name is already running.
@@ -71,12 +91,24 @@ def create_master(spec: DictConfig, job_dir: str) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cls = ray.remote(concurrency_groups={"report": 1})(JobMaster)
-    here = ray.get_runtime_context().get_node_id()  # the submitting (head) node, if it can
+    here = head_node_id() or ray.get_runtime_context().get_node_id()  # head, if it can
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-    ).remote(OmegaConf.to_container(spec, resolve=True), job_dir)
+    ).remote(OmegaConf.to_container(spec, resolve=True), job_dir, fresh)
+
+
+def head_node_id() -> str | None:
+    """The id of the cluster's alive head node (the one with Ray's
+    ``node:__internal_head__`` resource), or ``None``. A driver on a machine with
+    several nodes may attach to any of them; the JobMaster belongs on the head, the
+    node whose loss ends the cluster anyway."""
+    import ray
+
+    return next((n["NodeID"] for n in ray.nodes()
+                 if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})),
+                None)
 
 
 def default_job_dir(name: str) -> str:
@@ -84,8 +116,10 @@ def default_job_dir(name: str) -> str:
 
 
 def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None = None,
-               progress: bool = True, verbose: bool = False) -> dict:
-    """Run a validated job to its end and return its summary (``summary.json``).
+               progress: bool = True, verbose: bool = False, fresh: bool = False) -> dict:
+    """Run a validated job to its end (a new run in ``job_dir``) and return its summary
+    (``summary.json``). A run resumes from the job's checkpoints and says so on stderr
+    (step, memory or disk, path); ``fresh`` moves them aside instead.
 
     Ctrl-C stops the job (embedded cluster) or detaches (joined cluster: the job goes on).
     The job directory and the checkpoint folder are locked until this returns
@@ -96,7 +130,7 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     """
     job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
     with run_locks(spec, job_dir):
-        return _submit_locked(spec, address, job_dir, progress, verbose)
+        return _submit_locked(spec, address, job_dir, progress, verbose, fresh)
 
 
 def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
@@ -120,11 +154,11 @@ def run_locks(spec: DictConfig, job_dir: str) -> Iterator[None]:
 
 
 def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress: bool,
-                   verbose: bool) -> dict:
+                   verbose: bool, fresh: bool = False) -> dict:
     import ray
 
     started_here = init_ray(address, verbose=verbose)
-    master = create_master(spec, job_dir)
+    master = create_master(spec, job_dir, fresh=fresh)
     ray.get(master.start.remote())
     try:
         summary = follow(master, progress=progress, job_dir=job_dir)
@@ -157,6 +191,7 @@ def follow(master: Any, progress: bool = True, poll_s: float = 0.5,
     from dlrover_core.cli.progress import JobProgress
 
     bar = JobProgress(enabled=progress)
+    told: set[str] = set()
     with bar:
         while True:
             try:
@@ -167,9 +202,23 @@ def follow(master: Any, progress: bool = True, poll_s: float = 0.5,
                 time.sleep(poll_s)  # the master is restarting
                 continue
             bar.update(st)
+            for role, r in sorted((st.get("resumed_from") or {}).items()):
+                if role not in told:
+                    told.add(role)
+                    bar.console.print(resume_line(st.get("run"), role, r), highlight=False,
+                                      markup=False)
             if st["summary"] is not None:
                 return st["summary"]
             time.sleep(poll_s)
+
+
+def resume_line(run: int | None, role: str, resumed: dict) -> str:
+    """``run 2: trainer resumed from step 8 (disk, checkpoint /.../trainer/step_00000008)``:
+    where a run's role resumed from (``source``: ``memory``, ``disk``, ... as its saver
+    says; the path is the step's directory, where a memory checkpoint is persisted)."""
+    head = f"run {run}: " if run else ""
+    return (f"{head}{role} resumed from step {resumed['step']} "
+            f"({resumed.get('source') or 'unknown'}, checkpoint {resumed.get('path', '')})")
 
 
 def _gone(master: Any) -> bool:
@@ -185,8 +234,11 @@ def _gone(master: Any) -> bool:
         return False  # unavailable for now: restarting
 
 
-def read_summary(job_dir: str) -> dict | None:
-    path = os.path.join(job_dir, "summary.json")
+def read_summary(job_dir: str, run: str | int | None = None) -> dict | None:
+    """The summary of run ``run`` of ``job_dir`` (default: the latest), or ``None``."""
+    from dlrover_core.runs import run_paths
+
+    path = run_paths(job_dir, run).summary
     if not os.path.exists(path):
         return None
     with open(path) as f:

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from dlrover_core.atomic_io import atomic_write_json
 from dlrover_core.graph.graph import ComputationGraph
 from dlrover_core.master.context import JobContext
+from dlrover_core.master.elastic import ElasticManager
 from dlrover_core.master.events import EventLog
 from dlrover_core.master.failover import FailoverCoordinator, JobFailed, RecoveryAction
 from dlrover_core.master.instances import InstanceFailure, InstanceState, InstanceTable
@@ -45,11 +46,17 @@ from dlrover_core.master.progress import ProgressRecorder
 from dlrover_core.master.reattach import reattach
 from dlrover_core.master.recovery import OpenRecovery, RecoveryExecutor
 from dlrover_core.master.scope import JobScope, JobStopped
+from dlrover_core.master.shards import ShardRegistry
 from dlrover_core.master.standby import StandbyPool
 from dlrover_core.master.states import JobState, check_transition
 from dlrover_core.observability.tensorboard import attach_tensorboard
 from dlrover_core.placement import PlacementError
 from dlrover_core.plugins.records import FailoverLevel
+from dlrover_core.runs import RunPaths
+
+#: the status of a job whose checkpoint already reached ``config.max_steps``: it trained
+#: nothing (``dlrover submit`` exits 4; ``--fresh`` starts over)
+ALREADY_COMPLETE = "already_complete"
 
 
 class JobController:
@@ -59,22 +66,26 @@ class JobController:
         spec: the validated job spec. job_dir: where events, metrics, checkpoints,
             the JobContext and ``summary.json`` go. pm: the plugin manager.
         run_id: this run of the job (the master's actor id).
+        run: the run's number in the job directory (:mod:`dlrover_core.runs`).
     """
 
-    def __init__(self, spec: DictConfig, job_dir: str, pm: Any, run_id: str = "") -> None:
+    def __init__(self, spec: DictConfig, job_dir: str, pm: Any, run_id: str = "",
+                 run: int = 0) -> None:
         os.makedirs(job_dir, exist_ok=True)
         context = JobContext(os.path.join(job_dir, "context.sqlite"))
         self.scope = s = JobScope(
             spec=spec, job_dir=job_dir, graph=ComputationGraph.from_spec(spec), pm=pm,
-            events=EventLog(os.path.join(job_dir, "events.jsonl")), context=context,
+            events=EventLog(RunPaths(job_dir, run, job_dir).events), context=context,
             instances=InstanceTable(context), failover=FailoverCoordinator(spec.failover, pm),
-            run_id=run_id)
+            run_id=run_id, run=run)
         self.monitor = Monitor(s)
         self.launcher = Launcher(s, self.monitor)
         self.standby = StandbyPool(s, self.launcher)
         self.launcher.standby = self.standby
         self.recovery = RecoveryExecutor(s, self.launcher, self.monitor, self.standby)
+        self.elastic = ElasticManager(s, self.launcher, self.standby)
         self.progress = ProgressRecorder(s)
+        self.shards = ShardRegistry()
         self.tensorboard = attach_tensorboard(spec, job_dir, s.events, self.progress.metrics_log)
         self.state = JobState.PENDING
         self.error = ""
@@ -133,7 +144,7 @@ class JobController:
     # ================================================================== states
     def _pending(self) -> JobState:
         s = self.scope
-        s.emit("job_started", job=s.name, roles={
+        s.emit("job_started", job=s.name, run=s.run, roles={
             r.name: {"total": r.total, "per_node": r.per_node, "backend": r.backend}
             for r in s.graph.roles.values()}, driver=s.graph.driver,
             master_node_id=ray.get_runtime_context().get_node_id())
@@ -165,6 +176,12 @@ class JobController:
             raise JobFailed("nothing is running but the job did not finish (internal error)")
         self.progress.flush_due()
         self.standby.check()
+        if self.elastic.ranges:
+            try:
+                self.elastic.check_grow()
+            except InstanceFailure as f:
+                self._failures.append(self.monitor.diagnose(f.inst, f.exc))
+                return JobState.RECOVERING
         found = self.monitor.poll()
         if found is None:
             return None
@@ -181,6 +198,15 @@ class JobController:
             return None  # replaced by the recovery of an earlier failure
         action = self._decide(found)
         self._open = self.recovery.begin(action, found.failure)
+        if self.elastic.handles(found.failure) and not self._start_failed:
+            # a lost node of an elastic role: that role alone restarts, at the size the
+            # nodes left can hold once the replacement wait is over (master/elastic.py)
+            try:
+                self._open.phases = self.elastic.shrink(found.failure)
+            except InstanceFailure as f:
+                self._failures.appendleft(self.monitor.diagnose(f.inst, f.exc))
+                return None
+            return JobState.RUNNING
         if action.level in (FailoverLevel.NODE, FailoverLevel.JOB) or self._start_failed:
             # a start-up that failed part-way is started again as a whole (the other
             # roles and the driver may not be set up yet), whatever the level
@@ -259,8 +285,17 @@ class JobController:
             self.error = error
             self.ended_at = time.time()
             wall = self.ended_at - s.started_at
+            resumed = {role: dict(r) for role, r in s.resumed_from.items()}
+            status_text = status.value
+            if status == JobState.SUCCEEDED and self._already_complete():
+                status_text = ALREADY_COMPLETE
+                error = (f"nothing to train: the checkpoint of step "
+                         f"{min(r['step'] for r in resumed.values())} already reaches "
+                         f"config.max_steps={self._max_steps()}; raise config.max_steps, or "
+                         "submit with --fresh to start over (the old checkpoints are kept)")
             self.summary = {
-                "name": s.name, "status": status.value, "error": error or None,
+                "name": s.name, "run": s.run, "status": status_text, "error": error or None,
+                "resumed_from": resumed or None,
                 "metrics": dict(s.metrics), "steps": s.step + 1 if s.step >= 0 else 0,
                 "last_step": s.step, "restarts": s.failover.restart_counts(),
                 "wall_s": round(wall, 3), "started_at": s.started_at,
@@ -268,10 +303,17 @@ class JobController:
                 "failures": s.failover.failure_log(),
                 "goodput": s.failover.goodput(wall, s.step_times),
             }
+            if self.elastic.ranges:  # every size an elastic role ran at
+                self.summary["world_sizes"] = list(self.elastic.history)
+            if self.shards.services:  # per-sample ledger of the shard service
+                ledger = self.shards.ledger()
+                self.summary.update(samples_lost=ledger["samples_lost"],
+                                    samples_duplicated=ledger["samples_duplicated"],
+                                    shards=ledger["roles"])
             if self.progress.tuning is not None:  # the config the job ended on
                 self.summary["tuning"] = self.progress.tuning.summary()
         s.context.set("summary", self.summary)
-        atomic_write_json(s.path("summary.json"), self.summary)
+        atomic_write_json(s.run_paths.summary, self.summary)
         written = json.dumps(self.summary, sort_keys=True, default=str)
         try:
             s.pm.job_finished(s.name, self.summary, s.emit, s.spec)
@@ -280,12 +322,25 @@ class JobController:
         if json.dumps(self.summary, sort_keys=True, default=str) != written:
             # a hook added to the summary (e.g. a checkpoint step that is not on disk)
             s.context.set("summary", self.summary)
-            atomic_write_json(s.path("summary.json"), self.summary)
+            atomic_write_json(s.run_paths.summary, self.summary)
         s.emit("job_finished", status=status.value, error=(error or None),
                steps=self.summary["steps"], wall_s=self.summary["wall_s"])
         s.events.close()
         self.progress.close()
         self.done.set()
+
+    def _max_steps(self) -> int | None:
+        return _int_or_none(OmegaConf.select(self.scope.spec, "config.max_steps"))
+
+    def _already_complete(self) -> bool:
+        """Every role that resumed loaded a checkpoint at or past ``config.max_steps``
+        (checkpoint ``N``: ``N`` steps done) and no step after it was reported."""
+        s = self.scope
+        max_steps, resumed = self._max_steps(), s.resumed_from
+        if not resumed or max_steps is None:
+            return False
+        first = min(r["step"] for r in resumed.values())
+        return first >= max_steps and s.step < first
 
     # ================================================================== views
     def status(self) -> dict:
@@ -293,7 +348,9 @@ class JobController:
         s = self.scope
         with s.lock:
             return {
-                "name": s.name, "state": self.state.value, "step": s.step,
+                "name": s.name, "run": s.run, "job_dir": s.job_dir, "state": self.state.value,
+                "step": s.step, "started_at": s.started_at,
+                "resumed_from": {role: dict(r) for role, r in s.resumed_from.items()},
                 "total_steps": _int_or_none(OmegaConf.select(s.spec, "config.max_steps")),
                 "metrics": dict(s.metrics), "restarts": s.failover.restart_counts(),
                 "elapsed_s": round((self.ended_at or time.time()) - s.started_at, 3),

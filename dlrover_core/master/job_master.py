@@ -2,8 +2,10 @@
 controller (:mod:`dlrover_core.master.controller`).
 
 The client calls ``start``, ``status``, ``stop``, ``wait`` and ``shutdown``; workers
-call ``report`` and ``checkpoint_saved`` (concurrency group ``report``: one at a
-time, in each sender's order), which go to the progress recorder. When Ray restarts
+call ``report``, ``checkpoint_loaded`` and ``checkpoint_saved`` (concurrency group
+``report``: one at a time, in each sender's order), which go to the progress recorder.
+A new master begins a new run in the job directory (:mod:`dlrover_core.runs`); a
+restarted one goes on with the same run. When Ray restarts
 the actor after it died, the new one re-attaches to the job from its JobContext.
 
 Where things are: the state loop and its transitions in ``controller``, the state
@@ -25,6 +27,7 @@ from dlrover_core.master.instances import DRIVER, Instance, InstanceFailure
 from dlrover_core.master.monitor import failure_from_exception
 from dlrover_core.master.states import JobState
 from dlrover_core.plugins.manager import get_plugin_manager
+from dlrover_core.runs import begin_run, latest_run
 from dlrover_core.tuning.controller import TuningController
 
 __all__ = ["DRIVER", "Instance", "InstanceFailure", "JobMaster", "failure_from_exception"]
@@ -36,15 +39,24 @@ class JobMaster:
     Args:
         spec: the validated job spec as plain containers.
         job_dir: the job directory (created if missing).
+        fresh: start over: the previous run's checkpoints are moved aside to
+            ``<job_dir>/run-<N>/ckpt`` instead of being resumed from
+            (see :func:`dlrover_core.runs.begin_run`).
     """
 
-    def __init__(self, spec: dict, job_dir: str) -> None:
+    def __init__(self, spec: dict, job_dir: str, fresh: bool = False) -> None:
         try:
             run_id = ray.get_runtime_context().get_actor_id() or ""
         except Exception:  # noqa: BLE001 - not in an actor (unit use)
             run_id = ""
+        if _was_reconstructed():  # the same run goes on (or has ended)
+            run = latest_run(job_dir) or 1
+        else:  # a new submit: a new run; the previous run's files move to run-<N>/
+            ckpt = (spec.get("checkpoint") or {}).get("dir")
+            run = begin_run(job_dir, run_id, fresh, checkpoint_dir=ckpt,
+                            name=str(spec.get("name", ""))).run
         self.controller = JobController(OmegaConf.create(spec), job_dir, get_plugin_manager(),
-                                        run_id)
+                                        run_id, run=run)
         self.name = self.controller.scope.name
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -76,7 +88,8 @@ class JobMaster:
         return self.name
 
     def status(self) -> dict:
-        """``name``, ``state``, ``step``, ``total_steps``, ``metrics``, ``restarts``,
+        """``name``, ``run``, ``job_dir``, ``state``, ``step``, ``started_at`` (unix s),
+        ``resumed_from``, ``total_steps``, ``metrics``, ``restarts``,
         ``elapsed_s`` (s), ``error``, ``instances`` (label -> state, attempt, pid,
         node_id, step), ``standby`` (role -> warm) and, when finished, ``summary``."""
         return self.controller.status()
@@ -124,9 +137,42 @@ class JobMaster:
         return self.tuning.on_out_of_memory(role, rank, version, error)
 
     @ray.method(concurrency_group="report")
+    def checkpoint_loaded(self, role: str, rank: int, step: int, source: str | None,
+                          path: str, attempt: int = 0) -> None:
+        """Rank ``rank`` of ``role`` (its ``attempt``-th start) loaded checkpoint
+        ``step`` (``source``: ``memory``, ``disk``, ... as the saver says; ``path``: the
+        step's directory)."""
+        self.controller.progress.on_checkpoint_loaded(role, rank, step, source, path, attempt)
+
+    @ray.method(concurrency_group="report")
     def checkpoint_saved(self, role: str, rank: int, step: int, seconds: float) -> None:
         """Rank ``rank`` of ``role`` saved ``step``; its loop was blocked ``seconds`` s."""
         self.controller.progress.on_checkpoint_saved(role, rank, step, seconds)
+
+
+    # ================================================================== shard service
+    def shards_open(self, role: str, config: dict) -> int:
+        """Open (or join) the shard service of ``role``; returns the data set size. See
+        :class:`dlrover_core.master.shards.ShardRegistry`."""
+        return self.controller.shards.open(role, config)
+
+    def shards_lease(self, role: str, rank: int, generation: int) -> dict | None:
+        """The next shard for ``rank`` of ``role`` (see ``ShardService.lease``)."""
+        return self.controller.shards.get(role).lease(rank, generation)
+
+    @ray.method(concurrency_group="report")
+    def shards_report(self, role: str, generation: int, rank: int, step: int,
+                      spans: list) -> None:
+        """``rank`` of ``role`` trained ``spans`` in ``step`` (see ``ShardService.report``)."""
+        self.controller.shards.get(role).report(generation, rank, step, spans)
+
+    def shards_restore(self, role: str, step: int) -> int:
+        """Roll the shard service of ``role`` back to ``step``; the new generation."""
+        return self.controller.shards.get(role).restore(step)
+
+    def shards_ledger(self) -> dict:
+        """``samples_lost``, ``samples_duplicated`` and per role the ledger."""
+        return self.controller.shards.ledger()
 
 
 def _was_reconstructed() -> bool:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from dlrover_core.master.instances import DRIVER, Instance, InstanceState
+from dlrover_core.master.raylet_probe import first_gone
 from dlrover_core.plugins.records import Failure, FailureKind
 from dlrover_core.runtime.errors import WorkloadError
 
@@ -67,6 +68,9 @@ class Monitor:
         self.pending: dict[Any, tuple[str, tuple[str, int], int]] = {}
         self._last_node_check = 0.0
         self._last_hang_check = 0.0
+        #: nodes that hosted an instance of this job (a replacement not yet started
+        #: has no node; the node its predecessor ran on is still suspect)
+        self._job_nodes: dict[str, None] = {}
 
     # ------------------------------------------------------------------ watching
     def watch_instance(self, inst: Instance, reattached: bool = False) -> None:
@@ -137,9 +141,9 @@ class Monitor:
         left is ``node_lost``; a driver that failed because a role instance died blames
         that instance."""
         failure = failure_from_exception(inst, exc)
-        if failure.kind == FailureKind.ACTOR_DIED and inst.node_id and \
-                not node_alive(inst.node_id):
-            failure = Failure.node_lost(inst.role, inst.rank, inst.node_id, failure.message,
+        lost = self.lost_node(inst) if failure.kind != FailureKind.NODE_LOST else None
+        if lost is not None:
+            failure = Failure.node_lost(inst.role, inst.rank, lost, failure.message,
                                         phase=failure.phase, step=failure.step,
                                         attempt=failure.attempt)
         if failure.role == DRIVER and failure.kind != FailureKind.NODE_LOST:
@@ -147,6 +151,23 @@ class Monitor:
             if dead:  # the driver failed because a role instance died: recover that
                 return self.diagnose(dead[0], ray.exceptions.ActorDiedError())
         return Detection(inst, failure)
+
+    def lost_node(self, inst: Instance) -> str | None:
+        """A node of this job that is gone (Ray calls it dead, or its raylet refuses a
+        connection: :mod:`dlrover_core.master.raylet_probe`), ``inst``'s own first.
+
+        A whole node lost at once shows first as some rank's error: the dead rank's
+        actor, or a survivor's broken collective, often before Ray's GCS marks the node
+        dead. Whichever failure comes first, a gone node makes it a lost node, so the
+        recovery re-places the ranks instead of restarting them in place on it. Nodes
+        an earlier recovery already excluded (``failover.bad_nodes``) are left out."""
+        for i in self.scope.instances.all():
+            if i.node_id:
+                self._job_nodes[i.node_id] = None
+        handled = self.scope.failover.bad_nodes  # excluded by an earlier recovery
+        nodes = ([inst.node_id] if inst.node_id else []) + [
+            n for n in self._job_nodes if n != inst.node_id]
+        return first_gone([n for n in nodes if n not in handled])
 
     def dead_instances(self, timeout: float = 2.0) -> list[Instance]:
         """Running role instances that do not answer a ping (dead actors)."""

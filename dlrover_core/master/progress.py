@@ -32,7 +32,7 @@ PROGRESS_FLUSH_S = 2.0
 class ProgressRecorder:
     def __init__(self, scope: JobScope) -> None:
         self.scope = scope
-        self.metrics_log = EventLog(scope.path("metrics.jsonl"))
+        self.metrics_log = EventLog(scope.run_paths.metrics)
         self._last_flush = 0.0
         self._job_dirty = False  # rank 0 moved the job's step since the last flush
         #: the job's ``TuningController`` (set by the JobMaster when tuning is on)
@@ -57,6 +57,24 @@ class ProgressRecorder:
         if self.tuning is not None:  # the tuner's metric feed (never raises)
             self.tuning.on_report(role, rank, step, metrics)
         s.pm.step_reported(s.name, role, rank, step, metrics)
+
+    def on_checkpoint_loaded(self, role: str, rank: int, step: int, source: str | None,
+                             path: str, attempt: int = 0) -> None:
+        """Rank 0 of ``role`` loaded checkpoint ``step`` (``source``: ``memory``,
+        ``disk``, ...; ``path``: the step's directory) at its ``attempt``-th start; emits
+        ``checkpoint_loaded``. A load at the first start (attempt 0) is where the run
+        resumed from (``resumed_from``); later ones are recoveries."""
+        if rank != 0:
+            return
+        s = self.scope
+        source = source or "unknown"  # a saver that does not say
+        if attempt == 0:
+            with s.lock:
+                s.resumed_from.setdefault(role, {"step": int(step), "source": source,
+                                                 "path": path})
+                s.context.set("resumed_from", s.resumed_from)
+        s.emit("checkpoint_loaded", role=role, step=int(step), source=source, path=path,
+               attempt=attempt)
 
     def on_checkpoint_saved(self, role: str, rank: int, step: int, seconds: float) -> None:
         """Rank 0 of ``role`` saved ``step``, blocking its loop for ``seconds`` s."""

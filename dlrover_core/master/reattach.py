@@ -50,6 +50,7 @@ def restore_scope(scope: JobScope) -> JobState:
     scope.metrics = progress.get("metrics", {})
     scope.step_times = {int(k): v for k, v in (ctx.get("step_times") or {}).items()}
     scope.checkpoint_steps = ctx.get("checkpoint_steps") or {}
+    scope.resumed_from = ctx.get("resumed_from") or {}
     scope.failover.restore(ctx.get("failover") or {})
     return JobState(ctx.get("state"))
 

@@ -23,6 +23,7 @@ import ray
 
 from dlrover_core.master.instances import DRIVER, Instance
 from dlrover_core.plugins.records import FailoverLevel
+from dlrover_core.runtime.script import SCRIPT_BACKEND
 
 if TYPE_CHECKING:
     from dlrover_core.master.failover import RecoveryAction
@@ -102,7 +103,10 @@ class RecoveryExecutor:
         leave their failed run (within ``failover.survivor_grace_s``) and are set up again
         in place (new rendezvous, checkpoint reload) instead of being killed, which saves
         a process start and the imports; stuck or dead ones are replaced. With
-        ``failover.in_place: false`` every rank is replaced.
+        ``failover.in_place: false`` every rank is replaced. In a script role
+        (:mod:`dlrover_core.runtime.script`) the failed ranks' actors are kept too when
+        they are alive (only their script died): every rank starts its script again in
+        its own actor.
         """
         s = self.scope
         r = s.graph.roles[role]
@@ -111,6 +115,11 @@ class RecoveryExecutor:
             failed_ranks = list(range(r.total))
         failed = [m for m in members if m.rank in failed_ranks]
         others = [m for m in members if m.rank not in failed_ranks]
+        if r.backend == SCRIPT_BACKEND and s.spec.failover.in_place:
+            # a script role's actor outlives its script: every actor that is still alive
+            # starts the script again in place (torchrun's agent restarting its workers);
+            # a dead actor fails the liveness probe below and is replaced
+            failed, others = [], members
         t0 = time.time()
         aborts = self._abort_collectives(others) if r.backend and others else {}
         self.launcher.stop_instances(failed)  # survivors in a collective with them fail fast

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from dlrover_core.runs import RunPaths
+
 if TYPE_CHECKING:
     from dlrover_core.graph.graph import ComputationGraph
     from dlrover_core.master.context import JobContext
@@ -43,6 +45,10 @@ class JobScope:
     instances: InstanceTable
     failover: FailoverCoordinator
     run_id: str = ""
+    #: the run's number in the job directory (:mod:`dlrover_core.runs`)
+    run: int = 0
+    #: role -> {"step", "source", "path"} of the checkpoint its rank 0 resumed from
+    resumed_from: dict[str, dict] = field(default_factory=dict)
     #: unix s when the job started (kept across master restarts)
     started_at: float = field(default_factory=time.time)
     stop_event: threading.Event = field(default_factory=threading.Event)
@@ -71,6 +77,11 @@ class JobScope:
 
     def failover_option(self, key: str) -> Any:
         return OmegaConf.select(self.spec, f"failover.{key}")
+
+    @property
+    def run_paths(self) -> RunPaths:
+        """Where this (the latest) run's events, metrics, summary and logs go."""
+        return RunPaths(self.job_dir, self.run, self.job_dir)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.job_dir, *parts)

@@ -119,13 +119,15 @@ class TensorBoardSink:
             self.flush()
 
     def _summary_goodput(self) -> float | None:
-        """``goodput`` of ``summary.json`` (written before ``job_finished``)."""
+        """``goodput`` of the run's ``summary.json`` (written before ``job_finished``)."""
         if not self.job_dir:
             return None
         import json
 
+        from dlrover_core.runs import run_paths
+
         try:
-            with open(os.path.join(self.job_dir, "summary.json")) as f:
+            with open(run_paths(self.job_dir).summary) as f:
                 return json.load(f).get("goodput")
         except (OSError, ValueError):
             return None

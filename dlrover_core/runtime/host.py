@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from dlrover_core.runtime import attempt_log
 from dlrover_core.runtime.context import WorkerContext
 from dlrover_core.runtime.errors import WorkloadError
 
@@ -128,7 +129,14 @@ class _HostBase:
         a gloo collective fails within milliseconds once the master kills the failed
         peer ("Connection closed by peer"). Returns what was done, for the recovery's
         ``phases``: ``"none"`` (no group), ``"aborted (nccl)"`` or ``"skipped (gloo)"``.
+
+        A script role (:mod:`dlrover_core.runtime.script`) has no group in this process:
+        its child process is stopped instead, as torchrun's agent stops every worker
+        of the group when one fails (``"script stopped (SIGTERM)"`` ...).
         """
+        stop_script = getattr(getattr(self, "workload", None), "stop_script", None)
+        if callable(stop_script):
+            return stop_script()
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return "none"
@@ -146,6 +154,7 @@ class _HostBase:
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001
+            attempt_log.ended(step_of(), exc)
             self._busy = None
             try:
                 self._raise(exc, role, rank, step_of())
@@ -153,6 +162,7 @@ class _HostBase:
                 self._run_outcome = (False, werr)
                 self._run_done.set()
                 raise
+        attempt_log.ended(step_of())
         self._busy = None
         self._run_outcome = (True, result)
         self._run_done.set()

@@ -72,6 +72,29 @@ class RoleBuilder:
         self._role["config"] = dict(config)
         return self
 
+    def nproc_per_node(self, n: int) -> RoleBuilder:
+        """torchrun's ``--nproc_per_node``: ``n`` ranks on each node (``per_node``);
+        ``total`` becomes nodes x ``n``. Raises ``SpecError`` for ``n`` < 1."""
+        if not isinstance(n, int) or n < 1:
+            raise SpecError("nproc_per_node", n, "an integer >= 1")
+        nodes = self._nodes()
+        self._role["per_node"], self._role["total"] = n, nodes * n
+        return self
+
+    def nnodes(self, n: int) -> RoleBuilder:
+        """torchrun's ``--nnodes``: the role spans ``n`` nodes (``total`` = ``n`` x
+        ``per_node``). Raises ``SpecError`` for ``n`` < 1 (a ``MIN:MAX`` range is not
+        supported yet)."""
+        if not isinstance(n, int) or n < 1:
+            raise SpecError("nnodes", n, "an integer >= 1 (elastic MIN:MAX is not built yet)")
+        per = self._role.get("per_node") or self._role.get("total", 1)
+        self._role["per_node"], self._role["total"] = per, n * per
+        return self
+
+    def _nodes(self) -> int:
+        per = self._role.get("per_node") or self._role.get("total", 1)
+        return max(1, self._role.get("total", 1) // per)
+
     def end(self) -> DLJobBuilder:
         return self._parent
 
@@ -176,6 +199,16 @@ class DLJobBuilder:
         spec_role["workload"] = f"{module_name}:{class_name}"
         return RoleBuilder(self, spec_role)
 
+    def train(self, command: str, role: str = "trainer") -> RoleBuilder:
+        """A script role (upstream's unified API): an unchanged torchrun script run by
+        every rank, e.g. ``.train("train.py --epochs 3").nnodes(1).nproc_per_node(2)``.
+        ``command`` is ``"file.py args"``, ``"-m module args"`` or
+        ``"module:function args"`` (see :mod:`dlrover_core.runtime.script`); it is
+        checked by :meth:`build`."""
+        spec_role = self._spec["roles"].setdefault(role, {})
+        spec_role["command"] = command
+        return RoleBuilder(self, spec_role)
+
     # the RL roles of seed 000 / 004, by name
     def actor(self, module_name: str, class_name: str) -> RoleBuilder:
         return self.workload("actor", module_name, class_name)
@@ -218,7 +251,9 @@ class DLJobBuilder:
         class name, else the first role's workload class, in lower case, plus 6 random
         hex digits so that two submissions never share a name (``usertrainer-3fa2c1``)."""
         source = self._spec.get("driver") or next(
-            (r.get("workload") for r in self._spec["roles"].values() if r.get("workload")), "job")
+            (r.get("workload") or _command_name(r.get("command"))
+             for r in self._spec["roles"].values() if r.get("workload") or r.get("command")),
+            "job")
         base = re.sub(r"[^a-z0-9_.-]+", "-", source.rpartition(":")[2].lower()).strip("-._")
         return f"{base or 'job'}-{uuid.uuid4().hex[:6]}"
 
@@ -239,6 +274,21 @@ class DLJobBuilder:
         return DLJob(load_spec(spec, overrides))
 
 
+def _command_name(command: str | None) -> str:
+    """``train`` for ``"path/train.py --x 1"``, ``main`` for ``"pkg.mod:main"``."""
+    import os
+
+    if not command:
+        return ""
+    words = command.split()
+    if not words:
+        return ""
+    head = words[1] if words[0] in ("-m", "--module") and len(words) > 1 else words[0]
+    if ":" in head and not head.endswith(".py"):
+        return head.rpartition(":")[2]
+    return os.path.splitext(os.path.basename(head))[0].replace(".", "-")
+
+
 class DLJob:
     """A validated job, ready to submit."""
 
@@ -250,8 +300,11 @@ class DLJob:
         return self.spec.name
 
     def submit(self, address: str | None = None, job_dir: str | None = None,
-               progress: bool = False) -> dict:
-        """Run the job and block until it ends; returns the summary (``summary.json``)."""
+               progress: bool = False, fresh: bool = False) -> dict:
+        """Run the job (a new run in ``job_dir``) and block until it ends; returns the
+        summary (``summary.json``). It resumes from the job's checkpoints unless
+        ``fresh`` (see :func:`dlrover_core.master.client.submit_job`)."""
         from dlrover_core.master.client import submit_job
 
-        return submit_job(self.spec, address=address, job_dir=job_dir, progress=progress)
+        return submit_job(self.spec, address=address, job_dir=job_dir, progress=progress,
+                          fresh=fresh)

@@ -20,7 +20,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from dlrover_core.spec.errors import SpecError
+from dlrover_core.spec.errors import SpecError, did_you_mean
 from dlrover_core.spec.schema import DL_TYPES, JobSpec, RoleSpec
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -54,11 +54,15 @@ def _convert(exc: OmegaConfBaseException, source: str) -> SpecError:
     key = getattr(exc, "full_key", None) or ""
     if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
         node = _schema_node(key)
+        hint = ""
         if dataclasses.is_dataclass(node):
-            allowed = ", ".join(f.name for f in dataclasses.fields(node))
+            names = [f.name for f in dataclasses.fields(node)]
+            allowed = ", ".join(names)
+            hint = did_you_mean(key.split(".")[-1], names)
         else:
             allowed = "a key of the job schema"
-        return SpecError(key, key.split(".")[-1], f"one of: {allowed}", f"unknown key in {source}")
+        return SpecError(key, key.split(".")[-1], f"one of: {allowed}",
+                         f"unknown key in {source}" + (f"; {hint}" if hint else ""))
     if isinstance(exc, MissingMandatoryValue):
         return SpecError(key, "???", "a value", f"missing mandatory value in {source}")
     if isinstance(exc, ValidationError):
@@ -117,16 +121,9 @@ def load_spec(
         spec = OmegaConf.merge(schema, raw)
     except OmegaConfBaseException as exc:
         raise _convert(exc, label) from None
-    overrides = list(overrides)
-    for item in overrides:
-        if "=" not in item:
-            raise SpecError("<override>", item, "key=value (OmegaConf dot-list)")
-    if overrides:
-        try:
-            spec = OmegaConf.merge(spec, OmegaConf.from_dotlist(overrides))
-        except OmegaConfBaseException as exc:
-            raise _convert(exc, "the overrides") from None
+    spec = apply_overrides(spec, overrides, label)
 
+    _apply_script_roles(spec)
     template_name = spec.template
     if template_name is None and spec.driver is None:
         if spec.dl_type not in DL_TYPES:
@@ -141,6 +138,164 @@ def load_spec(
     _apply_devices(spec)
     validate(spec, pm)
     return spec
+
+
+#: maps whose keys are free: environment variables, and options that their saver or
+#: tuner checks itself (an unknown option is its error, with its own list)
+_OPEN_MAPS = re.compile(r"^(env|roles\.[^.]+\.env|checkpoint\.options|tuning\.options)\.")
+
+
+def _find_key(spec: DictConfig, key: str) -> tuple[bool, str, list[str], bool]:
+    """Whether dotted ``key`` is in ``spec``; when not: the first missing part's parent
+    key, the keys that parent has (for a "did you mean"), and whether that parent is a
+    schema section (its keys are the schema's; OmegaConf's merge reports those)."""
+    node: Any = spec
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        parent = ".".join(parts[:i])
+        if OmegaConf.is_dict(node):
+            keys = [str(k) for k in node.keys()]
+            if part not in keys:
+                return False, parent, keys, dataclasses.is_dataclass(OmegaConf.get_type(node))
+            node = node._get_node(part)
+        elif OmegaConf.is_list(node):
+            if not (part.isdigit() and int(part) < len(node)):
+                return False, parent, [str(j) for j in range(len(node))], False
+            node = node._get_node(int(part))
+        else:  # below a value (``config.lr.x``): nothing to add to
+            return False, parent, [], False
+    return True, "", [], False
+
+
+def apply_overrides(spec: DictConfig, overrides: Iterable[str],
+                    source: str = "the job spec") -> DictConfig:
+    """Merge ``key=value`` overrides into ``spec``, in order, following Hydra's
+    override grammar (https://hydra.cc/docs/advanced/override_grammar/basic/):
+
+    - ``key=value`` changes a key that ``spec`` (the file merged over the schema) has;
+      a key it does not have is an error with the nearest existing key
+      (``config.max_step=60``: "did you mean 'max_steps'?"; a key the schema does not
+      know, such as ``checkpoint.every_step``, likewise);
+    - ``+key=value`` adds a key that is not there yet (an error if it is);
+    - ``++key=value`` sets a key whether or not it is there.
+
+    Exceptions: keys of ``env``, ``roles.<role>.env`` (environment variable names) and of
+    ``checkpoint.options`` / ``tuning.options`` (checked by their saver or tuner) may be
+    added without ``+``.
+
+    Values are parsed as OmegaConf's dot-list parses them (YAML scalars, lists, dicts).
+
+    Raises:
+        SpecError: an item without ``=``, an unknown key, ``+`` on an existing key, or a
+            value of the wrong type (the message names the key, the value and what is
+            allowed).
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise SpecError("<override>", item, "key=value, +key=value (a new key) or "
+                            "++key=value (OmegaConf dot-list, Hydra's override grammar)")
+        key, _, value = item.partition("=")
+        mode = "++" if key.startswith("++") else "+" if key.startswith("+") else ""
+        key = key[len(mode):]
+        found, parent, siblings, schema = _find_key(spec, key)
+        if mode == "" and not found and not schema and not _OPEN_MAPS.match(key):
+            missing = key[len(parent) + 1:].split(".")[0] if parent else key.split(".")[0]
+            hint = did_you_mean(missing, siblings)
+            where = f"{parent!r}" if parent else "the top level"
+            raise SpecError(
+                key, value, f"an existing key ({', '.join(siblings) or 'none'} at {where}), "
+                f"or +{key}={value} to add it",
+                f"{source} has no key {missing!r} at {where}" + (f"; {hint}" if hint else ""))
+        if mode == "+" and found:
+            raise SpecError(key, value, f"a new key; write {key}={value} to change it, or "
+                            f"++{key}={value}", f"+{key} adds a key, but {source} has it")
+        try:
+            spec = OmegaConf.merge(spec, OmegaConf.from_dotlist([f"{key}={value}"]))
+        except OmegaConfBaseException as exc:
+            raise _convert(exc, "the overrides") from None
+    return spec
+
+
+def _apply_script_roles(spec: DictConfig) -> None:
+    """Turn each role with a ``command`` into a script role: workload
+    :class:`~dlrover_core.runtime.script.ScriptWorkload`, backend ``torchrun``, the
+    command and working directory in the role's config. Checks, before anything starts,
+    that the script file exists (relative to ``working_dir``), that a ``-m`` module can
+    be found, and that a ``module:function`` entry imports and is callable (the module
+    is imported here, in the client, with ``working_dir`` on ``sys.path``).
+
+    Raises:
+        SpecError: a role with both ``workload`` and ``command``, an empty or
+            unparsable command, a missing file, module or function, a ``working_dir``
+            that is not a directory, a ``backend`` other than ``torchrun``, or
+            ``failover.hang_timeout_s`` > 0 (a script reports no steps).
+    """
+    import importlib
+    import importlib.util
+    import sys
+
+    from dlrover_core.runtime.script import (
+        CONFIG_KEY,
+        SCRIPT_BACKEND,
+        SCRIPT_WORKLOAD,
+        parse_command,
+    )
+
+    for role, r in spec.roles.items():
+        if r.get("command") is None:
+            continue
+        k = f"roles.{role}"
+        if not OmegaConf.is_missing(r, "workload") and r.workload != SCRIPT_WORKLOAD:
+            raise SpecError(f"{k}.workload", r.workload,
+                            f"no workload in a script role ({k}.command is set)",
+                            "a role runs either a BaseWorkload class or a command")
+        allowed = ("a script and its arguments ('train.py --epochs 3'), '-m pkg.module "
+                   "args' or 'pkg.module:function args'")
+        try:
+            cmd = parse_command(r.command)
+        except ValueError as exc:
+            raise SpecError(f"{k}.command", r.command, allowed, str(exc)) from None
+        wd = os.path.abspath(r.working_dir or os.getcwd())
+        if not os.path.isdir(wd):
+            raise SpecError(f"{k}.working_dir", r.working_dir, "an existing directory")
+        if cmd.kind == "script":
+            path = os.path.join(wd, cmd.target)
+            if not os.path.isfile(path):
+                raise SpecError(f"{k}.command", r.command,
+                                f"{allowed}, with a file that exists",
+                                f"no file {cmd.target!r} in working_dir {wd}")
+        else:
+            module, _, function = cmd.target.partition(":")
+            sys.path.insert(0, wd)
+            try:
+                found = importlib.util.find_spec(module)
+                obj = None
+                if found is not None and cmd.kind == "function":
+                    obj = getattr(importlib.import_module(module), function, None)
+            except Exception as exc:  # noqa: BLE001 - the user's module failed to import
+                raise SpecError(f"{k}.command", r.command, f"{allowed}, importable",
+                                f"importing {module!r} raised {type(exc).__name__}: "
+                                f"{exc}") from None
+            finally:
+                sys.path.remove(wd)
+            if found is None:
+                raise SpecError(f"{k}.command", r.command, f"{allowed}, importable",
+                                f"no module named {module!r} (working_dir {wd})")
+            if cmd.kind == "function" and not callable(obj):
+                raise SpecError(f"{k}.command", r.command, f"{allowed}, importable",
+                                f"module {module!r} has no function {function!r}")
+        if r.backend not in (None, SCRIPT_BACKEND):
+            raise SpecError(f"{k}.backend", r.backend,
+                            f"none or {SCRIPT_BACKEND!r} in a script role",
+                            "the script sets up its own process group")
+        if spec.failover.hang_timeout_s:
+            raise SpecError("failover.hang_timeout_s", spec.failover.hang_timeout_s,
+                            f"0 in a job with a script role ({k})",
+                            "a plain script reports no steps, so every rank would look hung")
+        r.backend = SCRIPT_BACKEND
+        r.workload = SCRIPT_WORKLOAD
+        r.working_dir = wd
+        r.config[CONFIG_KEY] = {"command": r.command, "working_dir": wd}
 
 
 def _apply_devices(spec: DictConfig) -> None:
@@ -277,6 +432,9 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
         raise SpecError("failover.hang_timeout_s", spec.failover.hang_timeout_s, "seconds >= 0 (0 = off)")
     if spec.failover.pg_timeout_s <= 0:
         raise SpecError("failover.pg_timeout_s", spec.failover.pg_timeout_s, "seconds > 0")
+    from dlrover_core.spec.elastic import validate_elastic
+
+    validate_elastic(spec)
     from dlrover_core.tuning.spec import validate_tuning
 
     validate_tuning(spec, pm)

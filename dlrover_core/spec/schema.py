@@ -43,6 +43,13 @@ class RoleSpec:
     subclass; ``backend`` names an SPMD backend (``ddp``, ``fsdp``) or is empty for
     roles without a process group; ``config`` is merged over the job's ``config``
     for this role only.
+
+    ``command`` makes it a *script role* instead (no ``workload``): an unchanged
+    torchrun script, ``"train.py --epochs 3"``, ``"-m pkg.train args"`` or
+    ``"pkg.train:main args"``, run by each rank as a child process with torchrun's
+    environment (see :mod:`dlrover_core.runtime.script`); ``working_dir`` is its
+    working directory (default: the directory the spec was loaded from, i.e. the
+    current directory, as with torchrun).
     """
 
     workload: str = MISSING
@@ -52,10 +59,15 @@ class RoleSpec:
     resources: ResourceSpec = field(default_factory=ResourceSpec)
     env: Dict[str, str] = field(default_factory=dict)
     config: Dict[str, Any] = field(default_factory=dict)
+    #: elastic node count: "MIN:MAX" (torchrun's --nnodes; quote it in YAML), "N", N or
+    #: {min, max}; None: the role is fixed at ``total`` (see docs/elastic.md)
+    nodes: Any = None
     #: off (default): every GPU of the node is visible to the role's instances and each
     #: uses the GPU Ray reserved for it (``cuda:<Ray's id>``); on: Ray sets
     #: ``CUDA_VISIBLE_DEVICES`` to that GPU and the instance uses ``cuda:0``.
     enable_ray_auto_visible_device: bool = False
+    command: Optional[str] = None
+    working_dir: Optional[str] = None
 
 
 @dataclass
@@ -82,6 +94,22 @@ class FailoverSpec:
     in_place: bool = True
     survivor_grace_s: float = 10.0
     standby: bool = True
+
+
+@dataclass
+class ElasticSpec:
+    """Elastic roles (``roles.R.nodes`` ranges; docs/elastic.md).
+    ``replacement_timeout_s``: after a node of an elastic role is lost, how long to wait
+    for the cluster to hold the role at its size again before shrinking it.
+    ``poll_interval_s``: how often the master looks for room to grow an elastic role
+    below its maximum (it grows at the next checkpoint after room appeared).
+    ``global_batch`` / ``micro_batch``: when set, a world size is valid only if it splits
+    ``global_batch`` into micro-batches (gradient accumulation keeps the global batch)."""
+
+    replacement_timeout_s: float = 60.0
+    poll_interval_s: float = 5.0
+    global_batch: int = 0
+    micro_batch: int = 0
 
 
 @dataclass
@@ -172,6 +200,7 @@ class JobSpec:
     placement: str = "pack"
     failover: FailoverSpec = field(default_factory=FailoverSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    elastic: ElasticSpec = field(default_factory=ElasticSpec)
     tuning: TuningSpec = field(default_factory=TuningSpec)
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
     env: Dict[str, str] = field(default_factory=dict)

@@ -51,6 +51,12 @@ class ElasticDataLoader:
         seed: permutation seed; must be the same on every rank.
         rank, world_size: this rank among the data-parallel ranks.
         drop_last: drop an epoch's last micro-batch when it is smaller than ``batch_size``.
+        shards: a :class:`dlrover_core.runtime.sharding.ShardSampler` (dynamic data
+            sharding): batches come from the shards it leases from the JobMaster, in the
+            main process (``num_workers`` unused), and the position is the shard
+            service's (restore it with ``shards.restore(step)``, report each step with
+            ``shards.step_done(step)``); :meth:`next_batch` raises ``StopIteration``
+            when no shard is left.
     Raises:
         ValueError: a bad argument (named), or a dataset smaller than ``world_size``.
     """
@@ -59,7 +65,9 @@ class ElasticDataLoader:
                  pin_memory: bool = False, shuffle: bool = True, seed: int = 0, rank: int = 0,
                  world_size: int = 1, drop_last: bool = False,
                  collate_fn: Callable | None = None, prefetch_factor: int | None = None,
-                 timeout: float = 0, multiprocessing_context: Any = None) -> None:
+                 timeout: float = 0, multiprocessing_context: Any = None,
+                 shards: Any = None) -> None:
+        self.shards = shards
         n = len(dataset)
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} / world_size {world_size} is invalid; "
@@ -201,6 +209,8 @@ class ElasticDataLoader:
             return self._next()
 
     def _next(self) -> Any:
+        if self.shards is not None:
+            return self._next_from_shards()
         for _ in range(2):
             if self._it is None:
                 if self._remaining() <= 0:
@@ -217,6 +227,15 @@ class ElasticDataLoader:
             return batch
         raise RuntimeError("the dataset yields no batch (is batch_size larger than an "
                            "epoch with drop_last=True?)")
+
+    def _next_from_shards(self) -> Any:
+        from torch.utils.data import default_collate
+
+        self.shards.batch_size = self.batch_size  # a tuner may have changed it
+        idx = self.shards.next_indices()
+        if idx is None:
+            raise StopIteration("the shard service has no shard left")
+        return (self.collate_fn or default_collate)([self.dataset[i] for i in idx])
 
     def _next_epoch(self) -> None:
         self.epoch += 1

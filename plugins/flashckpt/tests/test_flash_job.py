@@ -1,6 +1,6 @@
 """Flash checkpoints in real jobs run by the JobMaster: a trainer SIGKILLed right after a
-save (breakpoint save, restart from memory), ``stop`` and job-end cleanup, and stale
-buffers of a dead job removed at the next start."""
+save (breakpoint save, restart from memory), ``stop`` and job-end cleanup, and the
+buffers of a dead job that were never persisted kept at the next start."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import ray
 from dlrover_core import load_spec
 from dlrover_core.checkpoint.saver import committed_steps
 from dlrover_core.master.client import create_master, submit_job
-from dlrover_plugin_flashckpt import shm
+from dlrover_plugin_flashckpt import hygiene, shm
 from dlrover_plugin_flashckpt.persister import persisters_of
 
 WORKLOAD = "dlrover_plugin_flashckpt.testing_workloads:CrashAfterSave"
@@ -52,6 +52,13 @@ def test_sigkill_after_save_is_persisted_at_breakpoint_and_restored_from_memory(
     assert m["resumed_from"] == 4.0  # the step saved right before the SIGKILL
     assert m["from_memory"] == 1.0  # ... loaded from shared memory by the restarted ranks
     assert m["on_disk"] == 4.0  # ... and committed meanwhile by the breakpoint save
+    # the master's record of the reload: where from, and that it was a recovery
+    from dlrover_core.master.events import read_events
+    from dlrover_core.runs import run_paths
+
+    loads = [(e["step"], e["source"], e["attempt"]) for e in
+             read_events(run_paths(job_dir).events) if e["event"] == "checkpoint_loaded"]
+    assert (4, "memory", 1) in loads and summary["resumed_from"] is None
     # step 4 by the breakpoint, step 8 by the job end; nothing else was due
     assert committed_steps(os.path.join(ckpt, "trainer")) == [4, 8]
     assert buffers(name) == [] and persisters_of(name) == {}
@@ -78,7 +85,7 @@ def test_stop_persists_the_newest_step_and_removes_buffers(ray_cluster, job_dir)
     assert buffers(name) == [] and persisters_of(name) == {}
 
 
-def test_buffers_of_a_dead_job_are_removed_at_the_next_start(ray_cluster, job_dir, tmp_path):
+def test_unpersisted_buffers_of_a_dead_job_stay_at_the_next_start_until_forced(ray_cluster, job_dir, tmp_path):
     dead = f"flashdead-{uuid.uuid4().hex[:6]}"
     master = create_master(spec(dead, str(tmp_path / "dead"), max_steps=100_000), job_dir)
     ray.get(master.start.remote())
@@ -96,9 +103,18 @@ def test_buffers_of_a_dead_job_are_removed_at_the_next_start(ray_cluster, job_di
         except ValueError:
             pass  # already gone with its owner
     assert len(buffers(dead)) == 4  # left behind
+    # the buffers holding a whole step (a save cut short by the kill holds none)
+    holding = sorted(r["name"] for r in hygiene.describe("/dev/shm")
+                     if r.get("job") == dead and r.get("not_persisted"))
+    assert holding
 
     name = f"flashnext-{uuid.uuid4().hex[:6]}"
     summary = submit_job(spec(name, str(tmp_path / "next"), max_steps=4), job_dir=str(
         tmp_path / "next_job"), progress=False)
     assert summary["status"] == "succeeded", summary["error"]
+    # the dead job never persisted (persist_every_steps 1000): each of its buffers may
+    # be the only copy of its newest step, so the next start keeps them (issue 28,
+    # item 3) and lists them as not persisted; `flash clean --force` drops them
+    assert sorted(os.path.basename(p) for p in buffers(dead)) == holding
+    assert sorted(hygiene.remove_job("/dev/shm", dead, keep_unpersisted=False)) == holding
     assert buffers(dead) == []

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from dlrover_core.checkpoint.manifest import CheckpointLoadError
 from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
 from dlrover_plugin_flashckpt import hygiene, layout, shm
 from dlrover_plugin_flashckpt.meta import MetaFormatError, pack_meta, unpack_meta
@@ -90,7 +91,10 @@ def test_planted_pickle_payload_in_a_buffer_is_never_unpickled(shm_dir, tmp_path
     seg.write_header(h)
     seg.close()
     live = {"w": torch.zeros(3)}
-    assert s.load(live) is None  # nothing trustworthy to load; nothing on disk either
+    # a buffer claims step 5 and cannot be read: the load says so instead of starting
+    # from step 0 (issue 28, item 5), and never unpickles it
+    with pytest.raises(CheckpointLoadError, match="step 5: shared memory.*never unpickled"):
+        s.load(live)
     assert not marker.exists()
     with pytest.raises(MetaFormatError, match="never unpickled"):
         unpack_meta(blob)

@@ -87,7 +87,7 @@ def test_pp2_job_trains_and_loss_falls(ray_cluster, job_dir):
     """Two pipeline stages (one layer each), 4 micro-batches per step (GPipe)."""
     summary = run_job("mg-pp", job_dir, 24, overrides=(
         "roles.trainer.config.tensor_parallel=1", "roles.trainer.config.pipeline_parallel=2",
-        "config.num_layers=2", "config.micro_batches=4"))
+        "config.num_layers=2", "+config.micro_batches=4"))
     assert summary["status"] == "succeeded", summary["error"]
     assert summary["steps"] == 24
     losses = [r["loss"] for r in step_records(job_dir) if "loss" in r]

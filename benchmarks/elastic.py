@@ -1,0 +1,254 @@
+"""Elastic benchmark: a 3-node ``ray.cluster_utils.Cluster``, one node removed mid-run and
+one added back later; how soon training resumes after the loss, against Ray Train v2.
+
+    .venv/bin/pip install -e ".[bench]"      # Ray Train for the baseline (optional)
+    .venv/bin/python benchmarks/elastic.py --steps 80 --remove-at 20 --add-at 45
+
+Ours: the elastic workload of the tests (``tests/elastic_workloads.py``: a small MLP under
+``ddp``, batches from the master's shard service, the global batch kept by gradient
+accumulation) as role ``trainer`` with ``nodes: "1:3"``, one rank per worker node,
+checkpoints every ``--ckpt-every`` steps (``--saver``), ``elastic.replacement_timeout_s``
+``--replacement-timeout-s``. ``resume_after_loss_s``: from the node removal to the first
+step report after it at the smaller world size (``metrics.jsonl``).
+
+Ray Train: ``TorchTrainer`` with ``ScalingConfig(num_workers=(1, 3))`` (Ray Train v2's
+elastic range), the same model, data order and step time, a checkpoint every
+``--ckpt-every`` steps, the same node removed; ``ray_train_resume_after_loss_s`` is from
+the removal to the first step its workers log after it. Without Ray Train (the ``bench``
+extra) or when its version refuses the range, the JSON says why
+(``ray_train_error``) and the baseline figures are ``null``.
+
+The last stdout line is one JSON object: ``world_sizes`` (ours, history), ``samples_lost``,
+``samples_duplicated``, ``resume_after_loss_s``, ``ray_train_resume_after_loss_s``,
+``ratio`` (ours / Ray Train's), ``goodput`` (ours, from the summary). One run per call;
+the issue's figure is the median of 3 calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+G, B = 24, 4  # the global batch splits into micro-batches of 4 at 1, 2 and 3 ranks
+
+
+def _cluster():
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="dlb", dir="/tmp")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "temp_dir": temp_dir, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=2) for _ in range(3)]
+    cluster.wait_for_nodes()
+    return cluster, nodes
+
+
+def run_ours(args) -> dict:
+    import ray
+
+    from dlrover_core import load_spec
+    from dlrover_core.master.client import create_master, init_ray
+    from dlrover_core.master.events import read_events
+
+    cluster, nodes = _cluster()
+    init_ray(cluster.address)
+    job_dir = tempfile.mkdtemp(prefix="dlrover-elastic-bench-")
+    options = {"replicas": 1} if args.saver == "flash" else {}
+    spec = load_spec({
+        "name": "elastic-bench",
+        "roles": {"trainer": {"workload": "tests.elastic_workloads:ElasticRegression",
+                              "total": 3, "per_node": 1, "nodes": "1:3", "backend": "ddp",
+                              "resources": {"cpu": 2}}},
+        "checkpoint": {"saver": args.saver, "every_steps": args.ckpt_every, "keep": 2,
+                       "options": options},
+        "failover": {"standby": False, "survivor_grace_s": 3, "pg_timeout_s": 30},
+        "elastic": {"replacement_timeout_s": args.replacement_timeout_s,
+                    "poll_interval_s": 1, "global_batch": G, "micro_batch": B},
+        "config": {"global_batch": G, "micro_batch": B, "max_steps": args.steps,
+                   "batches_per_shard": 1, "sleep_s": args.step_s}})
+    by_id = {n.node_id: n for n in nodes}
+    master = create_master(spec, job_dir)
+    ray.get(master.start.remote())
+    removed_ts = added = None
+    summary = None
+    deadline = time.time() + args.timeout_s
+    while time.time() < deadline:
+        try:
+            st = ray.get(master.status.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.3)
+            continue
+        step = st["instances"].get("trainer-0", {}).get("step", -1)
+        if removed_ts is None and step >= args.remove_at:
+            # a trainer node without the JobMaster (losing that is a master restart)
+            master_node = next((e.get("master_node_id") for e in read_events(
+                os.path.join(job_dir, "events.jsonl")) if e["event"] == "job_started"), None)
+            node_id = next(st["instances"][f"trainer-{r}"]["node_id"] for r in (2, 1, 0)
+                           if st["instances"][f"trainer-{r}"]["node_id"] != master_node)
+            cluster.remove_node(by_id[node_id])
+            removed_ts = time.time()
+        if removed_ts is not None and added is None and step >= args.add_at:
+            added = cluster.add_node(num_cpus=2).node_id
+        if st["summary"]:
+            summary = st["summary"]
+            break
+        time.sleep(0.1)
+    ray.kill(master)
+    ray.shutdown()
+    cluster.shutdown()
+    resume = None
+    if removed_ts is not None:
+        after = [r["ts"] for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
+                 if r["event"] == "step" and r.get("world_size", 3) < 3 and r["ts"] > removed_ts]
+        resume = round(min(after) - removed_ts, 3) if after else None
+    summary = summary or {}
+    return {"world_sizes": [(w["world_size"], w["step"]) for w in summary.get("world_sizes", [])],
+            "samples_lost": summary.get("samples_lost"),
+            "samples_duplicated": summary.get("samples_duplicated"),
+            "resume_after_loss_s": resume, "goodput": summary.get("goodput"),
+            "status": summary.get("status"), "job_dir": job_dir}
+
+
+def _train_fn(cfg: dict) -> None:
+    import torch
+    import ray.train
+    import ray.train.torch
+
+    from dlrover_core.runtime.elastic import ElasticBatch, accumulation_step
+    from tests.elastic_math import _data, _model, make_optimizer
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    model = _model()
+    opt = make_optimizer(model)
+    start = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            st = torch.load(os.path.join(d, "state.pt"))
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        start = st["step"]
+    model = ray.train.torch.prepare_model(model)
+    plan = ElasticBatch(G, B, world)
+    x, y = _data(G * cfg["steps"])
+
+    def mse(m, batch):
+        return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    for step in range(start, cfg["steps"]):
+        batches = [(x[r.start:r.stop], y[r.start:r.stop]) for r in plan.micro_ranges(step, rank)]
+        accumulation_step(model, opt, batches, mse)
+        with open(cfg["log"], "a") as f:
+            f.write(json.dumps({"ts": time.time(), "step": step, "world": world,
+                                "rank": rank}) + "\n")
+        time.sleep(cfg["step_s"])
+        if rank == 0 and (step + 1) % cfg["ckpt_every"] == 0:
+            with tempfile.TemporaryDirectory() as d:
+                inner = model.module if hasattr(model, "module") else model
+                torch.save({"model": inner.state_dict(), "opt": opt.state_dict(),
+                            "step": step + 1}, os.path.join(d, "state.pt"))
+                ray.train.report({"step": step},
+                                 checkpoint=ray.train.Checkpoint.from_directory(d))
+        else:
+            ray.train.report({"step": step})
+
+
+def run_ray_train(args) -> dict:
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    try:
+        import ray
+        import ray.train
+        from ray.train.torch import TorchTrainer
+    except ImportError as exc:
+        return {"ray_train_error": f"Ray Train is not installed (pip install -e '.[bench]'): "
+                                   f"{exc}"}
+    cluster, nodes = _cluster()
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    log = tempfile.mktemp(prefix="raytrain-elastic-", suffix=".jsonl")
+    by_id = {n.node_id: n for n in nodes}
+    try:
+        scaling = ray.train.ScalingConfig(num_workers=(1, 3), use_gpu=False,
+                                          resources_per_worker={"CPU": 2})
+    except Exception as exc:  # noqa: BLE001 - a version without elastic ranges
+        ray.shutdown()
+        cluster.shutdown()
+        return {"ray_train_error": f"ScalingConfig(num_workers=(1, 3)) refused: {exc}"}
+    trainer = TorchTrainer(
+        _train_fn, train_loop_config={"steps": args.steps, "log": log, "step_s": args.step_s,
+                                      "ckpt_every": args.ckpt_every},
+        scaling_config=scaling,
+        run_config=ray.train.RunConfig(
+            storage_path=tempfile.mkdtemp(prefix="raytrain-elastic-store-"),
+            failure_config=ray.train.FailureConfig(max_failures=3)))
+    import threading
+
+    state: dict = {}
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except Exception as exc:  # noqa: BLE001
+            state["error"] = f"{type(exc).__name__}: {exc}"[:500]
+
+    th = threading.Thread(target=fit, daemon=True)
+    th.start()
+    removed_ts = None
+    while th.is_alive():
+        recs = _read(log)
+        if removed_ts is None and any(r["step"] >= args.remove_at for r in recs):
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            victim = next(n for nid, n in by_id.items() if nid in alive)
+            cluster.remove_node(victim)
+            removed_ts = time.time()
+        time.sleep(0.2)
+    recs = _read(log)
+    ray.shutdown()
+    cluster.shutdown()
+    after = [r["ts"] for r in recs if removed_ts is not None and r["ts"] > removed_ts]
+    out = {"ray_train_resume_after_loss_s": round(min(after) - removed_ts, 3)
+           if after else None}
+    if "error" in state:
+        out["ray_train_error"] = state["error"]
+    return out
+
+
+def _read(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--remove-at", type=int, default=20)
+    p.add_argument("--add-at", type=int, default=45)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--step-s", type=float, default=0.2)
+    p.add_argument("--saver", default="disk", choices=["disk", "flash"])
+    p.add_argument("--replacement-timeout-s", type=float, default=2.0)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--skip-ray-train", action="store_true")
+    args = p.parse_args(argv)
+    ours = run_ours(args)
+    base = {"ray_train_error": "skipped (--skip-ray-train)"} if args.skip_ray_train \
+        else run_ray_train(args)
+    x, y = ours["resume_after_loss_s"], base.get("ray_train_resume_after_loss_s")
+    out = {**ours, **base, "ratio": round(x / y, 3) if x and y else None}
+    out.setdefault("ray_train_resume_after_loss_s", None)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""A Ray cluster of several nodes on this machine, each a separate ``ray start`` process.
+
+The way users start clusters on machines (``ray start --head`` on one, ``ray start
+--address HEAD`` on the others), here on one machine: every node gets its own
+``--temp-dir`` (its logs, sockets and session), its own ports (picked free at start)
+and its own resources (``--num-cpus``). Each node runs as ``ray start --block`` in a
+session of its own, so the node is one process group: stopping the node is a SIGTERM
+to its ``ray start`` (which stops the node's Ray processes), then a SIGKILL to the
+group for anything left; losing the node is a SIGKILL to the group.
+
+Token authentication stays on: :func:`up` writes a fresh 256-bit token to
+``<state dir>/auth_token`` (mode 0600) and starts every node with
+``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` naming it; clients need the same
+two variables (:func:`client_env`, ``dlrover cluster env``).
+
+The state file ``<state dir>/cluster.json`` records the head address, the token path
+and, per node, its name, PID/process group, temp dir, ports, CPUs and Ray node id, so
+that :func:`down` stops exactly these processes and nothing else (never ``ray stop``,
+which stops every Ray process on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+STATE = "cluster.json"
+TOKEN_FILE = "auth_token"
+DEFAULT_DIR = os.path.join(".dlrover", "cluster")
+HOST = "127.0.0.1"
+
+
+class ClusterError(RuntimeError):
+    """A local cluster could not be started, found or stopped."""
+
+
+def state_dir(path: str | None = None) -> str:
+    """The state directory: ``path``, else ``$DLROVER_CLUSTER_DIR``, else
+    ``./.dlrover/cluster``."""
+    return os.path.abspath(path or os.environ.get("DLROVER_CLUSTER_DIR") or DEFAULT_DIR)
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def read_state(directory: str | None = None) -> dict | None:
+    """The recorded cluster of ``directory`` (see :func:`state_dir`), or ``None``."""
+    path = os.path.join(state_dir(directory), STATE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_state(directory: str, state: dict) -> None:
+    path = os.path.join(directory, STATE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def client_env(state: dict) -> dict[str, str]:
+    """The variables a client (or another node) needs to join the cluster of ``state``:
+    ``RAY_ADDRESS``, ``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN_PATH``."""
+    return {"RAY_ADDRESS": state["address"], "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": state["token_path"]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (read from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _ray_start(args: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen:
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    cmd = [ray_bin if os.path.exists(ray_bin) else "ray", "start", "--block", *args]
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _node_ports() -> dict[str, int]:
+    """Own ports for one node: several helpers' clusters share this machine, and Ray's
+    defaults (10001, 8265, 52365, ...) would collide."""
+    names = ("node-manager-port", "object-manager-port", "runtime-env-agent-port",
+             "dashboard-agent-grpc-port", "dashboard-agent-listen-port", "metrics-export-port")
+    return {n: free_port() for n in names}
+
+
+def _start_node(directory: str, name: str, env: dict[str, str], num_cpus: int,
+                head_port: int | None = None, address: str | None = None,
+                temp_root: str | None = None) -> dict:
+    temp_dir = os.path.join(temp_root, name)  # short: Ray's socket paths must fit 107 bytes
+    os.makedirs(temp_dir, exist_ok=True)
+    ports = _node_ports()
+    args = [f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+            f"--node-ip-address={HOST}", "--disable-usage-stats"]
+    args += [f"--{k}={v}" for k, v in ports.items()]
+    if head_port is not None:
+        ports["port"] = head_port
+        ports["ray-client-server-port"] = free_port()
+        ports["dashboard-port"] = free_port()
+        args += ["--head", f"--port={head_port}", "--include-dashboard=false",
+                 f"--ray-client-server-port={ports['ray-client-server-port']}",
+                 f"--dashboard-port={ports['dashboard-port']}"]
+    else:
+        args.append(f"--address={address}")
+    log_path = os.path.join(directory, f"{name}.log")
+    proc = _ray_start(args, env, log_path)
+    return {"name": name, "pid": proc.pid, "pgid": proc.pid, "temp_dir": temp_dir,
+            "num_cpus": num_cpus, "ports": ports, "log": log_path, "node_id": None,
+            "head": head_port is not None}
+
+
+def _wait_port(port: int, node: dict, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if not _alive(node["pid"]):
+            raise ClusterError(f"node {node['name']} exited while starting; its log: "
+                               f"{node['log']}\n{_tail(node['log'])}")
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise ClusterError(f"node {node['name']}: port {port} not open after {timeout_s:.0f} s; "
+                       f"its log: {node['log']}")
+
+
+def _tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _node_table(state: dict) -> list[dict]:
+    """``ray.nodes()`` of the cluster, read by a short-lived subprocess (this process
+    may already be connected to another cluster, or should stay unconnected)."""
+    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', "
+            "include_dashboard=False); print(json.dumps(ray.nodes())); ray.shutdown()"
+            % state["address"])
+    env = dict(os.environ, **client_env(state))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    if out.returncode != 0:
+        raise ClusterError(f"could not read the node table of {state['address']}:\n"
+                           f"{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def wait_for_nodes(state: dict, timeout_s: float = 120.0) -> dict:
+    """Wait until every recorded, running node is alive in Ray's node table; fill in
+    each node's ``node_id`` (matched by its node-manager port) and save the state.
+
+    Raises:
+        ClusterError: a node exited, or is not alive after ``timeout_s`` seconds.
+    """
+    deadline = time.time() + timeout_s
+    want = [n for n in state["nodes"] if _alive(n["pid"])]
+    while True:
+        for n in want:
+            if not _alive(n["pid"]):
+                raise ClusterError(f"node {n['name']} exited; its log: {n['log']}\n"
+                                   f"{_tail(n['log'])}")
+        table = {r["NodeManagerPort"]: r for r in _node_table(state) if r["Alive"]}
+        for n in want:
+            row = table.get(n["ports"]["node-manager-port"])
+            if row is not None:
+                n["node_id"] = row["NodeID"]
+        if all(n["node_id"] for n in want):
+            _write_state(state["dir"], state)
+            return state
+        if time.time() > deadline:
+            missing = [n["name"] for n in want if not n["node_id"]]
+            raise ClusterError(f"nodes {missing} did not join {state['address']} within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
+       directory: str | None = None, token_path: str | None = None,
+       timeout_s: float = 120.0) -> dict:
+    """Start a head and ``nodes`` worker nodes; return the saved state.
+
+    Args:
+        nodes: worker nodes (>= 0), each ``ray start --address`` with ``cpus_per_node`` CPUs.
+        head_cpus: CPUs of the head (default 0: the head runs the JobMaster, no ranks).
+        directory: the state directory (:func:`state_dir`).
+        token_path: an existing token file to use instead of a new one.
+
+    Raises:
+        ValueError: ``nodes`` < 0 or ``cpus_per_node`` < 1.
+        ClusterError: a cluster of this state directory is still running, or a node
+            failed to start (the nodes already started are stopped again).
+    """
+    if nodes < 0:
+        raise ValueError(f"--nodes: {nodes!r}; give 0 or more worker nodes")
+    if cpus_per_node < 1:
+        raise ValueError(f"--cpus-per-node: {cpus_per_node!r}; give 1 or more")
+    directory = state_dir(directory)
+    old = read_state(directory)
+    if old and any(_alive(n["pid"]) for n in old["nodes"]):
+        raise ClusterError(f"a cluster is already up at {old['address']} (state {directory}); "
+                           "`dlrover cluster down` first, or use another --dir")
+    os.makedirs(directory, exist_ok=True)
+    if token_path is None:
+        token_path = os.path.join(directory, TOKEN_FILE)
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    elif not os.path.isfile(token_path):
+        raise ClusterError(f"--token-file: {token_path!r} does not exist")
+    head_port = free_port()
+    state: dict[str, Any] = {
+        "dir": directory, "address": f"{HOST}:{head_port}",
+        "token_path": os.path.abspath(token_path),
+        "temp_root": tempfile.mkdtemp(prefix="dlrc-", dir="/tmp"), "nodes": []}
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"])
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.pop("RAY_ADDRESS", None)
+    try:
+        head = _start_node(directory, "head", env, head_cpus, head_port=head_port,
+                           temp_root=state["temp_root"])
+        state["nodes"].append(head)
+        _write_state(directory, state)
+        _wait_port(head_port, head, timeout_s)
+        for _ in range(nodes):
+            add_node(state, cpus_per_node, wait=False)
+        return wait_for_nodes(state, timeout_s)
+    except BaseException:
+        down(directory)
+        raise
+
+
+def add_node(state: dict, num_cpus: int = 2, wait: bool = True,
+             timeout_s: float = 120.0) -> dict:
+    """Start one more worker node (``ray start --address``) in the cluster of ``state``;
+    return its record (with ``node_id`` when ``wait``)."""
+    taken = {n["name"] for n in state["nodes"]}
+    i = 1
+    while f"worker-{i}" in taken:
+        i += 1
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"])
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.pop("RAY_ADDRESS", None)
+    node = _start_node(state["dir"], f"worker-{i}", env, num_cpus, address=state["address"],
+                       temp_root=state["temp_root"])
+    state["nodes"].append(node)
+    _write_state(state["dir"], state)
+    if wait:
+        wait_for_nodes(state, timeout_s)
+    return node
+
+
+def kill_node(state: dict, name: str) -> list[int]:
+    """Lose node ``name`` at once: SIGKILL every process of its process group (its
+    ``ray start``, raylet, agents and the workers it started). Returns the PIDs."""
+    node = next((n for n in state["nodes"] if n["name"] == name), None)
+    if node is None:
+        raise ClusterError(f"no node {name!r}; nodes: {[n['name'] for n in state['nodes']]}")
+    pids = group_pids(node["pgid"])
+    try:
+        os.killpg(node["pgid"], signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return pids
+
+
+def _stop_node(node: dict, grace_s: float) -> None:
+    if _alive(node["pid"]):
+        try:
+            os.kill(node["pid"], signal.SIGTERM)  # `ray start --block` stops its processes
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + grace_s
+    while time.time() < deadline and group_pids(node["pgid"]):
+        time.sleep(0.2)
+    if group_pids(node["pgid"]):
+        try:
+            os.killpg(node["pgid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def down(directory: str | None = None, grace_s: float = 10.0, keep_temp: bool = False) -> dict:
+    """Stop the recorded cluster: worker nodes first, then the head; only the recorded
+    process groups are signalled. Removes the state file (and the nodes' temp dirs
+    unless ``keep_temp``). Returns the state that was stopped.
+
+    Raises:
+        ClusterError: no cluster is recorded in the state directory.
+    """
+    directory = state_dir(directory)
+    state = read_state(directory)
+    if state is None:
+        raise ClusterError(f"no cluster recorded in {directory} (no {STATE})")
+    for node in sorted(state["nodes"], key=lambda n: n["head"]):
+        _stop_node(node, grace_s)
+    if not keep_temp:
+        shutil.rmtree(state["temp_root"], ignore_errors=True)
+    os.remove(os.path.join(directory, STATE))
+    return state
+
+
+def node_rows(state: dict) -> list[dict]:
+    """One row per recorded node: name, head?, pid, alive, CPUs, node id, temp dir."""
+    return [{"name": n["name"], "head": n["head"], "pid": n["pid"], "alive": _alive(n["pid"]),
+             "num_cpus": n["num_cpus"], "node_id": n["node_id"], "temp_dir": n["temp_dir"]}
+            for n in state["nodes"]]

@@ -1,0 +1,288 @@
+"""Elastic roles: the world size of a role with ``roles.R.nodes: "MIN:MAX"`` follows the
+healthy nodes (torchrun's ``--nnodes=MIN:MAX``; Ray Train v2's ``num_workers=(min, max)``).
+
+- **Shrink** (:meth:`ElasticManager.shrink`): a node of an elastic role is lost. The
+  master waits up to ``elastic.replacement_timeout_s`` for the cluster to hold the role
+  at its size again (a replacement node), looking every second; then it restarts the
+  role alone, at the largest valid world size the nodes can hold (at most its size
+  before the loss, at least ``MIN`` nodes; *valid*: ``k * per_node`` ranks that split
+  ``elastic.global_batch`` into ``elastic.micro_batch`` micro-batches when those are
+  set). Its ranks restore from the newest checkpoint (the saver restores into another
+  world size; the flash saver from memory). Other roles keep running.
+- **Grow** (:meth:`ElasticManager.check_grow`): every ``elastic.poll_interval_s`` the
+  master looks for room for more node-slots of a role below ``MAX`` nodes; once there
+  is room, the role is restarted at the larger size right after its next checkpoint
+  (rank 0's next ``checkpoint_saved``).
+- **History**: every size the role ran at, with the role's last reported step when it
+  changed and the newest checkpoint step the master knew of then (``world_sizes`` in
+  ``summary.json``).
+
+Room is counted in *node-slots*: on each alive node not marked bad, how many times its
+total resources hold ``per_node`` ranks of the role (its CPU, GPU and memory request),
+summed over the nodes. Resources of the job's other roles are not subtracted: an
+elastic role is expected to have its nodes to itself.
+
+A resize stops every rank of the role (new processes start at the new world size:
+a rank's world size is fixed for its process), drops the role's placement groups and
+makes them again for the new size; the other roles' placement groups and actors are
+kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from dlrover_core.graph.graph import CollocationGroup
+from dlrover_core.master.failover import JobFailed
+from dlrover_core.master.monitor import alive_nodes
+from dlrover_core.placement import ClusterResources, PlacementError
+from dlrover_core.plugins.records import FailureKind
+from dlrover_core.spec.elastic import NodeRange, node_range
+
+if TYPE_CHECKING:
+    from dlrover_core.master.launcher import Launcher
+    from dlrover_core.master.scope import JobScope
+    from dlrover_core.master.standby import StandbyPool
+    from dlrover_core.plugins.records import Failure
+
+PG_READY_TIMEOUT_S = 120.0
+REPLACEMENT_POLL_S = 1.0
+
+
+class ElasticManager:
+    """Shrinks and grows the job's elastic roles (see the module doc).
+
+    Args:
+        scope: the job's scope. launcher: places and starts actors. standby: the spares
+            (dropped during a resize, made again after).
+    """
+
+    def __init__(self, scope: JobScope, launcher: Launcher, standby: StandbyPool) -> None:
+        self.scope = scope
+        self.launcher = launcher
+        self.standby = standby
+        self.ranges: dict[str, NodeRange] = {}
+        for role in scope.spec.roles:
+            rng = node_range(scope.spec, role)
+            if rng is not None:
+                self.ranges[role] = rng
+        e = scope.spec.elastic
+        self.replacement_timeout_s = float(e.replacement_timeout_s)
+        self.poll_interval_s = float(e.poll_interval_s)
+        self.global_batch, self.micro_batch = int(e.global_batch), int(e.micro_batch)
+        self.history: list[dict] = [
+            {"role": role, "world_size": scope.graph.roles[role].total, "step": -1,
+             "reason": "start", "checkpoint_step": None}
+            for role in self.ranges]
+        self._last_poll = 0.0
+        self._grow_after: dict[str, int] = {}  # role -> checkpoint step when room appeared
+
+    # ------------------------------------------------------------------ sizes
+    def valid(self, role: str, world_size: int) -> bool:
+        """Whether ``world_size`` ranks is a valid size of ``role``."""
+        rng = self.ranges[role]
+        if world_size % rng.per_node or not rng.min_ranks <= world_size <= rng.max_ranks:
+            return False
+        return not self.global_batch or \
+            self.global_batch % (self.micro_batch * world_size) == 0
+
+    def largest_valid(self, role: str, node_slots: int) -> int | None:
+        """The largest valid world size on at most ``node_slots`` node-slots, or ``None``."""
+        rng = self.ranges[role]
+        for nodes in range(min(node_slots, rng.max_nodes), rng.min_nodes - 1, -1):
+            if self.valid(role, nodes * rng.per_node):
+                return nodes * rng.per_node
+        return None
+
+    def node_slots(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> int:
+        """How many node-slots of ``role`` (``per_node`` ranks each) the alive nodes not
+        marked bad (nor in ``exclude``) hold, by their total resources."""
+        r = self.scope.graph.roles[role]
+        need = {k: v * r.per_node for k, v in r.resources.as_ray().items() if v > 0}
+        if not need:
+            need = {"CPU": 0.001 * r.per_node}
+        slots = 0
+        skip = set(self.scope.failover.bad_nodes) | set(exclude)
+        for node in ClusterResources.from_ray(exclude=skip).nodes:
+            slots += int(min(node.resources.get(k, 0.0) / v + 1e-9 for k, v in need.items()))
+        return slots
+
+    # ------------------------------------------------------------------ shrink
+    def handles(self, failure: Failure) -> bool:
+        """Whether this manager recovers ``failure``: a failure of an elastic role while
+        one of its nodes is lost (the lost rank's ``node_lost``, or a survivor whose
+        collective broke first)."""
+        if failure.role not in self.ranges:
+            return False
+        return failure.kind == FailureKind.NODE_LOST or bool(self.lost_nodes(failure.role))
+
+    def lost_nodes(self, role: str) -> list[str]:
+        """Nodes of ``role``'s instances that are no longer alive."""
+        alive = alive_nodes()
+        return sorted({i.node_id for (r, _), i in self.scope.instances.roles.items()
+                       if r == role and i.node_id and i.node_id not in alive})
+
+    def shrink(self, failure: Failure) -> dict[str, Any]:
+        """Recover ``failure`` (a lost node of an elastic role): wait for a replacement,
+        then restart the role at the largest valid size. Returns the phase timings (s).
+
+        Raises:
+            JobFailed: fewer than ``MIN`` nodes' worth of room is left.
+            InstanceFailure: a new rank failed to start.
+            JobStopped: the job was stopped while waiting.
+        """
+        s, role = self.scope, failure.role
+        # Ray may list a lost node as alive for a moment: never count it as room
+        lost = sorted(set(self.lost_nodes(role)) | ({failure.node_id} if
+                      failure.kind == FailureKind.NODE_LOST and failure.node_id else set()))
+        current = s.graph.roles[role].total
+        per_node = self.ranges[role].per_node
+        t0 = time.time()
+        deadline = t0 + self.replacement_timeout_s
+        while True:
+            s.check_stop()
+            slots = self.node_slots(role, exclude=set(lost))
+            if slots * per_node >= current or time.time() >= deadline:
+                break
+            time.sleep(min(REPLACEMENT_POLL_S, max(0.0, deadline - time.time())))
+        waited = round(time.time() - t0, 3)
+        target = self.largest_valid(role, min(slots, current // per_node))
+        if target is None:
+            rng = self.ranges[role]
+            raise JobFailed(
+                f"role {role!r} lost node(s) {', '.join(n[:12] for n in lost)} and no "
+                "replacement came within "
+                f"elastic.replacement_timeout_s={self.replacement_timeout_s:g}: the cluster holds "
+                f"{slots} node-slot(s) of {per_node} rank(s), fewer than roles.{role}.nodes "
+                f"minimum {rng.min_nodes} (or no size in {rng.min_nodes}..{rng.max_nodes} nodes "
+                "splits elastic.global_batch)")
+        reason = "replaced" if target >= current else "shrink"
+        phases = self.resize(role, target, reason)
+        return {"replacement_wait_s": waited, **phases}
+
+    # ------------------------------------------------------------------ grow
+    def check_grow(self) -> None:
+        """Called by the controller while ``RUNNING``: look for room every
+        ``elastic.poll_interval_s``; grow a role right after its next checkpoint.
+
+        Raises:
+            InstanceFailure: a new rank failed to start.
+        """
+        s = self.scope
+        now = time.time()
+        for role in self.ranges:
+            total = s.graph.roles[role].total
+            if role in self._grow_after:
+                ck = s.checkpoint_steps.get(role)
+                if ck is None or ck <= self._grow_after[role]:
+                    continue
+                del self._grow_after[role]
+                target = self.largest_valid(role, self.node_slots(role))
+                if target is not None and target > total:
+                    self.resize(role, target, "grow")
+                continue
+            if now - self._last_poll < self.poll_interval_s or \
+                    total >= self.ranges[role].max_ranks:
+                continue
+            target = self.largest_valid(role, self.node_slots(role))
+            if target is not None and target > total:
+                self._grow_after[role] = s.checkpoint_steps.get(role, -1)
+                s.emit("elastic_room", role=role, world_size=total, target=target,
+                       after_checkpoint=self._grow_after[role])
+        if now - self._last_poll >= self.poll_interval_s:
+            self._last_poll = now
+
+    # ------------------------------------------------------------------ resize
+    def resize(self, role: str, world_size: int, reason: str) -> dict[str, Any]:
+        """Restart ``role`` alone at ``world_size`` ranks (new placement groups, new
+        processes, rendezvous, ``setup()``); record it in :attr:`history` and emit
+        ``elastic_resized``. Returns the phase timings (s)."""
+        s = self.scope
+        t0 = time.time()
+        old = s.graph.roles[role].total
+        members = [i for (r, _), i in s.instances.roles.items() if r == role]
+        last_step = max((i.last_step for i in members), default=-1)
+        attempts = {(role, i.rank): i.attempt + 1 for i in members}
+        self.standby.drop()
+        self.launcher.stop_instances(members)
+        for inst in members:
+            if inst.rank >= world_size:
+                del s.instances.roles[(role, inst.rank)]
+        self._set_total(role, world_size)
+        t_stop = time.time()
+        self._replace_placement(role)
+        t_placed = time.time()
+        attempts = {(role, k): attempts.get((role, k), 0) for k in range(world_size)}
+        self.launcher.start_roles([role], attempts)
+        self.standby.ensure()
+        entry = {"role": role, "world_size": world_size, "step": last_step, "reason": reason,
+                 "checkpoint_step": s.checkpoint_steps.get(role)}
+        self.history.append(entry)
+        s.context.set("world_sizes", self.history)
+        s.emit("elastic_resized", previous=old, **entry)
+        return {"stop_s": round(t_stop - t0, 3), "place_s": round(t_placed - t_stop, 3),
+                "start_s": round(time.time() - t_placed, 3), "world_size": world_size,
+                **self.launcher.phases}
+
+    def _set_total(self, role: str, total: int) -> None:
+        g = self.scope.graph
+        g.roles[role] = dataclasses.replace(g.roles[role], total=total)
+        g.groups = [CollocationGroup(grp.roles, total, grp.per_node) if grp.roles == (role,)
+                    else grp for grp in g.groups]
+
+    def _replace_placement(self, role: str) -> None:
+        """Plan again; remove ``role``'s placement groups (and spares') and make new ones
+        for its new size; keep every other group, by name."""
+        la = self.launcher
+        old_plan, old_pgs = la.plan, list(la.pgs)
+        by_name = {g.name: pg for g, pg in zip(old_plan.groups, old_pgs)}
+        mine = {g.name for g in old_plan.groups if g.name.split(":")[0] == role}
+        extra = old_pgs[len(old_plan.groups):]  # spares' groups
+        for name in mine:
+            _remove(by_name[name])
+        for pg in extra:
+            _remove(pg)
+        plan = la.make_plan()
+        alive_bad = la.alive_bad_nodes()
+        pgs, fresh = [], []
+        for g in plan.groups:
+            if g.name in by_name and g.name not in mine:
+                pgs.append(by_name[g.name])
+                continue
+            kwargs: dict[str, Any] = {}
+            if alive_bad:
+                kwargs["bundle_label_selector"] = [
+                    {"ray.io/node-id": f"!in({','.join(alive_bad)})"}] * len(g.bundles)
+            # a new name: the removed group of the same plan name may still be going away
+            pg = placement_group(g.bundles, strategy=g.strategy,
+                                 name=la.pg_name(f"{g.name}@{len(self.history)}"),
+                                 lifetime="detached", **kwargs)
+            pgs.append(pg)
+            fresh.append((pg, g))
+        la.plan, la.pgs = plan, pgs
+        self.standby.forget_slots()
+        deadline = time.time() + PG_READY_TIMEOUT_S
+        for pg, g in fresh:
+            while True:
+                self.scope.check_stop()
+                ready, _ = ray.wait([pg.ready()], timeout=1.0)
+                if ready:
+                    break
+                if time.time() > deadline:
+                    raise PlacementError(
+                        f"placement group {g.name} ({g.bundles}, {g.strategy}) of elastic role "
+                        f"{role!r} was not ready within {PG_READY_TIMEOUT_S:.0f} s")
+        self.scope.emit("placement", policy=self.scope.spec.placement, groups=plan.describe(),
+                        excluded_nodes=sorted(self.scope.failover.bad_nodes), role=role)
+
+
+def _remove(pg: Any) -> None:
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

@@ -1,0 +1,220 @@
+"""The shard service: dynamic data sharding owned by the JobMaster (DLRover's dynamic
+sharding, seed ``003``).
+
+The data set is an index range ``[0, num_samples)`` or a list of files (one sample id per
+file); ``num_epochs`` passes over it give the *positions* ``[0, num_epochs * size)``,
+position ``p`` being sample ``p % size`` of epoch ``p // size``. The positions are cut
+into shards of ``shard_size`` positions (a few batches). Ranks **lease** shards from a
+FIFO queue (a rank that finishes its shards sooner leases more) and **report** which
+positions they trained at which optimizer step. A checkpoint at step ``k`` therefore
+fixes which positions the model has seen: those reported at steps ``<= k``. A
+**restore** to step ``k`` (after a failure, or a resize) drops every lease, marks the
+reports of later steps as rolled back, and queues again what is left of each shard
+(the unread tail of a partly read shard first, then the untouched shards in order), so
+no sample is lost and none is repeated except the rolled-back ones: at most the
+samples of the steps after the restored checkpoint (one checkpoint interval, the
+*uncheckpointed window*).
+
+The ledger (:meth:`ShardService.ledger`) counts per position: ``samples_duplicated``
+= reports of a position beyond its first; ``samples_lost`` = positions handed out in a
+lease that are neither in the kept history (reports not rolled back), nor back in the
+queue, nor under a current lease.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+
+
+@dataclass
+class Shard:
+    """Positions ``[start, end)``; ``read``: the first position not yet trained in the
+    kept history (``start <= read <= end``)."""
+
+    id: int
+    start: int
+    end: int
+    read: int = -1
+
+    def __post_init__(self) -> None:
+        if self.read < 0:
+            self.read = self.start
+
+
+class ShardService:
+    """Leases, progress and restore of the shards of one role's data set (thread-safe).
+
+    Args:
+        num_samples: size of an index-range data set (or 0 with ``files``).
+        shard_size: positions per shard (> 0), e.g. ``batches_per_shard * micro_batch``.
+        files: a list of files instead of an index range (sample ``i`` is ``files[i]``).
+        num_epochs: passes over the data set (>= 1).
+
+    Raises:
+        ValueError: a bad argument, named with its value.
+    """
+
+    def __init__(self, num_samples: int = 0, shard_size: int = 0,
+                 files: list[str] | None = None, num_epochs: int = 1) -> None:
+        size = len(files) if files else int(num_samples)
+        if size <= 0:
+            raise ValueError(f"sharding: num_samples={num_samples!r} with files={files!r}; "
+                            "allowed: num_samples > 0 or a non-empty list of files")
+        if int(shard_size) <= 0:
+            raise ValueError(f"sharding.shard_size={shard_size!r}; allowed: an integer > 0")
+        if int(num_epochs) < 1:
+            raise ValueError(f"sharding.num_epochs={num_epochs!r}; allowed: an integer >= 1")
+        self.size = size
+        self.files = list(files) if files else None
+        self.shard_size = int(shard_size)
+        self.total = size * int(num_epochs)
+        self._lock = threading.Lock()
+        self.shards = {i: Shard(i, lo, min(lo + self.shard_size, self.total))
+                       for i, lo in enumerate(range(0, self.total, self.shard_size))}
+        self.queue: collections.deque[int] = collections.deque(self.shards)
+        self.leases: dict[int, int] = {}  # shard id -> rank
+        self.generation = 0
+        self.handed_out: set[int] = set()  # shard ids ever leased
+        # (generation, rank, step, shard id, lo, hi, rolled_back)
+        self.reports: list[list[Any]] = []
+        self.leases_per_rank: collections.Counter[int] = collections.Counter()
+
+    # ------------------------------------------------------------------ ranks
+    def lease(self, rank: int, generation: int) -> dict | None:
+        """Lease the next shard to ``rank``: ``{"shard", "start", "end", "files"}`` (the
+        unread positions ``[start, end)``; ``files``: their files, or ``None``), or
+        ``None`` when the queue is empty (the data set is done, or the rest is leased).
+        A lease of an older ``generation`` (before the last restore) gets ``None``."""
+        with self._lock:
+            if generation != self.generation or not self.queue:
+                return None
+            sid = self.queue.popleft()
+            sh = self.shards[sid]
+            self.leases[sid] = rank
+            self.handed_out.add(sid)
+            self.leases_per_rank[rank] += 1
+            return {"shard": sid, "start": sh.read, "end": sh.end,
+                    "files": self.file_names(sh.read, sh.end)}
+
+    def report(self, generation: int, rank: int, step: int,
+               spans: list[tuple[int, int, int]]) -> None:
+        """``rank`` trained ``spans`` (``(shard, lo, hi)``: positions ``[lo, hi)`` of that
+        shard, read in order) in optimizer ``step``. A report of an older generation
+        arrives after a restore that rolled its step back: it is kept as rolled back."""
+        with self._lock:
+            stale = generation != self.generation
+            for sid, lo, hi in spans:
+                self.reports.append([generation, rank, int(step), int(sid), int(lo), int(hi),
+                                     stale])
+                if not stale:
+                    sh = self.shards[int(sid)]
+                    sh.read = max(sh.read, int(hi))
+                    if sh.read >= sh.end:
+                        self.leases.pop(sh.id, None)
+
+    def restore(self, step: int) -> int:
+        """Roll back to the checkpoint of optimizer ``step`` (-1: no checkpoint): reports
+        of later steps are rolled back, every lease is dropped, what is left is queued
+        again. Returns the new generation, which leases and reports must carry."""
+        with self._lock:
+            for sh in self.shards.values():
+                sh.read = sh.start
+            for r in self.reports:
+                if not r[6] and r[2] > step:
+                    r[6] = True
+            for r in self.reports:
+                if not r[6]:
+                    sh = self.shards[r[3]]
+                    sh.read = max(sh.read, r[5])
+            self.leases.clear()
+            partial = [s.id for s in self.shards.values() if s.start < s.read < s.end]
+            fresh = [s.id for s in self.shards.values() if s.read == s.start]
+            self.queue = collections.deque(partial + fresh)
+            self.generation += 1
+            return self.generation
+
+    # ------------------------------------------------------------------ views
+    def file_names(self, lo: int, hi: int) -> list[str] | None:
+        if self.files is None:
+            return None
+        return [self.files[p % self.size] for p in range(lo, hi)]
+
+    def done(self) -> bool:
+        """Every position trained in the kept history."""
+        with self._lock:
+            return all(s.read >= s.end for s in self.shards.values())
+
+    def ledger(self) -> dict:
+        """``samples_total`` (positions), ``samples_trained`` (distinct positions in the
+        kept history), ``samples_duplicated``, ``samples_lost`` (see the module doc),
+        ``leases_per_rank``, ``generation``."""
+        with self._lock:
+            count: collections.Counter[int] = collections.Counter()
+            kept: set[int] = set()
+            for _, _, _, _, lo, hi, rolled in self.reports:
+                for p in range(lo, hi):
+                    count[p] += 1
+                    if not rolled:
+                        kept.add(p)
+            out_now = set()
+            for sid in list(self.queue) + list(self.leases):
+                sh = self.shards[sid]
+                out_now.update(range(sh.read, sh.end))
+            handed = set()
+            for sid in self.handed_out:
+                sh = self.shards[sid]
+                handed.update(range(sh.start, sh.end))
+            lost = handed - kept - out_now
+            return {"samples_total": self.total, "samples_trained": len(kept),
+                    "samples_duplicated": sum(c - 1 for c in count.values() if c > 1),
+                    "samples_lost": len(lost),
+                    "leases_per_rank": {str(k): v for k, v in sorted(self.leases_per_rank.items())},
+                    "generation": self.generation}
+
+
+class ShardRegistry:
+    """The JobMaster's shard services, one per role (made by the role's first
+    ``open``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.services: dict[str, ShardService] = {}
+        self._configs: dict[str, dict] = {}
+
+    def open(self, role: str, config: dict) -> int:
+        """The service of ``role`` with ``config`` (``num_samples``, ``files``,
+        ``shard_size``, ``num_epochs``); returns the data set size.
+
+        Raises:
+            ValueError: a bad setting, or ``config`` differs from the one the role's
+                service was opened with.
+        """
+        with self._lock:
+            svc = self.services.get(role)
+            if svc is None:
+                svc = self.services[role] = ShardService(**config)
+                self._configs[role] = dict(config)
+            elif self._configs[role] != dict(config):
+                raise ValueError(f"shard service of role {role!r} opened with {config!r}; "
+                                f"it has {self._configs[role]!r}; allowed: the same settings "
+                                "on every rank and restart")
+            return svc.size
+
+    def get(self, role: str) -> ShardService:
+        """Raises ``KeyError`` naming the role when it has no shard service."""
+        try:
+            return self.services[role]
+        except KeyError:
+            raise KeyError(f"role {role!r} has no shard service; open it first "
+                           "(ShardSampler.for_workload)") from None
+
+    def ledger(self) -> dict:
+        """Per role, :meth:`ShardService.ledger`; plus the totals over the roles."""
+        roles = {role: svc.ledger() for role, svc in self.services.items()}
+        return {"samples_lost": sum(r["samples_lost"] for r in roles.values()),
+                "samples_duplicated": sum(r["samples_duplicated"] for r in roles.values()),
+                "roles": roles}

@@ -1,0 +1,270 @@
+"""Script roles: an unchanged ``torchrun`` script as a role.
+
+A role with ``command: "train.py --epochs 3"`` (or ``"pkg.mod:main --lr 1e-3"``, or
+``"-m pkg.mod args"``) runs, in each rank's actor (an ordinary ``WorkloadHost`` whose
+workload is :class:`ScriptWorkload`), the command as a child process with the
+environment torchrun gives its workers (``torch/distributed/run.py`` and
+``torch/distributed/elastic/agent/server/api.py``): ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
+``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``,
+``TORCHELASTIC_USE_AGENT_STORE=False`` (the script's ``init_process_group()`` makes its
+own store at ``MASTER_ADDR:MASTER_PORT``, rank 0 hosting it) and ``OMP_NUM_THREADS=1``
+when several ranks share a node and it is not set (as torchrun does).
+
+The child inherits the actor's stdout and stderr, which the job's log capture already
+sends to ``<job_dir>/logs/<role>-<rank>/attempt-<N>.log`` (``dlrover logs``). Exit code
+0 is the rank's success; any other code, or a signal, raises :class:`ScriptExitError`
+in the actor, which the master classifies like any workload failure. The master's
+recovery then restarts the role's processes (torchrun's semantics: all ranks of the
+group, ``TORCHELASTIC_RESTART_COUNT`` + 1): survivors stop their child at once
+(:meth:`ScriptWorkload.stop_script`, called through ``WorkloadHost.abort_collectives``)
+and start a new one in the same actor, inside the same placement group bundle.
+
+The child gets ``PR_SET_PDEATHSIG`` = ``SIGKILL`` (Linux), so it never outlives its
+actor when the actor is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from dlrover_core.runtime.backend import BackendSession
+from dlrover_core.runtime.workload import BaseWorkload
+
+#: The workload import path every script role runs.
+SCRIPT_WORKLOAD = "dlrover_core.runtime.script:ScriptWorkload"
+#: The built-in backend of script roles: the rendezvous address only, no process group
+#: in the actor (the script makes its own).
+SCRIPT_BACKEND = "torchrun"
+#: The role config key that carries ``command`` and ``working_dir`` to the actor.
+CONFIG_KEY = "_dlrover_script"
+
+_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
+
+# run ``module:function`` as the script: argv[0] is the module, the rest its arguments;
+# an int it returns is the exit code (``sys.exit`` semantics)
+_FUNCTION_RUNNER = (
+    "import importlib, sys; m, f = sys.argv[1].split(':'); "
+    "sys.argv = [m] + sys.argv[2:]; "
+    "sys.exit(getattr(importlib.import_module(m), f)())"
+)
+
+
+class ScriptExitError(RuntimeError):
+    """A script role's child process ended with a non-zero exit code or a signal.
+
+    Attributes: ``returncode`` (the child's exit status: ``-N`` for signal ``N``, as
+    ``subprocess`` gives it), ``pid``.
+    """
+
+    def __init__(self, message: str, returncode: int, pid: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.pid = pid
+
+
+@dataclass(frozen=True)
+class ScriptCommand:
+    """A parsed ``command``: ``kind`` is ``script`` (a Python file), ``module``
+    (``-m pkg.mod``) or ``function`` (``pkg.mod:function``); ``target`` the file, module
+    or entry; ``args`` the arguments after it."""
+
+    kind: str
+    target: str
+    args: tuple[str, ...]
+
+    def argv(self, python: str = sys.executable) -> list[str]:
+        """The child's command line: ``python -u <file> args``, ``python -u -m mod args``
+        or ``python -u -c <runner> mod:fn args``."""
+        if self.kind == "script":
+            return [python, "-u", self.target, *self.args]
+        if self.kind == "module":
+            return [python, "-u", "-m", self.target, *self.args]
+        return [python, "-u", "-c", _FUNCTION_RUNNER, self.target, *self.args]
+
+
+def parse_command(command: str) -> ScriptCommand:
+    """Split ``command`` (shell words, ``shlex``) into a :class:`ScriptCommand`.
+
+    Forms: ``"train.py --epochs 3"``; ``"-m pkg.train --epochs 3"``;
+    ``"pkg.train:main --epochs 3"`` (a word ``a.b:c`` that is not an existing file).
+
+    Raises:
+        ValueError: the command is empty, or ``-m`` has no module after it.
+    """
+    words = shlex.split(command or "")
+    if not words:
+        raise ValueError("an empty command")
+    head, rest = words[0], tuple(words[1:])
+    if head in ("-m", "--module"):
+        if not rest:
+            raise ValueError(f"{head} without a module name")
+        return ScriptCommand("module", rest[0], rest[1:])
+    if _ENTRY.match(head) and not os.path.isfile(head):
+        return ScriptCommand("function", head, rest)
+    return ScriptCommand("script", head, rest)
+
+
+def torchrun_env(ctx: object, max_restarts: int) -> dict[str, str]:
+    """The environment torchrun gives worker ``ctx.rank`` (strings), from a
+    ``WorkerContext``: restart count = ``ctx.attempt`` (every rank of the group is
+    restarted together, so all share it); run id = the job's name (``dlrover-run``
+    names the job after ``--rdzv-id`` when it is given)."""
+    local_world = max(1, int(ctx.local_world_size))
+    env = dict(ctx.env())
+    env.update({
+        "ROLE_RANK": str(ctx.rank),
+        "ROLE_WORLD_SIZE": str(ctx.world_size),
+        "GROUP_WORLD_SIZE": str(max(1, int(ctx.world_size) // local_world)),
+        "TORCHELASTIC_RESTART_COUNT": str(ctx.attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": ctx.job,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    })
+    return env
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the teardown still kills the child
+        pass
+
+
+def describe_exit(returncode: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL (9)"``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"signal {name} ({-returncode})"
+    return f"exit code {returncode}"
+
+
+class ScriptWorkload(BaseWorkload):
+    """Runs the role's ``command`` as a child process (see the module doc).
+
+    Reads the role's config key ``_dlrover_script`` (set by the spec loader from
+    ``roles.<role>.command`` and ``.working_dir``): ``command`` (str) and
+    ``working_dir`` (the child's cwd, absolute). ``TORCHELASTIC_MAX_RESTARTS`` is the
+    job's ``failover.max_restarts``.
+    """
+
+    def __init__(self, context: object = None, config: object = None) -> None:
+        super().__init__(context, config)
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def _script_config(self) -> dict:
+        return dict((self.context.config or {}).get(CONFIG_KEY) or {})
+
+    def child_env(self) -> dict[str, str]:
+        """``os.environ`` of the actor plus :func:`torchrun_env`."""
+        max_restarts = int((self.context.failover or {}).get("max_restarts", 0))
+        env = dict(os.environ)
+        env.update(torchrun_env(self.context, max_restarts))
+        if int(self.context.local_world_size) > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def run(self) -> int:
+        """Start the command, wait for it; returns 0.
+
+        Raises:
+            ScriptExitError: it ended with a non-zero code or a signal (the message
+                names the rank, the code or signal and the script's last exception line;
+                the pid is in the exception's ``pid`` and in the log line printed at
+                the start).
+        """
+        cfg = self._script_config()
+        cmd = parse_command(cfg["command"])
+        cwd = cfg.get("working_dir") or os.getcwd()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with self._lock:
+            if self._stopped:
+                raise ScriptExitError(f"{self.context.name}: stopped before its script "
+                                      "started", -int(signal.SIGTERM), 0)
+            self._proc = subprocess.Popen(cmd.argv(), cwd=cwd, env=self.child_env(),
+                                          preexec_fn=_die_with_parent)
+        proc = self._proc
+        shown = (["-m"] if cmd.kind == "module" else []) + [cmd.target, *cmd.args]
+        print(f"[dlrover] {self.context.name}: started pid {proc.pid}: "
+              f"{' '.join(shlex.quote(a) for a in shown)} (restart count "
+              f"{self.context.attempt})", flush=True)
+        code = proc.wait()
+        if code != 0:
+            # no pid in the message: the classifier compares messages across restarts to
+            # find a deterministic error (the pid is in the log line above)
+            last = self.last_error_line()
+            raise ScriptExitError(f"{self.context.name}: script {cmd.target!r} ended with "
+                                  f"{describe_exit(code)}" + (f"; its last error: {last}"
+                                                              if last else ""), code, proc.pid)
+        return 0
+
+    def last_error_line(self, settle_s: float = 0.3) -> str:
+        """The last line of this attempt's log that names a Python exception
+        (``RuntimeError: ... Connection closed by peer``), without torch's ``[rankN]:``
+        prefix, at most 300 characters; ``""`` when there is none or no log. Waits
+        ``settle_s`` s first so that the log capture has written the child's last output.
+        It lets the failure classifier see what the script died of (a broken collective
+        is a ``process`` failure)."""
+        from dlrover_core.runtime.log_capture import attempt_path
+
+        ctx = self.context
+        if not ctx.job_dir:
+            return ""
+        time.sleep(settle_s)
+        try:
+            with open(attempt_path(ctx.job_dir, ctx.role, ctx.rank, ctx.attempt), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 32768))
+                tail = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(tail):
+            line = _RANK_PREFIX.sub("", line.strip())
+            if _EXC_LINE.match(line):
+                return line[:300]
+        return ""
+
+    def stop_script(self, timeout: float = 5.0) -> str:
+        """Stop the child (SIGTERM, then SIGKILL after ``timeout`` s), as torchrun's
+        agent stops every worker of the group when one fails. Returns what was done."""
+        with self._lock:
+            self._stopped = True
+            proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return "script not running"
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+            return "script stopped (SIGTERM)"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return "script killed (SIGKILL)"
+
+    def teardown(self) -> None:
+        self.stop_script()
+
+
+class ScriptSession(BackendSession):
+    """The ``torchrun`` backend's worker half: nothing to set up, since the script calls
+    ``init_process_group()`` itself; the master still gives the role a rendezvous
+    address (``MASTER_ADDR``/``MASTER_PORT``) as for any role with a backend."""

@@ -1,0 +1,113 @@
+"""Scenario: an elastic role (``nodes: "1:2"``, one rank per node) on a 3-node
+``ray.cluster_utils.Cluster`` (a head without CPUs, two 3-CPU workers). At step
+``--remove-at`` the node of trainer rank 1 is removed for real; no replacement comes
+within ``elastic.replacement_timeout_s``, so the trainer shrinks to 1 rank. At step
+``--add-at`` a new node joins; the trainer grows back to 2 ranks at its next
+checkpoint. A second role (``watcher``) runs throughout and must never restart.
+
+Run as ``python -m tests.scenarios.elastic_resize JOB_DIR [saver]``; prints one JSON line:
+the summary, the per-step losses of rank 0 (the last report of each step), the removed
+node, and where each start restored from."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+from dlrover_core import load_spec
+from dlrover_core.master.client import create_master, init_ray
+from dlrover_core.master.events import read_events
+
+G, B, STEPS, EVERY = 8, 4, 50, 5
+REMOVE_AT, ADD_AT = 20, 32
+
+
+def job_spec(saver: str):
+    options = {"replicas": 1, "wait_timeout_s": 60} if saver == "flash" else {}
+    return load_spec({
+        "name": "elastic-resize",
+        "roles": {
+            "trainer": {"workload": "tests.elastic_workloads:ElasticRegression", "total": 2,
+                        "per_node": 1, "nodes": "1:2", "backend": "ddp",
+                        "resources": {"cpu": 2}},
+            "watcher": {"workload": "tests.elastic_workloads:Watcher", "total": 1,
+                        "resources": {"cpu": 1}}},
+        "checkpoint": {"saver": saver, "every_steps": EVERY, "keep": 2, "options": options},
+        "failover": {"standby": False, "survivor_grace_s": 3, "pg_timeout_s": 30,
+                     "max_restarts": 5},
+        "elastic": {"replacement_timeout_s": 2, "poll_interval_s": 1,
+                    "global_batch": G, "micro_batch": B},
+        "config": {"global_batch": G, "micro_batch": B, "max_steps": STEPS,
+                   "batches_per_shard": 1, "sleep_s": 0.25}})
+
+
+def master_node_id(job_dir: str) -> str | None:
+    for e in read_events(os.path.join(job_dir, "events.jsonl")):
+        if e["event"] == "job_started":
+            return e.get("master_node_id")
+    return None
+
+
+def main(job_dir: str, saver: str = "disk") -> None:
+    temp_dir = tempfile.mkdtemp(prefix="dle", dir="/tmp")
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "temp_dir": temp_dir,
+                                      "include_dashboard": False})
+    workers = {}
+    for _ in range(2):
+        node = cluster.add_node(num_cpus=2)
+        workers[node.node_id] = node
+    cluster.wait_for_nodes()
+    init_ray(cluster.address)
+    master = create_master(job_spec(saver), job_dir)
+    ray.get(master.start.remote())
+    removed = added = None
+    summary = None
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        try:
+            st = ray.get(master.status.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.3)
+            continue
+        inst = st["instances"]
+        step = inst.get("trainer-0", {}).get("step", -1)
+        if removed is None and step >= REMOVE_AT:
+            # a trainer node without the JobMaster (Ray puts the master on any node of
+            # this one-machine cluster; losing it is a master restart, not this test)
+            master_node = master_node_id(job_dir)
+            node_id = next(inst[k]["node_id"] for k in ("trainer-1", "trainer-0")
+                           if inst[k]["node_id"] != master_node)
+            removed = node_id
+            cluster.remove_node(workers[node_id])
+        if removed is not None and added is None and step >= ADD_AT:
+            added = cluster.add_node(num_cpus=2).node_id
+        if st["summary"]:
+            summary = st["summary"]
+            break
+        time.sleep(0.2)
+    ray.kill(master)
+    losses: dict[int, float] = {}
+    for r in read_events(os.path.join(job_dir, "metrics.jsonl")):
+        if r["event"] == "step" and r["role"] == "trainer" and "loss" in r:
+            losses[int(r["step"])] = float(r["loss"])
+    loads = []
+    path = os.path.join(job_dir, "loads.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            loads = [json.loads(line) for line in f if line.strip()]
+    print(json.dumps({"summary": summary, "removed_node": removed, "added_node": added,
+                      "losses": losses, "loads": loads}))
+    sys.stdout.flush()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(os.path.abspath(sys.argv[1]), *(sys.argv[2:3]))

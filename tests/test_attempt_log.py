@@ -1,0 +1,50 @@
+"""Each attempt's log starts with the framework's lines (role, rank, world size, node,
+device, backend, the checkpoint restored), records every save and why the attempt
+ended; the workload's logging records and warnings land there too. A real 2-rank DDP
+job (gloo) whose rank 1 raises once: attempt 0 and attempt 1 of that rank."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import ray
+
+from dlrover_core import load_spec
+from dlrover_core.master.client import create_master
+from dlrover_core.runtime.log_capture import attempt_path
+from dlrover_core.testing import poll_status
+
+SPEC = {"name": "attempt-log",
+        "roles": {"trainer": {"workload": "tests.attempt_log_workloads:Logged", "total": 2,
+                              "backend": "ddp", "resources": {"cpu": 1}}},
+        "checkpoint": {"saver": "disk", "every_steps": 3, "keep": 2},
+        "failover": {"max_restarts": 2, "pg_timeout_s": 30, "survivor_grace_s": 3},
+        "config": {"max_steps": 8, "fail_at": 5}}
+
+
+def test_attempt_logs_have_header_saves_restore_footer_and_user_records(ray_cluster, tmp_path):
+    job_dir = str(tmp_path / "job")
+    master = create_master(load_spec(SPEC), job_dir)
+    ray.get(master.start.remote())
+    summary = poll_status(master, lambda s: s["summary"], 240)["summary"]
+    ray.kill(master, no_restart=True)
+    assert summary["status"] == "succeeded", summary["error"]
+    a0 = open(attempt_path(job_dir, "trainer", 1, 0)).read()
+    a1 = open(attempt_path(job_dir, "trainer", 1, 1)).read()
+    head = a0.index("attempt 0 of trainer rank 1/2 (local rank 1/2")
+    assert re.search(r"device cpu \(gpu ids \[\]\); backend ddp, rendezvous \S+:\d+", a0)
+    assert "ray node " in a0
+    assert a0.index("nothing to restore from DiskSaver") > head
+    assert "user record: rank 1 set up" in a0 and "UserWarning: user warning from rank 1" in a0
+    assert "checkpoint: saved step 3 to DiskSaver" in a0
+    assert "checkpoint: saved step 6" not in a0
+    assert a0.rstrip().splitlines()[-1].endswith(
+        "attempt ended: RuntimeError: injected failure at step 5 (last reported step 4)")
+    assert "attempt 1 of trainer rank 1/2" in a1
+    assert re.search(r"checkpoint: restored step 3 from DiskSaver \S+", a1)
+    assert "checkpoint: saved step 6" in a1
+    assert "attempt ended: run() returned at step 7" in a1
+    r0 = open(attempt_path(job_dir, "trainer", 0, 0)).read()
+    assert "attempt 0 of trainer rank 0/2" in r0 and "user record: rank 0 set up" in r0
+    assert os.path.getsize(attempt_path(job_dir, "trainer", 1, 0)) < 100_000
