@@ -69,6 +69,8 @@ def val_loss_bound() -> float:
 
 
 def check_learned(summary: dict, losses: list[float]) -> None:
+    # measured (2 CPU cores, 24 steps of TINY): val_loss 3.29 at TP=2 and 3.28 at PP=2,
+    # first training loss 4.82 and 4.91; the bound is 3.94
     val = summary["metrics"]["val_loss"]
     assert val < val_loss_bound(), (val, val_loss_bound(), losses[:4])
 
