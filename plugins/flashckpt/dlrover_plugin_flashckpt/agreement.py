@@ -67,7 +67,7 @@ def board_for(job: str, directory: str) -> Any:
     import ray
 
     from dlrover_plugin_flashckpt import shm
-    from dlrover_plugin_flashckpt.persister import NAMESPACE
+    from dlrover_plugin_flashckpt.handles import NAMESPACE
 
     return ray.remote(GatherBoard).options(
         name=f"dlrover-flash-gather-{shm.safe_name(job)}-{shm.dir_key(directory)}",

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from dlrover_plugin_flashckpt import layout
+from dlrover_plugin_flashckpt.meta import pack_meta
 
 #: bytes reserved per table entry a new optimizer tensor adds to the meta block
 META_PER_ENTRY = 320
@@ -75,7 +76,7 @@ def estimate(state: Any) -> tuple[int, int]:
     """
     table, _, skeleton = layout.build_table(state)
     data = layout.data_size(table)
-    meta = len(layout.pack_meta(0, table, skeleton, {"rank": 0, "world_size": 1}))
+    meta = len(pack_meta(0, table, skeleton, {"rank": 0, "world_size": 1}))
     sections = list(_optimizer_sections(state))
     if not sections:
         return data, meta

@@ -10,7 +10,7 @@ it into
 - the **skeleton**: the same structure with every tensor replaced by a
   :class:`TensorRef` (its index in the table); it carries every non-tensor value
   (step, RNG state tuples, data position, optimizer hyper-parameters) and is stored as
-  tagged JSON (:func:`pack_meta`), never pickled.
+  tagged JSON (:func:`.meta.pack_meta`), never pickled.
 
 The data area is the tensors' raw bytes, each at a 64-byte aligned offset, with no
 pickling of tensor data. Loading walks the saved skeleton and the live state dict
@@ -20,13 +20,8 @@ missing one is created; any other difference raises.
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
-import struct
-import types
-import zlib
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -36,7 +31,7 @@ if TYPE_CHECKING:
 ALIGN = 64
 
 #: dtypes a table can name; ``str(torch.float32)`` -> ``"float32"``
-_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                 "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128",
                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
@@ -86,9 +81,9 @@ def path_str(path: tuple) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPE_NAMES:
+    if name not in DTYPE_NAMES:
         raise TypeError(f"dtype {dtype} is not supported by the flash saver; supported: "
-                        + ", ".join(_DTYPE_NAMES))
+                        + ", ".join(DTYPE_NAMES))
     return name
 
 
@@ -115,6 +110,15 @@ def is_tensor(value: Any) -> bool:
 def local_tensor(value: Any) -> torch.Tensor:
     """The tensor whose bytes are saved: the local shard of a ``DTensor``."""
     return value.to_local() if _is_dtensor(value) else value
+
+
+def global_offset(t: Any) -> tuple[int, ...]:
+    """Offset of a ``DTensor``'s local shard in the global tensor
+    (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(int(o) for o in offset)
 
 
 def _is_tensor(value: Any) -> bool:
@@ -165,8 +169,6 @@ def build_table(state: Any) -> tuple[list[TensorEntry], list[torch.Tensor], Any]
             nbytes = t.numel() * t.element_size()
             gshape, goff = (), ()
             if kind == "dtensor":
-                from dlrover_plugin_flashckpt.reshard import global_offset
-
                 gshape, goff = tuple(value.shape), global_offset(value)
             table.append(TensorEntry(path, dtype_name(t.dtype), tuple(t.shape), offset, nbytes,
                                      kind, gshape, goff))
@@ -205,72 +207,7 @@ def signature(table: list[TensorEntry]) -> bytes:
     return h.digest()
 
 
-#: first bytes of a meta block; then ``<version u32><crc32 u32><length u64>`` and JSON
-META_MAGIC = b"DLRMETA1"
-META_VERSION = 1
-_META_HDR = struct.Struct("<8sIIQ")
-
-
-class MetaFormatError(ValueError):
-    """A meta block is not in the format of :func:`pack_meta` (wrong magic, version or
-    crc32, a truncated block, or a value of a type the format has no tag for)."""
-
-
-def _encode(value: Any, path: tuple) -> Any:
-    """``value`` as JSON data; tuples, bytes, non-string keys and the few non-JSON types
-    a state dict holds are tagged objects ``{"$<tag>": ...}`` (see :func:`pack_meta`)."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)  # an IntEnum or a bool-like int subclass: its value
-    if isinstance(value, float):
-        return float(value)
-    if isinstance(value, TensorRef):
-        return {"$ref": value.index}
-    if isinstance(value, (bytes, bytearray)):
-        return {"$bytes": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, dict):
-        pairs = [[_encode(k, path + (k,)), _encode(v, path + (k,))] for k, v in value.items()]
-        if isinstance(value, OrderedDict):
-            return {"$odict": pairs}
-        if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: v for (k, _), (_, v) in zip(value.items(), pairs)}
-        return {"$dict": pairs}
-    if isinstance(value, list):
-        return [_encode(v, path + (i,)) for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        items = [_encode(v, path + (i,)) for i, v in enumerate(value)]
-        if hasattr(value, "_fields"):  # a namedtuple: rebuilt with its name and fields
-            return {"$ntuple": [type(value).__name__, list(value._fields), items]}
-        return {"$tuple": items}
-    if isinstance(value, (set, frozenset)):
-        return {"$set" if isinstance(value, set) else "$fset":
-                [_encode(v, path) for v in value]}
-    kind = type(value)
-    if kind.__module__ == "torch" and kind.__name__ == "dtype":
-        return {"$dtype": dtype_name(value)}
-    if kind.__module__ == "torch" and kind.__name__ == "device":
-        return {"$device": str(value)}
-    if kind.__module__ == "numpy" and hasattr(value, "dtype") and not value.dtype.hasobject:
-        import numpy as np
-
-        raw = np.asarray(value)  # tobytes() is C order whatever the strides
-        return {"$ndarray" if kind.__name__ == "ndarray" else "$npscalar":
-                [raw.dtype.str, list(raw.shape), base64.b64encode(raw.tobytes()).decode()]}
-    if (hasattr(value, "__dict__") and not callable(value)
-            and not isinstance(value, (type, types.ModuleType))):
-        # a plain object (DeepSpeed's LossScaler): its attributes only; a load sets them
-        # on the live object of the same type, it never creates one (no import, no code)
-        return {"$object": [_type_name(kind), _encode(dict(vars(value)), path)]}
-    raise TypeError(
-        f"the flash saver cannot save {path_str(path)} of type {kind.__module__}."
-        f"{kind.__qualname__}: the non-tensor part of a state dict may hold None, bool, int, "
-        "float, str, bytes, lists, tuples (named too), sets, dicts, torch dtypes and "
-        "devices, numpy arrays and scalars, and plain objects with a __dict__ (its meta "
-        "block is JSON, never pickle); convert the value to one of those")
-
-
-def _type_name(kind: type) -> str:
+def type_name(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
@@ -291,117 +228,13 @@ def apply_object(live: Any, saved: SavedObject, where: str,
     Raises:
         LayoutError: ``live`` is missing or of another type.
     """
-    if live is None or _type_name(type(live)) != saved.type_name:
+    if live is None or type_name(type(live)) != saved.type_name:
         raise LayoutError(
             f"{where}: the checkpoint holds a {saved.type_name} object where the live state "
             f"has {type(live).__name__}; a flash checkpoint sets the attributes of the live "
             "object, it never creates one")
     vars(live).update(merge(None, saved.attrs))
     return live
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if len(value) != 1 or not next(iter(value)).startswith("$"):
-        return {k: _decode(v) for k, v in value.items()}
-    (tag, arg), = value.items()
-    if tag == "$ref":
-        return TensorRef(int(arg))
-    if tag == "$bytes":
-        return base64.b64decode(arg)
-    if tag in ("$dict", "$odict"):
-        pairs = [(_hashable(_decode(k)), _decode(v)) for k, v in arg]
-        return OrderedDict(pairs) if tag == "$odict" else dict(pairs)
-    if tag == "$tuple":
-        return tuple(_decode(v) for v in arg)
-    if tag == "$ntuple":
-        name, names, items = arg
-        return namedtuple(name, names)(*(_decode(v) for v in items))
-    if tag in ("$set", "$fset"):
-        items = [_hashable(_decode(v)) for v in arg]
-        return set(items) if tag == "$set" else frozenset(items)
-    if tag == "$object":
-        return SavedObject(str(arg[0]), _decode(arg[1]))
-    if tag == "$dtype":
-        if arg not in _DTYPE_NAMES:
-            raise MetaFormatError(f"unknown dtype {arg!r} in a meta block")
-        return to_dtype(arg)
-    if tag == "$device":
-        import torch
-
-        return torch.device(str(arg))
-    if tag in ("$ndarray", "$npscalar"):
-        import numpy as np
-
-        dt = np.dtype(str(arg[0]))
-        if dt.hasobject:
-            raise MetaFormatError(f"numpy dtype {arg[0]!r} holds Python objects")
-        arr = np.frombuffer(base64.b64decode(arg[2]), dtype=dt).reshape(arg[1]).copy()
-        return arr if tag == "$ndarray" else arr[()]
-    raise MetaFormatError(f"unknown tag {tag!r} in a meta block")
-
-
-def _hashable(v: Any) -> Any:
-    return tuple(_hashable(x) for x in v) if isinstance(v, list) else v
-
-
-def pack_meta(step: int, table: list[TensorEntry], skeleton: Any, extra: dict) -> bytes:
-    """The meta block saved beside the data: step, tensor table, skeleton, ``extra``.
-
-    Layout: ``META_MAGIC`` (8 bytes), version (u32), crc32 of the body (u32), body
-    length (u64), all little-endian, then the body: UTF-8 JSON. Values JSON lacks are
-    tagged objects (``{"$tuple": [...]}``, ``{"$bytes": base64}``, ...; see
-    ``_encode``). It is never pickled, so reading a planted or corrupted block cannot
-    run code.
-
-    Raises:
-        TypeError: a non-tensor value of a type the format has no tag for (the message
-            names its path and type).
-    """
-    body = {"step": step, "table": [[_encode(e.path, ()), e.dtype, list(e.shape), e.offset,
-                                     e.nbytes, e.kind, list(e.global_shape),
-                                     list(e.global_offset)] for e in table],
-            "skeleton": _encode(skeleton, ()),
-            "extra": _encode(extra, ())}
-    blob = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
-    return _META_HDR.pack(META_MAGIC, META_VERSION, zlib.crc32(blob), len(blob)) + blob
-
-
-def unpack_meta(blob: bytes | memoryview) -> dict:
-    """Inverse of :func:`pack_meta`: ``{"step", "table", "skeleton", **extra}``.
-
-    Raises:
-        MetaFormatError: wrong magic (a block of another format, e.g. an older pickled
-            one, which is never unpickled), unknown version, truncated block, crc32
-            mismatch, or an unknown tag.
-    """
-    blob = bytes(blob)
-    if len(blob) < _META_HDR.size:
-        raise MetaFormatError(f"meta block of {len(blob)} bytes is shorter than its header")
-    magic, version, crc, n = _META_HDR.unpack_from(blob, 0)
-    if magic != META_MAGIC:
-        raise MetaFormatError(f"meta block starts with {magic!r}, not {META_MAGIC!r}: not a "
-                              "flash meta block of this version (older pickled blocks are "
-                              "never unpickled)")
-    if version != META_VERSION:
-        raise MetaFormatError(f"meta block version {version}; this code reads {META_VERSION}")
-    body = blob[_META_HDR.size:_META_HDR.size + n]
-    if len(body) != n or zlib.crc32(body) != crc:
-        raise MetaFormatError("meta block is truncated or its crc32 does not match")
-    try:
-        d = json.loads(body)
-        table = [TensorEntry(_hashable(_decode(p)), str(dt), tuple(sh), int(off), int(nb),
-                             str(kind), tuple(gs), tuple(go))
-                 for p, dt, sh, off, nb, kind, gs, go in d["table"]]
-        out = {"step": d["step"], "table": table, "skeleton": _decode(d["skeleton"])}
-        extra = _decode(d["extra"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise MetaFormatError(f"meta block is malformed: {exc}") from None
-    out.update(extra)
-    return out
 
 
 def tensor_view(buf: Any, base: int, entry: TensorEntry) -> torch.Tensor:
@@ -413,6 +246,55 @@ def tensor_view(buf: Any, base: int, entry: TensorEntry) -> torch.Tensor:
         return torch.empty(entry.shape, dtype=dtype)
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=base + entry.offset)
     return raw.view(dtype).view(entry.shape)
+
+
+def check_covered(template: Any, saved_paths: set, where: str) -> None:
+    """Raise :class:`LayoutError` when a tensor of the live ``template`` has no saved
+    path (``where`` names the source)."""
+    missing = [p for p, _ in walk(template) if p not in saved_paths]
+    if missing:
+        raise LayoutError(f"{where} has no tensor at {path_str(missing[0])} "
+                          f"({len(missing)} live tensors are missing from it); it was saved "
+                          "from another model")
+
+
+def merge_saved(live: Any, saved: Any, where: str, ref_type: type,
+                load: Callable[[Any, Any], Any]) -> Any:
+    """Walk a saved skeleton ``saved`` and the live state ``live`` together; returns the
+    (possibly new) live value. A placeholder of ``ref_type`` is handed to
+    ``load(live value or None, placeholder)``; a :class:`SavedObject` sets its attributes
+    on the live object (:func:`apply_object`); dicts and same-length lists are updated in
+    place, tuples rebuilt (named ones with their type); other values are the saved ones.
+
+    Raises:
+        LayoutError: from ``load`` or :func:`apply_object`.
+    """
+
+    def merge(live: Any, saved: Any) -> Any:
+        if isinstance(saved, ref_type):
+            return load(live, saved)
+        if isinstance(saved, SavedObject):
+            return apply_object(live, saved, where, merge)
+        if isinstance(saved, dict):
+            if isinstance(live, dict):
+                for k, v in saved.items():
+                    live[k] = merge(live.get(k), v)
+                return live
+            return {k: merge(None, v) for k, v in saved.items()}
+        if isinstance(saved, list):
+            if isinstance(live, list) and len(live) == len(saved):
+                for i, v in enumerate(saved):
+                    live[i] = merge(live[i], v)
+                return live
+            return [merge(None, v) for v in saved]
+        if isinstance(saved, tuple):
+            same = isinstance(live, tuple) and len(live) == len(saved)
+            lives = live if same else (None,) * len(saved)
+            vals = [merge(a, b) for a, b in zip(lives, saved)]
+            return type(saved)(*vals) if hasattr(saved, "_fields") else tuple(vals)
+        return saved
+
+    return merge(live, saved)
 
 
 def restore(template: Any, skeleton: Any, table: list[TensorEntry],
@@ -431,67 +313,40 @@ def restore(template: Any, skeleton: Any, table: list[TensorEntry],
         LayoutError: a live tensor differs in dtype or shape from the saved one, or the
             template has a tensor the save does not have (``where`` names the source).
     """
-    saved_paths = {e.path for e in table}
-    missing = [p for p, _ in walk(template) if p not in saved_paths]
-    if missing:
-        raise LayoutError(f"{where} has no tensor at {path_str(missing[0])} "
-                          f"({len(missing)} live tensors are missing from it); it was saved "
-                          "from another model")
+    check_covered(template, {e.path for e in table}, where)
 
-    def merge(live: Any, saved: Any) -> Any:
-        if isinstance(saved, TensorRef):
-            e = table[saved.index]
-            if _is_tensor(live):
-                dst = local_tensor(live)
-                if dtype_name(dst.dtype) != e.dtype or tuple(dst.shape) != e.shape:
+    def load(live: Any, ref: TensorRef) -> Any:
+        e = table[ref.index]
+        if _is_tensor(live):
+            dst = local_tensor(live)
+            if dtype_name(dst.dtype) != e.dtype or tuple(dst.shape) != e.shape:
+                raise LayoutError(
+                    f"{where}: {path_str(e.path)} is {e.dtype}{list(e.shape)} in the "
+                    f"checkpoint but {dtype_name(dst.dtype)}{list(dst.shape)} in the live "
+                    "state; a flash checkpoint restores in place into the same model "
+                    "and layout")
+            if e.global_shape and _is_dtensor(live):
+                if (tuple(live.shape), global_offset(live)) != (e.global_shape,
+                                                                e.global_offset):
                     raise LayoutError(
-                        f"{where}: {path_str(e.path)} is {e.dtype}{list(e.shape)} in the "
-                        f"checkpoint but {dtype_name(dst.dtype)}{list(dst.shape)} in the live "
-                        "state; a flash checkpoint restores in place into the same model "
-                        "and layout")
-                if e.global_shape and _is_dtensor(live):
-                    from dlrover_plugin_flashckpt.reshard import global_offset
-
-                    if (tuple(live.shape), global_offset(live)) != (e.global_shape,
-                                                                    e.global_offset):
-                        raise LayoutError(
-                            f"{where}: {path_str(e.path)} is the shard at "
-                            f"{list(e.global_offset)} of {list(e.global_shape)} in the "
-                            f"checkpoint but the one at {list(global_offset(live))} of "
-                            f"{list(live.shape)} in the live state")
-                if fill is not None:
-                    fill(e, dst)
-                else:
-                    assert source is not None
-                    dst.copy_(source(e))
-                return live
+                        f"{where}: {path_str(e.path)} is the shard at "
+                        f"{list(e.global_offset)} of {list(e.global_shape)} in the "
+                        f"checkpoint but the one at {list(global_offset(live))} of "
+                        f"{list(live.shape)} in the live state")
             if fill is not None:
-                t = torch.empty(e.shape, dtype=to_dtype(e.dtype))
-                fill(e, t)
-                return t
-            assert source is not None
-            return source(e).clone()
-        if isinstance(saved, SavedObject):
-            return apply_object(live, saved, where, merge)
-        if isinstance(saved, dict):
-            if isinstance(live, dict):
-                for k, v in saved.items():
-                    live[k] = merge(live.get(k), v)
-                return live
-            return {k: merge(None, v) for k, v in saved.items()}
-        if isinstance(saved, list):
-            if isinstance(live, list) and len(live) == len(saved):
-                for i, v in enumerate(saved):
-                    live[i] = merge(live[i], v)
-                return live
-            return [merge(None, v) for v in saved]
-        if isinstance(saved, tuple):
-            lives = live if isinstance(live, tuple) and len(live) == len(saved) else (None,) * len(saved)
-            vals = [merge(a, b) for a, b in zip(lives, saved)]
-            return type(saved)(*vals) if hasattr(saved, "_fields") else tuple(vals)
-        return saved
+                fill(e, dst)
+            else:
+                assert source is not None
+                dst.copy_(source(e))
+            return live
+        if fill is not None:
+            t = torch.empty(e.shape, dtype=to_dtype(e.dtype))
+            fill(e, t)
+            return t
+        assert source is not None
+        return source(e).clone()
 
     import torch
 
     with torch.no_grad():
-        return merge(template, skeleton)
+        return merge_saved(template, skeleton, where, TensorRef, load)

@@ -19,25 +19,20 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import zlib
 from typing import Any
 
 from dlrover_core.checkpoint.manifest import CheckpointLoadError, CorruptCheckpointError
 from dlrover_core.checkpoint.saver import quarantine, step_dir_name
 from dlrover_plugin_flashckpt import layout, shm, storage
-from dlrover_plugin_flashckpt.reader import ShardReader
+from dlrover_plugin_flashckpt.meta import unpack_meta
+from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, step_meta
+from dlrover_plugin_flashckpt.relayout import RelayoutMixin
+from dlrover_plugin_flashckpt.replica import ReplicaLoadingMixin
 
 log = logging.getLogger("dlrover_plugin_flashckpt.saver")
 
-_SLOT_RE = re.compile(r"-r\d{5}-s\d+$")
-
-
-class _TornRead(RuntimeError):
-    """A slot changed while it was being read."""
-
-
-class LoadingMixin:
+class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
     """:meth:`load` and what it reads from, for :class:`.saver.FlashSaver` (which
     provides the buffers, the process group and the persister it uses)."""
 
@@ -73,16 +68,10 @@ class LoadingMixin:
         # pread straight into the live tensors (reader.py): no page tables to fill
         seg = self._attach(slot)
         if seg is None:
-            raise _TornRead(f"flash buffer {self.paths[slot]} disappeared")
+            raise TornRead(f"flash buffer {self.paths[slot]} disappeared")
         where = f"flash buffer {seg.name} (step {step})"
-        with seg.locked():
-            h = seg.read_header()
-            if not shm.holds_step(h) or h.step != step:
-                raise _TornRead(f"{where} no longer holds step {step}")
-            meta = seg.meta_bytes(h)
-        if zlib.crc32(meta) != h.meta_crc:
-            raise CorruptCheckpointError(f"{where}: crc32 of the meta block does not match")
-        m = layout.unpack_meta(meta)
+        h, meta = step_meta(seg, step, where)
+        m = unpack_meta(meta)
         if m.get("rank") != self.rank or m.get("step") != step:
             raise CorruptCheckpointError(f"{where}: holds rank {m.get('rank')} step "
                                          f"{m.get('step')}")
@@ -97,20 +86,20 @@ class LoadingMixin:
                          where)
         with ShardReader(seg.path, h.data_offset) as rd:
             if os.fstat(rd.fd).st_ino != seg.inode:
-                raise _TornRead(f"{where} was replaced while it was read")
+                raise TornRead(f"{where} was replaced while it was read")
             layout.restore(state_dict, m["skeleton"], m["table"], None, where,
                            fill=lambda e, dst: rd.submit(dst, e.offset))
             rd.drain()
         with seg.locked():
             h2 = seg.read_header()
         if h2.seq != h.seq or not shm.holds_step(h2):
-            raise _TornRead(f"{where} was overwritten while it was read")
+            raise TornRead(f"{where} was overwritten while it was read")
 
     def _load_disk(self, state_dict: dict, step: int) -> None:
         step_dir = os.path.join(self.dir, step_dir_name(step))
         data_name, meta_name = storage.rank_files(self.rank)
         with open(os.path.join(step_dir, meta_name), "rb") as f:
-            m = layout.unpack_meta(f.read())
+            m = unpack_meta(f.read())
         if m.get("rank") != self.rank or m.get("step") != step:
             raise CorruptCheckpointError(f"{step_dir}: rank file {self.rank} holds rank "
                                          f"{m.get('rank')} step {m.get('step')}")
@@ -204,7 +193,7 @@ class LoadingMixin:
                 else:
                     self._load_other_world(state_dict, s, other[s], where="memory")
                     source = "memory-resharded"
-            except (_TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
+            except (TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
                 err = exc  # LayoutError is a ValueError
             errors = self._all_ok(err)
             if errors and s in common and any("LayoutError" in e for e in errors):
@@ -299,195 +288,9 @@ class LoadingMixin:
         self._attempt, self._next_attempt = attempt, None
         return attempt
 
-    # ------------------------------------------------------------------ other world size
-    def _node_saves(self) -> dict[int, dict[int, dict[int, str]]]:
-        """Complete saves in this node's buffers of :attr:`dir`, of any world size:
-        ``{saved world size: {step: {saved rank: buffer path}}}`` (steps that every
-        saved rank holds here). The buffers are the ranks' own slots and the replicas
-        this node holds for a peer (``replicas: 1``), so a job that lost a node and
-        comes back smaller on the survivor restores from memory."""
-        from dlrover_plugin_flashckpt.replica import parse_replica
-
-        holder = ""
-        try:
-            import ray
-
-            if ray.is_initialized():
-                holder = ray.get_runtime_context().get_node_id()[:12]
-        except ImportError:
-            pass
-        prefix = f"{shm.job_prefix(self.job)}{shm.dir_key(self.dir)}-r"
-        found: dict[int, dict[int, dict[int, tuple[int, str]]]] = {}
-        for path in shm.list_segments(self.opts.shm_dir, prefix):
-            rep = parse_replica(os.path.basename(path))
-            if not _SLOT_RE.search(path) and not (rep and holder and rep[2] == holder):
-                continue
-            seg = shm.Segment.attach(path)
-            if seg is None:
-                continue
-            try:
-                h = seg.read_header()
-                if not shm.holds_step(h) or seg.ident().get("dir") != self.dir:
-                    continue
-                ranks = found.setdefault(h.world_size, {}).setdefault(h.step, {})
-                if h.rank not in ranks or ranks[h.rank][0] < h.seq:
-                    ranks[h.rank] = (h.seq, path)
-            finally:
-                seg.close()
-        return {world: full for world, steps in found.items()
-                if (full := {s: {r: p for r, (_, p) in ranks.items()}
-                             for s, ranks in steps.items() if len(ranks) == world})}
-
-    def _other_world_steps(self) -> tuple[int, dict[int, dict[int, str]]]:
-        """The complete saves of another world size in this node's buffers:
-        ``(saved world size, {step: {saved rank: buffer path}})`` of the world size with
-        the newest step (0 and ``{}`` when none)."""
-        best: tuple[int, dict[int, dict[int, str]]] = (0, {})
-        for world, full in self._node_saves().items():
-            if world != self.world_size and (not best[1] or max(full) > max(best[1])):
-                best = (world, full)
-        return best
-
-    def _relayout(self, state_dict: dict, step: int, where: str,
-                  errors: list[str]) -> bool:
-        """After every rank failed to load ``step`` in place and one of them with a
-        ``LayoutError`` (same world size, another layout: TP=2 -> TP=1 x DP=2), restore
-        it resharded from every saved rank's buffer on this node (``where="memory"``)
-        or data file (``"disk"``). Collective: every rank calls it. Returns whether all
-        ranks did (``False``: a buffer or file is not here or is damaged).
-
-        Raises:
-            LayoutError: the saved state cannot be placed into the live one at all
-                (another model).
-        """
-        if not any("LayoutError" in e for e in errors):
-            return False
-        err: BaseException | None = None
-        try:
-            if where == "memory":
-                paths = self._node_saves().get(self.world_size, {}).get(step)
-                if paths is None:
-                    raise FileNotFoundError(
-                        f"step {step} has another layout and not every saved rank's flash "
-                        "buffer is on this node to reshard it from")
-            else:
-                step_dir = os.path.join(self.dir, step_dir_name(step))
-                paths = {r: os.path.join(step_dir, storage.rank_files(r)[0])
-                         for r in range(self.world_size)}
-            self._load_other_world(state_dict, step, paths, where=where)
-        except (_TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
-            err = exc
-        again = self._all_ok(err)
-        if not again:
-            return True
-        if any("LayoutError" in e for e in again):
-            raise layout.LayoutError("; ".join(errors + again))
-        return False
-
-    def _load_other_world(self, state_dict: dict, step: int, paths: dict[int, str],
-                          where: str) -> None:
-        """Restore ``step`` saved by ``len(paths)`` ranks (buffer or data-file paths by
-        saved rank) into this rank of another world size (:mod:`.reshard`)."""
-        from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
-
-        readers: list[ShardReader] = []
-        checks: list[tuple[shm.Segment, int]] = []
-        try:
-            sources = []
-            for r, path in sorted(paths.items()):
-                if where == "memory":
-                    seg = shm.Segment.attach(path)
-                    if seg is None:
-                        raise _TornRead(f"flash buffer {path} disappeared")
-                    with seg.locked():
-                        h = seg.read_header()
-                        if not shm.holds_step(h) or h.step != step:
-                            raise _TornRead(f"flash buffer {seg.name} no longer holds {step}")
-                        meta = seg.meta_bytes(h)
-                    if zlib.crc32(meta) != h.meta_crc:
-                        raise CorruptCheckpointError(f"flash buffer {seg.name}: crc32 of the "
-                                                     "meta block does not match")
-                    checks.append((seg, h.seq))
-                    rd = ShardReader(path, h.data_offset)
-                else:
-                    data_name, meta_name = storage.rank_files(r)
-                    with open(os.path.join(os.path.dirname(path), meta_name), "rb") as f:
-                        meta = f.read()
-                    rd = ShardReader(path)
-                readers.append(rd)
-                m = layout.unpack_meta(meta)
-                if m.get("rank") != r or m.get("step") != step:
-                    raise CorruptCheckpointError(f"{path}: holds rank {m.get('rank')} step "
-                                                 f"{m.get('step')}, expected rank {r} step {step}")
-                sources.append(RankSource(r, m, lambda e, off, dst, rd=rd:
-                                          rd.read_into(dst, e.offset + off)))
-            restore_resharded(state_dict, sources, self.rank,
-                              f"step {step} of world size {len(paths)} ({where})")
-            for seg, seq in checks:
-                h2 = seg.read_header()
-                if h2.seq != seq or not shm.holds_step(h2):
-                    raise _TornRead(f"flash buffer {seg.name} was overwritten while it was read")
-        finally:
-            for rd in readers:
-                rd.close()
-            for seg, _ in checks:
-                seg.close()
-
-    # ------------------------------------------------------------------ replicas
-    def _replica_steps(self) -> dict[int, dict]:
-        """step -> replica of this rank's save held by some node's persister
-        (``{"path", "node_id", "handle"}``), newest copy per step."""
-        import ray
-
-        from dlrover_plugin_flashckpt.persister import persisters_of
-
-        out: dict[int, dict] = {}
-        try:
-            handles = persisters_of(self.job)
-            answers = ray.get([h.replicas.remote(self.dir, self.opts.shm_dir)
-                               for h in handles.values()], timeout=60)
-        except Exception as exc:  # noqa: BLE001 - no replica then
-            log.warning("could not list the flash replicas: %s", exc)
-            return out
-        for handle, a in zip(handles.values(), answers):
-            for r in a["held"]:
-                if r["rank"] == self.rank and r["world_size"] == self.world_size:
-                    out.setdefault(r["step"], {"path": r["path"], "node_id": a["node_id"],
-                                               "handle": handle})
-        return out
-
-    def _load_replica(self, state_dict: dict, step: int, rep: dict) -> None:
-        """Restore ``step`` from a replica in a peer's memory: by path when it is held
-        on this node, else through the holder's persister (a Ray object)."""
-        import ray
-
-        where = f"flash replica of rank {self.rank} step {step} on node {rep['node_id'][:12]}"
-        if rep["node_id"] == ray.get_runtime_context().get_node_id():
-            from dlrover_plugin_flashckpt.replica import open_step
-
-            seg, h, meta = open_step(rep["path"], step)
-            try:
-                with ShardReader(rep["path"], h.data_offset) as rd:
-                    self._restore_from(state_dict, meta, step, where,
-                                       lambda e, dst: rd.submit(dst, e.offset))
-                    rd.drain()
-                if seg.read_header().seq != h.seq:
-                    raise _TornRead(f"{where} was overwritten while it was read")
-            finally:
-                seg.close()
-            return
-        got = ray.get(rep["handle"].read_replica.remote(rep["path"], step), timeout=600)
-        data = got["data"]
-        import warnings
-
-        with warnings.catch_warnings():  # a read-only buffer, only read from
-            warnings.simplefilter("ignore", UserWarning)
-            self._restore_from(state_dict, got["meta"], step, where,
-                               lambda e, dst: dst.copy_(layout.tensor_view(data, 0, e)))
-
     def _restore_from(self, state_dict: dict, meta: bytes, step: int, where: str,
                       fill: Any) -> None:
-        m = layout.unpack_meta(meta)
+        m = unpack_meta(meta)
         if m.get("rank") != self.rank or m.get("step") != step:
             raise CorruptCheckpointError(f"{where}: holds rank {m.get('rank')} step "
                                          f"{m.get('step')}")

@@ -17,6 +17,9 @@ Work loop (one background thread, so one persist at a time per node):
 3. write each rank's meta and data (crc32 of the bytes written), mark them done;
    release the slots (READY, with the data crc32 and ``persisted_seq`` recorded);
 4. commit when every rank of the role is written (``storage.try_commit``).
+
+The loop is :mod:`.persisting`'s, the copies to a peer node :mod:`.replica`'s; the
+functions that find the persisters from outside are :mod:`.handles`'.
 """
 
 from __future__ import annotations
@@ -25,55 +28,27 @@ import logging
 import os
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 from dlrover_plugin_flashckpt import hygiene, shm, storage
 
+# re-exported: callers reach the persisters through this module
+from dlrover_plugin_flashckpt.handles import (  # noqa: F401
+    DEFAULT_SHM_DIR,
+    NAMESPACE,
+    alive_nodes,
+    breakpoint_save,
+    finish_job,
+    persister_name,
+    persisters_of,
+)
+from dlrover_plugin_flashckpt.persisting import POLL_S, PersistMixin, Registration  # noqa: F401
+from dlrover_plugin_flashckpt.replica import ReplicaMixin
+
 log = logging.getLogger(__name__)
 
-NAMESPACE = "dlrover"
-POLL_S = 0.5
-#: where buffers are looked for at job end when no saver said otherwise
-DEFAULT_SHM_DIR = "/dev/shm"
 
-
-def persister_name(job: str, node_id: str) -> str:
-    return f"dlrover-flash-{job}-{node_id[:16]}"
-
-
-@dataclass
-class Registration:
-    """What a trainer's saver tells its persister (sent with every notification).
-
-    Attributes: role, rank, world_size, dir (the role's checkpoint directory), keep,
-    slots (paths of the rank's buffers), persist_every_steps, throttle_mib_s, run_id,
-    shm_dir.
-    """
-
-    role: str
-    rank: int
-    world_size: int
-    dir: str
-    keep: int
-    slots: list[str]
-    persist_every_steps: int = 1
-    throttle_mib_s: float = 0.0
-    run_id: str = ""
-    shm_dir: str = "/dev/shm"
-    replicas: int = 0
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class _Claim:
-    rank: int
-    seg: shm.Segment
-    seq: int
-
-
-class FlashPersister:
+class FlashPersister(ReplicaMixin, PersistMixin):
     """Ray actor (threaded): see the module docstring. Create through
     :func:`get_persister`."""
 
@@ -127,8 +102,11 @@ class FlashPersister:
         self._wake.set()
         if r.replicas:
             self._repl_wake.set()
+    def _peer(self, node_id: str) -> Any:
+        """The persister actor of ``node_id`` (created there when missing)."""
+        return get_persister(self.job, node_id=node_id)
 
-    # ------------------------------------------------------------------ replicas
+    # ------------------------------------------------------------ allowed paths
     def _allowed_shm_dir(self, shm_dir: str) -> str:
         """``shm_dir`` when it is ``/dev/shm`` or the shared-memory directory of a rank
         registered here, as an absolute path without symlinks.
@@ -162,68 +140,6 @@ class FlashPersister:
             raise ValueError(f"flash persister of job {self.job!r}: checkpoint dir "
                              f"{directory!r} is not this job's; registered: {sorted(dirs)}")
         return directory
-
-    def _allowed_replica(self, path: str) -> str:
-        """``path`` when it names a replica buffer of this job in an allowed shared-
-        memory directory.
-
-        Raises:
-            ValueError: any other path."""
-        from dlrover_plugin_flashckpt import replica
-
-        name = os.path.basename(path) if isinstance(path, str) else ""
-        try:
-            self._allowed_shm_dir(os.path.dirname(path))
-        except (ValueError, TypeError):
-            raise ValueError(f"flash persister of job {self.job!r}: replica path {path!r} "
-                             "is not in an allowed shared-memory directory") from None
-        if not name.startswith(shm.job_prefix(self.job)) or replica.parse_replica(name) is None:
-            raise ValueError(f"flash persister of job {self.job!r}: {path!r} is not a replica "
-                             f"buffer of this job (names start {shm.job_prefix(self.job)!r})")
-        return path
-
-    def store_replica(self, info: dict, data: Any) -> str:
-        """Hold a replica of another node's save (called by that node's persister;
-        ``data`` arrives through Ray's object transfer). Returns the buffer name.
-
-        Raises:
-            ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's."""
-        from dlrover_plugin_flashckpt import replica
-
-        self._allowed_dir(info.get("dir"))
-        self._allowed_shm_dir(info.get("shm_dir", "/dev/shm"))
-        ident = {"job": self.job, "role": info.get("role", ""), "rank": info["rank"],
-                 "world_size": info["world_size"], "dir": info["dir"], "session": self.session,
-                 "run_id": info.get("run_id", ""), "replica_of": info.get("source", "")}
-        return replica.store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
-                             data, ident)
-
-    def replicas(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
-        """Replicas of ``directory`` held on this node: ``{"node_id", "held": [{"name",
-        "path", "rank", "world_size", "step", "bytes"}]}``."""
-        from dlrover_plugin_flashckpt import replica
-
-        if not isinstance(directory, str) or not os.path.isabs(directory):
-            raise ValueError(f"replicas: directory {directory!r} is not an absolute path")
-        self._allowed_shm_dir(shm_dir)  # listed; ``directory`` is only compared
-        return {"node_id": self.node_id,
-                "held": replica.held(shm_dir, self.job, directory, self.node_id)}
-
-    def read_replica(self, path: str, step: int) -> dict:
-        """The bytes of a replica held here (for a trainer on another node):
-        ``{"meta", "data" (numpy uint8), "step"}``.
-
-        Raises:
-            ValueError: it no longer holds ``step``, or ``path`` is not a replica
-                buffer of this job."""
-        from dlrover_plugin_flashckpt import replica
-
-        return replica.read(self._allowed_replica(path), step)
-
-    def replica_status(self) -> dict:
-        with self._lock:
-            return {"replicated": {f"{k[0]}-{k[1]}": v for k, v in self._replicated.items()},
-                    "history": list(self.replica_history)}
 
     def held(self, role: str) -> dict:
         """Complete saves held in memory on this node for ``role``:
@@ -354,317 +270,6 @@ class FlashPersister:
         return {"flushed": flushed, "removed": removed, "not_persisted": kept,
                 "shm_dirs": sorted(shm_dirs), "errors": list(self.errors)}
 
-    # ================================================================== internals
-    def _seg(self, path: str) -> shm.Segment | None:
-        seg = self._segs.get(path)
-        if seg is not None and seg.replaced():
-            self._retired.append(self._segs.pop(path))
-            seg = None
-        if seg is None:
-            seg = shm.Segment.attach(path)
-            if seg is not None:
-                self._segs[path] = seg
-        return seg
-
-    def _stamp(self, seg: shm.Segment) -> None:
-        """Record this process as the buffer's persister (for staleness and claims)."""
-        h = seg.read_header()
-        if (h.persister_pid, h.persister_start) != (self.pid, self.start):
-            with seg.locked():
-                h = seg.read_header()
-                h.persister_pid, h.persister_start = self.pid, self.start
-                seg.write_header(h)
-
-    def _rank_steps(self, r: Registration, pending_only: bool) -> dict[int, tuple[shm.Segment, shm.Header]]:
-        out: dict[int, tuple[shm.Segment, shm.Header]] = {}
-        for path in r.slots:
-            seg = self._seg(path)
-            if seg is None:
-                continue
-            h = seg.read_header()
-            if not shm.holds_step(h):
-                continue
-            if pending_only and h.persisted_seq == h.seq:
-                continue
-            if h.step not in out or out[h.step][1].seq < h.seq:
-                out[h.step] = (seg, h)
-        return out
-
-    def _common_steps(self, regs: list[Registration], pending_only: bool = False) -> set[int]:
-        common: set[int] | None = None
-        for r in regs:
-            steps = set(self._rank_steps(r, pending_only))
-            common = steps if common is None else common & steps
-        return common or set()
-
-    def _pending(self, regs: list[Registration], step: int) -> list[shm.Header] | None:
-        """Headers of the local ranks whose save of ``step`` is not written yet, or
-        ``None`` when some local rank does not hold ``step``."""
-        out = []
-        for r in regs:
-            found = self._rank_steps(r, pending_only=False).get(step)
-            if found is None:
-                return None
-            if found[1].persisted_seq != found[1].seq:
-                out.append(found[1])
-        return out
-
-    def _needs_persist(self, role: str, step: int) -> bool:
-        regs = [r for (ro, _), r in self._regs.items() if ro == role]
-        newest = storage.newest_committed(regs[0].dir) if regs else None
-        if newest is not None and newest >= step:
-            return False
-        return bool(self._pending(regs, step))
-
-    def _claim(self, role: str, step: int) -> list[_Claim]:
-        """Mark every local rank's slot holding ``step`` PERSISTING; all or nothing."""
-        regs = sorted((r for (ro, _), r in self._regs.items() if ro == role),
-                      key=lambda r: r.rank)
-        claims: list[_Claim] = []
-        for r in regs:
-            found = self._rank_steps(r, pending_only=True).get(step)
-            if found is None:
-                continue
-            seg, _ = found
-            with seg.locked():
-                h = seg.read_header()
-                mine = h.state == shm.PERSISTING and (h.persister_pid, h.persister_start) == (
-                    self.pid, self.start)
-                if h.step != step or not (shm.holds_step(h) or mine):
-                    continue
-                h.state = shm.PERSISTING
-                h.persister_pid, h.persister_start = self.pid, self.start
-                seg.write_header(h)
-                claims.append(_Claim(r.rank, seg, h.seq))
-        return claims
-
-    def _release(self, claims: list[_Claim], results: dict[int, dict]) -> None:
-        """Give the claimed slots back (READY); those written (``results``) count as
-        persisted."""
-        for c in claims:
-            with c.seg.locked():
-                h = c.seg.read_header()
-                if h.seq != c.seq or h.state != shm.PERSISTING:
-                    continue
-                h.state = shm.READY
-                if c.rank in results:
-                    data_name, _ = storage.rank_files(c.rank)
-                    h.data_crc = results[c.rank]["files"][data_name]["crc32"]
-                    h.crc_seq = h.persisted_seq = c.seq
-                c.seg.write_header(h)
-
-    def _retire_obsolete(self, regs: list[Registration], newest: int | None) -> None:
-        """Mark saves at or below the newest committed step as persisted: they will
-        never be written, and a save must not keep them as "waiting for the disk"."""
-        if newest is None:
-            return
-        for r in regs:
-            for path in r.slots:
-                seg = self._seg(path)
-                if seg is None:
-                    continue
-                h = seg.read_header()
-                if h.state != shm.READY or h.persisted_seq == h.seq or h.step > newest:
-                    continue
-                with seg.locked():
-                    h = seg.read_header()
-                    if h.state == shm.READY and h.step <= newest:
-                        h.persisted_seq = h.seq
-                        seg.write_header(h)
-
-    def _pick(self) -> tuple[str, int] | None:
-        """The next (role, step) to persist, or ``None``."""
-        roles = sorted({ro for ro, _ in self._regs})
-        best: tuple[tuple, str, int] | None = None
-        for role in roles:
-            regs = [r for (ro, _), r in self._regs.items() if ro == role]
-            newest = storage.newest_committed(regs[0].dir)
-            self._retire_obsolete(regs, newest)
-            forced = self._forced.get(role, set())
-            if newest is not None:
-                forced.difference_update({s for s in forced if s <= newest})
-            started = set(storage.pending_tmp_steps(regs[0].dir))
-            for step in self._common_steps(regs):
-                if newest is not None and step <= newest:
-                    continue
-                pending = self._pending(regs, step)
-                if not pending:
-                    continue
-                if not (all(h.due for h in pending) or step in forced):
-                    continue
-                key = (step in forced, step in started, step)
-                if best is None or key > best[0]:
-                    best = (key, role, step)
-        return None if best is None else (best[1], best[2])
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(POLL_S)
-            self._wake.clear()
-            try:
-                with self._lock:
-                    for seg in self._retired:
-                        seg.close()
-                    self._retired.clear()
-                while not self._stop.is_set() and self._persist_one():
-                    pass
-            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
-                self._error(f"persister loop: {type(exc).__name__}: {exc}\n"
-                            + traceback.format_exc(limit=5))
-
-    def _replicate_loop(self) -> None:
-        while not self._stop.is_set():
-            self._repl_wake.wait(POLL_S * 4)
-            self._repl_wake.clear()
-            try:
-                while not self._stop.is_set() and self._replicate_one():
-                    pass
-            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
-                self._error(f"replication: {type(exc).__name__}: {exc}\n"
-                            + traceback.format_exc(limit=5))
-
-    def _replicate_one(self) -> bool:
-        """Copy one rank's newest save not replicated yet to the peer node; True when
-        there was one (replicated or dropped)."""
-        import ray
-
-        from dlrover_plugin_flashckpt import replica
-
-        todo = None
-        with self._lock:
-            for (role, rank), r in sorted(self._regs.items()):
-                if not r.replicas:
-                    continue
-                steps = self._rank_steps(r, pending_only=False)
-                if not steps:
-                    continue
-                step = max(steps)
-                seg, h = steps[step]
-                if self._replicated.get((role, rank)) != (step, h.seq):
-                    todo = (r, seg, h)
-                    break
-        if todo is None:
-            return False
-        r, seg, h = todo
-        peer = replica.peer_of(self.node_id, _alive_nodes())
-        if peer is None:
-            with self._lock:
-                self._replicated[(r.role, r.rank)] = (h.step, h.seq)
-            log.warning("flash replica of %s rank %d step %d: no other node", r.role, r.rank,
-                        h.step)
-            return True
-        t0 = time.monotonic()
-        import numpy as np
-
-        meta = seg.meta_bytes(h)
-        ref = ray.put(np.frombuffer(seg.mm, dtype=np.uint8, count=h.data_len,
-                                    offset=h.data_offset))
-        again = seg.read_header()
-        if again.seq != h.seq or not shm.holds_step(again):
-            log.info("flash replica of %s rank %d step %d dropped: overwritten while copied",
-                     r.role, r.rank, h.step)
-            return True  # the newer save is replicated next
-        info = {"dir": r.dir, "role": r.role, "rank": r.rank, "world_size": r.world_size,
-                "step": h.step, "meta": meta, "data_len": h.data_len, "saved_at": h.saved_at,
-                "run_id": r.run_id, "shm_dir": r.shm_dir, "source": self.node_id}
-        holder = get_persister(self.job, node_id=peer)
-        name = ray.get(holder.store_replica.remote(info, ref), timeout=600)
-        del ref
-        with self._lock:
-            self._replicated[(r.role, r.rank)] = (h.step, h.seq)
-            self.replica_history.append({"role": r.role, "rank": r.rank, "step": h.step,
-                                         "peer": peer, "name": name, "bytes": h.data_len,
-                                         "seconds": round(time.monotonic() - t0, 4),
-                                         "done_at": time.time()})
-            del self.replica_history[:-50]
-        return True
-
-    def _error(self, msg: str) -> None:
-        log.error(msg)
-        with self._lock:
-            self.errors.append(msg)
-            del self.errors[:-20]
-
-    def _release_other_claims(self, keep: tuple[str, int] | None) -> None:
-        """Give back this process's claims except those on ``keep`` (role, step): a
-        breakpoint claim whose step got committed elsewhere must not pin a slot."""
-        for r in list(self._regs.values()):
-            for path in r.slots:
-                seg = self._seg(path)
-                if seg is None:
-                    continue
-                h = seg.read_header()
-                if h.state != shm.PERSISTING or (r.role, h.step) == keep or \
-                        (h.persister_pid, h.persister_start) != (self.pid, self.start):
-                    continue
-                with seg.locked():
-                    h = seg.read_header()
-                    if h.state == shm.PERSISTING and (r.role, h.step) != keep:
-                        h.state = shm.READY
-                        seg.write_header(h)
-
-    def _persist_one(self) -> bool:
-        with self._lock:
-            picked = self._pick()
-            self._release_other_claims(picked)
-            if picked is None:
-                return False
-            role, step = picked
-            claims = self._claim(role, step)
-            regs = {r.rank: r for (ro, _), r in self._regs.items() if ro == role}
-        if not claims:
-            return False
-        results: dict[int, dict] = {}
-        attempts: list[dict] = []
-        t0 = time.monotonic()
-        first = regs[claims[0].rank]
-        try:
-            throttle = storage.Throttle(first.throttle_mib_s * 2**20)
-            for c in claims:
-                reg = regs[c.rank]
-                h = c.seg.read_header()
-                with self._lock:
-                    self.current = {"role": role, "step": step, "rank": c.rank, "bytes": 0,
-                                    "total": h.data_len}
-
-                def progress(n: int) -> None:
-                    if self.current is not None:
-                        self.current["bytes"] += n
-
-                meta = c.seg.meta_bytes(h)
-                # the attempt that made this save (a trailer of its meta block); a save
-                # without one (an older saver) counts as run id + world size only
-                attempt = storage.meta_attempt(meta) or storage.make_attempt(
-                    reg.run_id, reg.world_size)
-                attempts.append(attempt)
-                with c.seg.data_view(h) as data:
-                    results[c.rank] = storage.write_shard(
-                        reg.dir, step, c.rank, reg.world_size, meta, data,
-                        extra={"seq": c.seq, "saved_at": h.saved_at}, throttle=throttle,
-                        progress=progress, attempt=attempt)
-        except Exception as exc:  # noqa: BLE001
-            self._error(f"persisting {role} step {step} failed: {type(exc).__name__}: {exc}")
-        finally:
-            with self._lock:
-                self._release(claims, results)
-                self.current = None
-        committed = False
-        if len(results) == len(claims):
-            try:
-                committed = storage.try_commit(first.dir, step, first.world_size, first.keep,
-                                               attempt=attempts[0])
-            except Exception as exc:  # noqa: BLE001
-                self._error(f"committing {role} step {step} failed: {type(exc).__name__}: {exc}")
-        with self._lock:
-            if committed:
-                self._forced.get(role, set()).discard(step)
-            self.history.append({"role": role, "step": step, "ranks": sorted(results),
-                                 "committed": committed,
-                                 "seconds": round(time.monotonic() - t0, 4)})
-            del self.history[:-50]
-        return True
-
-
 def remote_class() -> Any:
     import ray
 
@@ -707,102 +312,3 @@ def get_persister(job: str, create: bool = True, timeout: float = 120.0,
     raise TimeoutError(f"no flash persister {name} within {timeout:g} s: {last}")
 
 
-def _alive_nodes() -> list[str]:
-    import ray
-
-    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-
-
-def persisters_of(job: str) -> dict[str, Any]:
-    """``node_id -> handle`` of the live persisters of ``job``."""
-    import ray
-
-    out = {}
-    for node in _alive_nodes():
-        try:
-            out[node] = ray.get_actor(persister_name(job, node), namespace=NAMESPACE)
-        except ValueError:
-            pass
-    return out
-
-
-def breakpoint_save(job: str, role: str, timeout: float = 30.0) -> dict:
-    """A trainer of ``role`` died: persist the newest step that every rank of the role
-    holds in memory and that is not committed yet. Two phases over the job's
-    persisters on every node: ask what they hold, then claim that step everywhere
-    (the writing goes on in the background). Returns ``{"step": step or None,
-    "claimed": {node: [ranks]}, "reason": str}``."""
-    import ray
-
-    handles = persisters_of(job)
-    if not handles:
-        return {"step": None, "claimed": {}, "reason": "no flash persister for this job"}
-    answers = dict(zip(handles, ray.get([h.held.remote(role) for h in handles.values()],
-                                        timeout=timeout)))
-    world = max((a["world_size"] for a in answers.values()), default=0)
-    ranks: dict[int, set[int]] = {}
-    committed = None
-    for a in answers.values():
-        for r, steps in a["ranks"].items():
-            ranks.setdefault(int(r), set()).update(steps)
-        if a["committed"] is not None:
-            committed = max(committed or -1, a["committed"])
-    if world == 0 or len(ranks) < world:
-        return {"step": None, "claimed": {},
-                "reason": f"{len(ranks)} of {world} ranks of {role!r} hold a save in memory"}
-    common = set.intersection(*ranks.values())
-    candidates = [s for s in common if committed is None or s > committed]
-    if not candidates:
-        return {"step": None, "claimed": {},
-                "reason": f"no step newer than the committed {committed} on every rank"}
-    step = max(candidates)
-    claimed = dict(zip(handles, ray.get([h.breakpoint.remote(role, step)
-                                         for h in handles.values()], timeout=timeout)))
-    return {"step": step, "claimed": claimed, "reason": "persisting"}
-
-
-def finish_job(job: str, run_id: str | None = None, timeout: float = 300.0,
-               shm_dirs: list[str] | None = None) -> dict:
-    """End of ``job``: on every alive node, flush and stop the job's persister (waiting
-    at most ``timeout`` s for it) and remove the job's buffers (of ``run_id`` when
-    given) in the shared-memory directories its savers registered, except buffers
-    holding a step newer than the newest commit, which stay (listed under
-    ``not_persisted``); returns ``{node: report}`` (see :meth:`FlashPersister.finish`)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    @ray.remote(num_cpus=0, max_retries=0)
-    def _finish_node(job: str, run_id: str | None, timeout: float,
-                     shm_dirs: list[str] | None) -> dict:
-        node = ray.get_runtime_context().get_node_id()
-        report: dict = {"flushed": {}, "removed": [], "not_persisted": [], "errors": []}
-        try:
-            handle = ray.get_actor(persister_name(job, node), namespace=NAMESPACE)
-        except ValueError:
-            handle = None
-        if handle is not None:
-            try:
-                report = ray.get(handle.finish.remote(run_id, timeout), timeout=timeout + 5)
-            except Exception as exc:  # noqa: BLE001 - stuck or dead: its buffers stay
-                report["errors"].append(f"persister: {type(exc).__name__}: {exc}")
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        kept: list[dict] = []
-        for d in report.get("shm_dirs") or shm_dirs or [DEFAULT_SHM_DIR]:
-            report["removed"] = report.get("removed", []) + hygiene.remove_job(
-                d, job, run_id, hygiene.current_session(), keep_unpersisted=True, kept=kept)
-        report["not_persisted"] = kept  # what is left now, after the persister's part
-        return report
-
-    nodes = _alive_nodes()
-    refs = [_finish_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node_id=n, soft=False)).remote(job, run_id, timeout, shm_dirs) for n in nodes]
-    out = {}
-    for n, ref in zip(nodes, refs):
-        try:
-            out[n] = ray.get(ref, timeout=timeout + 60)
-        except Exception as exc:  # noqa: BLE001
-            out[n] = {"errors": [f"{type(exc).__name__}: {exc}"]}
-    return out

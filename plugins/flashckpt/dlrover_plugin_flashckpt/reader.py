@@ -15,8 +15,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
+
+from dlrover_core.checkpoint.manifest import CorruptCheckpointError
+from dlrover_plugin_flashckpt import shm
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +31,30 @@ CHUNK = 32 << 20
 PARALLEL_MIN = 64 << 20
 #: a submit() smaller than this runs in the calling thread
 INLINE_MAX = 1 << 20
+
+
+class TornRead(RuntimeError):
+    """A flash buffer changed (was overwritten, replaced or emptied) while it was
+    being read."""
+
+
+def step_meta(seg: shm.Segment, step: int, where: str) -> tuple[shm.Header, bytes]:
+    """``(header, meta block)`` of the flash buffer ``seg`` holding ``step``, read under
+    its lock; the meta block checked against the header's crc32. The caller reads the
+    data, then checks that ``seg.read_header().seq`` is still ``header.seq``.
+
+    Raises:
+        TornRead: the buffer no longer holds a complete save of ``step``.
+        CorruptCheckpointError: the meta block's crc32 differs.
+    """
+    with seg.locked():
+        h = seg.read_header()
+        if not shm.holds_step(h) or h.step != step:
+            raise TornRead(f"{where} no longer holds step {step}")
+        meta = seg.meta_bytes(h)
+    if zlib.crc32(meta) != h.meta_crc:
+        raise CorruptCheckpointError(f"{where}: crc32 of the meta block does not match")
+    return h, meta
 
 
 @functools.cache

@@ -22,13 +22,21 @@ the holder's persister (:func:`read_replica` returns the bytes as a Ray object).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
 import time
+import traceback
 import zlib
 from typing import Any
 
-from dlrover_plugin_flashckpt import shm
+from dlrover_plugin_flashckpt import layout, shm
+from dlrover_plugin_flashckpt.handles import alive_nodes, persisters_of
+from dlrover_plugin_flashckpt.persisting import POLL_S
+from dlrover_plugin_flashckpt.reader import ShardReader, TornRead
+
+log = logging.getLogger("dlrover_plugin_flashckpt.persister")
 
 #: replica buffers per source rank on a holder
 REPLICA_SLOTS = 2
@@ -174,3 +182,202 @@ def read(path: str, step: int) -> dict:
         return {"meta": meta, "data": data, "step": step}
     finally:
         seg.close()
+
+
+class ReplicaMixin:
+    """The replica side of :class:`.persister.FlashPersister` (which provides the
+    registrations, the locks, the allowed directories and :meth:`_peer`, the persister
+    actor of another node): hold, list and hand out replicas of other nodes' saves, and
+    copy this node's newest saves to the peer node in a background thread."""
+
+    # provided by FlashPersister
+    job: str
+    session: str
+    node_id: str
+    _lock: threading.RLock
+    _stop: threading.Event
+    _repl_wake: threading.Event
+    _regs: dict[tuple[str, int], Any]
+    _replicated: dict[tuple[str, int], tuple[int, int]]
+    replica_history: list[dict]
+    # and the methods _peer, _allowed_shm_dir, _allowed_dir (FlashPersister),
+    # _rank_steps and _error (PersistMixin)
+
+    def _allowed_replica(self, path: str) -> str:
+        """``path`` when it names a replica buffer of this job in an allowed shared-
+        memory directory.
+
+        Raises:
+            ValueError: any other path."""
+        name = os.path.basename(path) if isinstance(path, str) else ""
+        try:
+            self._allowed_shm_dir(os.path.dirname(path))
+        except (ValueError, TypeError):
+            raise ValueError(f"flash persister of job {self.job!r}: replica path {path!r} "
+                             "is not in an allowed shared-memory directory") from None
+        if not name.startswith(shm.job_prefix(self.job)) or parse_replica(name) is None:
+            raise ValueError(f"flash persister of job {self.job!r}: {path!r} is not a replica "
+                             f"buffer of this job (names start {shm.job_prefix(self.job)!r})")
+        return path
+
+    def store_replica(self, info: dict, data: Any) -> str:
+        """Hold a replica of another node's save (called by that node's persister;
+        ``data`` arrives through Ray's object transfer). Returns the buffer name.
+
+        Raises:
+            ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's."""
+        self._allowed_dir(info.get("dir"))
+        self._allowed_shm_dir(info.get("shm_dir", "/dev/shm"))
+        ident = {"job": self.job, "role": info.get("role", ""), "rank": info["rank"],
+                 "world_size": info["world_size"], "dir": info["dir"], "session": self.session,
+                 "run_id": info.get("run_id", ""), "replica_of": info.get("source", "")}
+        return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
+                             data, ident)
+
+    def replicas(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
+        """Replicas of ``directory`` held on this node: ``{"node_id", "held": [{"name",
+        "path", "rank", "world_size", "step", "bytes"}]}``."""
+        if not isinstance(directory, str) or not os.path.isabs(directory):
+            raise ValueError(f"replicas: directory {directory!r} is not an absolute path")
+        self._allowed_shm_dir(shm_dir)  # listed; ``directory`` is only compared
+        return {"node_id": self.node_id,
+                "held": held(shm_dir, self.job, directory, self.node_id)}
+
+    def read_replica(self, path: str, step: int) -> dict:
+        """The bytes of a replica held here (for a trainer on another node):
+        ``{"meta", "data" (numpy uint8), "step"}``.
+
+        Raises:
+            ValueError: it no longer holds ``step``, or ``path`` is not a replica
+                buffer of this job."""
+        return read(self._allowed_replica(path), step)
+
+    def replica_status(self) -> dict:
+        with self._lock:
+            return {"replicated": {f"{k[0]}-{k[1]}": v for k, v in self._replicated.items()},
+                    "history": list(self.replica_history)}
+
+    def _replicate_loop(self) -> None:
+        while not self._stop.is_set():
+            self._repl_wake.wait(POLL_S * 4)
+            self._repl_wake.clear()
+            try:
+                while not self._stop.is_set() and self._replicate_one():
+                    pass
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                self._error(f"replication: {type(exc).__name__}: {exc}\n"
+                            + traceback.format_exc(limit=5))
+
+    def _replicate_one(self) -> bool:
+        """Copy one rank's newest save not replicated yet to the peer node; True when
+        there was one (replicated or dropped)."""
+        import ray
+
+        todo = None
+        with self._lock:
+            for (role, rank), r in sorted(self._regs.items()):
+                if not r.replicas:
+                    continue
+                steps = self._rank_steps(r, pending_only=False)
+                if not steps:
+                    continue
+                step = max(steps)
+                seg, h = steps[step]
+                if self._replicated.get((role, rank)) != (step, h.seq):
+                    todo = (r, seg, h)
+                    break
+        if todo is None:
+            return False
+        r, seg, h = todo
+        peer = peer_of(self.node_id, alive_nodes())
+        if peer is None:
+            with self._lock:
+                self._replicated[(r.role, r.rank)] = (h.step, h.seq)
+            log.warning("flash replica of %s rank %d step %d: no other node", r.role, r.rank,
+                        h.step)
+            return True
+        t0 = time.monotonic()
+        import numpy as np
+
+        meta = seg.meta_bytes(h)
+        ref = ray.put(np.frombuffer(seg.mm, dtype=np.uint8, count=h.data_len,
+                                    offset=h.data_offset))
+        again = seg.read_header()
+        if again.seq != h.seq or not shm.holds_step(again):
+            log.info("flash replica of %s rank %d step %d dropped: overwritten while copied",
+                     r.role, r.rank, h.step)
+            return True  # the newer save is replicated next
+        info = {"dir": r.dir, "role": r.role, "rank": r.rank, "world_size": r.world_size,
+                "step": h.step, "meta": meta, "data_len": h.data_len, "saved_at": h.saved_at,
+                "run_id": r.run_id, "shm_dir": r.shm_dir, "source": self.node_id}
+        holder = self._peer(peer)
+        name = ray.get(holder.store_replica.remote(info, ref), timeout=600)
+        del ref
+        with self._lock:
+            self._replicated[(r.role, r.rank)] = (h.step, h.seq)
+            self.replica_history.append({"role": r.role, "rank": r.rank, "step": h.step,
+                                         "peer": peer, "name": name, "bytes": h.data_len,
+                                         "seconds": round(time.monotonic() - t0, 4),
+                                         "done_at": time.time()})
+            del self.replica_history[:-50]
+        return True
+
+
+class ReplicaLoadingMixin:
+    """The replica part of a load, for :class:`.saver.FlashSaver` (which provides the
+    rank and :meth:`_restore_from`): list the replicas of this rank's saves held by any
+    node's persister, and restore one (by path on this node, else through its holder)."""
+
+    # provided by FlashSaver
+    rank: int
+    world_size: int
+    job: str
+    dir: str
+    opts: Any
+
+    def _replica_steps(self) -> dict[int, dict]:
+        """step -> replica of this rank's save held by some node's persister
+        (``{"path", "node_id", "handle"}``), newest copy per step."""
+        import ray
+
+        out: dict[int, dict] = {}
+        try:
+            handles = persisters_of(self.job)
+            answers = ray.get([h.replicas.remote(self.dir, self.opts.shm_dir)
+                               for h in handles.values()], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - no replica then
+            log.warning("could not list the flash replicas: %s", exc)
+            return out
+        for handle, a in zip(handles.values(), answers):
+            for r in a["held"]:
+                if r["rank"] == self.rank and r["world_size"] == self.world_size:
+                    out.setdefault(r["step"], {"path": r["path"], "node_id": a["node_id"],
+                                               "handle": handle})
+        return out
+
+    def _load_replica(self, state_dict: dict, step: int, rep: dict) -> None:
+        """Restore ``step`` from a replica in a peer's memory: by path when it is held
+        on this node, else through the holder's persister (a Ray object)."""
+        import ray
+
+        where = f"flash replica of rank {self.rank} step {step} on node {rep['node_id'][:12]}"
+        if rep["node_id"] == ray.get_runtime_context().get_node_id():
+            seg, h, meta = open_step(rep["path"], step)
+            try:
+                with ShardReader(rep["path"], h.data_offset) as rd:
+                    self._restore_from(state_dict, meta, step, where,
+                                       lambda e, dst: rd.submit(dst, e.offset))
+                    rd.drain()
+                if seg.read_header().seq != h.seq:
+                    raise TornRead(f"{where} was overwritten while it was read")
+            finally:
+                seg.close()
+            return
+        got = ray.get(rep["handle"].read_replica.remote(rep["path"], step), timeout=600)
+        data = got["data"]
+        import warnings
+
+        with warnings.catch_warnings():  # a read-only buffer, only read from
+            warnings.simplefilter("ignore", UserWarning)
+            self._restore_from(state_dict, got["meta"], step, where,
+                               lambda e, dst: dst.copy_(layout.tensor_view(data, 0, e)))

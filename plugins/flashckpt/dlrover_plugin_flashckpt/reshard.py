@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from dlrover_plugin_flashckpt import layout
-from dlrover_plugin_flashckpt.layout import LayoutError, TensorEntry, TensorRef, path_str
+from dlrover_plugin_flashckpt.layout import (  # noqa: F401 - global_offset: re-exported
+    LayoutError,
+    TensorEntry,
+    TensorRef,
+    global_offset,
+    path_str,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -72,14 +78,6 @@ def local_region(t: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]
     if layout.is_dtensor(t):
         return t.to_local(), tuple(t.shape), global_offset(t)
     return t, tuple(t.shape), (0,) * t.dim()
-
-
-def global_offset(t: Any) -> tuple[int, ...]:
-    """Offset of a ``DTensor``'s local shard in the global tensor."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(int(o) for o in offset)
 
 
 def _copy_boxes(dst: torch.Tensor, dst_off: tuple[int, ...], shape: tuple[int, ...],
@@ -182,12 +180,7 @@ def restore_resharded(template: Any, sources: list[RankSource], rank: int, where
                 raise LayoutError(f"{where}: {path_str(e.path)} is a rank-local optimizer "
                                   "partition (DeepSpeed ZeRO); it restores only into the world "
                                   f"size and layout that saved it ({len(sources)} ranks)")
-    saved_paths = set().union(*by_path)
-    missing = [p for p, _ in layout.walk(template) if p not in saved_paths]
-    if missing:
-        raise LayoutError(f"{where} has no tensor at {path_str(missing[0])} "
-                          f"({len(missing)} live tensors are missing from it); it was saved "
-                          "from another model")
+    layout.check_covered(template, set().union(*by_path), where)
     live_layouts: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for _, t in layout.walk(template):
         if layout.is_dtensor(t):
@@ -241,34 +234,14 @@ def restore_resharded(template: Any, sources: list[RankSource], rank: int, where
         _copy_boxes(dst, off, gshape, pieces(e), where)
         return live
 
-    def merge(live: Any, saved: Any) -> Any:
-        if isinstance(saved, _SourcedRef):
-            src = sources[saved.rank]
-            return load_tensor(live if layout.is_tensor(live) else None,
-                               src.meta["table"][saved.index], src)
-        if isinstance(saved, layout.SavedObject):
-            return layout.apply_object(live, saved, where, merge)
-        if isinstance(saved, dict):
-            if isinstance(live, dict):
-                for k, v in saved.items():
-                    live[k] = merge(live.get(k), v)
-                return live
-            return {k: merge(None, v) for k, v in saved.items()}
-        if isinstance(saved, list):
-            if isinstance(live, list) and len(live) == len(saved):
-                for i, v in enumerate(saved):
-                    live[i] = merge(live[i], v)
-                return live
-            return [merge(None, v) for v in saved]
-        if isinstance(saved, tuple):
-            lives = live if isinstance(live, tuple) and len(live) == len(saved) else (None,) * len(saved)
-            vals = [merge(a, b) for a, b in zip(lives, saved)]
-            return type(saved)(*vals) if hasattr(saved, "_fields") else tuple(vals)
-        return saved
+    def load_ref(live: Any, ref: _SourcedRef) -> Any:
+        src = sources[ref.rank]
+        return load_tensor(live if layout.is_tensor(live) else None,
+                           src.meta["table"][ref.index], src)
 
     skeleton = _tag(base.meta["skeleton"], base.rank)
     for s in sources:
         if s is not base:
             skeleton = _union(skeleton, s.meta["skeleton"], s.rank)
     with torch.no_grad():
-        return merge(template, skeleton)
+        return layout.merge_saved(template, skeleton, where, _SourcedRef, load_ref)

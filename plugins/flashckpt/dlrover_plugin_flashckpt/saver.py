@@ -10,7 +10,7 @@ Save (blocking only for the copy):
 1. split the state dict into the tensor table, the tensors and the skeleton
    (:mod:`.layout`); a state that outgrew its buffer lays that one out again (the one
    slow save) and the others grow in the background;
-2. pick a slot: an empty one, else the one with the oldest step that is neither
+2. pick a slot (:mod:`.slots`): an empty one, else the one with the oldest step that is neither
    being persisted nor waiting to be; a step that is due for persistence may also
    replace a newer-step slot still waiting (it supersedes it). When every slot is
    being persisted or waiting, the save is **skipped** and logged: it never waits,
@@ -42,22 +42,19 @@ from typing import Any
 
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
 from dlrover_core.spec.errors import SpecError
-from dlrover_plugin_flashckpt import capacity, layout, shm, staging, storage
+from dlrover_plugin_flashckpt import layout, shm, staging, storage
 from dlrover_plugin_flashckpt.loading import LoadingMixin
+from dlrover_plugin_flashckpt.meta import pack_meta
 from dlrover_plugin_flashckpt.options import FlashOptions
+from dlrover_plugin_flashckpt.slots import META_MIN, SlotsMixin
 
 log = logging.getLogger(__name__)
 
-META_MIN = 64 << 10
 #: seconds a rank without a process group waits for the others at a load's gather
 GATHER_TIMEOUT_S = 60.0
 
 
-class _Superseded(Exception):
-    """A background replacement of a buffer is no longer wanted."""
-
-
-class FlashSaver(LoadingMixin, Saver):
+class FlashSaver(LoadingMixin, SlotsMixin, Saver):
     """The ``flash`` saver (see the module docstring).
 
     Args:
@@ -234,245 +231,6 @@ class FlashSaver(LoadingMixin, Saver):
         ray.get(handle.saved.remote(self._registration()), timeout=60)
         return handle
 
-    # ================================================================== buffers
-    def _wait_reserve(self) -> None:
-        """Wait for a background reservation (at most one runs; every method that
-        touches the buffers calls this first)."""
-        fut, self._reserving = self._reserving, None
-        if fut is None:
-            return
-        try:
-            fut.result()
-        except Exception as exc:  # noqa: BLE001 - the next save lays the buffer out itself
-            log.warning("laying out the flash buffers in the background failed (%s); the "
-                        "next save lays them out", exc)
-
-    def wait_reserved(self) -> None:
-        """Block until the background layout of the buffers (if any) is done."""
-        self._wait_reserve()
-
-    def reserve(self, data_bytes: int, meta_bytes: int = META_MIN,
-                wait: bool = False, grow: bool = False) -> Future:
-        """Lay out this rank's ``options.slots`` buffers for saves of up to
-        ``data_bytes`` tensor bytes and ``meta_bytes`` of meta block, in a background
-        thread (allocation and page faults off the training step's critical path).
-        Buffers that already fit are kept (mapped again with their page tables filled,
-        as after a restart); a buffer holding a step that a load may still want is
-        left alone (a save that takes it grows it). A save waits for a reservation
-        still running, except a growth (``grow``: after a save outgrew its buffer), which
-        waits for each other buffer to be free (persisted, superseded) and swaps it in
-        between saves.
-
-        Returns the reservation's future (``wait=True``: done when this returns).
-        Raises:
-            ValueError: a negative size.
-        """
-        if data_bytes < 0 or meta_bytes < 0:
-            raise ValueError(f"reserve({data_bytes}, {meta_bytes}): sizes are bytes >= 0")
-        self._wait_reserve()
-        fut = self._bg.submit(self._reserve_all, int(data_bytes), int(meta_bytes), grow)
-        self._reserving, self._growing = fut, grow
-        if wait:
-            self._wait_reserve()
-        return fut
-
-    def reserve_for(self, state_dict: dict, wait: bool = False) -> Future:
-        """:meth:`reserve` for saves of ``state_dict``, including the optimizer state a
-        fresh optimizer creates at its first step (:func:`capacity.estimate`)."""
-        data, meta = capacity.estimate(state_dict)
-        return self.reserve(data, max(META_MIN, 2 * meta), wait)
-
-    def _reserve_all(self, data: int, meta: int, grow: bool = False) -> None:
-        t0 = time.perf_counter()
-        for i in range(self.opts.slots):
-            if grow:  # wait (off the critical path) until the slot may be replaced
-                deadline = time.monotonic() + self.opts.wait_timeout_s
-                while not self._closing.is_set() and time.monotonic() < deadline:
-                    with self._lock:
-                        seg = self._attach(i)
-                        if seg is None or self._fits(seg, data, meta) or self._replaceable(seg):
-                            break
-                    time.sleep(0.05)
-            self._ensure_slot(i, data, meta, claimed=False)
-        self.last_reserve = {"data_bytes": data, "meta_bytes": meta,
-                             "seconds": time.perf_counter() - t0}
-
-    def _release_slots(self) -> None:
-        self._unpin()
-        self._views.clear()
-        for i, seg in enumerate(self._segs):
-            if seg is not None:
-                seg.close()
-            self._segs[i] = None
-
-    def _attach(self, i: int) -> shm.Segment | None:
-        seg = self._segs[i]
-        if seg is not None and seg.replaced():
-            seg.close()
-            seg = self._segs[i] = None
-        if seg is None:
-            seg = self._segs[i] = shm.Segment.attach(self.paths[i])
-        return seg
-
-    def _fits(self, seg: shm.Segment, data: int, meta: int) -> bool:
-        h = seg.read_header()
-        return (seg.data_cap >= data and h.meta_cap >= meta and h.rank == self.rank
-                and h.world_size == self.world_size and seg.ident().get("dir") == self.dir)
-
-    def _replaceable(self, seg: shm.Segment) -> bool:
-        """Whether a background reservation may replace ``seg``: it holds no step, or
-        one this process has superseded with a newer save and that is neither being
-        persisted nor waiting for it."""
-        h = seg.read_header()
-        if not shm.holds_step(h):
-            return True
-        if self._newest_saved is None or h.step >= self._newest_saved:
-            return False
-        st = shm.effective_state(h)
-        return st == shm.READY and not (h.due and h.persisted_seq != h.seq)
-
-    def _ensure_slot(self, i: int, data: int, meta: int, claimed: bool) -> shm.Segment:
-        """The mapped buffer of slot ``i``, with room for ``data`` + ``meta`` bytes:
-        the existing one when it fits, else a new one replacing it (``claimed``: the
-        caller holds the slot in WRITING, so it is replaced whatever it held).
-
-        Raises:
-            ShmSpaceError: too little shared memory (says how much).
-        """
-        with self._lock:
-            seg = self._attach(i)
-            if seg is not None and self._fits(seg, data, meta):
-                if not seg.populated:  # a buffer of an earlier process of this rank
-                    again = shm.Segment.attach(self.paths[i], populate=True)
-                    if again is not None and again.inode == seg.inode:
-                        shm.prefault_write(again.mm, shm.HEADER_SIZE,
-                                           again.size - shm.HEADER_SIZE)
-                        seg.close()
-                        seg = self._segs[i] = again
-                        self._views.pop(i, None)
-                    elif again is not None:
-                        again.close()
-                return seg
-            if seg is not None and not claimed and not self._replaceable(seg):
-                return seg
-        data_cap = shm.round_up(max(data, 1))
-        meta_cap = shm.round_up(max(META_MIN, meta))
-        size = shm.HEADER_SIZE + meta_cap + data_cap
-        shm.check_space(self.opts.shm_dir, size,
-                        f"buffer {i} of {self.context.role or 'rank'} rank {self.rank} "
-                        f"({data} bytes of tensors)")
-        # the slow part (allocation, page faults) runs without the lock: a save may go on
-        new = shm.Segment.create(self.paths[i], meta_cap, data_cap, self._ident(), bytes(16),
-                                 self.rank, self.world_size, install=False)
-        try:
-            with self._lock:
-                seg = self._attach(i)
-                if seg is not None and not claimed and (
-                        self._fits(seg, data, meta) or not self._replaceable(seg)):
-                    raise _Superseded  # a save grew it meanwhile, or took it
-                if seg is not None:
-                    with seg.locked():
-                        old = seg.read_header()
-                        h = new.read_header()
-                        h.seq = old.seq
-                        if claimed:
-                            h.state, h.writer_pid, h.writer_start = (
-                                shm.WRITING, old.writer_pid, old.writer_start)
-                        new.write_header(h)
-                        new.install()
-                    seg.close()
-                else:
-                    new.install()
-                self._segs[i] = new
-                self._views.pop(i, None)
-                return new
-        except BaseException as exc:
-            new.close()
-            try:
-                os.unlink(new.path)
-            except OSError:
-                pass
-            if isinstance(exc, _Superseded):
-                return self._segs[i]  # type: ignore[return-value]
-            raise
-
-    def _views_for(self, i: int, seg: shm.Segment, table: list[layout.TensorEntry],
-                   sig: bytes) -> list[Any]:
-        cached = self._views.get(i)
-        if cached is not None and cached[0] == sig and cached[1] is seg:
-            return cached[2]
-        h = seg.read_header()
-        views = [layout.tensor_view(seg.mm, h.data_offset, e) for e in table]
-        self._views[i] = (sig, seg, views)
-        return views
-
-    def _pin(self, sources: list[Any]) -> bool:
-        """Page-lock the buffers for CUDA when the state is on a GPU, so the
-        device-to-host copies are DMA transfers. Returns whether they are pinned."""
-        if not any(getattr(t, "is_cuda", False) for t in sources):
-            return False
-        segs = [s for s in self._segs if s is not None]
-        if self._pinned and self._pinned_segs != [id(s) for s in segs]:
-            self._unpin()  # a buffer was replaced
-        if not self._pinned:
-            try:
-                self._pinned = shm.pin_buffers(segs)
-                self._pinned_segs = [id(s) for s in segs]
-            except Exception as exc:  # noqa: BLE001 - pageable copies still work
-                log.warning("could not pin the flash buffers for CUDA copies (%s); copies are "
-                            "synchronous", exc)
-                return False
-        return True
-
-    def _unpin(self) -> None:
-        if self._pinned:
-            shm.unpin_buffers(self._pinned)
-        self._pinned_segs = []
-
-    # ================================================================== save
-    def _pick_slot(self, step: int, due: bool) -> int | None:
-        free, done, waiting = [], [], []
-        states = []
-        for i in range(self.opts.slots):
-            seg = self._segs[i]
-            if seg is None:
-                free.append((-2, i))
-                continue
-            h = seg.read_header()
-            st = shm.effective_state(h)
-            states.append(f"slot {i}: {shm.STATE_NAMES[st]} step {h.step}")
-            if st in (shm.EMPTY, shm.WRITING):
-                free.append((h.step, i))
-            elif st == shm.READY:
-                (waiting if h.due and h.persisted_seq != h.seq else done).append((h.step, i))
-        order = [i for _, i in sorted(free)] + [i for _, i in sorted(done)]
-        if due:
-            order += [i for _, i in sorted(waiting)]
-        for i in order:
-            seg = self._segs[i]
-            if seg is None:
-                return i
-            with seg.locked():
-                h = seg.read_header()
-                if shm.effective_state(h) == shm.PERSISTING:
-                    continue
-                if h.state == shm.READY and h.due and h.persisted_seq != h.seq:
-                    if not due:
-                        continue
-                    log.info("flash save of step %d replaces step %d before it was persisted",
-                             step, h.step)
-                h.state = shm.WRITING
-                h.seq += 1
-                h.writer_pid, h.writer_start = shm.my_identity()
-                seg.write_header(h)
-                return i
-        reason = ("every buffer is being persisted or holds a step waiting for it ("
-                  + "; ".join(states) + "); raise checkpoint.options.persist_every_steps or "
-                  "slots, or save less often")
-        self.skipped.append((step, reason))
-        log.warning("flash save of step %d skipped: %s", step, reason)
-        return None
-
     def save(self, step: int, state_dict: dict) -> None:
         """Copy ``state_dict`` into this rank's shared memory as ``step`` and return;
         the node's persister writes it to :attr:`dir` when it is due.
@@ -486,7 +244,7 @@ class FlashSaver(LoadingMixin, Saver):
             step: the training step (>= 0). state_dict: nested dicts/lists/tuples of
                 dense tensors (any dtype of ``layout``; DTensors save their local
                 shard; CPU or CUDA) and small values of the types
-                :func:`layout.pack_meta` stores (no arbitrary objects).
+                :func:`.meta.pack_meta` stores (no arbitrary objects).
         Raises:
             ValueError: a negative step. TypeError: an unsupported tensor or value.
             ShmSpaceError: ``options.shm_dir`` has too little space (says how much).
@@ -510,7 +268,7 @@ class FlashSaver(LoadingMixin, Saver):
         if self._attempt is None:  # the first save of this attempt
             self._start_attempt()
         assert self._attempt is not None
-        meta = layout.pack_meta(step, table, skeleton,
+        meta = pack_meta(step, table, skeleton,
                                 {"rank": self.rank, "world_size": self.world_size}) \
             + storage.attempt_trailer(self._attempt)
         data_len = layout.data_size(table)

@@ -7,7 +7,7 @@ out as::
                            identity block (JSON: job, role, rank, dir, session, run)
                            at 512
     [4096, 4096+meta_cap)  meta block: tensor table + skeleton of the last save (tagged
-                           JSON with a magic, version and crc32: ``layout.pack_meta``;
+                           JSON with a magic, version and crc32: ``meta.pack_meta``;
                            never unpickled)
     [data_offset, ...)     data area: the tensors' raw bytes (see ``layout``)
 
@@ -46,13 +46,26 @@ import json
 import mmap
 import os
 import re
-import shutil
 import struct
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Iterator
+
+# re-exported: the buffers' users reach these through ``shm``
+from dlrover_plugin_flashckpt.identity import alive, my_identity, proc_start  # noqa: F401
+from dlrover_plugin_flashckpt.pinning import (  # noqa: F401
+    pin_buffers,
+    prefault_write,
+    unpin_buffers,
+)
+from dlrover_plugin_flashckpt.space import (  # noqa: F401
+    ShmSpaceError,
+    check_space,
+    gib,
+    shm_free_bytes,
+)
 
 MAGIC = b"DLRFLSH1"
 VERSION = 1
@@ -65,10 +78,6 @@ STATE_NAMES = {EMPTY: "empty", WRITING: "writing", READY: "ready", PERSISTING: "
 
 NAME_PREFIX = "dlrflash-"
 _SAFE_RE = re.compile(r"[^A-Za-z0-9_.]+")
-
-
-class ShmSpaceError(MemoryError):
-    """The shared-memory filesystem has too little free space for the buffers."""
 
 
 class ShmTrustError(PermissionError):
@@ -141,35 +150,6 @@ _HDR = struct.Struct("<8sIIQqQIQQQQIQIQIQQdIII16s")
 _FIELDS = [f.name for f in fields(Header)]
 
 
-def proc_start(pid: int) -> int | None:
-    """Start time of process ``pid`` (clock ticks since boot), or ``None`` when it is gone.
-    A (pid, start) pair names one process even when pids are reused."""
-    if pid <= 0:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    rest = stat[stat.rfind(b")") + 2:].split()
-    try:
-        if rest[0] in (b"Z", b"X"):  # zombie / dead
-            return None
-        return int(rest[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def alive(pid: int, start: int) -> bool:
-    """Whether the process (``pid``, ``start``) is running on this machine."""
-    return pid > 0 and proc_start(pid) == start
-
-
-def my_identity() -> tuple[int, int]:
-    pid = os.getpid()
-    return pid, proc_start(pid) or 0
-
-
 def safe_name(s: str, limit: int = 40) -> str:
     return _SAFE_RE.sub("_", s)[:limit] or "_"
 
@@ -191,27 +171,6 @@ def slot_name(job: str, directory: str, rank: int, slot: int) -> str:
 def round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
-
-def shm_free_bytes(shm_dir: str) -> int:
-    return shutil.disk_usage(shm_dir).free
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def check_space(shm_dir: str, needed: int, what: str) -> None:
-    """Raise ``ShmSpaceError`` when ``shm_dir`` has less than ``needed`` bytes free.
-
-    The message says how much is needed, how much is free and how to get more.
-    """
-    free = shm_free_bytes(shm_dir)
-    if needed > free:
-        raise ShmSpaceError(
-            f"flash checkpoint needs {_gib(needed)} of shared memory in {shm_dir} for {what}, "
-            f"but only {_gib(free)} is free: enlarge {shm_dir} (docker run --shm-size, a "
-            "Memory-medium emptyDir on Kubernetes), free it (`dlrover flash clean`), or set "
-            "checkpoint.options.slots=1 to halve the need")
 
 
 class Segment:
@@ -261,8 +220,8 @@ class Segment:
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise ShmSpaceError(
-                        f"flash checkpoint could not reserve {_gib(size)} in "
-                        f"{os.path.dirname(path)} ({_gib(shm_free_bytes(os.path.dirname(path)))}"
+                        f"flash checkpoint could not reserve {gib(size)} in "
+                        f"{os.path.dirname(path)} ({gib(shm_free_bytes(os.path.dirname(path)))}"
                         " free); enlarge it or set checkpoint.options.slots=1") from None
                 raise
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
@@ -400,61 +359,6 @@ class Segment:
 
     def data_view(self, h: Header) -> memoryview:
         return memoryview(self.mm)[h.data_offset:h.data_offset + h.data_len]
-
-
-#: madvise advice (Linux >= 5.14) that maps the pages writable now; Python has no name
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-
-def prefault_write(mm: mmap.mmap, start: int, length: int) -> bool:
-    """Map ``[start, start + length)`` of ``mm`` writable in this process now
-    (``MADV_POPULATE_WRITE``). ``MAP_POPULATE`` of a shared mapping maps the pages
-    read-only, so without this the first save takes a write fault per 4 KiB page
-    (measured: a first save 3.9x a steady one). Returns False where the kernel lacks
-    it (the first save then takes those faults)."""
-    if length <= 0:
-        return True
-    try:
-        mm.madvise(MADV_POPULATE_WRITE, start, length)
-        return True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def pin_buffers(segments: list[Segment]) -> list:
-    """Page-lock ``segments`` for CUDA (``cudaHostRegister``), so that device-to-host
-    copies into them are DMA transfers that ``copy_(non_blocking=True)`` can overlap.
-    Returns handles for :func:`unpin_buffers`.
-
-    Raises:
-        RuntimeError: CUDA refused (the message has its error code).
-    """
-    import torch
-
-    bases = []
-    try:
-        for seg in segments:
-            base = torch.frombuffer(seg.mm, dtype=torch.uint8)
-            rc = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), 0)
-            if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister of {seg.name} returned {rc}")
-            bases.append(base)
-    except BaseException:
-        unpin_buffers(bases)
-        raise
-    return bases
-
-
-def unpin_buffers(bases: list) -> None:
-    """Undo :func:`pin_buffers`."""
-    import torch
-
-    for base in bases:
-        try:
-            torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
-        except Exception:  # noqa: BLE001
-            pass
-    bases.clear()
 
 
 def persister_alive(h: Header) -> bool:

@@ -1,4 +1,4 @@
-"""The on-disk format of flash checkpoints and its atomic commit. Imports no torch.
+"""Writing flash checkpoints to disk and their atomic commit. Imports no torch.
 
 A committed step (``<dir>/step_<step:08d>/``)::
 
@@ -9,11 +9,8 @@ A committed step (``<dir>/step_<step:08d>/``)::
                          "attempt", "files": {name: {"bytes", "crc32"}},
                          "ranks": {rank: {...}}}
 
-An **attempt** is one incarnation of the role: ``{"run_id", "world_size", "epoch"}``
-(``epoch``: a token rank 0 draws at every ``load()`` and shares with the other ranks).
-``<dir>/lineage.json`` names the current attempt and the step it restored (``base``):
-the **current lineage** is the committed steps up to ``base`` plus those the current
-attempt committed.
+Attempts (incarnations of the role) and the current lineage are :mod:`.lineage`'s;
+the committed step's files, manifest and verification :mod:`.committed`'s.
 
 Commit protocol (any number of nodes writing into a shared directory):
 
@@ -40,36 +37,54 @@ that fails is quarantined (``step_<n>.corrupt``) and no longer counts as committ
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
 import socket
 import time
-import uuid
 import zlib
 from typing import Any, Callable
 
 from dlrover_core.atomic_io import replace_dir, write_all
-from dlrover_core.checkpoint.manifest import MANIFEST, CorruptCheckpointError, DamagedStepError
+from dlrover_core.checkpoint.manifest import MANIFEST, CorruptCheckpointError
 from dlrover_core.checkpoint.saver import (
     atomic_write_json,
     atomic_write_text,
-    committed_steps,
     fsync_dir,
     prune,
-    quarantine,
     step_dir_name,
+)
+
+# re-exported: the commit's users reach the step format and the lineage through ``storage``
+from dlrover_plugin_flashckpt.committed import (  # noqa: F401
+    CHUNK,
+    FORMAT,
+    file_crc32,
+    open_rank,
+    rank_files,
+    read_manifest,
+    verify_step,
+)
+from dlrover_plugin_flashckpt.lineage import (  # noqa: F401
+    LINEAGE,
+    accepts,
+    attempt_tag,
+    attempt_trailer,
+    latest_step,
+    lineage_steps,
+    make_attempt,
+    meta_attempt,
+    new_epoch,
+    newest_committed,
+    read_lineage,
+    sizes_match,
+    start_lineage,
 )
 
 log = logging.getLogger(__name__)
 
-FORMAT = "flashckpt-v1"
-CHUNK = 8 << 20
-LINEAGE = "lineage.json"
 #: a ``.commit`` lock older than this (s) is taken over even from another host: a
 #: commit holds it only for a manifest write and a few renames
 LOCK_STALE_S = 300.0
@@ -79,151 +94,6 @@ _MARKER_RE = re.compile(r"^rank_(\d{5})\.([0-9a-f]{16})-(\d+)-([0-9a-f]{8})\.don
 
 def tmp_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f".{step_dir_name(step)}.tmp")
-
-
-def rank_files(rank: int) -> tuple[str, str]:
-    """(data file, meta file) names of ``rank`` in a committed step."""
-    return f"rank_{rank:05d}.data", f"rank_{rank:05d}.meta"
-
-
-# ----------------------------------------------------------------------------- attempts
-def make_attempt(run_id: str, world_size: int, epoch: str = "") -> dict:
-    """``{"run_id", "world_size", "epoch"}`` of one incarnation of a role."""
-    return {"run_id": str(run_id or ""), "world_size": int(world_size), "epoch": str(epoch)}
-
-
-def new_epoch() -> str:
-    return uuid.uuid4().hex
-
-
-def attempt_tag(attempt: dict) -> str:
-    """16 hex digits naming ``attempt`` in temp file names."""
-    key = json.dumps(make_attempt(attempt.get("run_id", ""), attempt.get("world_size", 0),
-                                  attempt.get("epoch", "")), sort_keys=True)
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-_TRAILER = b"\n#dlrover-attempt-v1 "
-
-
-def attempt_trailer(attempt: dict) -> bytes:
-    """Bytes appended to a meta block (after its body, which ``layout.unpack_meta``
-    ignores: it reads the length its header gives) that name the attempt of the save,
-    readable without decoding the block (:func:`meta_attempt`)."""
-    return _TRAILER + json.dumps(make_attempt(**attempt), sort_keys=True).encode()
-
-
-def meta_attempt(meta: bytes) -> dict | None:
-    """The attempt :func:`attempt_trailer` appended to ``meta``, or ``None``."""
-    i = bytes(meta).rfind(_TRAILER)
-    if i < 0:
-        return None
-    try:
-        att = json.loads(bytes(meta[i + len(_TRAILER):]))
-        return make_attempt(att["run_id"], att["world_size"], att["epoch"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def read_lineage(directory: str) -> dict | None:
-    """The current lineage (``{"attempt", "base", "started"}``), or ``None``."""
-    try:
-        with open(os.path.join(directory, LINEAGE)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def accepts(lineage: dict | None, step: int, attempt: dict) -> bool:
-    """Whether a save of ``step`` by ``attempt`` belongs to the current ``lineage``:
-    it is the lineage's attempt, or ``step`` is not above the step it restored (a
-    breakpoint save of the previous attempt that the new one restored from)."""
-    if lineage is None:
-        return True
-    if attempt_tag(attempt) == attempt_tag(lineage.get("attempt") or {}):
-        return True
-    base = lineage.get("base")
-    return base is not None and step <= int(base)
-
-
-def start_lineage(directory: str, attempt: dict, base: int | None) -> None:
-    """Make ``attempt`` the current one, having restored ``base`` (``None``: nothing):
-    from now on, committed steps above ``base`` of other attempts (another lineage,
-    such as the steps after an explicit ``load(step=...)`` of an older one) no longer
-    count (:func:`lineage_steps`), and a temp directory of another attempt above
-    ``base`` is never committed."""
-    os.makedirs(directory, exist_ok=True)
-    atomic_write_json(os.path.join(directory, LINEAGE),
-                      {"attempt": make_attempt(**attempt), "base": base,
-                       "started": time.time(), "host": socket.gethostname()})
-
-
-def _manifest_attempt(directory: str, step: int) -> dict | None:
-    try:
-        with open(os.path.join(directory, step_dir_name(step), MANIFEST)) as f:
-            return json.load(f).get("attempt")
-    except (OSError, ValueError):
-        return None
-
-
-def sizes_match(step_dir: str) -> bool | None:
-    """Whether every file of the step has the size its manifest gives (a ``stat``
-    each, no read); ``None`` when the manifest or a file is missing (being pruned)."""
-    try:
-        with open(os.path.join(step_dir, MANIFEST)) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return False
-    for name, meta in manifest.get("files", {}).items():
-        try:
-            if os.path.getsize(os.path.join(step_dir, name)) != meta["bytes"]:
-                return False
-        except FileNotFoundError:
-            return None
-    return True
-
-
-def lineage_steps(directory: str, check_sizes: bool = True) -> list[int]:
-    """Committed steps of the current lineage, oldest first: not quarantined,
-    accepted by :func:`accepts` (by the attempt in their manifest), and with
-    ``check_sizes`` every file of the size its manifest gives; a step whose sizes
-    differ (truncated, cut short) is quarantined on the way."""
-    lineage = read_lineage(directory)
-    out = []
-    for s in committed_steps(directory):
-        if lineage is not None:
-            att = _manifest_attempt(directory, s)
-            if not accepts(lineage, s, att or {}):
-                continue
-        if check_sizes:
-            ok = sizes_match(os.path.join(directory, step_dir_name(s)))
-            if ok is None:
-                continue
-            if not ok:
-                quarantine(directory, s, "a file's size differs from the manifest")
-                continue
-        out.append(s)
-    return out
-
-
-def newest_committed(directory: str) -> int | None:
-    """The newest verified step of the current lineage (:func:`lineage_steps`), or
-    ``None``."""
-    steps = lineage_steps(directory)
-    return steps[-1] if steps else None
-
-
-def latest_step(directory: str) -> int | None:
-    """The step the ``latest`` file names (written right after a commit's rename) when
-    it is a committed step of the current lineage, else ``None``."""
-    try:
-        with open(os.path.join(directory, "latest")) as f:
-            step = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    return step if step in lineage_steps(directory, check_sizes=False) else None
 
 
 def pending_tmp_steps(directory: str) -> list[int]:
@@ -515,72 +385,3 @@ def _advance_latest(directory: str, step: int) -> None:
         atomic_write_text(path, f"{step}\n")
 
 
-def read_manifest(step_dir: str) -> dict:
-    """The manifest of a committed step.
-
-    Raises:
-        CorruptCheckpointError: missing or unreadable, or not a flash checkpoint.
-    """
-    try:
-        with open(os.path.join(step_dir, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{step_dir}: unreadable manifest ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{step_dir}: format {manifest.get('format')!r} is not "
-                                     f"{FORMAT!r} (written by another saver?)")
-    return manifest
-
-
-def file_crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            b = f.read(CHUNK)
-            if not b:
-                return crc
-            crc = zlib.crc32(b, crc)
-
-
-def verify_step(step_dir: str, ranks: list[int] | None = None,
-                world_size: int | None = None) -> dict:
-    """Check the files of ``ranks`` (default: all) against the manifest; return it.
-
-    Raises:
-        DamagedStepError: a size or crc32 mismatch (the message names the file).
-        CorruptCheckpointError: missing manifest or file, or a manifest for another
-            world size.
-    """
-    manifest = read_manifest(step_dir)
-    if world_size is not None and manifest.get("world_size") != world_size:
-        raise CorruptCheckpointError(
-            f"{step_dir}: saved by world_size {manifest.get('world_size')}, this role has "
-            f"{world_size}; a flash checkpoint restores into the same world size")
-    names = [n for r in (ranks if ranks is not None else range(manifest["world_size"]))
-             for n in rank_files(r)]
-    for name in names:
-        meta = manifest["files"].get(name)
-        path = os.path.join(step_dir, name)
-        if meta is None:
-            raise CorruptCheckpointError(f"{step_dir}: the manifest does not list {name}")
-        if not os.path.exists(path):
-            raise CorruptCheckpointError(f"{step_dir}: file {name} is missing")
-        size = os.path.getsize(path)
-        if size != meta["bytes"]:
-            raise DamagedStepError(
-                f"{step_dir}: {name} has {size} bytes, the manifest says {meta['bytes']}")
-        if file_crc32(path) != meta["crc32"]:
-            raise DamagedStepError(f"{step_dir}: {name} crc32 does not match the manifest")
-    return manifest
-
-
-def open_rank(step_dir: str, rank: int) -> tuple[bytes, mmap.mmap | bytes]:
-    """(meta bytes, data mapping) of one rank of a committed step (read-only)."""
-    data_name, meta_name = rank_files(rank)
-    with open(os.path.join(step_dir, meta_name), "rb") as f:
-        meta = f.read()
-    with open(os.path.join(step_dir, data_name), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data: mmap.mmap | bytes = (mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-                                   if size else b"")
-    return meta, data

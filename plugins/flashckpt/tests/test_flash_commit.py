@@ -17,6 +17,7 @@ import pytest
 from dlrover_core.atomic_io import write_all
 from dlrover_core.checkpoint.manifest import CorruptCheckpointError
 from dlrover_plugin_flashckpt import storage
+from dlrover_plugin_flashckpt.meta import pack_meta, unpack_meta
 
 
 def _shard(d, step, rank, world, payload, attempt=None, seq=1):
@@ -128,10 +129,10 @@ def test_the_attempt_trailer_survives_the_meta_block():
 
     table, _, skeleton = layout.build_table({"w": torch.zeros(3)})
     att = storage.make_attempt("run", 2, "e")
-    blob = layout.pack_meta(4, table, skeleton, {"rank": 1}) + storage.attempt_trailer(att)
-    assert layout.unpack_meta(blob)["step"] == 4  # pickle ignores the trailing bytes
+    blob = pack_meta(4, table, skeleton, {"rank": 1}) + storage.attempt_trailer(att)
+    assert unpack_meta(blob)["step"] == 4  # pickle ignores the trailing bytes
     assert storage.meta_attempt(blob) == att
-    assert storage.meta_attempt(layout.pack_meta(4, table, skeleton, {})) is None
+    assert storage.meta_attempt(pack_meta(4, table, skeleton, {})) is None
 
 
 # ----------------------------------------------------------------------------- item 6

@@ -18,6 +18,7 @@ import torch
 from dlrover_core.checkpoint.manifest import CheckpointLoadError
 from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
 from dlrover_plugin_flashckpt import hygiene, layout, shm
+from dlrover_plugin_flashckpt.meta import MetaFormatError, pack_meta, unpack_meta
 from dlrover_plugin_flashckpt.saver import FlashSaver
 
 
@@ -95,8 +96,8 @@ def test_planted_pickle_payload_in_a_buffer_is_never_unpickled(shm_dir, tmp_path
     with pytest.raises(CheckpointLoadError, match="step 5: shared memory.*never unpickled"):
         s.load(live)
     assert not marker.exists()
-    with pytest.raises(layout.MetaFormatError, match="never unpickled"):
-        layout.unpack_meta(blob)
+    with pytest.raises(MetaFormatError, match="never unpickled"):
+        unpack_meta(blob)
     assert not marker.exists()
     s.close()
 
@@ -112,7 +113,7 @@ def test_meta_block_round_trips_the_values_of_a_state_dict():
              "extra": {"pos": np.int64(17), "dtype": torch.bfloat16, "raw": b"\x00\x01",
                        "tags": {"a", "b"}, ("k", 1): "tuple key", "$odd": 1}}
     table, _, skeleton = layout.build_table(state)
-    m = layout.unpack_meta(layout.pack_meta(7, table, skeleton, {"rank": 2, "world_size": 4}))
+    m = unpack_meta(pack_meta(7, table, skeleton, {"rank": 2, "world_size": 4}))
     assert (m["step"], m["rank"], m["world_size"], m["table"]) == (7, 2, 4, table)
     sk = m["skeleton"]
     assert sk["optimizer"]["param_groups"] == skeleton["optimizer"]["param_groups"]
@@ -127,15 +128,15 @@ def test_meta_block_round_trips_the_values_of_a_state_dict():
 
 def test_meta_block_refuses_functions_and_damage_and_never_creates_objects():
     with pytest.raises(TypeError, match=r"extra\.fn of type .*function"):
-        layout.pack_meta(0, [], {"extra": {"fn": lambda: 0}}, {})
-    blob = bytearray(layout.pack_meta(0, [], {"a": 1}, {}))
+        pack_meta(0, [], {"extra": {"fn": lambda: 0}}, {})
+    blob = bytearray(pack_meta(0, [], {"a": 1}, {}))
     blob[-2] ^= 0xFF
-    with pytest.raises(layout.MetaFormatError, match="crc32"):
-        layout.unpack_meta(bytes(blob))
+    with pytest.raises(MetaFormatError, match="crc32"):
+        unpack_meta(bytes(blob))
     # a plain object (DeepSpeed's LossScaler) is saved as its attributes; a load sets
     # them on the live object of that type and never creates one
     saved = _Payload("/saved")
-    m = layout.unpack_meta(layout.pack_meta(0, [], {"scaler": saved}, {}))
+    m = unpack_meta(pack_meta(0, [], {"scaler": saved}, {}))
     live = {"scaler": _Payload("/live")}
     scaler = live["scaler"]
     layout.restore(live, m["skeleton"], [], None, "test")

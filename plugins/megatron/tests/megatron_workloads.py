@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dlrover_core import BaseWorkload
-from examples.megatron_gpt.model import CharGPTShape, TensorParallelCharGPT
+from examples.megatron_gpt.model import CharGPTShape, LayerStack, TensorParallelCharGPT
 
 SHAPE = CharGPTShape(vocab_size=32, block_size=16, num_layers=2, num_attention_heads=4,
                      hidden_size=32)
@@ -39,7 +40,9 @@ def _name(n: str) -> str:
 
 class TPTrainer(BaseWorkload):
     """A small :class:`TensorParallelCharGPT` + AdamW under the ``megatron`` backend.
-    ``config.ckpt`` stands in for the job's ``checkpoint`` section (no job spec here)."""
+    ``config.ckpt`` stands in for the job's ``checkpoint`` section (no job spec here);
+    ``config.num_layers`` (default ``SHAPE.num_layers``) the number of blocks over all
+    pipeline stages."""
 
     def setup(self) -> None:
         ck = self.config.get("ckpt")
@@ -47,9 +50,22 @@ class TPTrainer(BaseWorkload):
             from omegaconf import OmegaConf
 
             self.context.checkpoint = OmegaConf.to_container(ck)
-        self.model = self.backend.wrap(TensorParallelCharGPT(SHAPE))
+        shape = dataclasses.replace(SHAPE, num_layers=int(self.config.get("num_layers",
+                                                                          SHAPE.num_layers)))
+        self.model = self.backend.wrap(self.build_model(shape))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.extra = {"step": 0}
+
+    def build_model(self, shape: CharGPTShape) -> torch.nn.Module:
+        return TensorParallelCharGPT(shape)
+
+    def step(self) -> None:
+        """One AdamW step on made-up gradients (no forward: a pipeline stage alone has
+        no loss); it fills the optimizer's state."""
+        for p in self.model.parameters():
+            p.grad = torch.sin(p.detach() * 7.0)
+        self.opt.step()
+        self.extra["step"] += 1
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1000 * step + self.backend.dp_rank)
@@ -201,37 +217,39 @@ class GPTTrainer(TPTrainer):
         return x.cuda(), y.cuda()
 
 
-class StageHolder(TPTrainer):
-    """Only this pipeline stage's blocks (global layer names), for checkpoints across
-    pipeline layouts; there is no forward through a pipeline here. ``step()`` fills
-    the optimizer's state with one AdamW step on made-up gradients."""
+class StackedLayers(LayerStack):
+    """The blocks saved the way megatron-core's ``TransformerBlock`` saves its layers:
+    one key per parameter for all layers (``layers.attn.qkv.weight``), the global layer
+    index a prepended axis of the sharded tensor (``prepend_axis_num=1``, offset
+    ``(0, layer, num_layers)``)."""
 
-    def setup(self) -> None:
+    def __init__(self, config: Any, shape: CharGPTShape, first: int, count: int) -> None:
+        super().__init__(config, shape, first, count)
+        self.first, self.total = first, shape.num_layers
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+        out: dict = {}
+        for i, name in enumerate(self.names):
+            local = f"{prefix}{name}."
+            part = getattr(self, name).sharded_state_dict(
+                prefix=local, sharded_offsets=((0, self.first + i, self.total),),
+                metadata=metadata)
+            replace_prefix_for_sharding(part, local, prefix)
+            out.update(part)
+        return out
+
+
+class StackedTrainer(TPTrainer):
+    """:class:`TPTrainer` whose blocks are saved as stacked layers (:class:`StackedLayers`)."""
+
+    def build_model(self, shape: CharGPTShape) -> torch.nn.Module:
         from megatron.core import parallel_state as ps
-        from megatron.core.transformer.module import MegatronModule
 
-        from examples.megatron_gpt.model import LayerStack, transformer_config
-
-        ck = self.config.get("ckpt")
-        if ck is not None:
-            from omegaconf import OmegaConf
-
-            self.context.checkpoint = OmegaConf.to_container(ck)
-        pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-        per = SHAPE.num_layers // pp
-        config = transformer_config(SHAPE, ps.get_tensor_model_parallel_world_size())
-
-        class Stage(MegatronModule):
-            def __init__(self) -> None:
-                super().__init__(config)
-                self.layers = LayerStack(config, SHAPE, stage * per, per)
-
-        self.model = self.backend.wrap(Stage())
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.extra = {"step": 0}
-
-    def step(self) -> None:
-        for p in self.model.parameters():
-            p.grad = torch.sin(p.detach() * 7.0)
-        self.opt.step()
-        self.extra["step"] += 1
+        model = TensorParallelCharGPT(shape)
+        per = shape.num_layers // ps.get_pipeline_model_parallel_world_size()
+        model.layers = StackedLayers(model.config, shape,
+                                     ps.get_pipeline_model_parallel_rank() * per, per)
+        return model

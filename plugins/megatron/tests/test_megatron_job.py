@@ -5,6 +5,8 @@ checkpoint while the job goes on to succeed."""
 from __future__ import annotations
 
 import collections
+import functools
+import math
 import os
 import signal
 
@@ -50,6 +52,29 @@ def step_records(job_dir: str) -> list[dict]:
             if r["event"] == "step" and r["role"] == "trainer"]
 
 
+@functools.cache
+def val_loss_bound() -> float:
+    """Halfway (nats/char) between the validation loss of a model that knows nothing of
+    the text, uniform over its symbols (``ln 103`` = 4.63), and that of one that knows
+    only its character frequencies: the cross-entropy of the validation split under
+    the training split's unigram distribution (3.24). An untrained model (~4.85: near
+    uniform over the 128 padded logits) is above it."""
+    from examples.nanogpt.data import CharDataset
+
+    data = CharDataset()
+    counts = collections.Counter(data.train.tolist())
+    n = sum(counts.values())
+    unigram = -sum(math.log(counts[i] / n) for i in data.val.tolist()) / len(data.val)
+    return (math.log(data.vocab_size) + unigram) / 2
+
+
+def check_learned(summary: dict, losses: list[float]) -> None:
+    # measured (2 CPU cores, 24 steps of TINY): val_loss 3.29 at TP=2 and 3.28 at PP=2,
+    # first training loss 4.82 and 4.91; the bound is 3.94
+    val = summary["metrics"]["val_loss"]
+    assert val < val_loss_bound(), (val, val_loss_bound(), losses[:4])
+
+
 def test_tp2_job_trains_and_loss_falls(ray_cluster, job_dir):
     summary = run_job("mg-train", job_dir, 24)
     assert summary["status"] == "succeeded", summary["error"]
@@ -57,7 +82,7 @@ def test_tp2_job_trains_and_loss_falls(ray_cluster, job_dir):
     losses = [r["loss"] for r in step_records(job_dir) if "loss" in r]
     assert len(losses) == 24
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5  # nats/char, from ~4.2
-    assert summary["metrics"]["val_loss"] < losses[0]
+    check_learned(summary, losses)
 
 
 def test_pp2_job_trains_and_loss_falls(ray_cluster, job_dir):
@@ -70,7 +95,7 @@ def test_pp2_job_trains_and_loss_falls(ray_cluster, job_dir):
     losses = [r["loss"] for r in step_records(job_dir) if "loss" in r]
     assert len(losses) == 24
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5
-    assert summary["metrics"]["val_loss"] < losses[0]
+    check_learned(summary, losses)
 
 
 @pytest.mark.slow

@@ -248,35 +248,57 @@ def test_disk_round_trip_bit_exact_and_tp2_loads_at_tp1(ray_cluster, tmp_path):
         kill(one)
 
 
-@pytest.mark.parametrize("saver,source", [
-    ("disk", "disk"), pytest.param("flash", "memory-resharded", marks=pytest.mark.slow)])
-def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path, saver, source):
-    """Two pipeline stages (layer 0, layer 1) save; one stage with both layers loads
-    the same tensors: layers keep their global names. Through the flash saver each
-    stage's buffer holds only its layers, and the one stage takes each from the saved
-    rank that holds it (from memory)."""
+@pytest.mark.parametrize("workload,saver,source", [
+    ("TPTrainer", "disk", "disk"), ("StackedTrainer", "disk", "disk"),
+    pytest.param("TPTrainer", "flash", "memory-resharded", marks=pytest.mark.slow)])
+def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path, workload, saver, source):
+    """Two pipeline stages of a 4-block model save: the first holds the embeddings and
+    blocks 0-1, the last blocks 2-3, the final norm and the output layer. One stage
+    with the whole model loads the same tensors and AdamW moments (blocks keep their
+    global names; ``StackedTrainer`` saves them as megatron-core's TransformerBlock
+    does, one key per parameter with the global layer index as a prepended axis), and
+    its loss on a batch is the two stages' pipelined loss. Through the flash saver each
+    stage's buffer holds only its part, and the one stage takes each tensor from the
+    saved rank that holds it (from memory)."""
     job = f"mgpp-{uuid.uuid4().hex[:8]}"
     ckpt = {"saver": saver, "dir": str(tmp_path / "ckpt"), "keep": 2}
-    stage = "plugins.megatron.tests.megatron_workloads:StageHolder"
+    w = f"plugins.megatron.tests.megatron_workloads:{workload}"
+    g = torch.Generator().manual_seed(5)
+    x, y = (torch.randint(0, 20, (2, 16), generator=g) for _ in range(2))
     try:
-        two = spawn_role("trainer", stage, 2, {"pipeline_parallel": 2, "ckpt": ckpt},
-                         backend="megatron", job=job)
+        two = spawn_role("trainer", w, 2, {"pipeline_parallel": 2, "num_layers": 4,
+                                           "ckpt": ckpt}, backend="megatron", job=job)
         try:
             call(two, "step")
             call(two, "save", 1)
             parts = call(two, "full_params")
             moments = call(two, "full_optimizer_state")
+            saved_names = [[k for k in flat if k.startswith(".model.")]
+                           for flat in call(two, "flat_state")]
+            pipelined = call(two, "pipelined_forward_backward", x, y, 2)
         finally:
             kill(two)
-        assert {k.split(".")[1] for k in parts[0]} == {"0"}
-        assert {k.split(".")[1] for k in parts[1]} == {"1"}
-        one = spawn_role("trainer", stage, 1, {"pipeline_parallel": 1, "ckpt": ckpt},
-                         backend="megatron", job=job)
+        first, last = parts
+        assert {"embedding.weight", "position.weight"} <= first.keys()
+        assert not {"embedding.weight", "position.weight"} & last.keys()
+        assert {"output.weight", "ln_f.weight", "ln_f.bias"} <= last.keys()
+        assert not {"output.weight", "ln_f.weight", "ln_f.bias"} & first.keys()
+        assert {k.split(".")[1] for k in first if k.startswith("layers.")} == {"0", "1"}
+        assert {k.split(".")[1] for k in last if k.startswith("layers.")} == {"2", "3"}
+        stacked = [{k.rsplit("#", 1)[1] for k in names if "#" in k} for names in saved_names]
+        if workload == "StackedTrainer":
+            assert stacked == [{"0", "1"}, {"2", "3"}]  # ``<key>#<global layer>``
+            assert not any(k.startswith(".model.layers.0.") for k in saved_names[0])
+        else:
+            assert stacked == [set(), set()]
+        one = spawn_role("trainer", w, 1, {"pipeline_parallel": 1, "num_layers": 4,
+                                           "ckpt": ckpt}, backend="megatron", job=job)
         try:
             before = call(one, "full_params")[0]
             assert call(one, "load") == [{"step": 1, "source": source}]
             loaded = call(one, "full_params")[0]
             loaded_moments = call(one, "full_optimizer_state")[0]
+            loss = call(one, "forward_backward", x, y)[0]["loss"]
         finally:
             kill(one)
     finally:
@@ -284,8 +306,8 @@ def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path, saver, source):
             from dlrover_plugin_flashckpt.persister import finish_job
 
             finish_job(job, timeout=30)
-    saved = {**parts[0], **parts[1]}
-    assert loaded.keys() == saved.keys()
+    saved = {**first, **last}
+    assert loaded.keys() == saved.keys() == before.keys()
     assert not all(torch.equal(before[k], saved[k]) for k in saved)  # loading changed it
     for k in saved:
         assert torch.equal(loaded[k], saved[k]), k
@@ -293,6 +315,30 @@ def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path, saver, source):
     assert loaded_moments.keys() == saved_moments.keys() and saved_moments
     for k in saved_moments:
         assert torch.equal(loaded_moments[k], saved_moments[k]), k
+    assert loss == pytest.approx(pipelined[-1]["loss"], abs=1e-5)
+
+
+def test_stacked_layer_placement():
+    """A stacked-layer tensor (``prepend_axis_num=1``: megatron-core's
+    ``decoder.layers.*``) is named by its global layer index, and its tensor-parallel
+    split is found on the axes after the stacked one."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from dlrover_plugin_megatron.sharding import Placement, UnsupportedShardingError, placement_of
+
+    local = torch.zeros(4, 8)  # rows 4..7 of layer 3's [8, 8] weight, TP rank 1 of 2
+    st = ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc1.weight", local,
+                                         (0, 3, 5), (1, 1, 2), prepend_axis_num=1)
+    assert placement_of(st, 2, 1) == Placement("decoder.layers.mlp.linear_fc1.weight#3",
+                                               (8, 8), 0, 2)
+    whole = ShardedTensor.from_rank_offsets("decoder.layers.ln.weight", torch.zeros(8),
+                                            (0, 2, 5), prepend_axis_num=1)
+    assert placement_of(whole, 1, 0) == Placement("decoder.layers.ln.weight#2", (8,), None, 1)
+    nested = ShardedTensor.from_rank_offsets("decoder.layers.experts.w", torch.zeros(8),
+                                             (0, 1, 4), (1, 6, 8), prepend_axis_num=2)
+    assert placement_of(nested, 1, 0).name == "decoder.layers.experts.w#1.6"
+    with pytest.raises(UnsupportedShardingError, match="along axis 0 at offset 4"):
+        placement_of(st, 2, 0)  # the shard is rank 1's, not rank 0's
 
 
 @pytest.mark.slow

@@ -1,0 +1,157 @@
+"""Loading a save of another world size or layout (a mixin of
+:class:`.saver.FlashSaver`, used by :mod:`.loading`): find the complete saves in this
+node's buffers of any world size (the ranks' own slots and the replicas this node
+holds), and restore one resharded (:mod:`.reshard`) from every saved rank's buffer or
+data file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from dlrover_core.checkpoint.manifest import CorruptCheckpointError
+from dlrover_core.checkpoint.saver import step_dir_name
+from dlrover_plugin_flashckpt import layout, shm, storage
+from dlrover_plugin_flashckpt.meta import unpack_meta
+from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, step_meta
+from dlrover_plugin_flashckpt.replica import parse_replica
+from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
+
+#: the name of a rank's own slot (not a replica)
+_SLOT_RE = re.compile(r"-r\d{5}-s\d+$")
+
+
+class RelayoutMixin:
+    """Restores of another world size or layout for :class:`.saver.FlashSaver` (which
+    provides the rank, the options and :meth:`_all_ok`, the collective check)."""
+
+    # provided by FlashSaver
+    rank: int
+    world_size: int
+    job: str
+    dir: str
+    opts: Any
+
+    def _node_saves(self) -> dict[int, dict[int, dict[int, str]]]:
+        """Complete saves in this node's buffers of :attr:`dir`, of any world size:
+        ``{saved world size: {step: {saved rank: buffer path}}}`` (steps that every
+        saved rank holds here). The buffers are the ranks' own slots and the replicas
+        this node holds for a peer (``replicas: 1``), so a job that lost a node and
+        comes back smaller on the survivor restores from memory."""
+        holder = ""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                holder = ray.get_runtime_context().get_node_id()[:12]
+        except ImportError:
+            pass
+        prefix = f"{shm.job_prefix(self.job)}{shm.dir_key(self.dir)}-r"
+        found: dict[int, dict[int, dict[int, tuple[int, str]]]] = {}
+        for path in shm.list_segments(self.opts.shm_dir, prefix):
+            rep = parse_replica(os.path.basename(path))
+            if not _SLOT_RE.search(path) and not (rep and holder and rep[2] == holder):
+                continue
+            seg = shm.Segment.attach(path)
+            if seg is None:
+                continue
+            try:
+                h = seg.read_header()
+                if not shm.holds_step(h) or seg.ident().get("dir") != self.dir:
+                    continue
+                ranks = found.setdefault(h.world_size, {}).setdefault(h.step, {})
+                if h.rank not in ranks or ranks[h.rank][0] < h.seq:
+                    ranks[h.rank] = (h.seq, path)
+            finally:
+                seg.close()
+        return {world: full for world, steps in found.items()
+                if (full := {s: {r: p for r, (_, p) in ranks.items()}
+                             for s, ranks in steps.items() if len(ranks) == world})}
+
+    def _other_world_steps(self) -> tuple[int, dict[int, dict[int, str]]]:
+        """The complete saves of another world size in this node's buffers:
+        ``(saved world size, {step: {saved rank: buffer path}})`` of the world size with
+        the newest step (0 and ``{}`` when none)."""
+        best: tuple[int, dict[int, dict[int, str]]] = (0, {})
+        for world, full in self._node_saves().items():
+            if world != self.world_size and (not best[1] or max(full) > max(best[1])):
+                best = (world, full)
+        return best
+
+    def _relayout(self, state_dict: dict, step: int, where: str,
+                  errors: list[str]) -> bool:
+        """After every rank failed to load ``step`` in place and one of them with a
+        ``LayoutError`` (same world size, another layout: TP=2 -> TP=1 x DP=2), restore
+        it resharded from every saved rank's buffer on this node (``where="memory"``)
+        or data file (``"disk"``). Collective: every rank calls it. Returns whether all
+        ranks did (``False``: a buffer or file is not here or is damaged).
+
+        Raises:
+            LayoutError: the saved state cannot be placed into the live one at all
+                (another model).
+        """
+        if not any("LayoutError" in e for e in errors):
+            return False
+        err: BaseException | None = None
+        try:
+            if where == "memory":
+                paths = self._node_saves().get(self.world_size, {}).get(step)
+                if paths is None:
+                    raise FileNotFoundError(
+                        f"step {step} has another layout and not every saved rank's flash "
+                        "buffer is on this node to reshard it from")
+            else:
+                step_dir = os.path.join(self.dir, step_dir_name(step))
+                paths = {r: os.path.join(step_dir, storage.rank_files(r)[0])
+                         for r in range(self.world_size)}
+            self._load_other_world(state_dict, step, paths, where=where)
+        except (TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
+            err = exc
+        again = self._all_ok(err)
+        if not again:
+            return True
+        if any("LayoutError" in e for e in again):
+            raise layout.LayoutError("; ".join(errors + again))
+        return False
+
+    def _load_other_world(self, state_dict: dict, step: int, paths: dict[int, str],
+                          where: str) -> None:
+        """Restore ``step`` saved by ``len(paths)`` ranks (buffer or data-file paths by
+        saved rank) into this rank of another world size (:mod:`.reshard`)."""
+        readers: list[ShardReader] = []
+        checks: list[tuple[shm.Segment, int]] = []
+        try:
+            sources = []
+            for r, path in sorted(paths.items()):
+                if where == "memory":
+                    seg = shm.Segment.attach(path)
+                    if seg is None:
+                        raise TornRead(f"flash buffer {path} disappeared")
+                    h, meta = step_meta(seg, step, f"flash buffer {seg.name}")
+                    checks.append((seg, h.seq))
+                    rd = ShardReader(path, h.data_offset)
+                else:
+                    data_name, meta_name = storage.rank_files(r)
+                    with open(os.path.join(os.path.dirname(path), meta_name), "rb") as f:
+                        meta = f.read()
+                    rd = ShardReader(path)
+                readers.append(rd)
+                m = unpack_meta(meta)
+                if m.get("rank") != r or m.get("step") != step:
+                    raise CorruptCheckpointError(f"{path}: holds rank {m.get('rank')} step "
+                                                 f"{m.get('step')}, expected rank {r} step {step}")
+                sources.append(RankSource(r, m, lambda e, off, dst, rd=rd:
+                                          rd.read_into(dst, e.offset + off)))
+            restore_resharded(state_dict, sources, self.rank,
+                              f"step {step} of world size {len(paths)} ({where})")
+            for seg, seq in checks:
+                h2 = seg.read_header()
+                if h2.seq != seq or not shm.holds_step(h2):
+                    raise TornRead(f"flash buffer {seg.name} was overwritten while it was read")
+        finally:
+            for rd in readers:
+                rd.close()
+            for seg, _ in checks:
+                seg.close()
