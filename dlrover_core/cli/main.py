@@ -10,6 +10,7 @@
     dlrover list [--root DIR] [--address ADDR] [--no-cluster] [--json]
     dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR]
     dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--json]
+    dlrover diagnose JOB [--job-dir DIR] [--json]
     dlrover hooks [--json] [--write FILE]
 
 Exit codes: 0 success (``submit``: the job succeeded), 1 the job failed or was
@@ -25,7 +26,7 @@ import sys
 from typing import Sequence
 
 from dlrover_core import __version__
-from dlrover_core.cli import hooks_doc, jobs_list, logs, plugin_new, timeline_cmd
+from dlrover_core.cli import diagnose, hooks_doc, jobs_list, logs, plugin_new, timeline_cmd
 from dlrover_core.cli.output import console_for, print_json, print_table
 
 err = console_for(stderr=True)
@@ -220,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs_list.add_parser(sub)
     logs.add_parser(sub)
     timeline_cmd.add_parser(sub)
+    diagnose.add_parser(sub)
     hooks_doc.add_parser(sub)
     _pm().add_cli_commands(sub)
     return p

@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from dlrover_core.spec.node_health import NodeHealthSpec
+
 
 @dataclass
 class ResourceSpec:
@@ -174,6 +176,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     tuning: TuningSpec = field(default_factory=TuningSpec)
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
+    node_health: NodeHealthSpec = field(default_factory=NodeHealthSpec)
     env: Dict[str, str] = field(default_factory=dict)
     config: Any = field(default_factory=dict)
 
