@@ -121,15 +121,18 @@ def judge(results: dict[str, NodeResult], slow_factor: float) -> None:
             continue
         rounds = {1: [bad_pair(p) for p in r.pairs if p["round"] == 1],
                   2: [bad_pair(p) for p in r.pairs if p["round"] == 2]}
+        if rounds[1] and not any(rounds[1]):
+            continue  # a good pair in round 1 (a round-2 partner's failure is not its own)
         if rounds[2]:
             if any(rounds[2]):  # failed again with a good partner: this node is bad
                 worst = "failed" if "failed" in rounds[2] else "slow"
                 r.verdict = "failed" if worst == "failed" else "slow_network"
-                r.reason = f"all-gather {worst} in round 1 and again with a good node"
-        elif rounds[1] and any(rounds[1]) or not r.pairs and len(results) > 1:
+                r.reason = (f"all-gather {worst} in round 1 and again with a good node"
+                            if rounds[1] else f"all-gather {worst} with a good node")
+        elif len(results) > 1:
             r.verdict = "unverified"
             r.reason = ("its pair failed and no good node was left to pair it with"
-                        if r.pairs else "no pair could be formed")
+                        if rounds[1] else "no pair could be formed")
 
 
 class NodeCheck:
