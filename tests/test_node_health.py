@@ -105,10 +105,11 @@ def test_hang_names_the_stacks_of_the_stuck_ranks(scenario):
     files = stacks[0]["files"]
     assert set(files) == {"trainer-0", "trainer-1"}, stacks[0]["errors"]
     texts = {label: open(path).read() for label, path in files.items()}
-    # the stopped rank is caught in its own loop; its peer waits in the collective
+    # the stopped rank is caught somewhere in its loop; its peer waits in the collective
     assert f"pid {part['stopped_pid']}" in texts["trainer-1"]
+    assert f"pid {part['rank0_pid']}" in texts["trainer-0"]
     assert "SyncSteps.run" in texts["trainer-1"]
-    assert "all_reduce" in texts["trainer-0"] and "all_reduce" not in texts["trainer-1"]
+    assert "all_reduce" in texts["trainer-0"]
     failed = _events(part, "instance_failed")[0]
     assert failed["kind"] == "hang"
     assert f"stacks: {files[failed['role'] + '-' + str(failed['rank'])]}" in failed["message"]
