@@ -14,9 +14,9 @@ On every node that holds a bundle of a role with a process group, a
 
 Verdicts (:func:`judge`): ``ok``; ``failed`` (the probe did not start, its matmul
 failed or took longer than ``check_timeout_s``, or it failed both rounds);
-``slow_compute`` (GFLOP/s below the median over ``slow_factor``); ``slow_network``
-(slow in both rounds); ``unverified`` (its pair failed and no good node was left to
-pair it with: kept). ``failed``, ``slow_compute`` and ``slow_network`` nodes are
+``slow_compute`` (GFLOP/s below the median of the other nodes over
+``slow_factor``); ``slow_network`` (slow in both rounds); ``unverified`` (its pair
+failed and no good node was left to pair it with: kept). ``failed``, ``slow_compute`` and ``slow_network`` nodes are
 marked bad (the failover coordinator's ``bad_nodes``, which the placement keeps out)
 and the job is placed again without them; when that placement is impossible they are
 taken back (``node_check_kept``) and the job runs where it can.
@@ -94,8 +94,7 @@ def judge(results: dict[str, NodeResult], slow_factor: float) -> None:
 
     A pair counts as slow when its bandwidth is below the median of the round-1 pairs
     that worked over ``slow_factor`` (only with two or more such pairs)."""
-    flops = [r.gflops for r in results.values() if r.gflops is not None]
-    med_flops = statistics.median(flops) if flops else None
+    flops = {n: r.gflops for n, r in results.items() if r.gflops is not None}
     r1 = {}
     for r in results.values():
         for p in r.pairs:
@@ -114,10 +113,12 @@ def judge(results: dict[str, NodeResult], slow_factor: float) -> None:
         if r.gflops is None:  # did not start or its matmul failed: judged already
             continue
         r.verdict, r.reason = "ok", ""
-        if r.gflops is not None and med_flops and r.gflops < med_flops / slow_factor:
+        others = [f for n, f in flops.items() if n != r.node_id]
+        med_flops = statistics.median(others) if others else None
+        if med_flops and r.gflops < med_flops / slow_factor:
             r.verdict = "slow_compute"
-            r.reason = (f"{r.gflops:.2f} GFLOP/s < median {med_flops:.2f} / "
-                        f"slow_factor {slow_factor:g}")
+            r.reason = (f"{r.gflops:.2f} GFLOP/s < {med_flops:.2f} (median of the other "
+                        f"nodes) / slow_factor {slow_factor:g}")
             continue
         rounds = {1: [bad_pair(p) for p in r.pairs if p["round"] == 1],
                   2: [bad_pair(p) for p in r.pairs if p["round"] == 2]}
@@ -239,7 +240,8 @@ class NodeCheck:
                 name=f"dlrover-{s.name}-nodecheck-{node[:12]}", namespace=MASTER_NAMESPACE,
                 num_cpus=res.get("CPU", 0.0), num_gpus=res.get("GPU", 0.0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle)).remote()
+                    placement_group=pg, placement_group_bundle_index=bundle)).remote(
+                        len(nodes) > 1)
         infos = self._gather({n: h.info.remote() for n, h in handles.items()}, PROBE_START_S)
         probes = {}
         for node, (ok, info) in infos.items():

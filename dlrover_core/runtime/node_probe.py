@@ -4,9 +4,10 @@
 It runs in a bundle of the job's placement on that node, with the resources a rank
 gets there, and measures
 
-- **compute**: ``iters`` float32 ``n x n`` matmuls (on the GPU Ray gave it, else on
-  the CPU with as many threads as CPUs it holds); ``2 n^3`` floating-point operations
-  each, so GFLOP/s = ``2 n^3 iters / seconds / 1e9``;
+- **compute**: ``iters`` float32 ``n x n`` matmuls (with torch on the GPU Ray gave it,
+  else with numpy on the CPU, whose BLAS uses the ``OMP_NUM_THREADS`` Ray sets from the
+  CPUs it holds; numpy so that a CPU-only check does not wait for ``import torch``);
+  ``2 n^3`` floating-point operations each, so GFLOP/s = ``2 n^3 iters / seconds / 1e9``;
 - **network**: ``iters`` all-gathers with one peer (a 2-rank process group, gloo on
   CPU, NCCL on GPU), reported as bus bandwidth in GB/s: ``bytes per rank x (world - 1)
   / seconds per all-gather`` (the all-gather bus bandwidth of NCCL's nccl-tests,
@@ -26,13 +27,17 @@ import ray
 class NodeProbe:
     """One node's probe (created by the master as a Ray actor; see the module doc)."""
 
-    def __init__(self) -> None:
-        import torch
+    def __init__(self, collective: bool = True) -> None:
+        """``collective``: it will take part in all-gathers, so ``torch`` is imported
+        now, before anything is timed (a lone node's CPU check needs only numpy)."""
+        self.device = "cpu"
+        if collective:
+            import torch  # noqa: F401
+        if ray.get_gpu_ids():
+            import torch
 
-        gpus = ray.get_gpu_ids()
-        self.device = "cuda" if gpus and torch.cuda.is_available() else "cpu"
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-        torch.set_num_threads(max(1, int(cpus)))
+            if torch.cuda.is_available():
+                self.device = "cuda"
 
     def info(self) -> dict:
         """``node_id``, ``ip``, ``pid`` and ``device`` (``cpu`` or ``cuda``)."""
@@ -43,10 +48,17 @@ class NodeProbe:
     def matmul(self, size: int, iters: int) -> dict:
         """Time ``iters`` ``size x size`` float32 matmuls (after one untimed warm-up).
         Returns ``{"seconds", "gflops"}`` (GFLOP/s = ``2 size^3 iters / seconds / 1e9``)."""
-        import torch
+        if self.device == "cuda":
+            import torch
 
-        a = torch.randn(size, size, device=self.device)
-        b = torch.randn(size, size, device=self.device)
+            a = torch.randn(size, size, device=self.device)
+            b = torch.randn(size, size, device=self.device)
+        else:
+            import numpy as np
+
+            rng = np.random.default_rng(0)
+            a = rng.standard_normal((size, size), dtype=np.float32)
+            b = rng.standard_normal((size, size), dtype=np.float32)
         c = a @ b  # warm-up: allocations, kernels
         self._sync()
         t0 = time.perf_counter()

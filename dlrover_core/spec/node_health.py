@@ -28,8 +28,8 @@ class NodeHealthSpec:
 
     Pre-flight check (before the ranks of roles with a process group start, on every
     node of their placement): ``skip_node_check`` turns it off; ``slow_factor`` (k): a
-    node whose matmul GFLOP/s is below the median over k, or whose pair bandwidth is
-    below the median over k in both rounds, is excluded; ``matmul_size`` (n of the
+    node whose matmul GFLOP/s is below the median of the other nodes over k, or whose
+    pair bandwidth is below the median over k in both rounds, is excluded; ``matmul_size`` (n of the
     n x n float32 matmul) and ``matmul_iters``; ``allgather_kb`` (KiB each rank gives to
     the all-gather) and ``allgather_iters``; ``check_timeout_s``: seconds one step
     (matmul, or one pair's all-gather) may take before the node or pair fails.
