@@ -147,6 +147,9 @@ def test_verdicts_slow_compute_and_unverified():
     assert res["b"].verdict == "slow_compute" and "slow_factor 2" in res["b"].reason
     assert res["a"].verdict == "unverified" and res["c"].verdict == "unverified"
     assert round2_batches(["a"], []) == []
+    res["a"].no_answer = "its all-gather (round 1) did not return within 45 s"
+    judge(res, 2.0)  # a probe stuck in its all-gather is the bad one of its pair
+    assert res["a"].verdict == "failed" and res["a"].reason == res["a"].no_answer
 
 
 def test_slow_ranks_compares_with_the_other_ranks():

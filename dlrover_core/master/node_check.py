@@ -13,13 +13,14 @@ On every node that holds a bundle of a role with a process group, a
    round-1 partner is cleared.
 
 Verdicts (:func:`judge`): ``ok``; ``failed`` (the probe did not start, its matmul
-failed or took longer than ``check_timeout_s``, or it failed both rounds);
-``slow_compute`` (GFLOP/s below the median of the other nodes over
-``slow_factor``); ``slow_network`` (slow in both rounds); ``unverified`` (its pair
-failed and no good node was left to pair it with: kept). ``failed``, ``slow_compute`` and ``slow_network`` nodes are
-marked bad (the failover coordinator's ``bad_nodes``, which the placement keeps out)
-and the job is placed again without them; when that placement is impossible they are
-taken back (``node_check_kept``) and the job runs where it can.
+failed or took longer than ``check_timeout_s``, its all-gather never returned, or it
+failed both rounds); ``slow_compute`` (GFLOP/s below the median of the other nodes
+over ``slow_factor``); ``slow_network`` (slow in both rounds); ``unverified`` (its
+pair failed and no good node was left to pair it with: kept). ``failed``,
+``slow_compute`` and ``slow_network`` nodes are marked bad (the failover
+coordinator's ``bad_nodes``, which the placement keeps out) and the job is placed
+again without them; when that placement is impossible they are taken back
+(``node_check_kept``) and the job runs where it can.
 
 Everything goes to one ``node_check`` event per check; ``dlrover diagnose`` prints it.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +65,9 @@ class NodeResult:
     pairs: list[dict] = field(default_factory=list)
     verdict: str = "ok"
     reason: str = ""
+    #: set when its probe stopped answering during an all-gather: ``failed``, whatever
+    #: the pairs say
+    no_answer: str = ""
 
     def as_dict(self) -> dict:
         return {"node_id": self.node_id, "ip": self.ip,
@@ -111,6 +116,9 @@ def judge(results: dict[str, NodeResult], slow_factor: float) -> None:
 
     for r in results.values():
         if r.gflops is None:  # did not start or its matmul failed: judged already
+            continue
+        if r.no_answer:
+            r.verdict, r.reason = "failed", r.no_answer
             continue
         r.verdict, r.reason = "ok", ""
         others = [f for n, f in flops.items() if n != r.node_id]
@@ -237,7 +245,8 @@ class NodeCheck:
         handles = {}
         for node, (pg, bundle, res) in nodes.items():
             handles[node] = remote_node_probe().options(
-                name=f"dlrover-{s.name}-nodecheck-{node[:12]}", namespace=MASTER_NAMESPACE,
+                name=f"dlrover-{s.name}-nodecheck-{node[:12]}-{uuid.uuid4().hex[:6]}",
+                namespace=MASTER_NAMESPACE,
                 num_cpus=res.get("CPU", 0.0), num_gpus=res.get("GPU", 0.0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle)).remote(
@@ -296,6 +305,8 @@ class NodeCheck:
         for key, (ok, res) in out.items():
             if not ok and res == "no answer":  # stuck: it cannot take part any more
                 node = key[0] if key[2] == 0 else key[1]
+                results[node].no_answer = (f"its all-gather (round {rnd}) did not return "
+                                           f"within {2 * timeout + 5:g} s")
                 if node in probes:
                     kill_actor(probes.pop(node))
 

@@ -29,6 +29,9 @@ import time
 #: The signal that makes a worker write its stacks (faulthandler).
 DUMP_SIGNAL = signal.SIGUSR1
 
+#: s the faulthandler file must stop growing before the dump counts as complete
+STABLE_S = 0.5
+
 _registered: dict[str, object] = {}
 
 
@@ -97,13 +100,14 @@ def dump_stacks(pid: int, method: str, job_dir: str, timeout_s: float = 10.0) ->
     except OSError as exc:
         return {"method": "faulthandler", "text": "", "error": f"kill: {exc}"}
     deadline = time.time() + timeout_s
-    size = start
+    size, changed = start, time.time()
     while time.time() < deadline:
         time.sleep(0.1)
         new = os.path.getsize(path)
-        if new > start and new == size:  # grew, then stopped growing
+        if new != size:
+            size, changed = new, time.time()
+        elif new > start and time.time() - changed >= STABLE_S:  # grew, then stopped
             break
-        size = new
     with open(path) as f:
         f.seek(start)
         text = f.read()
