@@ -10,7 +10,8 @@ Rules, in order:
    the same role -> the error is deterministic: ``role`` the first time it repeats
    (a clean restart of the whole role), ``fatal`` when it repeats again.
 4. A broken collective (gloo/NCCL connection closed or reset, timeout) -> ``process``.
-5. A dead actor or process, a hang, any other exception -> ``process``.
+5. A dead actor or process, a hang, a straggler (``node_health.straggler_action:
+   replace``), any other exception -> ``process``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def classify(failure: Failure, history: list[Failure]) -> FailureVerdict:
         if any(m in failure.message for m in COLLECTIVE_MARKERS):
             return FailureVerdict("process", f"broken collective: {failure.message[:120]}")
         return FailureVerdict("process", f"{failure.exc_type} in user code at step {failure.step}")
+    if failure.kind == "straggler":
+        return FailureVerdict("process", f"{failure.role}-{failure.rank} is a straggler: "
+                              f"{failure.message[:160]}")
     if failure.kind == "hang":
         return FailureVerdict("process", f"{failure.role} reported no step for the hang timeout")
     return FailureVerdict("process", f"{failure.role}-{failure.rank} died: {failure.message[:160]}")

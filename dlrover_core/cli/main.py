@@ -11,6 +11,7 @@
     dlrover cluster up|add|env|status|down [--dir DIR]  (a `ray start` cluster here)
     dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR] [--run N]
     dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--run N] [--json]
+    dlrover diagnose JOB [--job-dir DIR] [--json]
     dlrover hooks [--json] [--write FILE]
 
 Each ``submit`` is a new run of the job in its job directory (``runs/NAME``): it
@@ -39,7 +40,8 @@ import sys
 from typing import Sequence
 
 from dlrover_core import __version__
-from dlrover_core.cli import cluster, hooks_doc, jobs_list, logs, plugin_new, timeline_cmd
+from dlrover_core.cli import (cluster, diagnose, hooks_doc, jobs_list, logs, plugin_new,
+                              timeline_cmd)
 from dlrover_core.cli.job_files import run_option
 from dlrover_core.cli.output import console_for, print_json, print_table
 
@@ -288,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_parser(sub)
     logs.add_parser(sub)
     timeline_cmd.add_parser(sub)
+    diagnose.add_parser(sub)
     hooks_doc.add_parser(sub)
     _pm().add_cli_commands(sub)
     return p

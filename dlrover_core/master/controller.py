@@ -7,7 +7,8 @@ change goes through :meth:`JobController._set_state`, which checks it against
 ``states.TRANSITIONS``, persists it in the JobContext and emits ``job_state_changed``.
 
 - ``PENDING``: announce the job (``job_started``) -> ``PLACING``.
-- ``PLACING``: the launcher creates the placement groups -> ``STARTING``.
+- ``PLACING``: the launcher creates the placement groups; the node check probes their
+  nodes and places again without bad ones (``master.node_check``) -> ``STARTING``.
 - ``STARTING``: the launcher starts every role, the driver, the spares -> ``RUNNING``
   (a failure -> ``RECOVERING``).
 - ``RUNNING``: the monitor polls; all done -> ``SUCCEEDED``; a failure -> ``RECOVERING``.
@@ -42,12 +43,14 @@ from dlrover_core.master.failover import FailoverCoordinator, JobFailed, Recover
 from dlrover_core.master.instances import InstanceFailure, InstanceState, InstanceTable
 from dlrover_core.master.launcher import Launcher
 from dlrover_core.master.monitor import Detection, Monitor
+from dlrover_core.master.node_check import NodeCheck
 from dlrover_core.master.progress import ProgressRecorder
 from dlrover_core.master.reattach import reattach
 from dlrover_core.master.recovery import OpenRecovery, RecoveryExecutor
 from dlrover_core.master.scope import JobScope, JobStopped
 from dlrover_core.master.shards import ShardRegistry
 from dlrover_core.master.standby import StandbyPool
+from dlrover_core.master.stragglers import StragglerDetector
 from dlrover_core.master.states import JobState, check_transition
 from dlrover_core.observability.tensorboard import attach_tensorboard
 from dlrover_core.placement import PlacementError
@@ -86,6 +89,8 @@ class JobController:
         self.elastic = ElasticManager(s, self.launcher, self.standby)
         self.progress = ProgressRecorder(s)
         self.shards = ShardRegistry()
+        self.node_check = NodeCheck(s, self.launcher)  # node health (docs/node-health.md)
+        self.stragglers = self.progress.stragglers = StragglerDetector(s)
         self.tensorboard = attach_tensorboard(spec, job_dir, s.events, self.progress.metrics_log)
         self.state = JobState.PENDING
         self.error = ""
@@ -154,6 +159,7 @@ class JobController:
 
     def _placing(self) -> JobState:
         self.launcher.place()
+        self.node_check.after_placement()  # may exclude nodes and place again
         return JobState.STARTING
 
     def _starting(self) -> JobState:
@@ -182,7 +188,7 @@ class JobController:
             except InstanceFailure as f:
                 self._failures.append(self.monitor.diagnose(f.inst, f.exc))
                 return JobState.RECOVERING
-        found = self.monitor.poll()
+        found = self.monitor.poll() or self.stragglers.check()
         if found is None:
             return None
         self._failures.append(found)

@@ -240,8 +240,20 @@ class Monitor:
                 inst.role, inst.rank, silent[inst.key], hang_s, node_id=inst.node_id,
                 step=inst.last_step, attempt=inst.attempt),
                 message=f"no step report for {silent[inst.key]:.1f} s "
-                        f"(hang_timeout_s={hang_s:g}); {why}"))
+                        f"(hang_timeout_s={hang_s:g}); {why}{self._stacks(inst, suspects)}"))
         return None
+
+    def _stacks(self, inst: Instance, suspects: list[Instance]) -> str:
+        """Capture the suspects' stacks (``master.stacks``); the text that names the
+        blamed rank's file in the failure message ('' when none was written)."""
+        from dlrover_core.master.stacks import capture_hang_stacks
+
+        try:
+            files = capture_hang_stacks(self.scope, inst, suspects)
+        except Exception:  # noqa: BLE001 - evidence only
+            traceback.print_exc()
+            return ""
+        return f"; stacks: {files[inst.label]}" if inst.label in files else ""
 
     def _stuck_calls(self, running: list[Instance], hang_s: float) -> Detection | None:
         """Driver jobs: role instances whose current call runs longer than ``hang_s``."""
@@ -256,7 +268,7 @@ class Monitor:
             inst.role, inst.rank, a["busy_s"], hang_s, node_id=inst.node_id,
             step=inst.last_step, attempt=inst.attempt),
             message=f"call {inst.role}.{a['busy']} has run for {a['busy_s']:.1f} s "
-                    f"(hang_timeout_s={hang_s:g}); {why}"))
+                    f"(hang_timeout_s={hang_s:g}); {why}{self._stacks(inst, stuck)}"))
 
     def activities(self, insts: list[Instance],
                    timeout: float = 5.0) -> dict[tuple[str, int], dict]:

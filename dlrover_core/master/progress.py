@@ -37,6 +37,8 @@ class ProgressRecorder:
         self._job_dirty = False  # rank 0 moved the job's step since the last flush
         #: the job's ``TuningController`` (set by the JobMaster when tuning is on)
         self.tuning: Any = None
+        #: the job's ``StragglerDetector`` (set by the controller)
+        self.stragglers: Any = None
 
     def on_report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
         """A step report of ``role``/``rank``: ``metrics`` name -> float; ``ts`` the
@@ -56,6 +58,8 @@ class ProgressRecorder:
             self.metrics_log.emit("step", role=role, step=step, **metrics)
         if self.tuning is not None:  # the tuner's metric feed (never raises)
             self.tuning.on_report(role, rank, step, metrics)
+        if self.stragglers is not None:
+            self.stragglers.on_report(role, rank, step, metrics)
         s.pm.step_reported(s.name, role, rank, step, metrics)
 
     def on_checkpoint_loaded(self, role: str, rank: int, step: int, source: str | None,

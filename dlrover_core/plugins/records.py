@@ -48,6 +48,7 @@ class FailureKind(StrEnum):
     HANG = "hang"                          # no step report for failover.hang_timeout_s
     NODE_LOST = "node_lost"                # the instance's node left the cluster
     MASTER_RESTARTED = "master_restarted"  # found dead by a restarted master
+    STRAGGLER = "straggler"                # alive but slower than its peers (replaced)
 
 
 def check_name(kind: str, name: str) -> None:

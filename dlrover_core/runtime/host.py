@@ -219,6 +219,10 @@ class WorkloadHost(_HostBase):
         os.environ.update(context.env())
         self.context = context
         self.workload_path = workload_path
+        if context.job_dir:  # hang diagnosis: stacks on a signal (runtime.stack_dump)
+            from dlrover_core.runtime.stack_dump import register
+
+            register(context.job_dir)
         self.workload: Any = None
         self.plugins = plugin_manager
 

@@ -162,6 +162,16 @@ class DLJobBuilder:
         self._spec.setdefault("failover", {}).update(kwargs)
         return self
 
+    def node_health(self, **kwargs: Any) -> DLJobBuilder:
+        """The ``node_health`` section (``dlrover_core.spec.node_health.NodeHealthSpec``):
+        ``skip_node_check``, ``slow_factor``, ``straggler_action``, ... ."""
+        self._spec.setdefault("node_health", {}).update(kwargs)
+        return self
+
+    def skip_node_check(self, skip: bool = True) -> DLJobBuilder:
+        """Turn the pre-flight node check off (``node_health.skip_node_check``)."""
+        return self.node_health(skip_node_check=skip)
+
     def edge(self, src: str, dst: str) -> DLJobBuilder:
         self._spec.setdefault("edges", []).append([src, dst])
         return self

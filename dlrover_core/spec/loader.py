@@ -441,6 +441,9 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
     from dlrover_core.observability.spec import validate_observability
 
     validate_observability(spec)
+    from dlrover_core.spec.node_health import validate_node_health
+
+    validate_node_health(spec)
     for i, group in enumerate(spec.collocation):
         if not OmegaConf.is_list(group):
             raise SpecError(f"collocation[{i}]", group, "a list of role names")

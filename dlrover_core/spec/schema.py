@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from dlrover_core.spec.node_health import NodeHealthSpec
+
 
 @dataclass
 class ResourceSpec:
@@ -203,6 +205,7 @@ class JobSpec:
     elastic: ElasticSpec = field(default_factory=ElasticSpec)
     tuning: TuningSpec = field(default_factory=TuningSpec)
     observability: ObservabilitySpec = field(default_factory=ObservabilitySpec)
+    node_health: NodeHealthSpec = field(default_factory=NodeHealthSpec)
     env: Dict[str, str] = field(default_factory=dict)
     config: Any = field(default_factory=dict)
 

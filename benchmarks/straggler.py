@@ -1,0 +1,152 @@
+"""Straggler benchmark: a 4-rank gloo job (``tests.node_health_workloads.SyncSteps``: a
+timed matmul loop, then an ``all_reduce``), one rank slowed from outside to about
+``--speed`` (default 40%) of its speed at step ``--slow-at`` by SIGSTOP/SIGCONT duty
+cycling, with ``node_health.straggler_action`` (default ``replace``: the straggler is
+replaced from the warm standby).
+
+Figures, per run (the JSON line holds the median over ``--runs`` runs):
+
+- ``detected_after_s``: from the first SIGSTOP to the ``straggler_detected`` event;
+- ``throughput_healthy``: samples/s (rank 0's step reports in ``metrics.jsonl``: the
+  samples of the steps over the wall time between the first and the last step of the
+  span) from step ``--warmup`` to the slowdown;
+- ``throughput_slowed``: from the slowdown to the detection;
+- ``throughput_after_action``: from ``--warmup`` steps after ``recovery_finished`` to
+  the end (``None`` when nothing was replaced);
+- ``recovered_ratio``: ``throughput_after_action / throughput_healthy``;
+- ``action``: the action the ``straggler_detected`` event names.
+
+The last stdout line is one JSON object with these keys (plus ``runs``: every run's
+figures). Smoke run: ``python benchmarks/straggler.py --runs 1 --steps 150
+--steps-after 40 --window-s 1.5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def throughput(steps: list[dict], t_from: float, t_to: float) -> float | None:
+    """samples/s of the step records with ``t_from <= ts <= t_to``: the samples of all
+    but the first over the time from the first to the last (``None``: < 3 records)."""
+    span = [r for r in steps if t_from <= r["ts"] <= t_to]
+    if len(span) < 3:
+        return None
+    dt = span[-1]["ts"] - span[0]["ts"]
+    return sum(r["samples"] for r in span[1:]) / dt if dt > 0 else None
+
+
+def one_run(args: argparse.Namespace, job_dir: str) -> dict:
+    import ray
+
+    from dlrover_core import DLJobBuilder
+    from dlrover_core.master.client import create_master
+    from dlrover_core.master.events import read_events
+    from tests.node_health_workloads import DutyCycle
+
+    job = (DLJobBuilder().name(f"straggler-bench-{int(time.time() * 1000) % 10**8}")
+           .config({"steps": args.steps, "steps_after_restart": args.steps_after,
+                    "size": 128, "work": args.work, "batch": 8})
+           .workload("trainer", "tests.node_health_workloads", "SyncSteps")
+           .total(4).per_node(4).backend("ddp").resource(cpu=1).end()
+           .node_health(straggler_action=args.action, straggler_window_s=args.window_s,
+                        straggler_windows=args.windows, straggler_factor=args.factor)
+           .build())
+    master = create_master(job.spec, job_dir)
+    ray.get(master.start.remote())
+    seen: dict = {}
+    cycle = DutyCycle(lambda: [seen["pid"]] if "pid" in seen else [], speed=args.speed,
+                      period_s=args.period_s)
+    summary = None
+    try:
+        while summary is None:
+            st = ray.get(master.status.remote(), timeout=30)
+            victim = st["instances"].get(f"trainer-{args.rank}", {})
+            if "pid" not in seen and st["step"] >= args.slow_at and \
+                    victim.get("state") == "running":
+                seen["pid"], seen["at"] = victim["pid"], time.time()
+                cycle.start()
+            elif "pid" in seen and victim.get("pid") != seen["pid"] and cycle.is_alive():
+                cycle.stop()
+            summary = st["summary"]
+            time.sleep(0.05)
+    finally:
+        if cycle.is_alive():
+            cycle.stop()
+        ray.kill(master)
+    events = read_events(os.path.join(job_dir, "events.jsonl"))
+    steps = [r for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
+             if r["event"] == "step"]
+    detected = next((e for e in events if e["event"] == "straggler_detected"), None)
+    recovered = next((e for e in events if e["event"] == "recovery_finished"), None)
+    healthy_from = next((r["ts"] for r in steps if r["step"] >= args.warmup), None)
+    slowed_at = seen.get("at")
+    healthy = throughput(steps, healthy_from, slowed_at) if healthy_from and slowed_at \
+        else None
+    slowed = throughput(steps, slowed_at, detected["ts"]) if detected else None
+    after = None
+    if recovered is not None:
+        later = [r for r in steps if r["ts"] > recovered["ts"]]
+        if len(later) > args.warmup:
+            after = throughput(steps, later[args.warmup]["ts"], float("inf"))
+    return {"detected_after_s": round(detected["ts"] - slowed_at, 3) if detected else None,
+            "throughput_healthy": healthy, "throughput_slowed": slowed,
+            "throughput_after_action": after,
+            "recovered_ratio": after / healthy if after and healthy else None,
+            "action": detected["action"] if detected else None,
+            "status": summary["status"]}
+
+
+def median(runs: list[dict], key: str) -> float | None:
+    xs = [r[key] for r in runs if r[key] is not None]
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=600, help="steps of a run (attempt 0)")
+    p.add_argument("--steps-after", type=int, default=300,
+                   help="steps after the straggler was replaced")
+    p.add_argument("--work", type=int, default=300, help="matmuls per step")
+    p.add_argument("--slow-at", type=int, default=50)
+    p.add_argument("--rank", type=int, default=2, help="the rank that is slowed")
+    p.add_argument("--speed", type=float, default=0.4)
+    p.add_argument("--period-s", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--action", default="replace")
+    p.add_argument("--window-s", type=float, default=5.0)
+    p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--factor", type=float, default=2.0)
+    args = p.parse_args()
+
+    from dlrover_core.master.client import init_ray
+
+    os.chdir(ROOT)
+    temp_dir = tempfile.mkdtemp(prefix="dlsb", dir="/tmp")
+    init_ray(None, num_cpus=5, _temp_dir=temp_dir)  # 4 ranks and the warm standby
+    root = tempfile.mkdtemp(prefix="straggler-bench-")
+    runs = []
+    for i in range(args.runs):
+        runs.append(one_run(args, os.path.join(root, f"run{i}")))
+        print(json.dumps(runs[-1]), file=sys.stderr)
+    actions = {r["action"] for r in runs}
+    out = {k: median(runs, k) for k in ("detected_after_s", "throughput_healthy",
+                                        "throughput_slowed", "throughput_after_action",
+                                        "recovered_ratio")}
+    out["action"] = actions.pop() if len(actions) == 1 else sorted(map(str, actions))
+    out["runs"] = runs
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The ``node_health`` section of the job spec: the pre-flight node check, run-time
+straggler detection and the stack capture of hung ranks (see docs/node-health.md).
+
+Validated by :func:`validate_node_health`; every error names the key, the value and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from dlrover_core.spec.errors import SpecError
+
+#: What the master does with a straggler: ``off`` (no detection), ``report`` (the
+#: ``straggler_detected`` event only), ``replace`` (the rank is replaced, from the warm
+#: standby when there is one, like a failed rank).
+STRAGGLER_ACTIONS = ("off", "report", "replace")
+#: How the stacks of hung ranks are captured: ``auto`` (py-spy when installed, else
+#: faulthandler), ``py-spy``, ``faulthandler``, ``off``.
+STACK_METHODS = ("auto", "py-spy", "faulthandler", "off")
+
+
+@dataclass
+class NodeHealthSpec:
+    """Node health settings.
+
+    Pre-flight check (before the ranks of roles with a process group start, on every
+    node of their placement): ``skip_node_check`` turns it off; ``slow_factor`` (k): a
+    node whose matmul GFLOP/s is below the median of the other nodes over k, or whose
+    pair bandwidth is below the median over k in both rounds, is excluded; ``matmul_size`` (n of the
+    n x n float32 matmul) and ``matmul_iters``; ``allgather_kb`` (KiB each rank gives to
+    the all-gather) and ``allgather_iters``; ``check_timeout_s``: seconds one step
+    (matmul, or one pair's all-gather) may take before the node or pair fails.
+
+    Stragglers: ``straggler_action`` (:data:`STRAGGLER_ACTIONS`); every
+    ``straggler_window_s`` s, each rank's median ``compute_s`` (else ``step_s``) of its
+    reports in the window is compared with the median of the other ranks of its role;
+    a rank above ``straggler_factor`` times that for ``straggler_windows`` windows in a
+    row is a straggler.
+
+    Hangs: ``stack_dump`` (:data:`STACK_METHODS`), the stacks of the hung ranks written
+    to ``<job dir>/stacks/`` when ``failover.hang_timeout_s`` blames a hang.
+    """
+
+    skip_node_check: bool = False
+    slow_factor: float = 2.0
+    matmul_size: int = 256
+    matmul_iters: int = 20
+    allgather_kb: int = 1024
+    allgather_iters: int = 5
+    check_timeout_s: float = 10.0
+    straggler_action: str = "report"
+    straggler_factor: float = 2.0
+    straggler_windows: int = 3
+    straggler_window_s: float = 5.0
+    stack_dump: str = "auto"
+
+
+def validate_node_health(spec: DictConfig) -> None:
+    """Check ``spec.node_health``.
+
+    Raises:
+        SpecError: a value out of range (names the key, the value and what is allowed).
+    """
+    nh = spec.node_health
+    positive = {"slow_factor": 1.0, "straggler_factor": 1.0}
+    for key, low in positive.items():
+        if not float(nh[key]) > low:
+            raise SpecError(f"node_health.{key}", nh[key], f"a number > {low:g}")
+    for key in ("matmul_size", "matmul_iters", "allgather_kb", "allgather_iters",
+                "straggler_windows"):
+        if int(nh[key]) < 1:
+            raise SpecError(f"node_health.{key}", nh[key], "an integer >= 1")
+    for key in ("check_timeout_s", "straggler_window_s"):
+        if not float(nh[key]) > 0:
+            raise SpecError(f"node_health.{key}", nh[key], "seconds > 0")
+    if nh.straggler_action not in STRAGGLER_ACTIONS:
+        raise SpecError("node_health.straggler_action", nh.straggler_action,
+                        ", ".join(STRAGGLER_ACTIONS))
+    if nh.stack_dump not in STACK_METHODS:
+        raise SpecError("node_health.stack_dump", nh.stack_dump, ", ".join(STACK_METHODS))

@@ -1,0 +1,196 @@
+"""Scenario: node health on one 3-node ``ray.cluster_utils.Cluster`` (1 CPU per node),
+three 2-rank gloo jobs one after the other, every slowness injected from outside the
+code under test:
+
+- ``check``: the pre-flight node check runs (the default); the probe on one node is
+  duty-cycled to 5% speed with SIGSTOP/SIGCONT while it measures. That node must be
+  excluded and the job placed and run on the other two.
+- ``straggler``: no node check (``skip_node_check``); once the job runs, rank 1's
+  process is duty-cycled to 30% speed; the master must raise ``straggler_detected``
+  and replace rank 1 (``straggler_action: replace``) from the warm standby.
+- ``hang``: no node check; rank 1's process is stopped (SIGSTOP); after
+  ``hang_timeout_s`` the master must capture the stuck ranks' stacks, name the file in
+  the failure, and recover.
+
+Run as ``python -m tests.scenarios.node_health ROOT [PART ...]``; prints one JSON line:
+part -> what it saw (job directory, summary, injected pids and nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import ray
+from ray.cluster_utils import Cluster
+
+from dlrover_core import DLJobBuilder
+from dlrover_core.master.client import create_master, init_ray
+from tests.node_health_workloads import DutyCycle, parent_pid, probe_pids
+
+W = "tests.node_health_workloads"
+
+
+def run_job(spec: Any, job_dir: str, on_status: Callable[[dict], None],
+            timeout_s: float = 150) -> dict | None:
+    """Run the job, calling ``on_status(status)`` every 0.1 s; its summary (``None``:
+    it did not end within ``timeout_s`` and was stopped)."""
+    master = create_master(spec, job_dir)
+    ray.get(master.start.remote())
+    deadline = time.time() + timeout_s
+    summary = None
+    while time.time() < deadline:
+        try:
+            st = ray.get(master.status.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            time.sleep(0.2)
+            continue
+        on_status(st)
+        if st["summary"]:
+            summary = st["summary"]
+            break
+        time.sleep(0.1)
+    if summary is None:
+        ray.get(master.stop.remote())
+        summary = ray.get(master.wait.remote(60))
+    ray.kill(master)
+    return summary
+
+
+def base(name: str, steps: int, **config: Any) -> DLJobBuilder:
+    return (DLJobBuilder().name(name)
+            .config({"steps": steps, "size": 128, "work": 10, **config})
+            .workload("trainer", W, "SyncSteps").total(2).per_node(1).backend("ddp")
+            .resource(cpu=1).end())
+
+
+def part_check(root: str, raylets: dict[int, str]) -> dict:
+    """The probe of the first node seen runs at 20% speed from its start, at 5% once
+    it is started."""
+    job = (base("nh-check", 20).failover(standby=False)
+           .node_health(matmul_size=512, matmul_iters=40, check_timeout_s=20).build())
+    target: dict[str, Any] = {}
+
+    def slowed() -> list[int]:
+        if "ppid" not in target:  # the first probe process seen picks the node
+            found = probe_pids()
+            if not found:
+                return []
+            target["ppid"] = parent_pid(found[0])
+        pids = probe_pids(ppid=target["ppid"])
+        for pid in pids:  # past its start-up (import torch): 5% while it measures
+            try:
+                if b"__init__" not in open(f"/proc/{pid}/cmdline", "rb").read():
+                    cycle.speed = 0.05
+            except OSError:  # gone
+                pass
+        return pids
+
+    cycle = DutyCycle(slowed, speed=0.2, period_s=0.05)
+    cycle.start()
+
+    def watch(st: dict) -> None:
+        if st["state"] in ("running", "succeeded", "failed") and cycle.is_alive():
+            cycle.stop()
+
+    job_dir = os.path.join(root, "check")
+    try:
+        summary = run_job(job.spec, job_dir, watch)
+    finally:
+        cycle.stop()
+    return {"job_dir": job_dir, "summary": summary,
+            "target_node": raylets.get(target.get("ppid", -1)),
+            "slowed_pids": sorted(cycle.seen)}
+
+
+def part_straggler(root: str) -> dict:
+    """Rank 1 runs at 30% speed from step 30 until it is replaced."""
+    # about 50 ms of compute a step: longer than the duty cycle's period
+    job = (base("nh-straggler", 400, steps_after_restart=20, work=300).skip_node_check()
+           .node_health(straggler_action="replace", straggler_window_s=1.5,
+                        straggler_windows=3).build())
+    seen: dict[str, Any] = {}
+    cycle = DutyCycle(lambda: [seen["pid"]] if "pid" in seen else [], speed=0.3,
+                      period_s=0.05)
+
+    def watch(st: dict) -> None:
+        r1 = st["instances"].get("trainer-1", {})
+        if "pid" not in seen and st["step"] >= 30 and r1.get("state") == "running":
+            seen["pid"], seen["node"] = r1["pid"], r1["node_id"]
+            seen["slowed_at"] = time.time()
+            cycle.start()
+        elif "pid" in seen and r1.get("pid") != seen["pid"] and cycle.is_alive():
+            cycle.stop()
+
+    job_dir = os.path.join(root, "straggler")
+    try:
+        summary = run_job(job.spec, job_dir, watch)
+    finally:
+        if cycle.is_alive():
+            cycle.stop()
+    return {"job_dir": job_dir, "summary": summary, "slowed_pid": seen.get("pid"),
+            "slowed_node": seen.get("node"), "slowed_at": seen.get("slowed_at")}
+
+
+def part_hang(root: str) -> dict:
+    """Rank 1 is stopped at step 20 (SIGSTOP) and never continued by the test."""
+    job = (base("nh-hang", 3000, steps_after_restart=20).skip_node_check()
+           .failover(hang_timeout_s=4, pg_timeout_s=60, standby=False).build())
+    seen: dict[str, Any] = {}
+
+    def watch(st: dict) -> None:
+        r1 = st["instances"].get("trainer-1", {})
+        if "pid" not in seen and st["step"] >= 20 and r1.get("state") == "running":
+            seen["pid"] = r1["pid"]
+            seen["rank0_pid"] = st["instances"]["trainer-0"]["pid"]
+            os.kill(r1["pid"], signal.SIGSTOP)
+
+    job_dir = os.path.join(root, "hang")
+    try:
+        summary = run_job(job.spec, job_dir, watch)
+    finally:
+        if "pid" in seen:  # killed by the recovery; continue it if it is still there
+            try:
+                os.kill(seen["pid"], signal.SIGCONT)
+            except OSError:
+                pass
+    return {"job_dir": job_dir, "summary": summary, "stopped_pid": seen.get("pid"),
+            "rank0_pid": seen.get("rank0_pid")}
+
+
+def main(root: str, parts: list[str]) -> None:
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
+    temp_dir = tempfile.mkdtemp(prefix="dlnh", dir="/tmp")
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "temp_dir": temp_dir,
+                                      "include_dashboard": False})
+    for _ in range(3):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    raylets = {}
+    for node in cluster.list_all_nodes():
+        for proc in node.all_processes.get("raylet", []):
+            raylets[proc.process.pid] = node.node_id
+    init_ray(cluster.address)
+    out = {}
+    runners = {"check": lambda: part_check(root, raylets),
+               "straggler": lambda: part_straggler(root), "hang": lambda: part_hang(root)}
+    try:
+        for part in parts or list(runners):
+            t0 = time.time()
+            out[part] = runners[part]()
+            out[part]["wall_s"] = round(time.time() - t0, 1)
+    finally:
+        print(json.dumps(out, default=str))
+        sys.stdout.flush()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(os.path.abspath(sys.argv[1]), sys.argv[2:])
