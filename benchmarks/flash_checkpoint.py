@@ -471,7 +471,8 @@ def bench_gpu_copy_path(size_mib: int, repeat: int) -> dict:
 def bench_gpu_staging(size_mib: int, repeat: int) -> dict:
     """Device-to-host copy of a GPU-resident state (the D2H of a flash save):
     ``pinned_shm_d2h_gib_s``, the segment page-locked and one ``copy_(non_blocking=True)``
-    per tensor into it (the save's first choice); ``staged_d2h_gib_s``, :class:`dlrover_plugin_flashckpt.staging.HostStaging` (pinned
+    per tensor into it (the save's first choice); ``staged_d2h_gib_s``,
+    :class:`dlrover_plugin_flashckpt.staging.HostStaging` (pinned
     staging buffers on a side stream, then into a shared-memory segment), against
     ``to_cpu_non_blocking_gib_s``, a plain ``tensor.to("cpu", non_blocking=True)``
     of the same tensors into pinned memory (the target is preallocated: ``copy_`` into

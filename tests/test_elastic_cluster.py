@@ -1,8 +1,8 @@
 """Shrink and grow for real on a 3-node ``ray.cluster_utils.Cluster`` (its own Ray, in a
 subprocess: ``tests/scenarios/elastic_resize.py``): trainer rank 1's node is removed at
 step 20, no replacement comes, the trainer continues at 1 rank from its newest
-in-memory flash checkpoint (restored into the other world size); a node joins at step 32 and the trainer is back at 2 ranks after its next
-checkpoint. The loss curve stays on the 2-rank curve (computed here with real gloo
+in-memory flash checkpoint (restored into the other world size); a node joins at step
+32 and the trainer is back at 2 ranks after its next checkpoint. The loss curve stays on the 2-rank curve (computed here with real gloo
 ranks, ``tests/elastic_math.py``) within 1e-4 at every step, no sample is lost, and the
 job's other role never restarts."""
 

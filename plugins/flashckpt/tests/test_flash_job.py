@@ -85,7 +85,8 @@ def test_stop_persists_the_newest_step_and_removes_buffers(ray_cluster, job_dir)
     assert buffers(name) == [] and persisters_of(name) == {}
 
 
-def test_unpersisted_buffers_of_a_dead_job_stay_at_the_next_start_until_forced(ray_cluster, job_dir, tmp_path):
+def test_unpersisted_buffers_of_a_dead_job_stay_at_the_next_start_until_forced(
+        ray_cluster, job_dir, tmp_path):
     dead = f"flashdead-{uuid.uuid4().hex[:6]}"
     master = create_master(spec(dead, str(tmp_path / "dead"), max_steps=100_000), job_dir)
     ray.get(master.start.remote())
