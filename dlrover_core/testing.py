@@ -152,3 +152,29 @@ def poll_status(master, until: Callable[[dict], bool], timeout: float = 240,
             return st
         time.sleep(interval)
     raise TimeoutError(f"the job's status did not reach the condition within {timeout} s")
+
+
+def crash_renames_after(monkeypatch: pytest.MonkeyPatch, crash_at: int,
+                        exchange: bool = True) -> list:
+    """Make every rename after the first ``crash_at`` ones raise ``OSError("injected
+    crash")``: ``os.rename``, ``os.replace`` and the atomic directory exchange of
+    :mod:`dlrover_core.atomic_io` (``renameat2``). With ``exchange=False`` the exchange
+    reports itself unsupported, so ``replace_dir`` takes its two-rename fallback.
+    Returns the list of calls made (their arguments); ``monkeypatch.undo()`` restores
+    the real functions."""
+    import dlrover_core.atomic_io as aio
+
+    real_rename, real_replace, real_exchange = os.rename, os.replace, aio._exchange
+    calls: list = []
+
+    def step(fn: Callable, *args):
+        calls.append(args)
+        if len(calls) > crash_at:
+            raise OSError("injected crash")
+        return fn(*args)
+
+    monkeypatch.setattr(os, "rename", lambda a, b: step(real_rename, a, b))
+    monkeypatch.setattr(os, "replace", lambda a, b: step(real_replace, a, b))
+    monkeypatch.setattr(aio, "_exchange", (lambda a, b: step(real_exchange, a, b))
+                        if exchange else (lambda a, b: False))
+    return calls

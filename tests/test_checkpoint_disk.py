@@ -11,6 +11,7 @@ import torch
 from dlrover_core.checkpoint import Checkpointer, SaverConfig, SaverContext
 from dlrover_core.checkpoint.disk import DiskSaver
 from dlrover_core.checkpoint.manifest import CheckpointLoadError, CorruptCheckpointError, verify
+from dlrover_core.testing import crash_renames_after
 
 
 def make(tmp_path, keep=3):
@@ -140,9 +141,6 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exchange
     is injected at each rename of the save (DCP's own, then the replacement's swap, or
     its two renames where the filesystem has no atomic exchange): afterwards step 4
     is always listed and verifies, holding the old or the new state."""
-    import dlrover_core.atomic_io as aio
-
-    real_rename, real_replace, real_exchange = os.rename, os.replace, aio._exchange
     m_old, opt = model_and_opt(0)
     m_new, _ = model_and_opt(5)
     outcomes = set()
@@ -150,18 +148,7 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exchange
         root = tmp_path / f"c{crash_at}"
         ck = make(root)
         ck.save(4, model=m_old, optimizer=opt)
-        calls = []
-
-        def step(fn, *args, crash_at=crash_at, calls=calls):
-            calls.append(args)
-            if len(calls) > crash_at:
-                raise OSError("injected crash")
-            return fn(*args)
-
-        monkeypatch.setattr(os, "rename", lambda a, b: step(real_rename, a, b))
-        monkeypatch.setattr(os, "replace", lambda a, b: step(real_replace, a, b))
-        monkeypatch.setattr(aio, "_exchange", (lambda a, b: step(real_exchange, a, b))
-                            if exchange else (lambda a, b: False))
+        crash_renames_after(monkeypatch, crash_at, exchange)
         try:
             ck.save(4, model=m_new, optimizer=opt)
             crashed = False
@@ -169,9 +156,7 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exchange
             if isinstance(exc, KeyboardInterrupt):
                 raise
             crashed = True
-        monkeypatch.setattr(os, "rename", real_rename)
-        monkeypatch.setattr(os, "replace", real_replace)
-        monkeypatch.setattr(aio, "_exchange", real_exchange)
+        monkeypatch.undo()
         assert ck.saver.committed_steps() == [4], crash_at
         verify(str(root / "ck" / "step_00000004"))
         m2, opt2 = model_and_opt(9)

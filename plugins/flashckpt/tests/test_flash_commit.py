@@ -16,6 +16,7 @@ import pytest
 
 from dlrover_core.atomic_io import write_all
 from dlrover_core.checkpoint.manifest import CorruptCheckpointError
+from dlrover_core.testing import crash_renames_after
 from dlrover_plugin_flashckpt import storage
 from dlrover_plugin_flashckpt.meta import pack_meta, unpack_meta
 
@@ -212,9 +213,6 @@ def test_recommitting_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exch
     of the commit (the shards to their plain names, the manifest, the swap of the step
     directory or its two renames where the filesystem has no atomic exchange, then
     ``latest``): afterwards step 4 is always listed and verifies, whole old or new."""
-    import dlrover_core.atomic_io as aio
-
-    real_rename, real_replace, real_exchange = os.rename, os.replace, aio._exchange
     outcomes = set()
     for crash_at in range(12):
         d = str(tmp_path / f"c{crash_at}")
@@ -225,25 +223,12 @@ def test_recommitting_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exch
         new = storage.make_attempt("r", 2, "new")
         for r in range(2):
             _shard(d, 4, r, 2, b"n" * 40, new)
-        calls = []
-
-        def step(fn, *args, crash_at=crash_at, calls=calls):
-            calls.append(args)
-            if len(calls) > crash_at:
-                raise OSError("injected crash")
-            return fn(*args)
-
-        monkeypatch.setattr(os, "rename", lambda a, b: step(real_rename, a, b))
-        monkeypatch.setattr(os, "replace", lambda a, b: step(real_replace, a, b))
-        monkeypatch.setattr(aio, "_exchange", (lambda a, b: step(real_exchange, a, b))
-                            if exchange else (lambda a, b: False))
+        crash_renames_after(monkeypatch, crash_at, exchange)
         try:
             crashed = not storage.try_commit(d, 4, 2, keep=2)
         except OSError:
             crashed = True
-        monkeypatch.setattr(os, "rename", real_rename)
-        monkeypatch.setattr(os, "replace", real_replace)
-        monkeypatch.setattr(aio, "_exchange", real_exchange)
+        monkeypatch.undo()
         assert storage.lineage_steps(d) == [4], crash_at
         manifest = storage.verify_step(os.path.join(d, "step_00000004"))
         got = {_data(d, 4, r) for r in range(2)}

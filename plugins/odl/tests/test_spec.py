@@ -15,6 +15,7 @@ from dlrover_plugin_odl.publish import load_latest, publish, version_dir, versio
 from dlrover_plugin_odl.source import ReplaySource
 
 from dlrover_core import SpecError, load_spec
+from dlrover_core.testing import crash_renames_after
 
 TOY = "dlrover_plugin_odl.toy"
 REPLAY = {"kind": "replay", "options": {"records": f"{TOY}:toy_records", "kwargs": {"n": 10}}}
@@ -146,25 +147,11 @@ def test_republishing_a_version_never_leaves_it_missing(tmp_path, monkeypatch, e
     publish (its files, the swap of the version directory or its two renames where
     the filesystem has no atomic exchange, ``latest``): afterwards version 10 is
     always there, whole old or new; before, the old directory was deleted first."""
-    import dlrover_core.atomic_io as aio
-
-    real_rename, real_replace, real_exchange = os.rename, os.replace, aio._exchange
     outcomes = set()
     for crash_at in range(8):
         d = str(tmp_path / f"c{crash_at}")
         publish(d, 10, {"w": torch.zeros(3)}, {"which": "old"})
-        calls = []
-
-        def step(fn, *args, crash_at=crash_at, calls=calls):
-            calls.append(args)
-            if len(calls) > crash_at:
-                raise OSError("injected crash")
-            return fn(*args)
-
-        monkeypatch.setattr(os, "rename", lambda a, b: step(real_rename, a, b))
-        monkeypatch.setattr(os, "replace", lambda a, b: step(real_replace, a, b))
-        monkeypatch.setattr(aio, "_exchange", (lambda a, b: step(real_exchange, a, b))
-                            if exchange else (lambda a, b: False))
+        crash_renames_after(monkeypatch, crash_at, exchange)
         try:
             publish(d, 10, {"w": torch.ones(3)}, {"which": "new"})
             crashed = False
