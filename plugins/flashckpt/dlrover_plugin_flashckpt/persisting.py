@@ -101,6 +101,12 @@ class PersistMixin:
             h = seg.read_header()
             if not shm.holds_step(h):
                 continue
+            # a slot's name has no world size: after a resize, this rank's buffers
+            # still hold the saves of the old world (another rank's shard of another
+            # layout); they are only read by a resharding load, never persisted or
+            # replicated as this registration's
+            if h.rank != r.rank or h.world_size != r.world_size:
+                continue
             if pending_only and h.persisted_seq == h.seq:
                 continue
             if h.step not in out or out[h.step][1].seq < h.seq:
@@ -147,7 +153,8 @@ class PersistMixin:
                 h = seg.read_header()
                 mine = h.state == shm.PERSISTING and (h.persister_pid, h.persister_start) == (
                     self.pid, self.start)
-                if h.step != step or not (shm.holds_step(h) or mine):
+                if h.step != step or not (shm.holds_step(h) or mine) \
+                        or (h.rank, h.world_size) != (r.rank, r.world_size):
                     continue
                 h.state = shm.PERSISTING
                 h.persister_pid, h.persister_start = self.pid, self.start

@@ -149,6 +149,41 @@ def test_claim_of_a_dead_persister_is_void(shm_path):
     seg.close()
 
 
+def test_a_resized_rank_never_persists_or_replicates_the_old_worlds_save(shm_path):
+    """A slot's name has no world size: after 2 ranks shrink to 1, rank 0's buffer still
+    holds the 2-rank save of step 3 (half the shards). The persister of the 1-rank
+    registration must not take it as its own (it would commit half a model as world 1,
+    or replicate it labelled world 1); the 2-rank registration still sees it."""
+    import threading
+
+    from dlrover_plugin_flashckpt.persisting import PersistMixin, Registration
+
+    seg = shm.Segment.create(shm_path, 100, 100, {"job": "j", "dir": "/x"}, b"\0" * 16, 0, 2)
+    with seg.locked():
+        h = seg.read_header()
+        h.state, h.step, h.seq = shm.READY, 3, 1
+        seg.write_header(h)
+
+    class Persister(PersistMixin):
+        def __init__(self):
+            self._segs, self._retired, self._lock = {}, [], threading.RLock()
+
+    p = Persister()
+    old = Registration(role="trainer", rank=0, world_size=2, dir="/x", keep=2,
+                       slots=[shm_path])
+    new = Registration(role="trainer", rank=0, world_size=1, dir="/x", keep=2,
+                       slots=[shm_path])
+    assert set(p._rank_steps(old, pending_only=True)) == {3}
+    assert p._rank_steps(new, pending_only=False) == {}
+    assert p._pending([new], 3) is None
+    p._regs, p.pid, p.start = {("trainer", 0): new}, *shm.my_identity()
+    assert p._claim("trainer", 3) == []
+    assert seg.read_header().state == shm.READY  # not claimed for persistence
+    for s in p._segs.values():
+        s.close()
+    seg.close()
+
+
 def test_too_small_shm_says_needed_and_free():
     free = shm.shm_free_bytes("/dev/shm")
     with pytest.raises(shm.ShmSpaceError) as e:
