@@ -61,7 +61,9 @@ def _reload_ray_config() -> None:
 
 def prepare_token_auth(address: str) -> str | None:
     """Before joining the cluster at ``address``: turn ``RAY_AUTH_MODE=token`` on in
-    this process when a token is available and the mode is not set; an explicit
+    this process when a token is available, the mode is not set, and the GCS does not
+    answer a call without a token (it refuses it, or ``address`` is not a plain
+    ``HOST:PORT`` that can be asked); an explicit
     ``RAY_AUTH_MODE`` is respected. Returns the token's source, or ``None``.
 
     Raises:
@@ -69,7 +71,11 @@ def prepare_token_auth(address: str) -> str | None:
     """
     src = token_source()
     mode = os.environ.get(AUTH_MODE)
-    if mode is None and src is not None:
+    # a token file alone (``ray start --head`` leaves ~/.ray/auth_token behind) does not
+    # mean this cluster wants it: the mode is inherited by every process this one starts
+    # (``Cluster.add_node``'s raylet), and a raylet with the mode on under a head without
+    # it refuses the GCS's requests (its placement groups never become ready)
+    if mode is None and src is not None and probe_gcs(address, None) != "ok":
         os.environ[AUTH_MODE] = "token"
         _reload_ray_config()
     elif mode == "token" and src is None:
