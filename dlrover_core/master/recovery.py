@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from dlrover_core.master.instances import DRIVER, Instance
+from dlrover_core.master.instances import DRIVER, Instance, InstanceFailure
 from dlrover_core.plugins.records import FailoverLevel
 from dlrover_core.runtime.script import SCRIPT_BACKEND
 
@@ -73,8 +73,8 @@ class RecoveryExecutor:
         """``process``/``role`` levels (and any failure of the driver).
 
         Raises:
-            InstanceFailure: a replacement failed to start (the controller classifies it
-                as a new failure).
+            InstanceFailure: a replacement failed to start, or a node of the job turned
+                out to be gone (the controller classifies it as a new failure).
         """
         s = self.scope
         action, failure = rec.action, rec.failure
@@ -140,6 +140,7 @@ class RecoveryExecutor:
             failed += [probes[ref] for ref in not_ready]
             self.launcher.stop_instances([m for m in failed if m in others])
         t_survivors = time.time()
+        self._check_nodes_still_there(failed)
         fresh = []
         for m in sorted(failed, key=lambda i: i.rank):
             inst = self.standby.take(role, m.rank, m.attempt + 1)
@@ -156,6 +157,25 @@ class RecoveryExecutor:
                 "standby_used": any("standby" in i.actor_name for i in fresh),
                 "replace_and_setup_s": round(time.time() - t_survivors, 3),
                 **self.launcher.phases}
+
+    def _check_nodes_still_there(self, failed: list[Instance]) -> None:
+        """Before replacing ``failed``: when a node of the job is gone by now, this is
+        a lost node, not a process failure. A node that dies whole (every process
+        SIGKILLed at once) shows first as its rank's dead actor, and its raylet may
+        still take a connection for a moment, so the first diagnosis said "process".
+        Costs one raylet probe; the survivors' phase before it gave the node time.
+
+        Raises:
+            InstanceFailure: a job node is gone (the controller diagnoses it again as
+                ``node_lost`` and recovers at the node level).
+        """
+        if not failed:
+            return
+        gone = self.monitor.lost_node(failed[0])
+        if gone is None:
+            return
+        blame = next((m for m in failed if m.node_id == gone), failed[0])
+        raise InstanceFailure(blame, ray.exceptions.ActorDiedError())
 
     @staticmethod
     def _abort_collectives(survivors: list[Instance], timeout: float = 5.0) -> dict[str, str]:
