@@ -364,6 +364,9 @@ class SubmitResult(int):
         obj.summary = summary
         return obj
 
+    def __reduce__(self) -> tuple:
+        return SubmitResult, (self.summary,)
+
     def __getitem__(self, key: str) -> Any:
         return self.summary[key]
 

@@ -302,8 +302,8 @@ def _apply_devices(spec: DictConfig) -> None:
     """Fill each role's unset ``resources.gpu``: 1 GPU per instance when the job sets
     ``device_per_node`` with ``device_type`` ``GPU`` (seed ``004``: ``device_per_node(4)``
     with ``per_node(4)`` gives each instance one device), else 0. Spread a role over
-    ``node_num`` nodes when its ``per_node`` is unset and ``node_num`` divides its
-    ``total``. Raises :class:`SpecError` for a negative ``node_num`` /
+    ``node_num`` nodes when its ``per_node`` is unset, it is not elastic (``nodes``)
+    and ``node_num`` divides its ``total``. Raises :class:`SpecError` for a negative ``node_num`` /
     ``device_per_node`` or a ``device_type`` other than ``CPU``/``GPU``."""
     for key in ("node_num", "device_per_node"):
         if spec[key] < 0:
@@ -315,7 +315,8 @@ def _apply_devices(spec: DictConfig) -> None:
     for r in spec.roles.values():
         if r.resources.gpu is None:
             r.resources.gpu = 1.0 if gpu else 0.0
-        if spec.node_num > 1 and not r.per_node and r.total % spec.node_num == 0:
+        if spec.node_num > 1 and not r.per_node and r.nodes is None \
+                and r.total % spec.node_num == 0:
             r.per_node = r.total // spec.node_num
 
 
