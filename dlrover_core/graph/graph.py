@@ -77,7 +77,11 @@ class ComputationGraph:
         edges: list[tuple[str, str]] = (),  # type: ignore[assignment]
         collocation: list[list[str]] = (),  # type: ignore[assignment]
         driver: str | None = None,
+        node_num: int = 0,
     ) -> None:
+        #: the job's ``node_num`` (0: not set): placement puts a role's node slots on
+        #: distinct nodes when it is set
+        self.node_num = node_num
         self.roles: dict[str, Role] = {r.name: r for r in roles}
         self.edges: list[tuple[str, str]] = [tuple(e) for e in edges]  # type: ignore[misc]
         self.driver = driver
@@ -163,4 +167,4 @@ class ComputationGraph:
                 else dict(r.config),
             ))
         return cls(roles, [tuple(e) for e in spec.edges], [list(g) for g in spec.collocation],
-                   spec.driver)
+                   spec.driver, int(getattr(spec, "node_num", 0) or 0))

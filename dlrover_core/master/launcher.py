@@ -280,6 +280,12 @@ class Launcher:
                    for role in roles for rank in range(g.roles[role].total)]
         self.setup_members(created, created)
 
+    def driver_env(self) -> dict:
+        """The driver actor's options for the job's ``env`` (``global_env``), which
+        reaches the driver as it reaches every role."""
+        env = {k: str(v) for k, v in dict(self.scope.spec.env or {}).items()}
+        return {"runtime_env": {"env_vars": env}} if env else {}
+
     def start_driver(self, attempt: int = 0) -> None:
         """Create the driver actor with ``RoleGroup``s over the current instances, run
         its ``init()``, then its ``fit()`` under the monitor."""
@@ -297,7 +303,7 @@ class Launcher:
         name = f"dlrover-{s.name}-driver-a{attempt}"
         handle = remote_driver_host().options(
             name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,
-            lifetime="detached").remote(s.graph.driver, tctx)
+            lifetime="detached", **self.driver_env()).remote(s.graph.driver, tctx)
         inst = s.instances.register(DRIVER, 0, handle, name, attempt)
         info = self.await_refs([(inst, handle.node_info.remote())])[0]
         s.instances.set_node(inst, info)

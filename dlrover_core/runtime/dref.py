@@ -17,31 +17,34 @@ Where the bytes live depends on their size, as Ray decides it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 
-@dataclass
-class DRef:
-    """Per-rank results of one call.
+class DRef(list):
+    """Per-rank results of one call: a ``list`` of one ``ray.ObjectRef`` per producing
+    rank, in rank order, so ``ray.get(dref)`` and ``ray.wait(dref)`` take it as they
+    take any list of references (as DLRover's non-blocking calls return them).
 
     Attributes:
-        refs: one ``ray.ObjectRef`` per producing rank, in rank order.
+        refs: the references as a plain list (the same items as the ``DRef`` itself).
         role, method: where they came from (for messages).
         merged: when consumed whole, concatenate the per-rank results (lists or
             tensors) instead of passing a list of them.
     """
 
-    refs: list
-    role: str = ""
-    method: str = ""
-    merged: bool = False
-    _shard: int | None = field(default=None, repr=False)
+    def __init__(self, refs: list, role: str = "", method: str = "", merged: bool = False,
+                 _shard: int | None = None) -> None:
+        super().__init__(refs)
+        self.role, self.method, self.merged, self._shard = role, method, merged, _shard
 
-    def __len__(self) -> int:
-        return len(self.refs)
+    @property
+    def refs(self) -> list:
+        return list(self)
+
+    def __repr__(self) -> str:
+        return f"DRef(role={self.role!r}, method={self.method!r}, refs={list(self)!r})"
 
     def get(self, timeout: float | None = None) -> list:
         """Fetch the results into this process (through the driver). Rank order."""

@@ -174,10 +174,19 @@ class ScriptWorkload(BaseWorkload):
         return dict((self.context.config or {}).get(CONFIG_KEY) or {})
 
     def child_env(self) -> dict[str, str]:
-        """``os.environ`` of the actor plus :func:`torchrun_env`."""
+        """``os.environ`` of the actor plus :func:`torchrun_env`, and ``RAY_ADDRESS``
+        (this cluster's GCS address), so that the script can join the cluster, e.g.
+        for ``dlrover_plugin_flashckpt.FlashCheckpointer``'s persister."""
         max_restarts = int((self.context.failover or {}).get("max_restarts", 0))
         env = dict(os.environ)
         env.update(torchrun_env(self.context, max_restarts))
+        if "RAY_ADDRESS" not in env:  # the script may join the cluster (flash checkpoints)
+            try:
+                import ray
+
+                env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+            except Exception:  # noqa: BLE001 - not in a Ray worker: nothing to join
+                pass
         if int(self.context.local_world_size) > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"
         return env

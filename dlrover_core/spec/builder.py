@@ -8,7 +8,7 @@ Example::
            .workload("trainer", "examples.nanogpt.workload", "GPTWorkload")
                .total(2).per_node(2).backend("fsdp")
            .build())
-    result = job.submit()          # blocks; returns the summary dict
+    rc = job.submit()              # blocks; the exit code (rc.summary: the summary)
 
 ``.device_per_node(n)`` declares ``n`` GPUs per node: each role instance then gets one
 GPU unless its ``.resource(gpu=...)`` says otherwise. Without ``.name(...)`` the job
@@ -138,6 +138,17 @@ class DLJobBuilder:
         self._spec["device_per_node"] = n
         return self
 
+    def device_type(self, kind: str) -> DLJobBuilder:
+        """What :meth:`device_per_node` counts (upstream's name): ``"GPU"`` (the default;
+        each instance gets one GPU, and a cluster without enough GPUs is refused before
+        anything starts) or ``"CPU"`` (each instance holds its ``resources.cpu`` of the
+        node's ``device_per_node`` CPUs and no GPU, so a program written for GPUs runs
+        on a machine without them). Raises ``SpecError`` for another value."""
+        if not isinstance(kind, str) or kind.upper() not in ("CPU", "GPU"):
+            raise SpecError("device_type", kind, "CPU or GPU")
+        self._spec["device_type"] = kind.upper()
+        return self
+
     def config(self, config: dict | DictConfig) -> DLJobBuilder:
         if OmegaConf.is_config(config):
             config = OmegaConf.to_container(config, resolve=True)
@@ -145,6 +156,8 @@ class DLJobBuilder:
         return self
 
     def global_env(self, env: dict[str, str]) -> DLJobBuilder:
+        """Environment variables for every process of the job: each role's actors (and
+        a script role's rank processes) and the driver; a role's ``.env`` overrides."""
         self._spec.setdefault("env", {}).update(env)
         return self
 
@@ -310,11 +323,55 @@ class DLJob:
         return self.spec.name
 
     def submit(self, address: str | None = None, job_dir: str | None = None,
-               progress: bool = False, fresh: bool = False) -> dict:
-        """Run the job (a new run in ``job_dir``) and block until it ends; returns the
-        summary (``summary.json``). It resumes from the job's checkpoints unless
-        ``fresh`` (see :func:`dlrover_core.master.client.submit_job`)."""
+               progress: bool = False, fresh: bool = False) -> SubmitResult:
+        """Run the job (a new run in ``job_dir``) and block until it ends. It resumes
+        from the job's checkpoints unless ``fresh`` (see
+        :func:`dlrover_core.master.client.submit_job`).
+
+        Returns the job's exit code, as DLRover's ``submit`` does: a
+        :class:`SubmitResult`, an ``int`` (0 succeeded, 4 already complete, 1 anything
+        else, the codes of ``dlrover submit``) whose ``summary`` is the run's summary
+        (``summary.json``); ``result["status"]`` reads the summary too. A job that did
+        not succeed prints ``job <name> <status>: <error>`` on stderr; nothing is
+        raised for it."""
+        import sys
+
         from dlrover_core.master.client import submit_job
 
-        return submit_job(self.spec, address=address, job_dir=job_dir, progress=progress,
-                          fresh=fresh)
+        summary = submit_job(self.spec, address=address, job_dir=job_dir, progress=progress,
+                             fresh=fresh) or {"status": "unknown",
+                                              "error": "the job ended without a summary"}
+        result = SubmitResult(summary)
+        if summary.get("status") != "succeeded":
+            print(f"job {self.name} {summary.get('status')}: "
+                  f"{summary.get('error') or 'no error recorded'} (exit code {int(result)})",
+                  file=sys.stderr, flush=True)
+        return result
+
+
+#: exit code of a job by its final status (anything else: 1), as ``dlrover submit``
+EXIT_CODES = {"succeeded": 0, "already_complete": 4}
+
+
+class SubmitResult(int):
+    """The exit code of a submitted job (an ``int``) carrying its ``summary`` dict;
+    ``result[key]`` and ``result.get(key)`` read the summary."""
+
+    summary: dict
+
+    def __new__(cls, summary: dict) -> SubmitResult:
+        obj = super().__new__(cls, EXIT_CODES.get(summary.get("status"), 1))
+        obj.summary = summary
+        return obj
+
+    def __reduce__(self) -> tuple:
+        return SubmitResult, (self.summary,)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.summary[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.summary.get(key, default)
+
+    def __repr__(self) -> str:
+        return f"SubmitResult(exit_code={int(self)}, status={self.summary.get('status')!r})"

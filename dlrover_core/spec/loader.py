@@ -300,15 +300,24 @@ def _apply_script_roles(spec: DictConfig) -> None:
 
 def _apply_devices(spec: DictConfig) -> None:
     """Fill each role's unset ``resources.gpu``: 1 GPU per instance when the job sets
-    ``device_per_node`` (seed ``004``: ``device_per_node(4)`` with ``per_node(4)``
-    gives each instance one device), else 0. Raises :class:`SpecError` for a
-    negative ``node_num`` / ``device_per_node``."""
+    ``device_per_node`` with ``device_type`` ``GPU`` (seed ``004``: ``device_per_node(4)``
+    with ``per_node(4)`` gives each instance one device), else 0. Spread a role over
+    ``node_num`` nodes when its ``per_node`` is unset, it is not elastic (``nodes``)
+    and ``node_num`` divides its ``total``. Raises :class:`SpecError` for a negative ``node_num`` /
+    ``device_per_node`` or a ``device_type`` other than ``CPU``/``GPU``."""
     for key in ("node_num", "device_per_node"):
         if spec[key] < 0:
             raise SpecError(key, spec[key], "an integer >= 0 (0: not set)")
+    if not isinstance(spec.device_type, str) or spec.device_type.upper() not in ("CPU", "GPU"):
+        raise SpecError("device_type", spec.device_type, "CPU or GPU")
+    spec.device_type = spec.device_type.upper()
+    gpu = spec.device_type == "GPU" and bool(spec.device_per_node)
     for r in spec.roles.values():
         if r.resources.gpu is None:
-            r.resources.gpu = 1.0 if spec.device_per_node else 0.0
+            r.resources.gpu = 1.0 if gpu else 0.0
+        if spec.node_num > 1 and not r.per_node and r.nodes is None \
+                and r.total % spec.node_num == 0:
+            r.per_node = r.total // spec.node_num
 
 
 def _apply_template(spec: DictConfig, template: Any) -> None:
@@ -383,11 +392,14 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
                             f"a divisor of total={r.total} "
                             f"({', '.join(str(d) for d in range(1, r.total + 1) if r.total % d == 0)})",
                             f"total {r.total} is not divisible by per_node {r.per_node}")
-        if spec.device_per_node and r.resources.gpu and per_node * r.resources.gpu > spec.device_per_node:
+        dev = "cpu" if spec.device_type == "CPU" else "gpu"
+        need = per_node * r.resources[dev]
+        if spec.device_per_node and need > spec.device_per_node:
             raise SpecError(f"{k}.per_node", r.per_node,
-                            f"at most device_per_node={spec.device_per_node} GPUs per node",
-                            f"{per_node} instances x resources.gpu={r.resources.gpu:g} need "
-                            f"{per_node * r.resources.gpu:g} GPUs on one node")
+                            f"at most device_per_node={spec.device_per_node} "
+                            f"{spec.device_type}s per node",
+                            f"{per_node} instances x resources.{dev}={r.resources[dev]:g} "
+                            f"need {need:g} {spec.device_type}s on one node")
         if spec.node_num and r.total > spec.node_num * per_node:
             raise SpecError(f"{k}.total", r.total,
                             f"at most node_num x per_node = {spec.node_num} x {per_node} = "

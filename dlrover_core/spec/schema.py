@@ -188,13 +188,19 @@ class JobSpec:
     """A whole job. ``edges`` are ``[src_role, dst_role]`` data-flow pairs;
     ``collocation`` lists groups of roles that share bundles (devices); ``driver``
     is the import path of a ``BaseTrainer`` subclass for MPMD jobs; ``env`` is the
-    global environment, overridden by a role's ``env``."""
+    global environment (every role's processes and the driver), overridden by a role's
+    ``env``. ``node_num``: the nodes the job spans; a role whose ``per_node`` is unset
+    and whose ``total`` is a multiple of ``node_num`` gets ``total / node_num`` ranks on
+    each of ``node_num`` distinct nodes. ``device_per_node``: devices of
+    ``device_type`` (``GPU``, the default, or ``CPU``) on each node; with ``CPU`` an
+    instance holds ``resources.cpu`` of them and no GPU."""
 
     name: str = MISSING
     template: Optional[str] = None
     dl_type: str = "SFT"
     node_num: int = 0
     device_per_node: int = 0
+    device_type: str = "GPU"
     roles: Dict[str, RoleSpec] = field(default_factory=dict)
     edges: List[List[str]] = field(default_factory=list)
     driver: Optional[str] = None
