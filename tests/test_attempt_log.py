@@ -20,6 +20,7 @@ SPEC = {"name": "attempt-log",
                               "backend": "ddp", "resources": {"cpu": 1}}},
         "checkpoint": {"saver": "disk", "every_steps": 3, "keep": 2},
         "failover": {"max_restarts": 2, "pg_timeout_s": 30, "survivor_grace_s": 3},
+        "node_health": {"skip_node_check": True},  # not about node health: no probe
         "config": {"max_steps": 8, "fail_at": 5}}
 
 

@@ -25,6 +25,7 @@ SPEC = {"name": NAME,
         "checkpoint": {"saver": "disk", "every_steps": 4, "keep": 2},
         "failover": {"max_restarts": 3, "pg_timeout_s": 30, "survivor_grace_s": 3},
         "observability": {"tensorboard": True},
+        "node_health": {"skip_node_check": True},  # not about node health: no probe
         "config": {"max_steps": 16, "step_s": 0.3}}
 
 

@@ -21,6 +21,7 @@ def test_sigkill_loses_no_sample(ray_cluster, job_dir):
                               "total": 2, "per_node": 2, "backend": "ddp"}},
         "checkpoint": {"saver": "disk", "every_steps": EVERY, "keep": 2},
         "failover": {"standby": False, "survivor_grace_s": 3, "pg_timeout_s": 30},
+        "node_health": {"skip_node_check": True},  # not about node health: no probe
         "config": {"global_batch": G, "micro_batch": B, "max_steps": STEPS,
                    "batches_per_shard": 2, "sleep_s": 0.05,
                    "fault": {"rank": 1, "step": 10}}})

@@ -23,7 +23,8 @@ EVERY = 4
 TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
         "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
         "config.warmup_steps=2", f"checkpoint.every_steps={EVERY}", "checkpoint.keep=2",
-        "failover.survivor_grace_s=3", "failover.pg_timeout_s=30"]
+        "failover.survivor_grace_s=3", "failover.pg_timeout_s=30",
+        "node_health.skip_node_check=true"]  # not about node health: no pre-flight probe
 
 
 def spec(name: str, steps: int = 16, *extra: str):

@@ -17,7 +17,8 @@ from dlrover_core.master.events import read_events
 
 TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
         "config.batch_size=8", "config.eval_batches=2", "config.lr=1e-2",
-        "config.warmup_steps=2", "checkpoint.every_steps=4", "checkpoint.keep=2"]
+        "config.warmup_steps=2", "checkpoint.every_steps=4", "checkpoint.keep=2",
+        "node_health.skip_node_check=true"]  # not about node health: no pre-flight probe
 
 
 def tiny_spec(steps: int, *extra: str):

@@ -25,6 +25,7 @@ SPEC = {"name": "runs-test",
         "roles": {"trainer": {"workload": "tests.cli_workloads:Chatty", "total": 1,
                               "backend": "ddp", "resources": {"cpu": 1}}},
         "checkpoint": {"saver": "disk", "every_steps": 2, "keep": 2},
+        "node_health": {"skip_node_check": True},  # not about node health: no probe
         "config": {"max_steps": 4, "step_s": 0.05}}
 
 

@@ -24,7 +24,8 @@ TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block
         "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
         "config.warmup_steps=2", "config.micro_batch=2", "config.grad_accum_steps=8",
         "config.read_latency_s=0.004", "tuning.enabled=true", "tuning.interval_steps=3",
-        "tuning.warmup_steps=1", "failover.survivor_grace_s=3", "failover.pg_timeout_s=30"]
+        "tuning.warmup_steps=1", "failover.survivor_grace_s=3", "failover.pg_timeout_s=30",
+        "node_health.skip_node_check=true"]  # not about node health: no pre-flight probe
 
 
 STEPS = 24
