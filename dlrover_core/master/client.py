@@ -91,11 +91,16 @@ def create_master(spec: DictConfig, job_dir: str, fresh: bool = False) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cls = ray.remote(concurrency_groups={"report": 1})(JobMaster)
-    here = head_node_id() or ray.get_runtime_context().get_node_id()  # head, if it can
+    # on the head, whose loss ends the cluster anyway: a hard affinity (Ray placed a
+    # 0-CPU actor with a *soft* affinity to a head without CPUs on a worker node every
+    # time, and a worker's loss then took the master with it); without a head in the
+    # table, this process's node, softly
+    head = head_node_id()
+    here = head or ray.get_runtime_context().get_node_id()
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=head is None),
     ).remote(OmegaConf.to_container(spec, resolve=True), job_dir, fresh)
 
 
