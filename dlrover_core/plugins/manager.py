@@ -293,6 +293,16 @@ class PluginManager:
             raise PluginError("; ".join(clashes) + f"; disable one with {DISABLE_ENV}")
         return records
 
+    # ------------------------------------------------------------------ RecordSource
+    def collected(self) -> dict[type, dict[str, Any]]:
+        """record type -> {name: record} (what a :class:`Registry` reads)."""
+        return self._collect()
+
+    def not_loaded(self) -> list[PluginInfo]:
+        """The plugins that failed or are blocked."""
+        return [i for i in self._infos.values()
+                if i.status in (PluginStatus.FAILED, PluginStatus.BLOCKED)]
+
     # ------------------------------------------------------------------ older spellings
     # ``pm.get_backend(name)`` is ``pm.backends.get(name)``; kept for existing callers.
     def get_template(self, name: str) -> GraphTemplate:

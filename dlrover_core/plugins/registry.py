@@ -1,13 +1,14 @@
 """Typed registries of the records plugins register (backends, savers, templates...).
 
 One :class:`Registry` per record kind; ``RECORD_KINDS`` maps each record type to its
-registration hook. The plugin manager fills them (``PluginManager._collect``).
+registration hook. A registry reads its records from a :class:`RecordSource` (the plugin
+manager is one), so this module does not import the manager.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Iterator, TypeVar
+from typing import Any, Generic, Iterator, Protocol, TypeVar
 
 from dlrover_core.plugins.records import (
     Backend,
@@ -18,9 +19,6 @@ from dlrover_core.plugins.records import (
     StreamSource,
     Tuner,
 )
-
-if TYPE_CHECKING:
-    from dlrover_core.plugins.manager import PluginManager
 
 R = TypeVar("R")
 
@@ -57,6 +55,22 @@ RECORD_KINDS: dict[type, RecordKind] = {
 }
 
 
+class RecordSource(Protocol):
+    """Where a :class:`Registry` reads from (:class:`~dlrover_core.plugins.manager.PluginManager`
+    is one)."""
+
+    def collected(self) -> dict[type, dict[str, Any]]:
+        """record type -> {name: record} over every loaded plugin.
+
+        Raises:
+            PluginError: two plugins provide the same name.
+        """
+
+    def not_loaded(self) -> list[Any]:
+        """The plugins that failed or are blocked: objects with ``name``, ``status``
+        (a string enum: ``failed`` / ``blocked``) and ``error``."""
+
+
 class Registry(Generic[R]):
     """The records of one kind that the loaded plugins provide, by name.
 
@@ -66,35 +80,34 @@ class Registry(Generic[R]):
     Raises ``PluginError`` when two plugins provide the same name.
     """
 
-    def __init__(self, manager: PluginManager, kind: type[R]) -> None:
-        self._manager = manager
+    def __init__(self, source: RecordSource, kind: type[R]) -> None:
+        self._source = source
         self.kind = kind
 
     def all(self) -> dict[str, R]:
-        return dict(sorted(self._manager._collect()[self.kind].items()))
+        return dict(sorted(self._source.collected()[self.kind].items()))
 
     __call__ = all
 
     def names(self) -> list[str]:
-        return sorted(self._manager._collect()[self.kind])
+        return sorted(self._source.collected()[self.kind])
 
     def __contains__(self, name: object) -> bool:
-        return name in self._manager._collect()[self.kind]
+        return name in self._source.collected()[self.kind]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
     def __len__(self) -> int:
-        return len(self._manager._collect()[self.kind])
+        return len(self._source.collected()[self.kind])
 
     def get(self, name: str) -> R:
-        records = self._manager._collect()[self.kind]
+        records = self._source.collected()[self.kind]
         if name in records:
             return records[name]
         installed = ", ".join(sorted(records)) or "none"
         msg = f"unknown {RECORD_KINDS[self.kind].words} {name!r}; installed: {installed}"
-        broken = [i for i in self._manager._infos.values()
-                  if i.status in ("failed", "blocked")]
+        broken = self._source.not_loaded()
         same = [i for i in broken if i.name == name]
         if same:
             i = same[0]
