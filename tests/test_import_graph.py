@@ -1,4 +1,5 @@
-"""The import graph of ``dlrover_core`` and of every plugin package has no cycle.
+"""The import graph of ``dlrover_core`` and of every plugin package has no cycle, and
+no module of theirs is over :data:`MAX_LINES` lines (one job per module).
 
 The graph is read from the source with :mod:`ast` (nothing is imported): an edge
 ``a -> b`` for every ``import b`` / ``from b import x`` in module ``a``, wherever it
@@ -14,6 +15,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MAX_LINES = 400
 
 
 def package_roots(repo: Path = REPO) -> list[Path]:
@@ -122,3 +124,11 @@ def test_the_check_sees_a_type_checking_cycle(tmp_path):
     graph = import_graph(modules([pkg]))
     assert graph["dlrover_core.c"] == {"dlrover_core.a", "dlrover_core.b"}
     assert cycles(graph) == [["dlrover_core.a", "dlrover_core.b"]]
+
+
+def test_no_module_over_max_lines():
+    mods = modules(package_roots())
+    sizes = {str(f.relative_to(REPO)): len(f.read_text().splitlines())
+             for f, _ in mods.values()}
+    assert len(sizes) > 100  # the core and the plugins were found
+    assert {f: n for f, n in sizes.items() if n > MAX_LINES} == {}

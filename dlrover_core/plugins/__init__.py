@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "hookimpl": "dlrover_core.plugins.hookspecs",
     "hookspec": "dlrover_core.plugins.hookspecs",
-    "PluginInfo": "dlrover_core.plugins.manager",
+    "PluginInfo": "dlrover_core.plugins.info",
     "PluginManager": "dlrover_core.plugins.manager",
-    "PluginStatus": "dlrover_core.plugins.manager",
+    "PluginStatus": "dlrover_core.plugins.info",
     "UnknownPluginError": "dlrover_core.plugins.registry",
     "PluginError": "dlrover_core.plugins.registry",
     "Registry": "dlrover_core.plugins.registry",

@@ -7,9 +7,10 @@ manager is one), so this module does not import the manager.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Iterator, Protocol, TypeVar
 
+from dlrover_core.plugins.info import PluginInfo
 from dlrover_core.plugins.records import (
     Backend,
     CheckpointSaver,
@@ -53,6 +54,47 @@ RECORD_KINDS: dict[type, RecordKind] = {
     Tuner: RecordKind("dlrover_tuners", "tuner", "tuner"),
     StreamSource: RecordKind("dlrover_stream_sources", "stream_source", "stream source"),
 }
+
+
+def collect_records(pm: Any, infos: dict[str, PluginInfo]
+                    ) -> tuple[dict[type, dict[str, Any]], list[str]]:
+    """Call every registration hook of ``RECORD_KINDS`` once per plugin of the pluggy
+    manager ``pm``: returns record type -> {name: record} (each record's ``provider``
+    set to the plugin's name) and the clashes (a name provided twice; the first
+    provider keeps it). ``infos`` (plugin name -> info) get their ``provides``; a
+    hook that raises or returns something other than its record type marks its
+    plugin ``failed``."""
+    records: dict[type, dict[str, Any]] = {k: {} for k in RECORD_KINDS}
+    for info in infos.values():
+        info.provides = []
+    clashes = []
+    for rtype, kind in RECORD_KINDS.items():
+        caller = getattr(pm.hook, kind.hook)
+        for impl in caller.get_hookimpls():
+            plugin_name = pm.get_name(impl.plugin) or "?"
+            info = infos.get(plugin_name)
+            try:
+                result = impl.function()
+            except Exception as exc:  # noqa: BLE001
+                if info is not None:
+                    info.fail(f"{kind.hook} raised {type(exc).__name__}: {exc}")
+                continue
+            for rec in result or []:
+                if not isinstance(rec, rtype):
+                    if info is not None:
+                        info.fail(f"{kind.hook} returned {type(rec).__name__}, expected "
+                                  f"{rtype.__name__}")
+                    continue
+                rec = replace(rec, provider=plugin_name)
+                if rec.name in records[rtype]:
+                    a, b = sorted((records[rtype][rec.name].provider, plugin_name))
+                    clashes.append(f"{kind.words} {rec.name!r} is provided by both "
+                                   f"plugin {a!r} and plugin {b!r}")
+                    continue
+                records[rtype][rec.name] = rec
+                if info is not None:
+                    info.provides.append(f"{kind.label}:{rec.name}")
+    return records, clashes
 
 
 class RecordSource(Protocol):
