@@ -167,6 +167,7 @@ class Launcher:
             checkpoint=OmegaConf.to_container(s.spec.checkpoint),
             failover=OmegaConf.to_container(s.spec.failover),
             tuning=OmegaConf.to_container(s.spec.tuning),
+            observability=OmegaConf.to_container(s.spec.observability),
             job_dir=s.job_dir, attempt=attempt, run_id=s.run_id)
 
     def device_env(self, role: str, gpu: float) -> dict[str, str]:
@@ -289,7 +290,8 @@ class Launcher:
             resources={role: {"cpu": r.resources.cpu, "gpu": r.resources.gpu}
                        for role, r in s.graph.roles.items()},
             job_dir=s.job_dir, attempt=attempt,
-            workloads={role: r.workload for role, r in s.graph.roles.items()})
+            workloads={role: r.workload for role, r in s.graph.roles.items()},
+            observability=OmegaConf.to_container(s.spec.observability))
         name = f"dlrover-{s.name}-driver-a{attempt}"
         handle = remote_driver_host().options(
             name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,

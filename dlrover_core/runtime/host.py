@@ -244,7 +244,8 @@ class DriverHost(HostBase):
 
         # the driver's stdout/stderr into <job_dir>/logs/driver/attempt-<N>.log
         capture_output(getattr(self.context, "job_dir", ""), "driver", 0,
-                       getattr(self.context, "attempt", 0))
+                       getattr(self.context, "attempt", 0),
+                       getattr(self.context, "observability", None))
         self._phase = "setup"
         try:
             self.trainer = create_trainer(resolve(self.driver_path), self.context)

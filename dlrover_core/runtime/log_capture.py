@@ -23,6 +23,8 @@ from typing import IO
 
 DEFAULT_MAX_BYTES = 10 << 20
 DEFAULT_BACKUPS = 3
+#: the smallest ``max_bytes`` of a :class:`RotatingFile`
+MIN_LOG_BYTES = 1024
 LOGS_DIR = "logs"
 
 
@@ -41,13 +43,14 @@ class RotatingFile:
     parts (``path.1`` newest ... ``path.<backups>`` oldest).
 
     Raises:
-        ValueError: ``max_bytes`` < 1024 or ``backups`` < 0.
+        ValueError: ``max_bytes`` < :data:`MIN_LOG_BYTES` (1024) or ``backups`` < 0.
     """
 
     def __init__(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES,
                  backups: int = DEFAULT_BACKUPS) -> None:
-        if max_bytes < 1024 or backups < 0:
-            raise ValueError(f"max_bytes={max_bytes} (>= 1024) and backups={backups} (>= 0)")
+        if max_bytes < MIN_LOG_BYTES or backups < 0:
+            raise ValueError(f"max_bytes={max_bytes} (>= {MIN_LOG_BYTES}) and "
+                             f"backups={backups} (>= 0)")
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._f: IO[bytes] = open(path, "ab")
@@ -197,8 +200,9 @@ def capture_output(job_dir: str, role: str, rank: int, attempt: int,
     or ``options["worker_logs"]`` is false.
 
     Args:
-        options: the job's ``observability`` section: ``worker_logs`` (bool),
-            ``log_max_bytes`` (bytes per file), ``log_backups`` (rotated files kept).
+        options: the job's ``observability`` section (a dict; ``WorkerContext`` and
+            ``TrainerContext`` carry it): ``worker_logs`` (bool), ``log_max_bytes``
+            (bytes per file), ``log_backups`` (rotated files kept).
     """
     options = options or {}
     if not job_dir or not options.get("worker_logs", True):
