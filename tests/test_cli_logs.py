@@ -184,3 +184,43 @@ def test_a_jobs_log_options_reach_its_workers(ray_cluster, tmp_path):
     assert os.path.exists(live + ".1") and not os.path.exists(live + ".2")
     assert all(os.path.getsize(p) <= 2048 for p in (live, live + ".1"))
     assert open(live).read().rstrip().splitlines()[-1].endswith("run() returned at step 149")
+
+
+SPLIT_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from dlrover_core.runtime import log_capture
+    job_dir = sys.argv[1]
+    log_capture.capture_output(job_dir, "trainer", 0, 0)
+    fd, read = log_capture._capture._read_fd, os.read
+    # the capture thread now reads the pipe 7 bytes at a time: every switch marker
+    # (over 20 bytes) arrives split across reads
+    os.read = lambda f, n: read(f, min(n, 7) if f == fd else n)
+    print("attempt zero output", flush=True)
+    first = log_capture.attempt_path(job_dir, "trainer", 0, 0)
+    while "attempt zero output" not in open(first).read():  # that read was unpatched
+        time.sleep(0.01)
+    print("more of attempt zero", flush=True)
+    t0 = time.monotonic()
+    log_capture.capture_output(job_dir, "trainer", 0, 1)
+    print(f"switch took {time.monotonic() - t0:.3f} s", file=sys.stderr, flush=True)
+    print("attempt one output", flush=True)
+    os.write(1, b"a NUL that is no marker: \\0dl\\n")
+    log_capture.capture_output(job_dir, "trainer", 0, 2)
+    print("attempt two output", flush=True)
+""")
+
+
+def test_a_switch_marker_split_across_reads_is_found(tmp_path):
+    """A real child process whose capture thread reads 7 bytes at a time (os.read
+    patched for the capture's pipe only): each attempt's output lands in its own file,
+    whole, and no marker byte lands in any."""
+    job_dir = str(tmp_path)
+    res = subprocess.run([sys.executable, "-c", SPLIT_CHILD, job_dir], capture_output=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    files = [open(attempt_path(job_dir, "trainer", 0, a), "rb").read() for a in range(3)]
+    assert files[0] == b"attempt zero output\nmore of attempt zero\n"
+    assert files[1].startswith(b"switch took ")  # stderr shares the file
+    assert files[1].split(b"\n", 1)[1] == b"attempt one output\na NUL that is no marker: \0dl\n"
+    assert files[2] == b"attempt two output\n"
+    assert b"dlrover-log-switch" not in res.stdout

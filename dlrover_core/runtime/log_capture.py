@@ -26,6 +26,8 @@ DEFAULT_BACKUPS = 3
 #: the smallest ``max_bytes`` of a :class:`RotatingFile`
 MIN_LOG_BYTES = 1024
 LOGS_DIR = "logs"
+#: bytes the reading thread asks the pipe for at once
+READ_BYTES = 65536
 
 
 def instance_dir(job_dir: str, role: str, rank: int) -> str:
@@ -100,6 +102,9 @@ class OutputCapture:
         self._pending: tuple[bytes, RotatingFile] | None = None
         self._switched = threading.Event()
         self._switches = 0
+        #: the end of the last read when it may be the start of the pending marker (a
+        #: marker can be split across two reads): held back until the next read
+        self._held = b""
         self._tee_fd = os.dup(1)  # where stdout went before (Ray's worker log)
         r, w = os.pipe()
         for stream in (sys.stdout, sys.stderr):
@@ -124,8 +129,9 @@ class OutputCapture:
         """Send output from now on to ``path`` (a new attempt's file). Output written
         before the call (by this process or a child sharing its descriptors) that is
         still in the pipe goes to the previous file: a marker written through the pipe
-        tells the reading thread where the switch is (FIFO order); if the marker is not
-        seen within 5 s the switch happens anyway."""
+        tells the reading thread where the switch is (FIFO order), also when it arrives
+        split across two reads; if the marker is not seen within 5 s the switch happens
+        anyway."""
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -147,6 +153,9 @@ class OutputCapture:
         if not self._switched.wait(5.0):
             with self._lock:
                 if self._pending is not None and self._pending[1] is new:
+                    held, self._held = self._held, b""
+                    self._write(held)  # not the marker after all: it was output
+                    self._tee(held)
                     self._swap(new)
 
     def _swap(self, new: RotatingFile) -> None:
@@ -164,15 +173,23 @@ class OutputCapture:
             except OSError:
                 pass
 
+    def _tee(self, data: bytes) -> None:
+        """Copy ``data`` to where stdout went before (Ray's worker log)."""
+        try:
+            if data:
+                os.write(self._tee_fd, data)
+        except OSError:
+            pass
+
     def _pump(self) -> None:
         while True:
             try:
-                data = os.read(self._read_fd, 65536)
+                data = os.read(self._read_fd, READ_BYTES)
             except OSError:
-                return
-            if not data:
-                return
+                data = b""
+            eof = not data
             with self._lock:
+                data, self._held = self._held + data, b""
                 pending = self._pending
                 if pending is not None and pending[0] in data:
                     before, _, after = data.partition(pending[0])
@@ -181,11 +198,24 @@ class OutputCapture:
                     self._write(after)
                     data = before + after
                 else:
+                    if pending is not None and not eof:
+                        keep = _marker_start(data, pending[0])
+                        if keep:
+                            data, self._held = data[:-keep], data[-keep:]
                     self._write(data)
-            try:
-                os.write(self._tee_fd, data)
-            except OSError:
-                pass
+            self._tee(data)
+            if eof:
+                return
+
+
+def _marker_start(data: bytes, marker: bytes) -> int:
+    """The length of the longest end of ``data`` that is a proper start of ``marker``
+    (0: none), i.e. how many bytes may be the first part of a marker split across two
+    reads."""
+    for n in range(min(len(data), len(marker) - 1), 0, -1):
+        if data.endswith(marker[:n]):
+            return n
+    return 0
 
 
 _capture: OutputCapture | None = None
