@@ -17,18 +17,15 @@ averaged over the data-parallel ranks by the backend's DDP.
 
 from __future__ import annotations
 
-import math
-import os
-import signal
 import time
 
 import torch
 import torch.distributed as dist
 
 from dlrover_core import BaseWorkload
+from examples.char_training import adamw, end_step, final_val_loss, maybe_fault, warmup_cosine_lr
 from examples.megatron_gpt.model import CharGPTShape, TensorParallelCharGPT
 from examples.nanogpt.data import CharDataset
-from examples.nanogpt.workload import adamw, warmup_cosine_lr
 
 
 class MegatronGPTWorkload(BaseWorkload):
@@ -146,22 +143,11 @@ class MegatronGPTWorkload(BaseWorkload):
                     p.grad /= self.backend.dp_size
         return loss
 
-    def _maybe_fault(self, step: int) -> None:
-        """Test hook: ``config.fault`` = {"rank": r, "step": s, "kind": raise|kill} injects
-        a real fault in this rank at that step, in restart attempt ``attempt`` (default 0)."""
-        f = self.config.get("fault")
-        if not f or int(f.rank) != self.rank or int(f.step) != step:
-            return
-        if int(f.get("attempt", 0)) != self.attempt:
-            return
-        if f.kind == "raise":
-            raise RuntimeError(f"injected fault at step {step}")
-        if f.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+    _maybe_fault = maybe_fault  # config.fault: the tests' injected faults
 
     def run(self) -> dict:
         c = self.config
-        max_steps, eval_every = int(c.max_steps), int(c.eval_every)
+        max_steps = int(c.max_steps)
         seed = int(c.get("seed", 1337))
         samples = int(c.batch_size) * self.backend.dp_size
         step = self.start_step
@@ -180,20 +166,10 @@ class MegatronGPTWorkload(BaseWorkload):
             metrics = {"loss": loss, "lr": self.lr_at(step - 1),
                        "samples_per_s": samples / max(now - t_last, 1e-9)}
             t_last = now
-            if step % eval_every == 0 or step == max_steps:
-                val = self.evaluate()
-                metrics["val_loss"] = val
-                t_last = time.perf_counter()
-            if self.resumed_from is not None:
-                metrics["resumed_from_step"] = self.resumed_from
-            self.report(step - 1, **metrics)
-            self.extra["step"] = step
-            self.checkpointer.maybe_save(step, model=self.model, optimizer=self.opt,
-                                         extra=self.extra)
-        if math.isnan(val):
-            val = self.evaluate()
-            self.report(step - 1, val_loss=val)
-        return {"val_loss": val, "steps": step, "params": self.num_params}
+            if end_step(self, step, metrics):
+                val, t_last = metrics["val_loss"], time.perf_counter()
+        return {"val_loss": final_val_loss(self, step, val), "steps": step,
+                "params": self.num_params}
 
 
 def _num_params(model: torch.nn.Module, device: torch.device) -> int:
