@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from dlrover_core.runtime.log_capture import MIN_LOG_BYTES
+from dlrover_core.observability.log_limits import MIN_LOG_BYTES
 from dlrover_core.spec.errors import SpecError
 
 

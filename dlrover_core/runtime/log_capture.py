@@ -21,10 +21,14 @@ import sys
 import threading
 from typing import IO
 
-DEFAULT_MAX_BYTES = 10 << 20
-DEFAULT_BACKUPS = 3
-#: the smallest ``max_bytes`` of a :class:`RotatingFile`
-MIN_LOG_BYTES = 1024
+from dlrover_core.observability.log_limits import (
+    DEFAULT_LOG_BACKUPS,
+    DEFAULT_LOG_MAX_BYTES,
+    MIN_LOG_BYTES,
+)
+
+DEFAULT_MAX_BYTES = DEFAULT_LOG_MAX_BYTES
+DEFAULT_BACKUPS = DEFAULT_LOG_BACKUPS
 LOGS_DIR = "logs"
 #: bytes the reading thread asks the pipe for at once
 READ_BYTES = 65536

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from dlrover_core.runtime.log_capture import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from dlrover_core.observability.log_limits import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
 from dlrover_core.spec.node_health import NodeHealthSpec
 
 
@@ -189,8 +189,8 @@ class ObservabilitySpec:
 
     tensorboard: Any = False
     worker_logs: bool = True
-    log_max_bytes: int = DEFAULT_MAX_BYTES
-    log_backups: int = DEFAULT_BACKUPS
+    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
+    log_backups: int = DEFAULT_LOG_BACKUPS
 
 
 @dataclass
