@@ -1,7 +1,8 @@
 """What the character-level GPT examples share (``examples.nanogpt.workload``, its
 tuned variant and ``examples.megatron_gpt.workload``): the optimizer, the learning-rate
-schedule, the injected faults of the tests, the model built from ``config`` and the
-end of a training step (evaluate, report, checkpoint).
+schedule, the injected faults of the tests, the model built from ``config``, the
+resume from a checkpoint, and the training loop around a workload's own step
+(:func:`train`: evaluate, report, checkpoint).
 
 Every function takes the workload (a :class:`dlrover_core.BaseWorkload`) whose
 ``config`` it reads; nothing here runs by itself.
@@ -13,7 +14,7 @@ import math
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -71,6 +72,18 @@ def build_char_gpt(workload: Any, vocab_size: int) -> tuple[Any, Any, int]:
     return cfg, wrapped, num_params
 
 
+def resume(workload: Any, **state: Any) -> None:
+    """Load the newest checkpoint into ``workload.model``, ``workload.opt`` and
+    ``workload.extra`` (made here: ``{"step": 0}``) and the named ``state`` (e.g. a data
+    loader); sets ``start_step`` (0 when there was nothing to load) and
+    ``resumed_from`` (the checkpoint's step, or ``None``)."""
+    w = workload
+    w.extra = {"step": 0}
+    loaded = w.checkpointer.load(model=w.model, optimizer=w.opt, extra=w.extra, **state)
+    w.start_step = int(w.extra["step"]) if loaded is not None else 0
+    w.resumed_from = loaded
+
+
 def end_step(workload: Any, step: int, metrics: dict, **state: Any) -> bool:
     """After the optimizer step that made ``step`` steps done: every
     ``config.eval_every`` steps and at ``config.max_steps``, ``workload.evaluate()``
@@ -97,3 +110,30 @@ def final_val_loss(workload: Any, step: int, val: float) -> float:
         val = workload.evaluate()
         workload.report(step - 1, val_loss=val)
     return val
+
+
+def train(workload: Any, train_step: Callable[[int], float], samples_per_step: int) -> dict:
+    """The examples' training loop from ``workload.start_step`` to ``config.max_steps``:
+    per step the injected fault (``workload._maybe_fault``), the learning rate of
+    ``workload.lr_at(step)`` set on every parameter group, ``train_step(step)`` (forward,
+    backward, optimizer step; returns the loss), then :func:`end_step` with ``loss``,
+    ``lr`` and ``samples_per_s`` (``samples_per_step`` over the step's wall time, the
+    evaluation left out). Returns ``{"val_loss", "steps", "params"}``."""
+    w = workload
+    max_steps = int(w.config.max_steps)
+    step = w.start_step
+    t_last, val = time.perf_counter(), float("nan")
+    while step < max_steps:
+        w._maybe_fault(step)
+        lr = w.lr_at(step)
+        for g in w.opt.param_groups:
+            g["lr"] = lr
+        loss = train_step(step)
+        step += 1
+        now = time.perf_counter()
+        metrics = {"loss": loss, "lr": lr,
+                   "samples_per_s": samples_per_step / max(now - t_last, 1e-9)}
+        t_last = now
+        if end_step(w, step, metrics):
+            val, t_last = metrics["val_loss"], time.perf_counter()
+    return {"val_loss": final_val_loss(w, step, val), "steps": step, "params": w.num_params}

@@ -17,13 +17,17 @@ averaged over the data-parallel ranks by the backend's DDP.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from dlrover_core import BaseWorkload
-from examples.char_training import adamw, end_step, final_val_loss, maybe_fault, warmup_cosine_lr
+from examples.char_training import (
+    adamw,
+    maybe_fault,
+    resume,
+    train,
+    warmup_cosine_lr,
+)
 from examples.megatron_gpt.model import CharGPTShape, TensorParallelCharGPT
 from examples.nanogpt.data import CharDataset
 
@@ -69,10 +73,7 @@ class MegatronGPTWorkload(BaseWorkload):
         # whole pipelined step (DDP would reduce at every micro-batch's backward)
         self.model = self.backend.wrap(model) if self.pp == 1 else model.to(self.backend.device)
         self.opt = adamw(self.model.parameters(), c)
-        self.extra = {"step": 0}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
-        self.start_step = int(self.extra["step"]) if loaded is not None else 0
-        self.resumed_from = loaded
+        resume(self)
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up for ``warmup_steps``, then cosine decay to ``lr / 10``."""
@@ -146,30 +147,17 @@ class MegatronGPTWorkload(BaseWorkload):
     _maybe_fault = maybe_fault  # config.fault: the tests' injected faults
 
     def run(self) -> dict:
-        c = self.config
-        max_steps = int(c.max_steps)
-        seed = int(c.get("seed", 1337))
-        samples = int(c.batch_size) * self.backend.dp_size
-        step = self.start_step
-        t_last, val = time.perf_counter(), float("nan")
-        while step < max_steps:
-            self._maybe_fault(step)
-            for g in self.opt.param_groups:
-                g["lr"] = self.lr_at(step)
+        seed = int(self.config.get("seed", 1337))
+
+        def train_step(step: int) -> float:
             x, y = self._batch("train", step, seed)
             self.opt.zero_grad(set_to_none=True)
             loss = self._train_step(x, y)
             _clip_grad_norm(self.model, 1.0, self.backend.device)
             self.opt.step()
-            step += 1
-            now = time.perf_counter()
-            metrics = {"loss": loss, "lr": self.lr_at(step - 1),
-                       "samples_per_s": samples / max(now - t_last, 1e-9)}
-            t_last = now
-            if end_step(self, step, metrics):
-                val, t_last = metrics["val_loss"], time.perf_counter()
-        return {"val_loss": final_val_loss(self, step, val), "steps": step,
-                "params": self.num_params}
+            return loss
+
+        return train(self, train_step, int(self.config.batch_size) * self.backend.dp_size)
 
 
 def _num_params(model: torch.nn.Module, device: torch.device) -> int:

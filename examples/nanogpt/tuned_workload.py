@@ -36,6 +36,7 @@ from examples.char_training import (
     build_char_gpt,
     end_step,
     final_val_loss,
+    resume,
     warmup_cosine_lr,
 )
 from examples.nanogpt.data import CharDataset
@@ -76,11 +77,7 @@ class TunedGPTWorkload(GPTWorkload):
                           "grad_accum_steps": int(c.get("grad_accum_steps", 4))},
             "parallelism": {"activation_checkpointing": bool(c.get("activation_checkpointing",
                                                                    False))}})
-        self.extra = {"step": 0}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra,
-                                        data=self.loader)
-        self.start_step = int(self.extra["step"]) if loaded is not None else 0
-        self.resumed_from = loaded
+        resume(self, data=self.loader)
         blocks = [m for m in self.model.modules() if isinstance(m, Block)]
         self.tuning.attach(loader=self.loader, model=self.model, blocks=blocks)
         self._record = None

@@ -8,18 +8,16 @@ job's saver every ``checkpoint.every_steps``; a restart resumes from the newest.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from dlrover_core import BaseWorkload
-from examples.char_training import (  # noqa: F401 - adamw, warmup_cosine_lr: old paths
+from examples.char_training import (
     adamw,
     build_char_gpt,
-    end_step,
-    final_val_loss,
     maybe_fault,
+    resume,
+    train,
     warmup_cosine_lr,
 )
 from examples.nanogpt.data import CharDataset
@@ -38,10 +36,7 @@ class GPTWorkload(BaseWorkload):
         self.data = CharDataset()
         self.cfg, self.model, self.num_params = build_char_gpt(self, self.data.vocab_size)
         self.opt = adamw(self.model.parameters(), c)
-        self.extra = {"step": 0}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
-        self.start_step = int(self.extra["step"]) if loaded is not None else 0
-        self.resumed_from = loaded
+        resume(self)
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up for ``warmup_steps``, then cosine decay to ``lr / 10``."""
@@ -70,27 +65,15 @@ class GPTWorkload(BaseWorkload):
 
     def run(self) -> dict:
         c = self.config
-        max_steps, bs = int(c.max_steps), int(c.batch_size)
-        device = self.backend.device
-        step = self.start_step
-        t_last, val = time.perf_counter(), float("nan")
-        while step < max_steps:
-            self._maybe_fault(step)
-            for g in self.opt.param_groups:
-                g["lr"] = self.lr_at(step)
-            x, y = self.data.batch("train", bs, self.cfg.block_size, int(c.get("seed", 1337)),
-                                   self.rank, step)
+        bs, seed, device = int(c.batch_size), int(c.get("seed", 1337)), self.backend.device
+
+        def train_step(step: int) -> float:
+            x, y = self.data.batch("train", bs, self.cfg.block_size, seed, self.rank, step)
             _, loss = self.model(x.to(device), y.to(device))
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
-            step += 1
-            now = time.perf_counter()
-            metrics = {"loss": loss.item(), "lr": self.lr_at(step - 1),
-                       "samples_per_s": bs * self.world_size / max(now - t_last, 1e-9)}
-            t_last = now
-            if end_step(self, step, metrics):
-                val, t_last = metrics["val_loss"], time.perf_counter()
-        return {"val_loss": final_val_loss(self, step, val), "steps": step,
-                "params": self.num_params}
+            return loss.item()
+
+        return train(self, train_step, bs * self.world_size)
