@@ -8,8 +8,9 @@ bring Ray in when they are first touched.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dlrover_core.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -73,13 +74,7 @@ if TYPE_CHECKING:
     from dlrover_core.spec.loader import load_spec
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dlrover_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

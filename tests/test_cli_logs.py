@@ -142,3 +142,85 @@ def test_follow_prints_new_output_and_stops_when_the_job_ends(tmp_path):
     assert not t.is_alive(), "follow did not stop after the job ended"
     assert sink.text.index("before") < sink.text.index("after") < \
         sink.text.index("==> trainer-0 attempt 1 <==") < sink.text.index("restarted")
+
+
+def test_log_options_are_checked_before_anything_starts():
+    from dlrover_core import load_spec
+    from dlrover_core.spec.errors import SpecError
+
+    base = {"name": "j", "roles": {"trainer": {"workload": "a.b:C"}}}
+    o = load_spec({**base, "observability": {"log_max_bytes": 4096, "log_backups": 0,
+                                             "worker_logs": False}}).observability
+    assert (o.log_max_bytes, o.log_backups, o.worker_logs) == (4096, 0, False)
+    with pytest.raises(SpecError, match=r"observability\.log_max_bytes: 100 is invalid; "
+                                        r"allowed: bytes per log file >= 1024"):
+        load_spec({**base, "observability": {"log_max_bytes": 100}})
+    with pytest.raises(SpecError, match=r"observability\.log_backups: -1 is invalid; "
+                                        r"allowed: an integer >= 0"):
+        load_spec({**base, "observability": {"log_backups": -1}})
+
+
+def test_a_jobs_log_options_reach_its_workers(ray_cluster, tmp_path):
+    """A real one-rank job with ``log_max_bytes: 2048, log_backups: 1``: the rank's log
+    is rotated at 2 KiB with one older part kept (the default would keep it whole)."""
+    import ray
+
+    from dlrover_core import load_spec
+    from dlrover_core.master.client import create_master
+    from dlrover_core.testing import poll_status
+
+    spec = {"name": "log-opts",
+            "roles": {"trainer": {"workload": "tests.cli_workloads:Chatty", "total": 1,
+                                  "backend": "ddp", "resources": {"cpu": 1}}},
+            "observability": {"log_max_bytes": 2048, "log_backups": 1},
+            "config": {"max_steps": 150, "step_s": 0.0}}
+    job_dir = str(tmp_path / "job")
+    master = create_master(load_spec(spec), job_dir)
+    ray.get(master.start.remote())
+    summary = poll_status(master, lambda s: s["summary"], 240)["summary"]
+    ray.kill(master, no_restart=True)
+    assert summary["status"] == "succeeded", summary["error"]
+    live = attempt_path(job_dir, "trainer", 0, 0)
+    assert os.path.exists(live + ".1") and not os.path.exists(live + ".2")
+    assert all(os.path.getsize(p) <= 2048 for p in (live, live + ".1"))
+    assert open(live).read().rstrip().splitlines()[-1].endswith("run() returned at step 149")
+
+
+SPLIT_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from dlrover_core.runtime import log_capture
+    job_dir = sys.argv[1]
+    log_capture.capture_output(job_dir, "trainer", 0, 0)
+    fd, read = log_capture._capture._read_fd, os.read
+    # the capture thread now reads the pipe 7 bytes at a time: every switch marker
+    # (over 20 bytes) arrives split across reads
+    os.read = lambda f, n: read(f, min(n, 7) if f == fd else n)
+    print("attempt zero output", flush=True)
+    first = log_capture.attempt_path(job_dir, "trainer", 0, 0)
+    while "attempt zero output" not in open(first).read():  # that read was unpatched
+        time.sleep(0.01)
+    print("more of attempt zero", flush=True)
+    t0 = time.monotonic()
+    log_capture.capture_output(job_dir, "trainer", 0, 1)
+    print(f"switch took {time.monotonic() - t0:.3f} s", file=sys.stderr, flush=True)
+    print("attempt one output", flush=True)
+    os.write(1, b"a NUL that is no marker: \\0dl\\n")
+    log_capture.capture_output(job_dir, "trainer", 0, 2)
+    print("attempt two output", flush=True)
+""")
+
+
+def test_a_switch_marker_split_across_reads_is_found(tmp_path):
+    """A real child process whose capture thread reads 7 bytes at a time (os.read
+    patched for the capture's pipe only): each attempt's output lands in its own file,
+    whole, and no marker byte lands in any."""
+    job_dir = str(tmp_path)
+    res = subprocess.run([sys.executable, "-c", SPLIT_CHILD, job_dir], capture_output=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    files = [open(attempt_path(job_dir, "trainer", 0, a), "rb").read() for a in range(3)]
+    assert files[0] == b"attempt zero output\nmore of attempt zero\n"
+    assert files[1].startswith(b"switch took ")  # stderr shares the file
+    assert files[1].split(b"\n", 1)[1] == b"attempt one output\na NUL that is no marker: \0dl\n"
+    assert files[2] == b"attempt two output\n"
+    assert b"dlrover-log-switch" not in res.stdout

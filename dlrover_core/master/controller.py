@@ -84,7 +84,6 @@ class JobController:
         self.monitor = Monitor(s)
         self.launcher = Launcher(s, self.monitor)
         self.standby = StandbyPool(s, self.launcher)
-        self.launcher.standby = self.standby
         self.recovery = RecoveryExecutor(s, self.launcher, self.monitor, self.standby)
         self.elastic = ElasticManager(s, self.launcher, self.standby)
         self.progress = ProgressRecorder(s)
@@ -158,6 +157,7 @@ class JobController:
         return JobState.PLACING
 
     def _placing(self) -> JobState:
+        self.standby.forget_slots()  # their placement groups are about to be made again
         self.launcher.place()
         self.node_check.after_placement()  # may exclude nodes and place again
         return JobState.STARTING
@@ -165,6 +165,7 @@ class JobController:
     def _starting(self) -> JobState:
         try:
             self.launcher.start_everything(self._attempt_bump)
+            self.standby.ensure()
         except InstanceFailure as f:
             self._failures.append(self.monitor.diagnose(f.inst, f.exc))
             self._start_failed = True

@@ -28,7 +28,6 @@ from dlrover_core.runtime.trainer import TrainerContext
 if TYPE_CHECKING:
     from dlrover_core.master.monitor import Monitor
     from dlrover_core.master.scope import JobScope
-    from dlrover_core.master.standby import StandbyPool
 
 POLL_S = 0.25
 PG_READY_TIMEOUT_S = 120.0
@@ -63,7 +62,6 @@ class Launcher:
     def __init__(self, scope: JobScope, monitor: Monitor) -> None:
         self.scope = scope
         self.monitor = monitor
-        self.standby: StandbyPool | None = None  # set by the controller
         self.plan: PlacementPlan | None = None
         self.pgs: list[Any] = []
         self.phases: dict[str, Any] = {}
@@ -90,8 +88,6 @@ class Launcher:
         self.plan = self.make_plan()
         alive_bad = self.alive_bad_nodes()
         self.pgs = []
-        if self.standby is not None:
-            self.standby.forget_slots()
         for g in self.plan.groups:
             kwargs: dict[str, Any] = {}
             if alive_bad:  # keep bad (but alive) nodes out: Ray's default node-id label
@@ -171,6 +167,7 @@ class Launcher:
             checkpoint=OmegaConf.to_container(s.spec.checkpoint),
             failover=OmegaConf.to_container(s.spec.failover),
             tuning=OmegaConf.to_container(s.spec.tuning),
+            observability=OmegaConf.to_container(s.spec.observability),
             job_dir=s.job_dir, attempt=attempt, run_id=s.run_id)
 
     def device_env(self, role: str, gpu: float) -> dict[str, str]:
@@ -299,7 +296,8 @@ class Launcher:
             resources={role: {"cpu": r.resources.cpu, "gpu": r.resources.gpu}
                        for role, r in s.graph.roles.items()},
             job_dir=s.job_dir, attempt=attempt,
-            workloads={role: r.workload for role, r in s.graph.roles.items()})
+            workloads={role: r.workload for role, r in s.graph.roles.items()},
+            observability=OmegaConf.to_container(s.spec.observability))
         name = f"dlrover-{s.name}-driver-a{attempt}"
         handle = remote_driver_host().options(
             name=name, namespace=MASTER_NAMESPACE, num_cpus=0, max_restarts=0,
@@ -314,16 +312,14 @@ class Launcher:
         self.monitor.watch_instance(inst)
 
     def start_everything(self, attempt_bump: int = 0) -> None:
-        """Start every role (in graph order), then the driver, then the standbys; each
-        instance's attempt is its previous one plus ``attempt_bump``."""
+        """Start every role (in graph order), then the driver; each instance's attempt
+        is its previous one plus ``attempt_bump``. (The caller starts the standbys.)"""
         s = self.scope
         attempts = {k: i.attempt + attempt_bump for k, i in s.instances.roles.items()}
         self.start_roles(list(s.graph.order), attempts)
         if s.graph.driver:
             drv = s.instances.driver
             self.start_driver((drv.attempt + attempt_bump) if drv else 0)
-        if self.standby is not None:
-            self.standby.ensure()
 
     # ------------------------------------------------------------------ stopping
     def stop_instances(self, insts: list[Instance], graceful: bool = False) -> None:

@@ -7,21 +7,33 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from dlrover_core.observability.log_limits import MIN_LOG_BYTES
 from dlrover_core.spec.errors import SpecError
 
 
 def validate_observability(spec: Any) -> None:
-    """Check ``spec.observability.tensorboard``: ``true``, ``false`` or a directory, and
-    the ``tensorboard`` package installed when it is on.
+    """Check ``spec.observability``: ``tensorboard`` is ``true``, ``false`` or a directory
+    (and torch and the ``tensorboard`` package are installed when it is on); the worker logs'
+    ``log_max_bytes`` is >= :data:`MIN_LOG_BYTES` and ``log_backups`` >= 0 (the limits
+    of :class:`~dlrover_core.runtime.log_capture.RotatingFile`).
 
     Raises:
-        SpecError: a bad value, or ``tensorboard`` on without the tensorboard package.
+        SpecError: a bad value, or ``tensorboard`` on without torch or the tensorboard
+            package.
     """
+    o = spec.observability
+    if o.log_max_bytes < MIN_LOG_BYTES:
+        raise SpecError("observability.log_max_bytes", o.log_max_bytes,
+                        f"bytes per log file >= {MIN_LOG_BYTES}")
+    if o.log_backups < 0:
+        raise SpecError("observability.log_backups", o.log_backups,
+                        "an integer >= 0 (rotated parts kept; 0: none)")
     tb = spec.observability.tensorboard
     if not (isinstance(tb, bool) or (isinstance(tb, str) and tb.strip())):
         raise SpecError("observability.tensorboard", tb,
                         "true (event files in <job_dir>/tensorboard), false, or a directory")
-    if tb is not False and importlib.util.find_spec("tensorboard") is None:
-        raise SpecError("observability.tensorboard", tb, "false, or install the tensorboard "
-                        "package: pip install 'dlrover-core[tensorboard]'",
-                        "the tensorboard package is not installed")
+    missing = [m for m in ("tensorboard", "torch") if importlib.util.find_spec(m) is None]
+    if tb is not False and missing:
+        raise SpecError("observability.tensorboard", tb, "false, or install torch and the "
+                        "tensorboard package: pip install 'dlrover-core[tensorboard]'",
+                        f"not installed: {', '.join(missing)}")

@@ -2,8 +2,8 @@
 
 Every record the master appends to ``metrics.jsonl`` and ``events.jsonl`` goes through
 :meth:`TensorBoardSink.on_record`, which turns it into scalars (TensorBoard event
-files, written with the ``tensorboard`` package's own ``EventFileWriter``; no
-TensorFlow or torch needed; the optional extra ``dlrover-core[tensorboard]``):
+files, written with ``torch.utils.tensorboard.SummaryWriter``; needs torch and the
+``tensorboard`` package, the optional extra ``dlrover-core[tensorboard]``):
 
 ========================  ===========================================  ==========
 tag                       from                                         step
@@ -57,32 +57,30 @@ class TensorBoardSink:
     """Writes scalars for the records of one job into ``logdir``.
 
     Raises:
-        RuntimeError: the ``tensorboard`` package is not installed (names the extra).
+        RuntimeError: torch or the ``tensorboard`` package is not installed (names the
+            extra).
     """
 
     def __init__(self, logdir: str, job_dir: str | None = None,
                  flush_secs: float = 5.0) -> None:
         try:
-            from tensorboard.compat.proto.event_pb2 import Event
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise RuntimeError("observability.tensorboard needs the tensorboard package: "
-                               "pip install 'dlrover-core[tensorboard]'") from exc
+            raise RuntimeError("observability.tensorboard needs torch and the tensorboard "
+                               f"package (pip install 'dlrover-core[tensorboard]'): {exc}"
+                               ) from exc
         os.makedirs(logdir, exist_ok=True)
         self.logdir, self.job_dir = logdir, job_dir
-        self._Event, self._Summary = Event, Summary
-        self._writer = EventFileWriter(logdir, flush_secs=flush_secs)
+        self._writer = SummaryWriter(log_dir=logdir, flush_secs=int(max(1, flush_secs)))
         self._lock = threading.Lock()
         self.last_step = 0
         self.restarts = 0
 
     def scalar(self, tag: str, value: float, step: int, wall_time: float) -> None:
         """One scalar ``tag`` = ``value`` at ``step`` (int) and ``wall_time`` (unix s)."""
-        summary = self._Summary(value=[self._Summary.Value(tag=tag, simple_value=float(value))])
         with self._lock:
-            self._writer.add_event(self._Event(wall_time=wall_time, step=int(step),
-                                               summary=summary))
+            self._writer.add_scalar(tag, float(value), global_step=int(step),
+                                    walltime=wall_time)
 
     def on_record(self, rec: dict) -> None:
         """Turn one ``metrics.jsonl``/``events.jsonl`` record into scalars."""

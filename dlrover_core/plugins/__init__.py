@@ -6,15 +6,16 @@ module needs) does not load the manager and stevedore.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dlrover_core.lazy import lazy_getattr
 
 _EXPORTS: dict[str, str] = {
     "hookimpl": "dlrover_core.plugins.hookspecs",
     "hookspec": "dlrover_core.plugins.hookspecs",
-    "PluginInfo": "dlrover_core.plugins.manager",
+    "PluginInfo": "dlrover_core.plugins.info",
     "PluginManager": "dlrover_core.plugins.manager",
-    "PluginStatus": "dlrover_core.plugins.manager",
+    "PluginStatus": "dlrover_core.plugins.info",
     "UnknownPluginError": "dlrover_core.plugins.registry",
     "PluginError": "dlrover_core.plugins.registry",
     "Registry": "dlrover_core.plugins.registry",
@@ -38,10 +39,4 @@ if TYPE_CHECKING:
     from dlrover_core.plugins.registry import PluginError, Registry, UnknownPluginError
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dlrover_core.plugins' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -16,16 +16,15 @@ typed :class:`Registry` per record kind (``pm.backends.get("fsdp")``).
 from __future__ import annotations
 
 import importlib.metadata as importlib_metadata
-import os
 import threading
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
 import pluggy
 from stevedore import NamedExtensionManager
 
 from dlrover_core.plugins import hookspecs
+from dlrover_core.plugins.info import DISABLE_ENV, PluginInfo, PluginStatus, disabled_plugins
 from dlrover_core.plugins.records import (
     Backend,
     CheckpointSaver,
@@ -43,13 +42,13 @@ from dlrover_core.plugins.registry import (
     RecordKind,
     Registry,
     UnknownPluginError,
+    collect_records,
 )
 
 if TYPE_CHECKING:
     from dlrover_core.runtime.workload import BaseWorkload
 
 ENTRY_POINT_GROUP = "dlrover.plugins"
-DISABLE_ENV = "DLROVER_DISABLE_PLUGINS"
 BUILTIN_NAME = "builtin"
 
 R = TypeVar("R")
@@ -62,53 +61,6 @@ __all__ = ["BUILTIN_NAME", "DISABLE_ENV", "ENTRY_POINT_GROUP", "RECORD_KINDS", "
            "PluginError", "PluginInfo", "PluginManager", "PluginStatus", "RecordKind",
            "Registry", "UnknownPluginError", "disabled_plugins", "get_plugin_manager",
            "reset_plugin_manager"]
-
-
-class PluginStatus(StrEnum):
-    """A plugin's state; compares equal to its string."""
-
-    ACTIVE = "active"    # loaded and registered
-    BLOCKED = "blocked"  # named in DLROVER_DISABLE_PLUGINS, never imported
-    FAILED = "failed"    # its import or registration raised
-
-
-@dataclass
-class PluginInfo:
-    """One plugin as ``dlrover plugins list`` shows it.
-
-    ``status`` is a ``PluginStatus``: ``active`` (loaded and registered), ``blocked``
-    (named in ``DLROVER_DISABLE_PLUGINS``, never imported) or ``failed`` (its import
-    or registration raised; ``error`` holds the exception).
-    """
-
-    name: str
-    version: str = ""
-    distribution: str = ""
-    hooks: list[str] = field(default_factory=list)
-    provides: list[str] = field(default_factory=list)
-    status: PluginStatus = PluginStatus.ACTIVE
-    error: str = ""
-    module: Any = field(default=None, repr=False)
-
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "version": self.version,
-            "distribution": self.distribution,
-            "hooks": sorted(self.hooks),
-            "provides": sorted(self.provides),
-            "status": self.status.value,
-            "error": self.error,
-        }
-
-    def fail(self, error: str) -> None:
-        self.status, self.error = PluginStatus.FAILED, error
-
-
-def disabled_plugins(env: dict | None = None) -> set[str]:
-    """Names listed in ``DLROVER_DISABLE_PLUGINS`` (comma separated)."""
-    raw = (env if env is not None else os.environ).get(DISABLE_ENV, "")
-    return {n.strip() for n in raw.split(",") if n.strip()}
 
 
 class PluginManager:
@@ -255,43 +207,25 @@ class PluginManager:
         return [self._infos[n] for n in sorted(self._infos)]
 
     def _collect(self) -> dict[type, dict[str, Any]]:
-        """Call every registration hook once per plugin (to know who provided what)."""
+        """Call every registration hook once per plugin (to know who provided what);
+        cached until the next :meth:`register`."""
         if self._records is not None:
             return self._records
-        records: dict[type, dict[str, Any]] = {k: {} for k in RECORD_KINDS}
-        for info in self._infos.values():
-            info.provides = []
-        clashes = []
-        for rtype, kind in RECORD_KINDS.items():
-            caller = getattr(self._pm.hook, kind.hook)
-            for impl in caller.get_hookimpls():
-                plugin_name = self._pm.get_name(impl.plugin) or "?"
-                info = self._infos.get(plugin_name)
-                try:
-                    result = impl.function()
-                except Exception as exc:  # noqa: BLE001
-                    if info is not None:
-                        info.fail(f"{kind.hook} raised {type(exc).__name__}: {exc}")
-                    continue
-                for rec in result or []:
-                    if not isinstance(rec, rtype):
-                        if info is not None:
-                            info.fail(f"{kind.hook} returned {type(rec).__name__}, expected "
-                                      f"{rtype.__name__}")
-                        continue
-                    rec = replace(rec, provider=plugin_name)
-                    if rec.name in records[rtype]:
-                        a, b = sorted((records[rtype][rec.name].provider, plugin_name))
-                        clashes.append(f"{kind.words} {rec.name!r} is provided by both "
-                                       f"plugin {a!r} and plugin {b!r}")
-                        continue
-                    records[rtype][rec.name] = rec
-                    if info is not None:
-                        info.provides.append(f"{kind.label}:{rec.name}")
-        self._records = records
+        records, clashes = collect_records(self._pm, self._infos)
+        self._records = records  # kept: a clash is raised once, then the first provider wins
         if clashes:
             raise PluginError("; ".join(clashes) + f"; disable one with {DISABLE_ENV}")
         return records
+
+    # ------------------------------------------------------------------ RecordSource
+    def collected(self) -> dict[type, dict[str, Any]]:
+        """record type -> {name: record} (what a :class:`Registry` reads)."""
+        return self._collect()
+
+    def not_loaded(self) -> list[PluginInfo]:
+        """The plugins that failed or are blocked."""
+        return [i for i in self._infos.values()
+                if i.status in (PluginStatus.FAILED, PluginStatus.BLOCKED)]
 
     # ------------------------------------------------------------------ older spellings
     # ``pm.get_backend(name)`` is ``pm.backends.get(name)``; kept for existing callers.

@@ -24,7 +24,8 @@ class WorkerContext:
         backend: backend name or ``None``; ``collocation``: the roles sharing this
             instance's bundle (``"actor,rollout"``) or ``""``.
         config: the job config merged with the role config (plain containers).
-        checkpoint / failover: the ``checkpoint`` and ``failover`` sections (dicts).
+        checkpoint / failover / tuning / observability: those sections of the job spec
+            (dicts).
         job_dir: absolute path of the job directory.
         attempt: how many times this instance was restarted (0 at first start).
         gpu_ids: the GPU ids Ray reserved for this instance (strings; ``[]``: none);
@@ -48,6 +49,7 @@ class WorkerContext:
     checkpoint: dict = field(default_factory=dict)
     failover: dict = field(default_factory=dict)
     tuning: dict = field(default_factory=dict)
+    observability: dict = field(default_factory=dict)
     job_dir: str = ""
     attempt: int = 0
     master_addr: str = ""

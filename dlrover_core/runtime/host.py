@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -19,171 +18,8 @@ from typing import Any
 
 import ray
 
-from dlrover_core.runtime import attempt_log
 from dlrover_core.runtime.context import WorkerContext
-from dlrover_core.runtime.errors import WorkloadError
-
-
-def _qualname(exc: BaseException) -> str:
-    t = type(exc)
-    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
-
-
-def _resolve_refs(value: Any) -> Any:
-    """Fetch the data behind ``DRef`` arguments here, worker-to-worker."""
-    from dlrover_core.runtime.dref import DRef
-
-    if isinstance(value, DRef):
-        return value._fetch_local()
-    return value
-
-
-def _master_handle(job: str) -> Any:
-    """The JobMaster actor of ``job``, or ``None`` outside a job (``testing.spawn_role``)."""
-    from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
-    try:
-        return ray.get_actor(master_actor_name(job), namespace=MASTER_NAMESPACE)
-    except ValueError:
-        return None
-
-
-class _HostBase:
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._phase = "init"
-        self._run_done = threading.Event()
-        self._run_done.set()  # nothing running yet
-        self._run_outcome: tuple[bool, Any] = (True, None)
-        # what user code runs now: (``"run"`` or the called method, unix s, thread id)
-        self._busy: tuple[str, float, int] | None = None
-        #: a promoted GPU-less standby's GPU ids (its lease on the failed rank's GPU)
-        self._gpu_ids: list[str] | None = None
-        self._lease: Any = None  # its ResourceLease actor
-
-    def device_assignment(self) -> dict:
-        """``{"gpu_ids", "visible_devices", "cuda_device"}`` of this process
-        (:func:`dlrover_core.runtime.devices.current_assignment`; no CUDA needed)."""
-        from dlrover_core.runtime.devices import current_assignment
-
-        return current_assignment(self._gpu_ids).as_dict()
-
-    def _raise(self, exc: BaseException, role: str, rank: int, step: int) -> None:
-        raise WorkloadError(role, rank, self._phase, _qualname(exc), str(exc),
-                            "".join(traceback.format_exception(exc)), step) from None
-
-    # monitor group ------------------------------------------------------------
-    @ray.method(concurrency_group="monitor")
-    def node_info(self) -> dict:
-        """``node_id``, ``ip``, ``hostname``, ``pid``, ``placement_group_id`` (hex or
-        ``None``) and ``assigned_resources`` (Ray's names, e.g. ``CPU_group_0_<pg>``
-        tells the bundle index) of this actor."""
-        ctx = ray.get_runtime_context()
-        pg = ctx.get_placement_group_id()
-        try:  # Ray's per-bundle resource names (CPU_group_<bundle>_<pg>); no public API has them
-            assigned = dict(ray._private.worker.global_worker.core_worker.resource_ids())
-            assigned = {k: sum(a for _, a in v) for k, v in assigned.items()}
-        except Exception:  # noqa: BLE001
-            assigned = ctx.get_assigned_resources()
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "hostname": socket.gethostname(), "pid": os.getpid(),
-                "placement_group_id": pg, "assigned_resources": assigned,
-                "device": self.device_assignment()}
-
-    @ray.method(concurrency_group="monitor")
-    def ping(self) -> float:
-        return time.time()
-
-    @ray.method(concurrency_group="monitor")
-    def activity(self) -> dict:
-        """What the user code of this actor is doing now, for hang diagnosis:
-        ``busy`` (``"run"``, the method a driver called, or ``None`` when idle),
-        ``busy_s`` (s since it started), ``in_torch`` (its innermost Python frame is
-        inside the ``torch`` package: waiting in a collective or in backward, i.e. on
-        its peers) and ``stack`` (the formatted stack of that thread, innermost last)."""
-        busy = self._busy
-        if busy is None:
-            return {"busy": None, "busy_s": 0.0, "in_torch": False, "stack": ""}
-        what, since, tid = busy
-        frame = sys._current_frames().get(tid)
-        stack = traceback.format_stack(frame) if frame is not None else []
-        torch = sys.modules.get("torch")
-        torch_dir = os.path.dirname(torch.__file__) + os.sep if torch is not None and \
-            getattr(torch, "__file__", None) else None
-        in_torch = bool(frame is not None and torch_dir
-                        and frame.f_code.co_filename.startswith(torch_dir))
-        return {"busy": what, "busy_s": round(time.time() - since, 3), "in_torch": in_torch,
-                "stack": "".join(stack[-12:])}
-
-    @ray.method(concurrency_group="monitor")
-    def abort_collectives(self) -> str:
-        """Abort this process's torch.distributed process groups so that a collective
-        blocked on a failed peer returns with an error now, instead of after
-        ``failover.pg_timeout_s``. Runs beside the blocked call (monitor group).
-
-        Per backend: ``nccl``: ``ProcessGroup.abort()`` (``ncclCommAbort``) on every
-        group, after which the blocked collective raises; the group is then destroyed
-        and formed again by the re-setup. ``gloo``: nothing is done, since gloo's abort
-        does not interrupt an operation already waiting (measured with torch 2.13: an
-        ``all_reduce`` stayed blocked after ``abort()`` until the peer's process ended);
-        a gloo collective fails within milliseconds once the master kills the failed
-        peer ("Connection closed by peer"). Returns what was done, for the recovery's
-        ``phases``: ``"none"`` (no group), ``"aborted (nccl)"`` or ``"skipped (gloo)"``.
-
-        A script role (:mod:`dlrover_core.runtime.script`) has no group in this process:
-        its child process is stopped instead, as torchrun's agent stops every worker
-        of the group when one fails (``"script stopped (SIGTERM)"`` ...).
-        """
-        stop_script = getattr(getattr(self, "workload", None), "stop_script", None)
-        if callable(stop_script):
-            return stop_script()
-        dist = sys.modules.get("torch.distributed")
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return "none"
-        backend = str(dist.get_backend())
-        if "nccl" not in backend:
-            return f"skipped ({backend})"
-        dist.distributed_c10d._abort_process_group()
-        return "aborted (nccl)"
-
-    def _run_guarded(self, fn: Any, role: str, rank: int, step_of: Any) -> Any:
-        """Run ``fn`` as *the* run of this instance, remembering its outcome for
-        :meth:`wait_run` (a restarted master re-attaches through it)."""
-        self._run_done.clear()
-        self._busy = ("run", time.time(), threading.get_ident())
-        try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001
-            attempt_log.ended(step_of(), exc)
-            self._busy = None
-            try:
-                self._raise(exc, role, rank, step_of())
-            except WorkloadError as werr:
-                self._run_outcome = (False, werr)
-                self._run_done.set()
-                raise
-        attempt_log.ended(step_of())
-        self._busy = None
-        self._run_outcome = (True, result)
-        self._run_done.set()
-        return result
-
-    @ray.method(concurrency_group="monitor")
-    def wait_run(self, timeout: float | None = None) -> dict:
-        """Block until the current run ends (at once when none runs); returns
-        ``{"done": bool, "ok": bool, "result"|"error": ...}``."""
-        done = self._run_done.wait(timeout)
-        ok, value = self._run_outcome
-        out = {"done": done, "ok": ok}
-        out["result" if ok else "error"] = value
-        return out
-
-    @ray.method(concurrency_group="monitor")
-    def wait_stopped(self) -> str:
-        """Blocks until the instance is told to stop; the master keeps one pending
-        call per instance, so the death of the actor is seen at once."""
-        self._stop.wait()
-        return "stopped"
+from dlrover_core.runtime.host_base import HostBase, master_handle, resolve_refs
 
 
 #: s a promoted GPU-less standby waits for its :class:`ResourceLease` to be scheduled
@@ -201,7 +37,7 @@ class ResourceLease:
         return [str(i) for i in ray.get_gpu_ids()]
 
 
-class WorkloadHost(_HostBase):
+class WorkloadHost(HostBase):
     """Hosts one role instance's workload.
 
     Args:
@@ -315,7 +151,7 @@ class WorkloadHost(_HostBase):
         t = [time.perf_counter()]
         try:
             self.workload = create_workload(resolve(self.workload_path), ctx,
-                                            lambda: _master_handle(ctx.job))
+                                            lambda: master_handle(ctx.job))
             pm = self._plugin_manager()
             self.workload._plugins = pm
             t.append(time.perf_counter())
@@ -359,8 +195,8 @@ class WorkloadHost(_HostBase):
             fn = resolve_remote_method(self.workload, method)
         except (AttributeError, RuntimeError) as exc:
             self._raise(exc, self.context.role, self.context.rank, -1)
-        args = tuple(_resolve_refs(a) for a in args)
-        kwargs = {k: _resolve_refs(v) for k, v in kwargs.items()}
+        args = tuple(resolve_refs(a) for a in args)
+        kwargs = {k: resolve_refs(v) for k, v in kwargs.items()}
         self._busy = (str(method), time.time(), threading.get_ident())
         try:
             return fn(*args, **kwargs)
@@ -392,7 +228,7 @@ class WorkloadHost(_HostBase):
                 traceback.print_exc()
 
 
-class DriverHost(_HostBase):
+class DriverHost(HostBase):
     """Hosts the ``BaseTrainer`` of an MPMD job."""
 
     def __init__(self, driver_path: str, context: Any) -> None:
@@ -408,7 +244,8 @@ class DriverHost(_HostBase):
 
         # the driver's stdout/stderr into <job_dir>/logs/driver/attempt-<N>.log
         capture_output(getattr(self.context, "job_dir", ""), "driver", 0,
-                       getattr(self.context, "attempt", 0))
+                       getattr(self.context, "attempt", 0),
+                       getattr(self.context, "observability", None))
         self._phase = "setup"
         try:
             self.trainer = create_trainer(resolve(self.driver_path), self.context)

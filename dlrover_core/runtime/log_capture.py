@@ -21,9 +21,17 @@ import sys
 import threading
 from typing import IO
 
-DEFAULT_MAX_BYTES = 10 << 20
-DEFAULT_BACKUPS = 3
+from dlrover_core.observability.log_limits import (
+    DEFAULT_LOG_BACKUPS,
+    DEFAULT_LOG_MAX_BYTES,
+    MIN_LOG_BYTES,
+)
+
+DEFAULT_MAX_BYTES = DEFAULT_LOG_MAX_BYTES
+DEFAULT_BACKUPS = DEFAULT_LOG_BACKUPS
 LOGS_DIR = "logs"
+#: bytes the reading thread asks the pipe for at once
+READ_BYTES = 65536
 
 
 def instance_dir(job_dir: str, role: str, rank: int) -> str:
@@ -41,13 +49,14 @@ class RotatingFile:
     parts (``path.1`` newest ... ``path.<backups>`` oldest).
 
     Raises:
-        ValueError: ``max_bytes`` < 1024 or ``backups`` < 0.
+        ValueError: ``max_bytes`` < :data:`MIN_LOG_BYTES` (1024) or ``backups`` < 0.
     """
 
     def __init__(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES,
                  backups: int = DEFAULT_BACKUPS) -> None:
-        if max_bytes < 1024 or backups < 0:
-            raise ValueError(f"max_bytes={max_bytes} (>= 1024) and backups={backups} (>= 0)")
+        if max_bytes < MIN_LOG_BYTES or backups < 0:
+            raise ValueError(f"max_bytes={max_bytes} (>= {MIN_LOG_BYTES}) and "
+                             f"backups={backups} (>= 0)")
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._f: IO[bytes] = open(path, "ab")
@@ -97,6 +106,9 @@ class OutputCapture:
         self._pending: tuple[bytes, RotatingFile] | None = None
         self._switched = threading.Event()
         self._switches = 0
+        #: the end of the last read when it may be the start of the pending marker (a
+        #: marker can be split across two reads): held back until the next read
+        self._held = b""
         self._tee_fd = os.dup(1)  # where stdout went before (Ray's worker log)
         r, w = os.pipe()
         for stream in (sys.stdout, sys.stderr):
@@ -121,8 +133,9 @@ class OutputCapture:
         """Send output from now on to ``path`` (a new attempt's file). Output written
         before the call (by this process or a child sharing its descriptors) that is
         still in the pipe goes to the previous file: a marker written through the pipe
-        tells the reading thread where the switch is (FIFO order); if the marker is not
-        seen within 5 s the switch happens anyway."""
+        tells the reading thread where the switch is (FIFO order), also when it arrives
+        split across two reads; if the marker is not seen within 5 s the switch happens
+        anyway."""
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -144,6 +157,9 @@ class OutputCapture:
         if not self._switched.wait(5.0):
             with self._lock:
                 if self._pending is not None and self._pending[1] is new:
+                    held, self._held = self._held, b""
+                    self._write(held)  # not the marker after all: it was output
+                    self._tee(held)
                     self._swap(new)
 
     def _swap(self, new: RotatingFile) -> None:
@@ -161,15 +177,23 @@ class OutputCapture:
             except OSError:
                 pass
 
+    def _tee(self, data: bytes) -> None:
+        """Copy ``data`` to where stdout went before (Ray's worker log)."""
+        try:
+            if data:
+                os.write(self._tee_fd, data)
+        except OSError:
+            pass
+
     def _pump(self) -> None:
         while True:
             try:
-                data = os.read(self._read_fd, 65536)
+                data = os.read(self._read_fd, READ_BYTES)
             except OSError:
-                return
-            if not data:
-                return
+                data = b""
+            eof = not data
             with self._lock:
+                data, self._held = self._held + data, b""
                 pending = self._pending
                 if pending is not None and pending[0] in data:
                     before, _, after = data.partition(pending[0])
@@ -178,11 +202,24 @@ class OutputCapture:
                     self._write(after)
                     data = before + after
                 else:
+                    if pending is not None and not eof:
+                        keep = _marker_start(data, pending[0])
+                        if keep:
+                            data, self._held = data[:-keep], data[-keep:]
                     self._write(data)
-            try:
-                os.write(self._tee_fd, data)
-            except OSError:
-                pass
+            self._tee(data)
+            if eof:
+                return
+
+
+def _marker_start(data: bytes, marker: bytes) -> int:
+    """The length of the longest end of ``data`` that is a proper start of ``marker``
+    (0: none), i.e. how many bytes may be the first part of a marker split across two
+    reads."""
+    for n in range(min(len(data), len(marker) - 1), 0, -1):
+        if data.endswith(marker[:n]):
+            return n
+    return 0
 
 
 _capture: OutputCapture | None = None
@@ -197,8 +234,9 @@ def capture_output(job_dir: str, role: str, rank: int, attempt: int,
     or ``options["worker_logs"]`` is false.
 
     Args:
-        options: the job's ``observability`` section: ``worker_logs`` (bool),
-            ``log_max_bytes`` (bytes per file), ``log_backups`` (rotated files kept).
+        options: the job's ``observability`` section (a dict; ``WorkerContext`` and
+            ``TrainerContext`` carry it): ``worker_logs`` (bool), ``log_max_bytes``
+            (bytes per file), ``log_backups`` (rotated files kept).
     """
     options = options or {}
     if not job_dir or not options.get("worker_logs", True):

@@ -17,8 +17,10 @@ from dlrover_core.runtime.errors import InvocationTimeout
 from dlrover_core.runtime.invocation import DEFAULT_OPTIONS, InvocationOptions
 
 
-def _chunk_bounds(n_items: int, n: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` bounds of ``n`` near-equal chunks (first ones larger)."""
+def chunk_bounds(n_items: int, n: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``n`` contiguous, near-equal chunks of ``n_items`` (the
+    first ``n_items % n`` chunks one larger): how a role group splits a list over
+    ``n`` ranks (scatter dispatch)."""
     base, extra = divmod(n_items, n)
     out, start = [], 0
     for i in range(n):
@@ -64,7 +66,7 @@ def shard_value(value: Any, n: int, key: str) -> list[Any]:
     if length < n:
         raise ValueError(f"auto_shard of argument {key}: {length} items cannot be split over "
                          f"{n} ranks; pass at least {n}, or call with .options(auto_shard=False)")
-    return [value[a:b] for a, b in _chunk_bounds(length, n)]
+    return [value[a:b] for a, b in chunk_bounds(length, n)]
 
 
 class RoleMethod:

@@ -19,8 +19,9 @@ _CONSTRUCTING: contextvars.ContextVar[TrainerContext | None] = contextvars.Conte
 @dataclass
 class TrainerContext:
     """What the driver gets: ``role_groups`` (role -> RoleGroup), the job ``config``,
-    per-role ``resources`` (``{"cpu": 1.0, "gpu": 0.0}``), ``job``, ``job_dir``, and
-    ``workloads`` (role -> import path ``package.module:Class`` of its workload)."""
+    per-role ``resources`` (``{"cpu": 1.0, "gpu": 0.0}``), ``job``, ``job_dir``,
+    ``workloads`` (role -> import path ``package.module:Class`` of its workload) and the
+    job's ``observability`` section (a dict)."""
 
     job: str
     role_groups: dict[str, RoleGroup]
@@ -29,6 +30,7 @@ class TrainerContext:
     job_dir: str = ""
     attempt: int = 0
     workloads: dict[str, str] = field(default_factory=dict)
+    observability: dict = field(default_factory=dict)
 
 
 def create_trainer(cls: Any, context: TrainerContext) -> BaseTrainer:

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from dlrover_core.observability.log_limits import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
 from dlrover_core.spec.node_health import NodeHealthSpec
 
 
@@ -178,9 +179,18 @@ class ObservabilitySpec:
     (event files in ``<job_dir>/tensorboard``) or a directory (``<dir>/<job name>``,
     relative to the job directory's parent): every reported metric and the job's events
     (restarts, recovery and checkpoint time, goodput) as TensorBoard scalars, written by
-    the JobMaster; needs the ``tensorboard`` extra."""
+    the JobMaster; needs torch and the ``tensorboard`` extra.
+
+    Worker output (:mod:`dlrover_core.runtime.log_capture`): ``worker_logs`` (default
+    ``true``) captures each role instance's and the driver's stdout/stderr into
+    ``<job_dir>/logs/<role>-<rank>/attempt-<N>.log`` (``dlrover logs``); a file is
+    rotated when it reaches ``log_max_bytes`` bytes (>= 1024; default 10 MiB), keeping
+    ``log_backups`` older parts (>= 0; default 3)."""
 
     tensorboard: Any = False
+    worker_logs: bool = True
+    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
+    log_backups: int = DEFAULT_LOG_BACKUPS
 
 
 @dataclass

@@ -41,21 +41,23 @@ import threading
 import traceback
 from typing import Any, Callable
 
-from dlrover_core.tuning.config import TuningConfig, TuningConfigError
+from dlrover_core.tuning.config import TuningConfig
+from dlrover_core.tuning.controller_state import STORE_KEY, ControllerState
 from dlrover_core.tuning.guard import Guard
 from dlrover_core.tuning.lr_scaling import scaled_learning_rate
+from dlrover_core.tuning.proposals import ask_tuners
 from dlrover_core.tuning.tuner import TunerBase, WindowSummary
 
 log = logging.getLogger(__name__)
 
-STORE_KEY = "tuning"
+__all__ = ["STORE_KEY", "TuningController"]
 
 
 def _no_emit(event: str, **fields: Any) -> None:
     """Events go nowhere (a controller outside a JobMaster)."""
 
 
-class TuningController:
+class TuningController(ControllerState):
     """Collects step metrics of one role and turns them into config versions.
 
     Args:
@@ -121,29 +123,10 @@ class TuningController:
             UnknownPluginError: a tuner name nobody provides (the spec loader checks
                 this before anything starts).
         """
-        from dlrover_core.plugins.records import resolve
-        from dlrover_core.tuning.spec import tuned_role
+        from dlrover_core.tuning.spec import controller_arguments
 
-        t = spec.tuning
-        if not t.enabled:
-            return None
-        options = dict(t.options or {})
-        tuners = []
-        for name in t.tuners:
-            rec = plugin_manager.get_tuner(name)
-            cls_ = resolve(rec.tuner)
-            tuners.append((name, cls_(dict(options.get(name) or {}))))
-        role = tuned_role(spec)
-        g = t.guard
-        return cls(tuners, role=role, world_size=int(spec.roles[role].total),
-                   interval_steps=int(t.interval_steps), warmup_steps=int(t.warmup_steps),
-                   guard=Guard(confidence=float(g.confidence), min_gain=float(g.min_gain),
-                               windows=int(g.windows), max_retries=int(g.max_retries),
-                               retry_shift=float(g.retry_shift),
-                               memory_limit_bytes=int(g.memory_limit_bytes),
-                               memory_headroom=float(g.memory_headroom)),
-                   lr_scaling=str(t.lr_scaling), store=store, emit=emit,
-                   one_change_per_round=bool(t.one_change_per_round))
+        kwargs = controller_arguments(spec, plugin_manager)
+        return None if kwargs is None else cls(**kwargs, store=store, emit=emit)
 
     # ------------------------------------------------------------------ worker API
     def sync(self, role: str, rank: int, initial: dict) -> dict | None:
@@ -352,36 +335,13 @@ class TuningController:
         assert self.config is not None
         if self._retry(window):
             return
-        merged: dict[str, dict] = {}
-        claimed: dict[tuple[str, str], str] = {}
-        by_tuner: dict[str, dict] = {}
-        order = list(range(len(self.tuners)))
-        if self.one_change_per_round:
-            order = order[self._turn:] + order[:self._turn]
-        for idx in order:
-            if self.one_change_per_round and by_tuner:
-                break
-            name, tuner = self.tuners[idx]
-            try:
-                change = tuner.propose(window, self.config)
-                if not change:
-                    continue
-                self.config.updated(change)  # validates keys and values
-            except Exception as exc:  # noqa: BLE001 - a broken tuner is skipped, not fatal
-                self._tuner_failed(name, "propose", exc)
-                continue
-            keys = {(s, k) for s, kv in change.items() for k in kv}
-            if any(k in claimed for k in keys):
-                continue  # an earlier tuner already changes one of these keys
-            if self.one_change_per_round and (
-                    self._is_rejected(self.config.updated(change).settings())
-                    or self._over_ceiling(self.config.updated(change))):
-                continue  # tried and reverted before: let the next tuner have the turn
-            for s, k in keys:
-                claimed[(s, k)] = name
-                merged.setdefault(s, {})[k] = change[s][k]
-            by_tuner[name] = change
-            self._turn = (idx + 1) % len(self.tuners)
+        merged, by_tuner, turn = ask_tuners(
+            self.tuners, window, self.config,
+            first=self._turn if self.one_change_per_round else None,
+            refused=lambda cfg: self._is_rejected(cfg.settings()) or self._over_ceiling(cfg),
+            failed=self._tuner_failed)
+        if turn is not None:
+            self._turn = turn
         if not merged:
             return
         new = self.config.updated(merged, version=self.config.version + 1)
@@ -438,72 +398,3 @@ class TuningController:
                 h["status"] = status
                 if window is not None:
                     h["samples_per_s"] = round(window.samples_per_s, 3)
-
-    # ------------------------------------------------------------------ persistence
-    def state_dict(self) -> dict:
-        return {
-            "config": self.current(),
-            "previous": None if self.previous is None else self.previous.to_dict(),
-            "phase": self.phase,
-            "baseline": None if self.baseline is None else self.baseline.as_dict(),
-            "trial_changes": self.trial_changes, "applied_step": self.applied_step,
-            "history": self.history, "rejected": self.rejected, "turn": self._turn,
-            "memory_ceiling": self.memory_ceiling,
-            "windows": [w.as_dict() for w in self.windows],
-            "tuners": {n: t.state_dict() for n, t in self.tuners},
-        }
-
-    def _persist(self) -> None:
-        if self.store is not None:
-            self.store.set(STORE_KEY, self.state_dict())
-
-    def _restore(self) -> None:
-        state = self.store.get(STORE_KEY) if self.store is not None else None
-        if not state or not state.get("config"):
-            return
-        self.config = TuningConfig.from_dict(state["config"])
-        if state.get("previous"):
-            self.previous = TuningConfig.from_dict(state["previous"])
-        self.phase = state.get("phase", "baseline")
-        if state.get("baseline"):
-            self.baseline = WindowSummary.from_dict(state["baseline"])
-        self.trial_changes = state.get("trial_changes") or {}
-        self.applied_step = state.get("applied_step")
-        self.history = state.get("history") or []
-        self.rejected = [r for r in state.get("rejected") or [] if isinstance(r, dict)]
-        self.memory_ceiling = state.get("memory_ceiling")
-        self.windows = [WindowSummary.from_dict(w) for w in state.get("windows") or []]
-        self._turn = int(state.get("turn", 0)) % max(1, len(self.tuners))
-        for name, t in self.tuners:
-            try:
-                t.load_state_dict((state.get("tuners") or {}).get(name) or {})
-            except Exception as exc:  # noqa: BLE001
-                self._tuner_failed(name, "load_state_dict", exc)
-
-    # ------------------------------------------------------------------ summary
-    def summary(self) -> dict:
-        """For ``summary.json``: the ``version`` and ``config`` the ranks ran last (a
-        proposal or revert published but never run when the job ended is ``pending``), how many
-        versions were ``proposed`` (retries included), ``retried``, ``accepted`` and
-        ``reverted`` (out of memory included), the ``memory_ceiling`` (the smallest
-        micro-batch that ran out of memory, or ``None``) and the ``history``."""
-        with self._lock:
-            return self._summary()
-
-    def _summary(self) -> dict:
-        ended, pending = self.config, None
-        if (self.applied_step is None and self.previous is not None and self.config is not None
-                and self.history and self.history[-1]["version"] == self.config.version):
-            # proposed or reverted, never run (the job ended first): not the end
-            ended, pending = self.previous, self.config
-        return {
-            "version": None if ended is None else ended.version,
-            "config": None if ended is None else ended.to_dict(),
-            "pending": None if pending is None else pending.to_dict(),
-            "proposed": sum(1 for h in self.history if h["kind"] in ("proposal", "retry")),
-            "retried": sum(1 for h in self.history if h["kind"] == "retry"),
-            "memory_ceiling": self.memory_ceiling,
-            "accepted": sum(1 for h in self.history if h.get("status") == "accepted"),
-            "reverted": sum(1 for h in self.history if h.get("status") == "reverted"),
-            "history": self.history,
-        }

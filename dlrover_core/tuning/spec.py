@@ -110,3 +110,37 @@ def validate_tuning(spec: Any, plugin_manager: Any) -> None:
             bad = str(exc).split(":", 1)[0]
             raise SpecError(f"{key}.{bad}" if bad in opts else key, opts.get(bad, opts),
                             f"options of tuner {name!r}", str(exc)) from None
+
+
+def controller_arguments(spec: Any, plugin_manager: Any) -> dict | None:
+    """The arguments of :class:`~dlrover_core.tuning.controller.TuningController` (all
+    but ``store`` and ``emit``) for a validated job spec, or ``None`` when tuning is
+    off. Tuner classes are resolved through the plugin manager's ``dlrover_tuners``
+    and built with their ``tuning.options.<name>``.
+
+    Raises:
+        UnknownPluginError: a tuner name nobody provides (:func:`validate_tuning`
+            checks this before anything starts).
+    """
+    from dlrover_core.plugins.records import resolve
+    from dlrover_core.tuning.guard import Guard
+
+    t = spec.tuning
+    if not t.enabled:
+        return None
+    options = dict(t.options or {})
+    tuners = []
+    for name in t.tuners:
+        rec = plugin_manager.get_tuner(name)
+        tuners.append((name, resolve(rec.tuner)(dict(options.get(name) or {}))))
+    role = tuned_role(spec)
+    g = t.guard
+    return dict(tuners=tuners, role=role, world_size=int(spec.roles[role].total),
+                interval_steps=int(t.interval_steps), warmup_steps=int(t.warmup_steps),
+                guard=Guard(confidence=float(g.confidence), min_gain=float(g.min_gain),
+                            windows=int(g.windows), max_retries=int(g.max_retries),
+                            retry_shift=float(g.retry_shift),
+                            memory_limit_bytes=int(g.memory_limit_bytes),
+                            memory_headroom=float(g.memory_headroom)),
+                lr_scaling=str(t.lr_scaling),
+                one_change_per_round=bool(t.one_change_per_round))

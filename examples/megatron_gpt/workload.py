@@ -17,18 +17,19 @@ averaged over the data-parallel ranks by the backend's DDP.
 
 from __future__ import annotations
 
-import math
-import os
-import signal
-import time
-
 import torch
 import torch.distributed as dist
 
 from dlrover_core import BaseWorkload
+from examples.char_training import (
+    adamw,
+    maybe_fault,
+    resume,
+    train,
+    warmup_cosine_lr,
+)
 from examples.megatron_gpt.model import CharGPTShape, TensorParallelCharGPT
 from examples.nanogpt.data import CharDataset
-from examples.nanogpt.workload import adamw, warmup_cosine_lr
 
 
 class MegatronGPTWorkload(BaseWorkload):
@@ -72,10 +73,7 @@ class MegatronGPTWorkload(BaseWorkload):
         # whole pipelined step (DDP would reduce at every micro-batch's backward)
         self.model = self.backend.wrap(model) if self.pp == 1 else model.to(self.backend.device)
         self.opt = adamw(self.model.parameters(), c)
-        self.extra = {"step": 0}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
-        self.start_step = int(self.extra["step"]) if loaded is not None else 0
-        self.resumed_from = loaded
+        resume(self)
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up for ``warmup_steps``, then cosine decay to ``lr / 10``."""
@@ -146,54 +144,20 @@ class MegatronGPTWorkload(BaseWorkload):
                     p.grad /= self.backend.dp_size
         return loss
 
-    def _maybe_fault(self, step: int) -> None:
-        """Test hook: ``config.fault`` = {"rank": r, "step": s, "kind": raise|kill} injects
-        a real fault in this rank at that step, in restart attempt ``attempt`` (default 0)."""
-        f = self.config.get("fault")
-        if not f or int(f.rank) != self.rank or int(f.step) != step:
-            return
-        if int(f.get("attempt", 0)) != self.attempt:
-            return
-        if f.kind == "raise":
-            raise RuntimeError(f"injected fault at step {step}")
-        if f.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+    _maybe_fault = maybe_fault  # config.fault: the tests' injected faults
 
     def run(self) -> dict:
-        c = self.config
-        max_steps, eval_every = int(c.max_steps), int(c.eval_every)
-        seed = int(c.get("seed", 1337))
-        samples = int(c.batch_size) * self.backend.dp_size
-        step = self.start_step
-        t_last, val = time.perf_counter(), float("nan")
-        while step < max_steps:
-            self._maybe_fault(step)
-            for g in self.opt.param_groups:
-                g["lr"] = self.lr_at(step)
+        seed = int(self.config.get("seed", 1337))
+
+        def train_step(step: int) -> float:
             x, y = self._batch("train", step, seed)
             self.opt.zero_grad(set_to_none=True)
             loss = self._train_step(x, y)
             _clip_grad_norm(self.model, 1.0, self.backend.device)
             self.opt.step()
-            step += 1
-            now = time.perf_counter()
-            metrics = {"loss": loss, "lr": self.lr_at(step - 1),
-                       "samples_per_s": samples / max(now - t_last, 1e-9)}
-            t_last = now
-            if step % eval_every == 0 or step == max_steps:
-                val = self.evaluate()
-                metrics["val_loss"] = val
-                t_last = time.perf_counter()
-            if self.resumed_from is not None:
-                metrics["resumed_from_step"] = self.resumed_from
-            self.report(step - 1, **metrics)
-            self.extra["step"] = step
-            self.checkpointer.maybe_save(step, model=self.model, optimizer=self.opt,
-                                         extra=self.extra)
-        if math.isnan(val):
-            val = self.evaluate()
-            self.report(step - 1, val_loss=val)
-        return {"val_loss": val, "steps": step, "params": self.num_params}
+            return loss
+
+        return train(self, train_step, int(self.config.batch_size) * self.backend.dp_size)
 
 
 def _num_params(model: torch.nn.Module, device: torch.device) -> int:

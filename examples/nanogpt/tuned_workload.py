@@ -26,16 +26,23 @@ the sample ids it trained on).
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
 
 from dlrover_core.tuning import ElasticDataLoader, TuningSession, gradient_sync
+from examples.char_training import (
+    adamw,
+    build_char_gpt,
+    end_step,
+    final_val_loss,
+    resume,
+    warmup_cosine_lr,
+)
 from examples.nanogpt.data import CharDataset
-from examples.nanogpt.model import GPT, Block, GPTConfig
+from examples.nanogpt.model import Block
 from examples.nanogpt.stored_data import StoredCharWindows
-from examples.nanogpt.workload import GPTWorkload, adamw, warmup_cosine_lr
+from examples.nanogpt.workload import GPTWorkload
 
 
 #: float32 values one transformer layer keeps for backward per token and unit of width
@@ -59,12 +66,7 @@ class TunedGPTWorkload(GPTWorkload):
         self.data = CharDataset()  # validation batches and the vocabulary
         self.train_set = StoredCharWindows(int(c.block_size),
                                            float(c.get("read_latency_s", 0.002)))
-        self.cfg = GPTConfig(vocab_size=self.data.vocab_size, block_size=int(c.block_size),
-                             n_layer=int(c.n_layer), n_head=int(c.n_head), n_embd=int(c.n_embd))
-        model = GPT(self.cfg)
-        self.num_params = model.num_params()
-        self.model = self.backend.wrap(model, shard_modules=(Block,)) \
-            if self.context.backend == "fsdp" else self.backend.wrap(model)
+        self.cfg, self.model, self.num_params = build_char_gpt(self, self.data.vocab_size)
         self.opt = adamw(self.model.parameters(), c)
         mb, nw = int(c.get("micro_batch", 8)), int(c.get("num_workers", 0))
         self.loader = ElasticDataLoader(self.train_set, batch_size=mb, num_workers=nw,
@@ -75,11 +77,7 @@ class TunedGPTWorkload(GPTWorkload):
                           "grad_accum_steps": int(c.get("grad_accum_steps", 4))},
             "parallelism": {"activation_checkpointing": bool(c.get("activation_checkpointing",
                                                                    False))}})
-        self.extra = {"step": 0}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra,
-                                        data=self.loader)
-        self.start_step = int(self.extra["step"]) if loaded is not None else 0
-        self.resumed_from = loaded
+        resume(self, data=self.loader)
         blocks = [m for m in self.model.modules() if isinstance(m, Block)]
         self.tuning.attach(loader=self.loader, model=self.model, blocks=blocks)
         self._record = None
@@ -130,7 +128,7 @@ class TunedGPTWorkload(GPTWorkload):
 
     def run(self) -> dict:
         c = self.config
-        max_steps, eval_every = int(c.max_steps), int(c.eval_every)
+        max_steps = int(c.max_steps)
         step, val = self.start_step, float("nan")
         while step < max_steps:
             self._maybe_fault(step)
@@ -152,20 +150,10 @@ class TunedGPTWorkload(GPTWorkload):
                                                "micro_batch": self.tuning.micro_batch,
                                                "epoch": self.loader.epoch, "ids": ids}) + "\n")
             step += 1
-            if step % eval_every == 0 or step == max_steps:
-                val = self.evaluate()
-                metrics["val_loss"] = val
-            if self.resumed_from is not None:
-                metrics["resumed_from_step"] = self.resumed_from
-            self.report(step - 1, **metrics)
-            self.extra["step"] = step
-            self.checkpointer.maybe_save(step, model=self.model, optimizer=self.opt,
-                                         extra=self.extra, data=self.loader)
-        if math.isnan(val):
-            val = self.evaluate()
-            self.report(step - 1, val_loss=val)
-        return {"val_loss": val, "steps": step, "params": self.num_params,
-                "tuning_version": self.tuning.version}
+            if end_step(self, step, metrics, data=self.loader):
+                val = metrics["val_loss"]
+        return {"val_loss": final_val_loss(self, step, val), "steps": step,
+                "params": self.num_params, "tuning_version": self.tuning.version}
 
     def teardown(self) -> None:
         self.loader.close()

@@ -51,6 +51,14 @@ def _has(f: Failure, markers: tuple[str, ...]) -> bool:
     return any(m in text for m in markers)
 
 
+def _times_on_node(failure: Failure, history: list[Failure],
+                   markers: tuple[str, ...]) -> int:
+    """How many times (this one included) a failure with one of ``markers`` struck
+    ``failure``'s node, counting the earlier ones in ``history``."""
+    return 1 + sum(1 for f in history if f.node_id and f.node_id == failure.node_id
+                   and _has(f, markers))
+
+
 def _where(f: Failure) -> str:
     return f"{f.role}-{f.rank}" if f.role else "a rank"
 
@@ -77,12 +85,11 @@ def classify(failure: Failure, history: list[Failure]) -> FailureVerdict | None:
             f"roles.{role}.config.tensor_parallel / pipeline_parallel / context_parallel (their "
             f"product must divide roles.{role}.total, and heads and layers must split evenly)")
     if _has(failure, ILLEGAL_ACCESS_MARKERS):
-        same_node = [f for f in history if f.node_id and f.node_id == failure.node_id
-                     and _has(f, ILLEGAL_ACCESS_MARKERS)]
-        if len(same_node) + 1 >= ILLEGAL_ACCESS_NODE_THRESHOLD:
+        times = _times_on_node(failure, history, ILLEGAL_ACCESS_MARKERS)
+        if times >= ILLEGAL_ACCESS_NODE_THRESHOLD:
             return FailureVerdict(
                 "node", f"CUDA illegal memory access on node {failure.node_id[:12]} again "
-                f"({len(same_node) + 1} times): a faulty GPU is likely; moving its ranks to "
+                f"({times} times): a faulty GPU is likely; moving its ranks to "
                 "another node")
         same_step = [f for f in history if f.step == failure.step and f.step >= 0
                      and _has(f, ILLEGAL_ACCESS_MARKERS)]
@@ -96,12 +103,11 @@ def classify(failure: Failure, history: list[Failure]) -> FailureVerdict | None:
             f"{failure.step}: the CUDA context is lost, restarting the process from the "
             "last checkpoint")
     if _has(failure, NCCL_MARKERS):
-        same_node = [f for f in history if f.node_id and f.node_id == failure.node_id
-                     and _has(f, NCCL_MARKERS)]
-        if len(same_node) + 1 >= NCCL_NODE_THRESHOLD:
+        times = _times_on_node(failure, history, NCCL_MARKERS)
+        if times >= NCCL_NODE_THRESHOLD:
             return FailureVerdict(
                 "node", f"NCCL timeout or abort on node {failure.node_id[:12]} for the "
-                f"{len(same_node) + 1}th time: its network or GPUs are suspect; moving its "
+                f"{times}th time: its network or GPUs are suspect; moving its "
                 "ranks to another node")
         return FailureVerdict(
             "process", f"NCCL collective timed out or was aborted on {_where(failure)} at "

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlrover_core.spec.errors import SpecError
+from dlrover_core.spec.values import plain, typed_value
 
 KEY = "config.multimodal"
 TRAINER = "trainer"
@@ -113,7 +114,7 @@ class MultimodalConfig:
                 range; the message names ``config.multimodal.<key>``, the value and
                 what is allowed.
         """
-        section = _plain(config.get("multimodal") if config is not None else None)
+        section = plain(config.get("multimodal") if config is not None else None)
         if section is None:
             raise SpecError(key, None, "a mapping with data and encoders "
                             "(see MultimodalConfig)", "missing")
@@ -131,7 +132,7 @@ class MultimodalConfig:
         values: dict[str, Any] = {}
         for k, f in loop.items():
             if k in section:
-                values[k] = _coerce(f"{key}.{k}", section[k], f.default)
+                values[k] = typed_value(f"{key}.{k}", section[k], type(f.default))
         out = cls(dataset, modalities, encoders, options, **values)
         out.check(key)
         return out
@@ -208,17 +209,6 @@ class MultimodalConfig:
         return dataclasses.replace(self, encoders=enc)
 
 
-def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a core dependency
-        pass
-    return value
-
-
 def _data(section: Any, key: str) -> tuple[str, tuple[str, ...], dict]:
     if not isinstance(section, Mapping):
         raise SpecError(key, section, "a mapping {dataset: pkg.mod:Class, modalities: [...], "
@@ -274,43 +264,21 @@ def _encoders(section: Any, key: str) -> dict[str, EncoderConfig]:
         modality = enc.get("modality")
         if not isinstance(modality, str) or not _NAME.match(modality):
             raise SpecError(f"{k}.modality", modality, "a modality name of the data")
-        trainable = _coerce(f"{k}.trainable", enc.get("trainable", False), False)
+        trainable = typed_value(f"{k}.trainable", enc.get("trainable", False), bool)
         cache_given = "cache" in enc
-        cache = _coerce(f"{k}.cache", enc.get("cache", not trainable), True)
+        cache = typed_value(f"{k}.cache", enc.get("cache", not trainable), bool)
         if trainable and cache:
             raise SpecError(f"{k}.cache", enc.get("cache") if cache_given else True,
                             "false for a trainable encoder",
                             "its embeddings change with every update; only frozen "
                             "encoders cache")
-        persist = _coerce(f"{k}.persist_cache", enc.get("persist_cache", True), True)
+        persist = typed_value(f"{k}.persist_cache", enc.get("persist_cache", True), bool)
         workload = enc.get("workload", "") or ""
         if not isinstance(workload, str):
             raise SpecError(f"{k}.workload", workload, "an import path (filled in by the "
                             "template from roles.<role>.workload)")
         out[role] = EncoderConfig(role, modality, trainable, cache, persist and cache, workload)
     return out
-
-
-_WORDS = {bool: "true or false", int: "an integer", float: "a number"}
-
-
-def _coerce(key: str, value: Any, default: Any) -> Any:
-    kind = type(default)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise SpecError(key, value, _WORDS[bool])
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise SpecError(key, value, _WORDS[int])
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(key, value, _WORDS[float])
-        return float(value)
-    return value  # pragma: no cover
 
 
 __all__ = ["KEY", "TRAINER", "EncoderConfig", "MultimodalConfig"]

@@ -32,20 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dlrover_core.runtime.role_group import chunk_bounds
+
 PAYLOADS = ("embeddings", "inputs")
-
-
-def chunk_bounds(n_items: int, n: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of ``n`` contiguous, near-equal chunks of ``n_items`` (the
-    first ``n_items % n`` chunks one larger): how a role group splits a list over
-    ``n`` ranks."""
-    base, extra = divmod(n_items, n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from dlrover_core import BaseWorkload
+from dlrover_core.runtime.trace import Tracer
 from dlrover_plugin_multimodal.config import MultimodalConfig
 from dlrover_plugin_multimodal.contrastive import INIT_LOGIT_SCALE, clip_loss, zero_shot_predict
 from dlrover_plugin_multimodal.dataset import MultimodalDataset
@@ -39,25 +40,6 @@ from dlrover_plugin_multimodal.fusion import FusionTrainerWorkload
 
 WIDTH = 16
 _PHRASINGS = ("item of class {c}", "class {c} sample", "a member of group {c}")
-
-
-def _trace_loaded(path: str, tag: str) -> Tracer:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, f"{tag} {os.getpid()}\n".encode())
-    finally:
-        os.close(fd)
-    return Tracer(path, tag)
-
-
-class Tracer:
-    """Logs ``<tag> <pid>`` to ``path`` in each process that unpickles it."""
-
-    def __init__(self, path: str, tag: str) -> None:
-        self.path, self.tag = path, tag
-
-    def __reduce__(self) -> tuple:
-        return (_trace_loaded, (self.path, self.tag))
 
 
 class ToyPairs(MultimodalDataset):

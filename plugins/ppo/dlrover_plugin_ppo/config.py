@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dlrover_core.spec.errors import SpecError
+from dlrover_core.spec.values import plain, typed_value
 
 ALGORITHMS = ("ppo", "grpo")
 KL_MODES = ("reward", "loss")
@@ -107,13 +108,7 @@ class RLConfig:
             getter = getattr(config, "get", None)
             section = getter("rl", None) if getter is not None else None
             section = {} if section is None else section
-        try:
-            from omegaconf import OmegaConf
-
-            if OmegaConf.is_config(section):
-                section = OmegaConf.to_container(section, resolve=True)
-        except ImportError:  # pragma: no cover - omegaconf is a core dependency
-            pass
+        section = plain(section)
         if not isinstance(section, Mapping):
             raise SpecError(key, section, "a mapping of RL settings (see RLConfig)")
         base = cls.defaults(algorithm)
@@ -160,37 +155,12 @@ class RLConfig:
         return dataclasses.asdict(self)
 
 
-_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
 def _coerce(key: str, value: Any, default: Any, name: str) -> Any:
     """``value`` converted to the type of the field's default; ``target_return`` may
     be null."""
     if name == "target_return":
-        if value is None:
-            return None
-        kind: type = float
-    else:
-        kind = type(default)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise SpecError(key, value, _WORDS[bool])
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise SpecError(key, value, _WORDS[int])
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(key, value, _WORDS[float])
-        return float(value)
-    if kind is str:
-        if not isinstance(value, str):
-            raise SpecError(key, value, _WORDS[str])
-        return value
-    return value  # pragma: no cover
+        return None if value is None else typed_value(key, value, float)
+    return typed_value(key, value, type(default))
 
 
 __all__ = ["ALGORITHMS", "KL_MODES", "MINIBATCH_UNITS", "RLConfig"]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dlrover_core.runtime.trace import Tracer
 from dlrover_plugin_ppo.workloads import (
     ActorWorkload,
     CriticWorkload,
@@ -31,25 +32,6 @@ from dlrover_plugin_ppo.workloads import (
 )
 
 TRACE_KEY = "__trace__"
-
-
-def _trace_loaded(path: str, tag: str) -> Tracer:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, f"{tag} {os.getpid()}\n".encode())
-    finally:
-        os.close(fd)
-    return Tracer(path, tag)
-
-
-class Tracer:
-    """Logs ``<tag> <pid>`` to ``path`` in each process that unpickles it."""
-
-    def __init__(self, path: str, tag: str) -> None:
-        self.path, self.tag = path, tag
-
-    def __reduce__(self) -> tuple:
-        return (_trace_loaded, (self.path, self.tag))
 
 
 class TablePolicy(torch.nn.Module):

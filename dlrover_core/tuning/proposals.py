@@ -1,0 +1,61 @@
+"""One round of proposals: ask the tuners for their changes to a config and merge
+them (used by :class:`~dlrover_core.tuning.controller.TuningController`)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dlrover_core.tuning.config import TuningConfig
+from dlrover_core.tuning.tuner import TunerBase, WindowSummary
+
+
+def ask_tuners(tuners: list[tuple[str, TunerBase]], window: WindowSummary,
+               config: TuningConfig, first: int | None,
+               refused: Callable[[TuningConfig], bool],
+               failed: Callable[[str, str, BaseException], None],
+               ) -> tuple[dict[str, dict], dict[str, dict], int | None]:
+    """Ask ``tuners`` (``(name, tuner)`` in priority order) for a change to ``config``
+    given the last measured ``window``.
+
+    ``first`` is ``None`` to merge every tuner's change (an earlier tuner's change to a
+    key wins; a later change touching a claimed key is dropped whole), or the index of
+    the tuner asked first for one change per round: the first tuner, going round from
+    there, whose change is valid and not ``refused`` (tried and reverted, or over the
+    memory ceiling) gives the round's only change. A tuner that raises, or proposes
+    an invalid change, is reported through ``failed(name, "propose", exc)`` and
+    skipped.
+
+    Returns ``(merged, by_tuner, turn)``: the merged change (``{section: {key:
+    value}}``), each contributing tuner's own change, and the index of the tuner to
+    ask first next round (``None`` when no tuner contributed).
+    """
+    merged: dict[str, dict] = {}
+    claimed: dict[tuple[str, str], str] = {}
+    by_tuner: dict[str, dict] = {}
+    turn = None
+    order = list(range(len(tuners)))
+    if first is not None:
+        order = order[first:] + order[:first]
+    for idx in order:
+        if first is not None and by_tuner:
+            break
+        name, tuner = tuners[idx]
+        try:
+            change = tuner.propose(window, config)
+            if not change:
+                continue
+            config.updated(change)  # validates keys and values
+        except Exception as exc:  # noqa: BLE001 - a broken tuner is skipped, not fatal
+            failed(name, "propose", exc)
+            continue
+        keys = {(s, k) for s, kv in change.items() for k in kv}
+        if any(k in claimed for k in keys):
+            continue  # an earlier tuner already changes one of these keys
+        if first is not None and refused(config.updated(change)):
+            continue  # tried and reverted before: let the next tuner have the turn
+        for s, k in keys:
+            claimed[(s, k)] = name
+            merged.setdefault(s, {})[k] = change[s][k]
+        by_tuner[name] = change
+        turn = (idx + 1) % len(tuners)
+    return merged, by_tuner, turn
