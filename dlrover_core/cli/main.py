@@ -43,7 +43,7 @@ from dlrover_core import __version__
 from dlrover_core.cli import (cluster, diagnose, hooks_doc, jobs_list, logs, plugin_new,
                               timeline_cmd)
 from dlrover_core.cli.job_files import run_option
-from dlrover_core.cli.output import console_for, print_json, print_table
+from dlrover_core.cli.output import console_for, format_restarts, print_json, print_table
 
 err = console_for(stderr=True)
 
@@ -182,7 +182,7 @@ def status_line(st: dict) -> str:
     step = (f"step {st['step']}" + (f"/{st['total_steps']}" if st.get("total_steps") else "")
             if st.get("step", -1) >= 0 else "no step yet")
     m = ", ".join(f"{k}={v:.4g}" for k, v in st.get("metrics", {}).items())
-    return (f"{head}: {st['state']} {step} {elapsed} restarts {st['restarts']['total']}"
+    return (f"{head}: {st['state']} {step} {elapsed} restarts {format_restarts(st.get('restarts'))}"
             + (f" {m}" if m else ""))
 
 

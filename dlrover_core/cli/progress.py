@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column
 
-from dlrover_core.cli.output import console_for
+from dlrover_core.cli.output import console_for, format_restarts
 
 #: Below this console width (columns) the bar itself is left out, so that the step
 #: count and the metrics keep their room.
@@ -59,9 +59,8 @@ class JobProgress:
                          ("tuning_version", "tuning v{:.0f}")):
             if key in m:
                 parts.append(fmt.format(m[key]))
-        restarts = st.get("restarts", {}).get("total", 0)
-        if restarts:
-            parts.append(f"restarts {restarts}")
+        if (st.get("restarts") or {}).get("total", 0):
+            parts.append(f"restarts {format_restarts(st['restarts'])}")
         self._progress.update(self._task, completed=max(st.get("step", -1) + 1, 0),
                               info=" | ".join(parts))
 
@@ -81,8 +80,7 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
                              f"checkpoint {r.get('path')})")
     t.add_row("steps", str(summary.get("steps")))
     t.add_row("wall time", f"{summary.get('wall_s', 0):.1f} s")
-    r = summary.get("restarts") or {}
-    t.add_row("restarts", ", ".join(f"{k}={v}" for k, v in r.items()) or "0")
+    t.add_row("restarts", format_restarts(summary.get("restarts")))
     if summary.get("goodput") is not None:
         t.add_row("goodput", f"{summary['goodput']:.3f}")
     tuning = summary.get("tuning")
