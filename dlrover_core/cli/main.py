@@ -3,8 +3,9 @@
     dlrover plugins list [--json]
     dlrover plugin new NAME --kind KIND [--dir DIR] [--force]
     dlrover templates list [--json]
-    dlrover validate JOB.yaml [key=value ...]
+    dlrover validate JOB.yaml [key=value ...] [--working-dir DIR]
     dlrover submit JOB.yaml [key=value ...] [--address ADDR] [--job-dir DIR] [--fresh]
+                   [--working-dir DIR]
     dlrover status NAME [--address ADDR] [--job-dir DIR] [--run N] [--json]
     dlrover stop NAME [--address ADDR] [--job-dir DIR]
     dlrover list [--root DIR] [--address ADDR] [--no-cluster] [--json]
@@ -45,7 +46,17 @@ from dlrover_core.cli import (cluster, diagnose, hooks_doc, jobs_list, logs, plu
 from dlrover_core.cli.job_files import run_option
 from dlrover_core.cli.output import console_for, format_restarts, print_json, print_table
 
-err = console_for(stderr=True)
+
+
+class _Stderr:
+    """Messages to the current ``sys.stderr`` (looked up at each print, so that a
+    redirected or captured stderr gets them), through :func:`console_for`."""
+
+    def print(self, *objects, **kwargs) -> None:
+        console_for(stderr=True).print(*objects, **kwargs)
+
+
+err = _Stderr()
 
 #: ``dlrover submit``'s exit code by the job's final status (anything else: 1)
 EXIT_CODES = {"succeeded": 0, "already_complete": 4}
@@ -97,7 +108,10 @@ def _load(args: argparse.Namespace):
 def cmd_validate(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
+    from dlrover_core.cli.imports import check_imports
+
     spec = _load(args)
+    check_imports(spec, args.working_dir)
     print(OmegaConf.to_yaml(spec))
     return 0
 
@@ -109,10 +123,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from dlrover_core.master.dir_lock import DirInUseError
 
     spec = _load(args)
+    if args.working_dir and not os.path.isdir(args.working_dir):
+        from dlrover_core.spec.errors import SpecError
+
+        raise SpecError("--working-dir", args.working_dir, "an existing directory")
     try:
         summary = submit_job(spec, address=args.address, job_dir=args.job_dir,
                              progress=not args.no_progress, verbose=args.verbose,
-                             fresh=args.fresh)
+                             fresh=args.fresh, working_dir=args.working_dir)
     except DirInUseError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 3
@@ -257,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=hlp)
         s.add_argument("job", help="job spec YAML")
         s.add_argument("overrides", nargs="*", help="key=value overrides (OmegaConf dot-list)")
+        s.add_argument("--working-dir", default=None, metavar="DIR",
+                       help="the directory the job's code is imported from (shipped to the "
+                            "cluster as Ray's runtime_env working_dir; default: the "
+                            "current directory, not shipped)")
         if name == "submit":
             s.add_argument("--address", default=None,
                            help="Ray cluster to join ('auto' or HOST:PORT); default: start a "

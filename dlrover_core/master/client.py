@@ -26,7 +26,8 @@ class JobNotFound(LookupError):
     """No running JobMaster and no job directory for the name."""
 
 
-def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -> bool:
+def init_ray(address: str | None = None, verbose: bool = False,
+             working_dir: str | None = None, **kwargs: Any) -> bool:
     """Start or join Ray unless already connected. Returns True when this call started
     an embedded local cluster. ``address=None`` or ``"auto"`` with ``RAY_ADDRESS`` set
     joins that address, as ``ray.init`` does; joining by address turns on Ray's token
@@ -36,7 +37,10 @@ def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -
         ClusterAuthError: the cluster refused this process for want of a token.
 
     The current directory and ``PYTHONPATH`` are put on the workers' ``PYTHONPATH`` so
-    that ``workload: package.module:Class`` resolves as it does here.
+    that ``workload: package.module:Class`` resolves as it does here; with
+    ``working_dir``, that directory is shipped with the job (Ray's ``runtime_env``
+    ``working_dir``: the workers run in a copy of it, first on their ``sys.path``) in
+    place of the current directory.
     """
     import ray
 
@@ -49,8 +53,12 @@ def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -
     if address not in (None, "local", "auto"):
         ray_auth.prepare_token_auth(address)
         ray_auth.check_token(address)
-    paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+    paths = ([] if working_dir else [os.getcwd()]) + \
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    runtime_env: dict[str, Any] = {
+        "env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+    if working_dir:
+        runtime_env["working_dir"] = os.path.abspath(working_dir)
     try:
         ray.init(address=address or "local", namespace=MASTER_NAMESPACE,
                  runtime_env=runtime_env, log_to_driver=verbose, include_dashboard=False,
@@ -116,10 +124,12 @@ def default_job_dir(name: str) -> str:
 
 
 def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None = None,
-               progress: bool = True, verbose: bool = False, fresh: bool = False) -> dict:
+               progress: bool = True, verbose: bool = False, fresh: bool = False,
+               working_dir: str | None = None) -> dict:
     """Run a validated job to its end (a new run in ``job_dir``) and return its summary
     (``summary.json``). A run resumes from the job's checkpoints and says so on stderr
-    (step, memory or disk, path); ``fresh`` moves them aside instead.
+    (step, memory or disk, path); ``fresh`` moves them aside instead. ``working_dir``:
+    a directory of code shipped with the job (see :func:`init_ray`).
 
     Ctrl-C stops the job (embedded cluster) or detaches (joined cluster: the job goes on).
     The job directory and the checkpoint folder are locked until this returns
@@ -130,7 +140,7 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     """
     job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
     with run_locks(spec, job_dir):
-        return _submit_locked(spec, address, job_dir, progress, verbose, fresh)
+        return _submit_locked(spec, address, job_dir, progress, verbose, fresh, working_dir)
 
 
 def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
@@ -154,10 +164,10 @@ def run_locks(spec: DictConfig, job_dir: str) -> Iterator[None]:
 
 
 def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress: bool,
-                   verbose: bool, fresh: bool = False) -> dict:
+                   verbose: bool, fresh: bool = False, working_dir: str | None = None) -> dict:
     import ray
 
-    started_here = init_ray(address, verbose=verbose)
+    started_here = init_ray(address, verbose=verbose, working_dir=working_dir)
     master = create_master(spec, job_dir, fresh=fresh)
     ray.get(master.start.remote())
     try:
