@@ -125,11 +125,14 @@ def default_job_dir(name: str) -> str:
 
 def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None = None,
                progress: bool = True, verbose: bool = False, fresh: bool = False,
-               working_dir: str | None = None) -> dict:
+               working_dir: str | None = None, wait: bool = True) -> dict:
     """Run a validated job to its end (a new run in ``job_dir``) and return its summary
     (``summary.json``). A run resumes from the job's checkpoints and says so on stderr
     (step, memory or disk, path); ``fresh`` moves them aside instead. ``working_dir``:
-    a directory of code shipped with the job (see :func:`init_ray`).
+    a directory of code shipped with the job (see :func:`init_ray`). ``wait=False``
+    returns once the JobMaster started the run (``{"name", "run", "job_dir", "status":
+    "submitted"}``): the job goes on without this process, so it needs a cluster that
+    outlives it (``address``; the locks are released when this returns).
 
     Ctrl-C stops the job (embedded cluster) or detaches (joined cluster: the job goes on).
     The job directory and the checkpoint folder are locked until this returns
@@ -140,7 +143,8 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     """
     job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
     with run_locks(spec, job_dir):
-        return _submit_locked(spec, address, job_dir, progress, verbose, fresh, working_dir)
+        return _submit_locked(spec, address, job_dir, progress, verbose, fresh, working_dir,
+                              wait)
 
 
 def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
@@ -164,12 +168,21 @@ def run_locks(spec: DictConfig, job_dir: str) -> Iterator[None]:
 
 
 def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress: bool,
-                   verbose: bool, fresh: bool = False, working_dir: str | None = None) -> dict:
+                   verbose: bool, fresh: bool = False, working_dir: str | None = None,
+                   wait: bool = True) -> dict:
     import ray
 
     started_here = init_ray(address, verbose=verbose, working_dir=working_dir)
+    if not wait and started_here:
+        ray.shutdown()
+        raise ValueError("a job submitted without waiting needs a cluster that outlives "
+                         "this command: give --address (e.g. auto, after `dlrover cluster up`)")
     master = create_master(spec, job_dir, fresh=fresh)
     ray.get(master.start.remote())
+    if not wait:
+        st = ray.get(master.status.remote(), timeout=30)
+        return {"name": spec.name, "run": st.get("run"), "job_dir": job_dir,
+                "status": "submitted", "state": st.get("state")}
     try:
         summary = follow(master, progress=progress, job_dir=job_dir)
     except KeyboardInterrupt:
