@@ -336,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="return once the job started (detach; needs --address): "
                                 "print its name and how to follow it")
             s.add_argument("--no-progress", action="store_true", help="no progress bar")
-            s.add_argument("--verbose", "-v", action="store_true", help="show worker logs")
+            s.add_argument("--verbose", "-v", action="store_true",
+                           help="print every rank's output (from the job's logs) on stderr, "
+                                "each line labelled [role-rank aATTEMPT]")
             s.add_argument("--json", action="store_true",
                            help="print the final summary as JSON instead of a table")
         s.set_defaults(func=func)

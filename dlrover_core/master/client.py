@@ -53,6 +53,8 @@ def init_ray(address: str | None = None, verbose: bool = False,
     if address not in (None, "local", "auto"):
         ray_auth.prepare_token_auth(address)
         ray_auth.check_token(address)
+    else:  # Ray's own notice on every command, said once by us instead
+        ray_auth.quiet_token_auth(starting=address != "auto")
     paths = ([] if working_dir else [os.getcwd()]) + \
         [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     runtime_env: dict[str, Any] = {
@@ -61,7 +63,7 @@ def init_ray(address: str | None = None, verbose: bool = False,
         runtime_env["working_dir"] = os.path.abspath(working_dir)
     try:
         ray.init(address=address or "local", namespace=MASTER_NAMESPACE,
-                 runtime_env=runtime_env, log_to_driver=verbose, include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=False, include_dashboard=False,
                  configure_logging=verbose, logging_level="INFO" if verbose else "ERROR",
                  **kwargs)
     except Exception as exc:
@@ -184,7 +186,7 @@ def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress
         return {"name": spec.name, "run": st.get("run"), "job_dir": job_dir,
                 "status": "submitted", "state": st.get("state")}
     try:
-        summary = follow(master, progress=progress, job_dir=job_dir)
+        summary = follow(master, progress=progress, job_dir=job_dir, verbose=verbose)
     except KeyboardInterrupt:
         if address is None:
             print("\nstopping the job ...", file=sys.stderr)
@@ -206,33 +208,75 @@ def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress
 
 
 def follow(master: Any, progress: bool = True, poll_s: float = 0.5,
-           job_dir: str | None = None) -> dict | None:
+           job_dir: str | None = None, verbose: bool = False) -> dict | None:
     """Poll the master until the job ends, drawing a progress bar; return the summary
-    (read from ``job_dir`` when the master is gone, e.g. after ``dlrover stop``)."""
-    import ray
+    (read from ``job_dir`` when the master is gone, e.g. after ``dlrover stop``).
 
+    ``verbose``: the workers' output, read from the job directory's logs as it is
+    written (:class:`dlrover_core.cli.logs.LogTail`), to stderr, every line labelled
+    ``[<role>-<rank> a<attempt>]`` (``[driver a0]``): every rank's lines, none merged
+    (Ray's own stream of worker output is off, so nothing is de-duplicated or coloured).
+    """
     from dlrover_core.cli.progress import JobProgress
 
     bar = JobProgress(enabled=progress)
     told: set[str] = set()
+    tail = None
     with bar:
-        while True:
-            try:
-                st = ray.get(master.status.remote(), timeout=30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                if _gone(master):
-                    return read_summary(job_dir) if job_dir else None
-                time.sleep(poll_s)  # the master is restarting
-                continue
-            bar.update(st)
-            for role, r in sorted((st.get("resumed_from") or {}).items()):
-                if role not in told:
-                    told.add(role)
-                    bar.console.print(resume_line(st.get("run"), role, r), highlight=False,
-                                      markup=False)
-            if st["summary"] is not None:
-                return st["summary"]
-            time.sleep(poll_s)
+        if verbose and job_dir:
+            from dlrover_core.cli.logs import LogTail
+
+            tail = _Tail(LogTail, job_dir)
+        try:
+            return _follow_loop(master, bar, told, tail, poll_s, job_dir)
+        finally:
+            if tail is not None:
+                tail.close()
+
+
+class _Tail:
+    """A :class:`~dlrover_core.cli.logs.LogTail` of a job directory's logs to stderr,
+    made once the directory holds logs of the current run."""
+
+    def __init__(self, cls: Any, job_dir: str) -> None:
+        self.cls, self.job_dir, self.tail = cls, job_dir, None
+
+    def poll(self) -> None:
+        if self.tail is None:
+            if not os.path.isdir(os.path.join(self.job_dir, "logs")):
+                return
+            self.tail = self.cls(self.job_dir, sys.stderr, prefixed=True)
+        self.tail.poll()
+
+    def close(self) -> None:
+        self.poll()
+        if self.tail is not None:
+            self.tail.finish()
+
+
+def _follow_loop(master: Any, bar: Any, told: set, tail: Any, poll_s: float,
+                 job_dir: str | None) -> dict | None:
+    import ray
+
+    while True:
+        if tail is not None:
+            tail.poll()
+        try:
+            st = ray.get(master.status.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            if _gone(master):
+                return read_summary(job_dir) if job_dir else None
+            time.sleep(poll_s)  # the master is restarting
+            continue
+        bar.update(st)
+        for role, r in sorted((st.get("resumed_from") or {}).items()):
+            if role not in told:
+                told.add(role)
+                bar.console.print(resume_line(st.get("run"), role, r), highlight=False,
+                                  markup=False)
+        if st["summary"] is not None:
+            return st["summary"]
+        time.sleep(poll_s)
 
 
 def resume_line(run: int | None, role: str, resumed: dict) -> str:
