@@ -8,7 +8,8 @@ Rules, so that nothing a user reads is cut off and no table is wider than the sc
   on one line, however long, so that it can be searched with ``grep``.
 - A table narrower than that width is as wide as its content. A wider one folds its
   long cells onto more lines at spaces: :func:`fit_widths` gives every column at least
-  its longest word (so words are not split) and shares the rest of the width in
+  its longest word (so words are not split) and its short cells whole
+  (:data:`SHORT_CELL`), and shares the rest of the width in
   proportion to what each column lacks; a word longer than its column's share (a long
   path) is folded, never ended with an ellipsis.
 - A column that is empty in every row is left out (:func:`print_table`).
@@ -31,6 +32,10 @@ from rich.table import Table
 
 #: Console width (columns) when the output is not a terminal and ``$COLUMNS`` is unset.
 PIPE_WIDTH = 120
+
+#: A cell up to this many characters is not folded at its spaces (a date and time, an
+#: age such as ``16 s``) unless even the columns' longest words do not fit.
+SHORT_CELL = 20
 
 
 def _pipe_width() -> int:
@@ -100,15 +105,18 @@ def fit_table(table: Table, console: Console) -> Table:
     if not cols:
         return table
     options = console.options
-    lows, highs = [], []
+    words, lows, highs = [], [], []
     for col in cols:
         cells = [col.header, *col.cells]
         ms = [Measurement.get(console, options, c) for c in cells]
-        lows.append(max(m.minimum for m in ms))
+        words.append(max(m.minimum for m in ms))
+        lows.append(max(max(m.minimum, min(m.maximum, SHORT_CELL)) for m in ms))
         highs.append(max(m.maximum for m in ms))
     pad = table.padding[1] + table.padding[3]
     frame = (len(cols) - 1 + (2 if table.show_edge else 0)) if table.box else 0
     available = console.width - frame - pad * len(cols)
+    if sum(min(lo, hi) for lo, hi in zip(lows, highs)) > available:
+        lows = words  # short cells fold too, so that fewer words are split
     for col, w in zip(cols, fit_widths(lows, highs, available)):
         col.width = w
     return table
