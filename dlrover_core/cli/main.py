@@ -48,7 +48,6 @@ from dlrover_core.cli.job_files import run_option
 from dlrover_core.cli.output import console_for, format_restarts, print_json, print_table
 
 
-
 class _Stderr:
     """Messages to the current ``sys.stderr`` (looked up at each print, so that a
     redirected or captured stderr gets them), through :func:`console_for`."""
@@ -216,8 +215,8 @@ def status_line(st: dict) -> str:
     step = (f"step {st['step']}" + (f"/{st['total_steps']}" if st.get("total_steps") else "")
             if st.get("step", -1) >= 0 else "no step yet")
     m = ", ".join(f"{k}={v:.4g}" for k, v in st.get("metrics", {}).items())
-    return (f"{head}: {st['state']} {step} {elapsed} restarts {format_restarts(st.get('restarts'))}"
-            + (f" {m}" if m else ""))
+    restarts = format_restarts(st.get("restarts"))
+    return f"{head}: {st['state']} {step} {elapsed} restarts {restarts}" + (f" {m}" if m else "")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
