@@ -63,7 +63,8 @@ def test_validate_applies_overrides_given_after_an_option(capsys):
     assert "total: 4" in out
 
 
-def test_plugins_list_piped_prints_whole_cells(long_plugin, capsys):
+def test_plugins_list_piped_prints_whole_cells(long_plugin, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # room for every cell on one line
     assert main(["plugins", "list"]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if "longname" in ln)

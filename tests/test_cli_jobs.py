@@ -54,7 +54,8 @@ def test_list_shows_the_running_job_from_the_cluster(job):
     assert row["steps"] >= 6
 
 
-def test_list_after_the_job(job, capsys):
+def test_list_after_the_job(job, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # room for every cell of the table on one line
     root, job_dir, _ = job
     assert main(["list", "--root", root, "--no-cluster", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)

@@ -123,42 +123,63 @@ def print_logs(sources: Iterable[LogSource], out: IO[str], prefixed: bool) -> No
     printer.finish()
 
 
-def follow(job_dir: str, role: str | None, rank: int | None, attempt: int | None,
-           out: IO[str], prefixed: bool, poll_s: float = 0.5, settle_s: float = 2.0,
-           timeout_s: float | None = None) -> None:
-    """Print what is appended to the matching logs until the job ended (its
-    ``summary.json`` exists) and nothing was written for ``settle_s`` s, or
-    ``timeout_s`` s passed."""
-    printer = Printer(out, prefixed)
-    offsets: dict[LogSource, int] = {}
-    for src in find_sources(job_dir, role, rank, attempt):
-        for part in src.parts():
-            with open(part, "rb") as f:
-                printer.write(src, f.read())
-        offsets[src] = os.path.getsize(src.path) if os.path.exists(src.path) else 0
-    out.flush()
-    start = quiet_since = time.time()
-    while True:
-        wrote = False
+class LogTail:
+    """What is appended to the matching logs of ``job_dir``, attempts and rotation
+    included: :meth:`poll` prints the new bytes through a :class:`Printer`."""
+
+    def __init__(self, job_dir: str, out: IO[str], prefixed: bool, role: str | None = None,
+                 rank: int | None = None, attempt: int | None = None,
+                 from_start: bool = True) -> None:
+        self.job_dir, self.role, self.rank, self.attempt = job_dir, role, rank, attempt
+        self.out = out
+        self.printer = Printer(out, prefixed)
+        self.offsets: dict[LogSource, int] = {}
         for src in find_sources(job_dir, role, rank, attempt):
-            pos = offsets.get(src, 0)
+            if from_start:
+                for part in src.parts():
+                    with open(part, "rb") as f:
+                        self.printer.write(src, f.read())
+            self.offsets[src] = os.path.getsize(src.path) if os.path.exists(src.path) else 0
+        out.flush()
+
+    def poll(self) -> bool:
+        """Print what was appended since the last call; True when there was some."""
+        wrote = False
+        for src in find_sources(self.job_dir, self.role, self.rank, self.attempt):
+            pos = self.offsets.get(src, 0)
             size = os.path.getsize(src.path) if os.path.exists(src.path) else 0
             if size < pos:  # rotated: the rest of the old file is now part .1
                 rotated = src.path + ".1"
                 if os.path.exists(rotated):
                     with open(rotated, "rb") as f:
                         f.seek(pos)
-                        printer.write(src, f.read())
+                        self.printer.write(src, f.read())
                 pos = 0
             if size > pos:
                 with open(src.path, "rb") as f:
                     f.seek(pos)
                     data = f.read()
-                printer.write(src, data)
+                self.printer.write(src, data)
                 pos += len(data)
                 wrote = True
-            offsets[src] = pos
-        out.flush()
+            self.offsets[src] = pos
+        self.out.flush()
+        return wrote
+
+    def finish(self) -> None:
+        self.printer.finish()
+
+
+def follow(job_dir: str, role: str | None, rank: int | None, attempt: int | None,
+           out: IO[str], prefixed: bool, poll_s: float = 0.5, settle_s: float = 2.0,
+           timeout_s: float | None = None) -> None:
+    """Print what is appended to the matching logs until the job ended (its
+    ``summary.json`` exists) and nothing was written for ``settle_s`` s, or
+    ``timeout_s`` s passed."""
+    tail = LogTail(job_dir, out, prefixed, role, rank, attempt)
+    start = quiet_since = time.time()
+    while True:
+        wrote = tail.poll()
         now = time.time()
         if wrote:
             quiet_since = now
@@ -168,7 +189,7 @@ def follow(job_dir: str, role: str | None, rank: int | None, attempt: int | None
         if timeout_s is not None and now - start >= timeout_s:
             break
         time.sleep(poll_s)
-    printer.finish()
+    tail.finish()
 
 
 def run_header(run: RunPaths) -> str:

@@ -3,10 +3,12 @@
     dlrover plugins list [--json]
     dlrover plugin new NAME --kind KIND [--dir DIR] [--force]
     dlrover templates list [--json]
-    dlrover validate JOB.yaml [key=value ...]
+    dlrover validate JOB.yaml [key=value ...] [--working-dir DIR]
     dlrover submit JOB.yaml [key=value ...] [--address ADDR] [--job-dir DIR] [--fresh]
+                   [--working-dir DIR] [--no-wait]
     dlrover status NAME [--address ADDR] [--job-dir DIR] [--run N] [--json]
     dlrover stop NAME [--address ADDR] [--job-dir DIR]
+    dlrover delete NAME [--address ADDR] [--job-dir DIR]
     dlrover list [--root DIR] [--address ADDR] [--no-cluster] [--json]
     dlrover cluster up|add|env|status|down [--dir DIR]  (a `ray start` cluster here)
     dlrover logs JOB [--role R] [--rank K] [--attempt N] [-f] [--job-dir DIR] [--run N]
@@ -43,9 +45,18 @@ from dlrover_core import __version__
 from dlrover_core.cli import (cluster, diagnose, hooks_doc, jobs_list, logs, plugin_new,
                               timeline_cmd)
 from dlrover_core.cli.job_files import run_option
-from dlrover_core.cli.output import console_for, print_json, print_table
+from dlrover_core.cli.output import console_for, format_restarts, print_json, print_table
 
-err = console_for(stderr=True)
+
+class _Stderr:
+    """Messages to the current ``sys.stderr`` (looked up at each print, so that a
+    redirected or captured stderr gets them), through :func:`console_for`."""
+
+    def print(self, *objects, **kwargs) -> None:
+        console_for(stderr=True).print(*objects, **kwargs)
+
+
+err = _Stderr()
 
 #: ``dlrover submit``'s exit code by the job's final status (anything else: 1)
 EXIT_CODES = {"succeeded": 0, "already_complete": 4}
@@ -97,7 +108,10 @@ def _load(args: argparse.Namespace):
 def cmd_validate(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
+    from dlrover_core.cli.imports import check_imports
+
     spec = _load(args)
+    check_imports(spec, args.working_dir)
     print(OmegaConf.to_yaml(spec))
     return 0
 
@@ -109,13 +123,32 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from dlrover_core.master.dir_lock import DirInUseError
 
     spec = _load(args)
+    if args.working_dir and not os.path.isdir(args.working_dir):
+        from dlrover_core.spec.errors import SpecError
+
+        raise SpecError("--working-dir", args.working_dir, "an existing directory")
+    if args.no_wait and args.address is None:
+        err.print("[bold red]error:[/] --no-wait needs a Ray cluster that outlives this "
+                  "command (the default one would stop with it): give --address, e.g. "
+                  "`dlrover cluster up` then `--address auto`", highlight=False)
+        return 2
     try:
         summary = submit_job(spec, address=args.address, job_dir=args.job_dir,
                              progress=not args.no_progress, verbose=args.verbose,
-                             fresh=args.fresh)
+                             fresh=args.fresh, working_dir=args.working_dir,
+                             wait=not args.no_wait)
     except DirInUseError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 3
+    if args.no_wait:
+        if args.json:
+            print_json(summary)
+        else:
+            name, jd = summary["name"], summary["job_dir"]
+            print(f"submitted {name} (run {summary['run']}) in {jd}")
+            print(f"  follow it: dlrover status {name} | dlrover logs {name} -f "
+                  f"| dlrover stop {name} (add --job-dir {jd} when the name is ambiguous)")
+        return 0
     if summary is None:
         err.print("the job ended without a summary")
         return 1
@@ -182,8 +215,8 @@ def status_line(st: dict) -> str:
     step = (f"step {st['step']}" + (f"/{st['total_steps']}" if st.get("total_steps") else "")
             if st.get("step", -1) >= 0 else "no step yet")
     m = ", ".join(f"{k}={v:.4g}" for k, v in st.get("metrics", {}).items())
-    return (f"{head}: {st['state']} {step} {elapsed} restarts {st['restarts']['total']}"
-            + (f" {m}" if m else ""))
+    restarts = format_restarts(st.get("restarts"))
+    return f"{head}: {st['state']} {step} {elapsed} restarts {restarts}" + (f" {m}" if m else "")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -232,6 +265,35 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_delete(args: argparse.Namespace) -> int:
+    """Remove a finished job's directory (its runs, logs and ``ckpt/``) and what plugins
+    keep for it on this machine (``dlrover_job_deleted``: the flash saver's buffers).
+    A running job (its JobMaster alive on the cluster, or a submit holding the
+    directory's lock) is refused with exit code 3."""
+    import shutil
+
+    from dlrover_core.master.dir_lock import DirInUseError, DirLock
+
+    ref, master, st = _find_running(args, connect=_connect(args.address))
+    if ref is None or master is not None:
+        name = ref.name if ref else args.name
+        err.print(f"[bold red]error:[/] job {name!r} is running"
+                  + (f" (run {st.get('run')}, {st.get('state')})" if st else "")
+                  + f"; `dlrover stop {name}` first, then delete it", highlight=False)
+        return 3
+    try:
+        with DirLock(ref.job_dir, "job directory", ref.name):
+            shutil.rmtree(ref.job_dir)
+    except DirInUseError as exc:
+        err.print(f"[bold red]error:[/] job {ref.name!r} is running: {exc}; "
+                  f"`dlrover stop {ref.name}` first, then delete it", highlight=False)
+        return 3
+    for line in _pm().job_deleted(ref.name, ref.job_dir):
+        print(line)
+    print(f"deleted job {ref.name}: {ref.job_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlrover", description="control plane for distributed "
                                 "deep-learning jobs on Ray")
@@ -257,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=hlp)
         s.add_argument("job", help="job spec YAML")
         s.add_argument("overrides", nargs="*", help="key=value overrides (OmegaConf dot-list)")
+        s.add_argument("--working-dir", default=None, metavar="DIR",
+                       help="the directory the job's code is imported from (shipped to the "
+                            "cluster as Ray's runtime_env working_dir; default: the "
+                            "current directory, not shipped)")
         if name == "submit":
             s.add_argument("--address", default=None,
                            help="Ray cluster to join ('auto' or HOST:PORT); default: start a "
@@ -265,8 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--fresh", action="store_true",
                            help="start over instead of resuming: the job's checkpoints are "
                                 "moved to <job_dir>/run-<N>/ckpt (kept, not deleted)")
+            s.add_argument("--no-wait", action="store_true",
+                           help="return once the job started (detach; needs --address): "
+                                "print its name and how to follow it")
             s.add_argument("--no-progress", action="store_true", help="no progress bar")
-            s.add_argument("--verbose", "-v", action="store_true", help="show worker logs")
+            s.add_argument("--verbose", "-v", action="store_true",
+                           help="print every rank's output (from the job's logs) on stderr, "
+                                "each line labelled [role-rank aATTEMPT]")
             s.add_argument("--json", action="store_true",
                            help="print the final summary as JSON instead of a table")
         s.set_defaults(func=func)
@@ -285,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--address", default=None)
     sp.add_argument("--job-dir", default=None)
     sp.set_defaults(func=cmd_stop)
+
+    dl = sub.add_parser("delete", help="remove a finished job's directory and buffers")
+    dl.add_argument("name", help="job name, or a job directory")
+    dl.add_argument("--address", default=None)
+    dl.add_argument("--job-dir", default=None)
+    dl.set_defaults(func=cmd_delete)
 
     jobs_list.add_parser(sub)
     cluster.add_parser(sub)

@@ -1,12 +1,20 @@
 """How the ``dlrover`` command prints tables and JSON.
 
-Two rules, so that nothing a user reads is cut off:
+Rules, so that nothing a user reads is cut off and no table is wider than the screen:
 
-- When the stream is not a terminal (piped, redirected, captured by CI), the rich
-  console gets a width of :data:`PIPE_WIDTH` columns, so a table is as wide as its
-  content: a table is only as wide as it needs to be, so nothing is padded.
-- On a terminal narrower than a table, every column folds long cells onto more lines
-  (``overflow="fold"``) instead of ending them with an ellipsis.
+- On a terminal a table fits the terminal's width; when the stream is not a terminal
+  (piped, redirected, captured by CI) it fits ``$COLUMNS`` columns, or
+  :data:`PIPE_WIDTH` when that is not set; there a message (not a table) is printed
+  on one line, however long, so that it can be searched with ``grep``.
+- A table narrower than that width is as wide as its content. A wider one folds its
+  long cells onto more lines at spaces: :func:`fit_widths` gives every column at least
+  its longest word (so words are not split) and its short cells whole
+  (:data:`SHORT_CELL`), and shares the rest of the width in
+  proportion to what each column lacks; a word longer than its column's share (a long
+  path) is folded, never ended with an ellipsis.
+- A column that is empty in every row is left out (:func:`print_table`).
+- Restart counts print in one order everywhere (:func:`format_restarts`): the total, then
+  the failover levels from the smallest scope to the largest.
 
 Every command that prints a table also takes ``--json``; :func:`print_json` writes it.
 """
@@ -14,24 +22,72 @@ Every command that prints a table also takes ``--json``; :func:`print_json` writ
 from __future__ import annotations
 
 import json
+import os
 import sys
-from typing import IO, Any, Iterable, Sequence
+from typing import IO, Any, Iterable, Mapping, Sequence
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
-#: Console width (columns) used when the output is not a terminal.
-PIPE_WIDTH = 4096
+#: Console width (columns) when the output is not a terminal and ``$COLUMNS`` is unset.
+PIPE_WIDTH = 120
+
+#: A cell up to this many characters is not folded at its spaces (a date and time, an
+#: age such as ``16 s``) unless even the columns' longest words do not fit.
+SHORT_CELL = 20
+
+
+def _pipe_width() -> int:
+    try:
+        return max(20, int(os.environ.get("COLUMNS", "")))
+    except ValueError:
+        return PIPE_WIDTH
 
 
 def console_for(stream: IO[str] | None = None, stderr: bool = False) -> Console:
     """A rich ``Console`` writing to ``stream`` (default stdout, or stderr when
-    ``stderr``), :data:`PIPE_WIDTH` columns wide when that stream is not a terminal."""
+    ``stderr``): the terminal's width on a terminal; otherwise ``$COLUMNS`` (else
+    :data:`PIPE_WIDTH`) columns and no colour or other ANSI codes."""
     stream = stream or (sys.stderr if stderr else sys.stdout)
     isatty = getattr(stream, "isatty", None)
     if isatty is not None and isatty():
         return Console(file=stream)
-    return Console(file=stream, width=PIPE_WIDTH, soft_wrap=False)
+    return Console(file=stream, width=_pipe_width(), color_system=None, force_terminal=False,
+                   soft_wrap=True)
+
+
+def fit_widths(minimums: Sequence[int], maximums: Sequence[int], available: int) -> list[int]:
+    """Content widths of columns that share ``available`` characters.
+
+    ``maximums`` are the widths the columns' content needs on one line, ``minimums``
+    their longest words. When the maximums fit they are the answer. Otherwise each
+    column gets its minimum (capped at its maximum) and the rest of ``available`` is
+    shared in proportion to ``maximum - minimum``; when even the minimums do not fit,
+    every column gets an equal share of the excess taken off (never below 1), so long
+    words fold.
+    """
+    maxs = [max(1, m) for m in maximums]
+    if sum(maxs) <= available:
+        return maxs
+    mins = [max(1, min(lo, hi)) for lo, hi in zip(minimums, maxs)]
+    spare = available - sum(mins)
+    if spare < 0:
+        widths = list(mins)
+        excess = -spare
+        while excess > 0 and any(w > 1 for w in widths):
+            widest = max(widths)
+            i = widths.index(widest)
+            widths[i] -= 1
+            excess -= 1
+        return widths
+    lack = [hi - lo for lo, hi in zip(mins, maxs)]
+    total = sum(lack)
+    widths = [lo + spare * d // total for lo, d in zip(mins, lack)]
+    leftover = available - sum(widths)
+    for i in sorted(range(len(widths)), key=lambda i: lack[i], reverse=True)[:leftover]:
+        widths[i] += 1
+    return widths
 
 
 def make_table(columns: Sequence[str], title: str | None = None, **kwargs: Any) -> Table:
@@ -42,13 +98,58 @@ def make_table(columns: Sequence[str], title: str | None = None, **kwargs: Any) 
     return t
 
 
+def fit_table(table: Table, console: Console) -> Table:
+    """Set the width of every column of ``table`` by :func:`fit_widths` so that it fits
+    ``console``'s width, folding at spaces; returns ``table``."""
+    cols = table.columns
+    if not cols:
+        return table
+    options = console.options
+    words, lows, highs = [], [], []
+    for col in cols:
+        cells = [col.header, *col.cells]
+        ms = [Measurement.get(console, options, c) for c in cells]
+        words.append(max(m.minimum for m in ms))
+        lows.append(max(max(m.minimum, min(m.maximum, SHORT_CELL)) for m in ms))
+        highs.append(max(m.maximum for m in ms))
+    pad = table.padding[1] + table.padding[3]
+    frame = (len(cols) - 1 + (2 if table.show_edge else 0)) if table.box else 0
+    available = console.width - frame - pad * len(cols)
+    if sum(min(lo, hi) for lo, hi in zip(lows, highs)) > available:
+        lows = words  # short cells fold too, so that fewer words are split
+    for col, w in zip(cols, fit_widths(lows, highs, available)):
+        col.width = w
+    return table
+
+
 def print_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None,
-                console: Console | None = None) -> None:
-    """Print ``rows`` (each a sequence of cells, converted with ``str``) as a table."""
-    t = make_table(columns, title)
+                console: Console | None = None, keep_empty: bool = False) -> None:
+    """Print ``rows`` (each a sequence of cells, converted with ``str``) as a table that
+    fits ``console`` (:func:`fit_table`). A column whose cells are all empty (``None``
+    or ``""``) is left out unless ``keep_empty`` (or there are no rows)."""
+    rows = [["" if c is None else str(c) for c in row] for row in rows]
+    keep = [i for i in range(len(columns))
+            if keep_empty or not rows or any(r[i] != "" for r in rows)]
+    t = make_table([columns[i] for i in keep], title)
     for row in rows:
-        t.add_row(*("" if c is None else str(c) for c in row))
-    (console or console_for()).print(t)
+        t.add_row(*(row[i] for i in keep))
+    console = console or console_for()
+    console.print(fit_table(t, console))
+
+
+def format_restarts(restarts: Mapping[str, int] | None) -> str:
+    """``"3 (process 2, node 1)"``: a summary's or status's ``restarts`` (``total`` and a
+    count per failover level) in one order, the total first, then the levels from the
+    smallest scope to the largest (:data:`dlrover_core.plugins.records.FailoverLevel`),
+    levels with no restart left out; ``"0"`` for none."""
+    from dlrover_core.plugins.records import FailoverLevel
+
+    restarts = dict(restarts or {})
+    total = int(restarts.pop("total", sum(restarts.values())))
+    order = [lvl.value for lvl in FailoverLevel]
+    levels = sorted(restarts, key=lambda k: (order.index(k) if k in order else len(order), k))
+    parts = [f"{k} {restarts[k]}" for k in levels if restarts[k]]
+    return f"{total}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def print_json(obj: Any, stream: IO[str] | None = None) -> None:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column
 
-from dlrover_core.cli.output import console_for
+from dlrover_core.cli.output import console_for, format_restarts
 
 #: Below this console width (columns) the bar itself is left out, so that the step
 #: count and the metrics keep their room.
 NARROW_WIDTH = 100
+
+#: Seconds between the plain progress lines printed when stderr is not a terminal.
+PLAIN_INTERVAL_S = 10.0
 
 
 class JobProgress:
@@ -23,13 +27,22 @@ class JobProgress:
     waits and the loop's own time between steps included (never a per-step rate).
 
     The step count (``400/400``) is never cut: on a console narrower than
-    :data:`NARROW_WIDTH` the bar is left out and the metrics fold onto more lines;
-    when stderr is not a terminal the final state prints in full on one line.
+    :data:`NARROW_WIDTH` the bar is left out and the metrics fold onto more lines.
+    When the console is not a terminal (a file, a pipe, CI) there is no bar: a plain
+    line (``nanogpt: running step 41/400 | loss 1.900 | 530 samples/s | 35 s``) is
+    printed when the state changes, every ``interval_s`` seconds (default
+    :data:`PLAIN_INTERVAL_S`) while it runs, and once at the end.
     """
 
-    def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(self, enabled: bool = True, console: Console | None = None,
+                 interval_s: float = PLAIN_INTERVAL_S) -> None:
         self.enabled = enabled
         self.console = console or console_for(stderr=True)
+        self.plain = not self.console.is_terminal
+        self.interval_s = interval_s
+        self._t0 = time.monotonic()
+        self._last_line: tuple[float, str] | None = None  # (when, state) of the last
+        self._pending: str | None = None  # a line not printed yet
         columns: list[Any] = [TextColumn("[bold]{task.description}",
                                          table_column=Column(no_wrap=True))]
         if self.console.width >= NARROW_WIDTH:
@@ -37,8 +50,8 @@ class JobProgress:
         columns += [MofNCompleteColumn(table_column=Column(no_wrap=True)),
                     TextColumn("{task.fields[info]}", table_column=Column(overflow="fold")),
                     TimeElapsedColumn(table_column=Column(no_wrap=True))]
-        self._progress = Progress(*columns, console=self.console, disable=not enabled,
-                                  transient=False)
+        self._progress = Progress(*columns, console=self.console,
+                                  disable=not enabled or self.plain, transient=False)
         self._task: Any = None
 
     def __enter__(self) -> JobProgress:
@@ -47,6 +60,28 @@ class JobProgress:
 
     def __exit__(self, *exc: Any) -> None:
         self._progress.__exit__(*exc)
+        if self._pending is not None:
+            self._print(self._pending)
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self._pending = None
+
+    def _plain(self, st: dict, parts: list[str]) -> None:
+        """The plain line of ``st`` (``parts``: its state, then its metrics): printed at
+        once when the state changed or ``interval_s`` passed since the last one, else
+        kept for the end."""
+        total = st.get("total_steps")
+        step = f"step {max(st.get('step', -1) + 1, 0)}" + (f"/{total}" if total else "")
+        now = time.monotonic()
+        line = " | ".join([f"{st['name']}: {parts[0]} {step}", *parts[1:],
+                           f"{now - self._t0:.0f} s"])
+        if (self._last_line is None or self._last_line[1] != st["state"]
+                or now - self._last_line[0] >= self.interval_s):
+            self._last_line = (now, st["state"])
+            self._print(line)
+        else:
+            self._pending = line
 
     def update(self, st: dict) -> None:
         if self._task is None:
@@ -59,11 +94,12 @@ class JobProgress:
                          ("tuning_version", "tuning v{:.0f}")):
             if key in m:
                 parts.append(fmt.format(m[key]))
-        restarts = st.get("restarts", {}).get("total", 0)
-        if restarts:
-            parts.append(f"restarts {restarts}")
+        if (st.get("restarts") or {}).get("total", 0):
+            parts.append(f"restarts {format_restarts(st['restarts'])}")
         self._progress.update(self._task, completed=max(st.get("step", -1) + 1, 0),
                               info=" | ".join(parts))
+        if self.plain and self.enabled:
+            self._plain(st, parts)
 
 
 def print_summary(summary: dict, console: Console | None = None) -> None:
@@ -81,8 +117,7 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
                              f"checkpoint {r.get('path')})")
     t.add_row("steps", str(summary.get("steps")))
     t.add_row("wall time", f"{summary.get('wall_s', 0):.1f} s")
-    r = summary.get("restarts") or {}
-    t.add_row("restarts", ", ".join(f"{k}={v}" for k, v in r.items()) or "0")
+    t.add_row("restarts", format_restarts(summary.get("restarts")))
     if summary.get("goodput") is not None:
         t.add_row("goodput", f"{summary['goodput']:.3f}")
     tuning = summary.get("tuning")

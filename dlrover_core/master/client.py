@@ -26,7 +26,8 @@ class JobNotFound(LookupError):
     """No running JobMaster and no job directory for the name."""
 
 
-def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -> bool:
+def init_ray(address: str | None = None, verbose: bool = False,
+             working_dir: str | None = None, **kwargs: Any) -> bool:
     """Start or join Ray unless already connected. Returns True when this call started
     an embedded local cluster. ``address=None`` or ``"auto"`` with ``RAY_ADDRESS`` set
     joins that address, as ``ray.init`` does; joining by address turns on Ray's token
@@ -36,7 +37,10 @@ def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -
         ClusterAuthError: the cluster refused this process for want of a token.
 
     The current directory and ``PYTHONPATH`` are put on the workers' ``PYTHONPATH`` so
-    that ``workload: package.module:Class`` resolves as it does here.
+    that ``workload: package.module:Class`` resolves as it does here; with
+    ``working_dir``, that directory is shipped with the job (Ray's ``runtime_env``
+    ``working_dir``: the workers run in a copy of it, first on their ``sys.path``) in
+    place of the current directory.
     """
     import ray
 
@@ -49,11 +53,17 @@ def init_ray(address: str | None = None, verbose: bool = False, **kwargs: Any) -
     if address not in (None, "local", "auto"):
         ray_auth.prepare_token_auth(address)
         ray_auth.check_token(address)
-    paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+    else:  # Ray's own notice on every command, said once by us instead
+        ray_auth.quiet_token_auth(starting=address != "auto")
+    paths = ([] if working_dir else [os.getcwd()]) + \
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    runtime_env: dict[str, Any] = {
+        "env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+    if working_dir:
+        runtime_env["working_dir"] = os.path.abspath(working_dir)
     try:
         ray.init(address=address or "local", namespace=MASTER_NAMESPACE,
-                 runtime_env=runtime_env, log_to_driver=verbose, include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=False, include_dashboard=False,
                  configure_logging=verbose, logging_level="INFO" if verbose else "ERROR",
                  **kwargs)
     except Exception as exc:
@@ -121,10 +131,15 @@ def default_job_dir(name: str) -> str:
 
 
 def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None = None,
-               progress: bool = True, verbose: bool = False, fresh: bool = False) -> dict:
+               progress: bool = True, verbose: bool = False, fresh: bool = False,
+               working_dir: str | None = None, wait: bool = True) -> dict:
     """Run a validated job to its end (a new run in ``job_dir``) and return its summary
     (``summary.json``). A run resumes from the job's checkpoints and says so on stderr
-    (step, memory or disk, path); ``fresh`` moves them aside instead.
+    (step, memory or disk, path); ``fresh`` moves them aside instead. ``working_dir``:
+    a directory of code shipped with the job (see :func:`init_ray`). ``wait=False``
+    returns once the JobMaster started the run (``{"name", "run", "job_dir", "status":
+    "submitted"}``): the job goes on without this process, so it needs a cluster that
+    outlives it (``address``; the locks are released when this returns).
 
     Ctrl-C stops the job (embedded cluster) or detaches (joined cluster: the job goes on).
     The job directory and the checkpoint folder are locked until this returns
@@ -135,7 +150,8 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     """
     job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
     with run_locks(spec, job_dir):
-        return _submit_locked(spec, address, job_dir, progress, verbose, fresh)
+        return _submit_locked(spec, address, job_dir, progress, verbose, fresh, working_dir,
+                              wait)
 
 
 def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
@@ -159,14 +175,23 @@ def run_locks(spec: DictConfig, job_dir: str) -> Iterator[None]:
 
 
 def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress: bool,
-                   verbose: bool, fresh: bool = False) -> dict:
+                   verbose: bool, fresh: bool = False, working_dir: str | None = None,
+                   wait: bool = True) -> dict:
     import ray
 
-    started_here = init_ray(address, verbose=verbose)
+    started_here = init_ray(address, verbose=verbose, working_dir=working_dir)
+    if not wait and started_here:
+        ray.shutdown()
+        raise ValueError("a job submitted without waiting needs a cluster that outlives "
+                         "this command: give --address (e.g. auto, after `dlrover cluster up`)")
     master = create_master(spec, job_dir, fresh=fresh)
     ray.get(master.start.remote())
+    if not wait:
+        st = ray.get(master.status.remote(), timeout=30)
+        return {"name": spec.name, "run": st.get("run"), "job_dir": job_dir,
+                "status": "submitted", "state": st.get("state")}
     try:
-        summary = follow(master, progress=progress, job_dir=job_dir)
+        summary = follow(master, progress=progress, job_dir=job_dir, verbose=verbose)
     except KeyboardInterrupt:
         if address is None:
             print("\nstopping the job ...", file=sys.stderr)
@@ -188,33 +213,75 @@ def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress
 
 
 def follow(master: Any, progress: bool = True, poll_s: float = 0.5,
-           job_dir: str | None = None) -> dict | None:
+           job_dir: str | None = None, verbose: bool = False) -> dict | None:
     """Poll the master until the job ends, drawing a progress bar; return the summary
-    (read from ``job_dir`` when the master is gone, e.g. after ``dlrover stop``)."""
-    import ray
+    (read from ``job_dir`` when the master is gone, e.g. after ``dlrover stop``).
 
+    ``verbose``: the workers' output, read from the job directory's logs as it is
+    written (:class:`dlrover_core.cli.logs.LogTail`), to stderr, every line labelled
+    ``[<role>-<rank> a<attempt>]`` (``[driver a0]``): every rank's lines, none merged
+    (Ray's own stream of worker output is off, so nothing is de-duplicated or coloured).
+    """
     from dlrover_core.cli.progress import JobProgress
 
     bar = JobProgress(enabled=progress)
     told: set[str] = set()
+    tail = None
     with bar:
-        while True:
-            try:
-                st = ray.get(master.status.remote(), timeout=30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                if _gone(master):
-                    return read_summary(job_dir) if job_dir else None
-                time.sleep(poll_s)  # the master is restarting
-                continue
-            bar.update(st)
-            for role, r in sorted((st.get("resumed_from") or {}).items()):
-                if role not in told:
-                    told.add(role)
-                    bar.console.print(resume_line(st.get("run"), role, r), highlight=False,
-                                      markup=False)
-            if st["summary"] is not None:
-                return st["summary"]
-            time.sleep(poll_s)
+        if verbose and job_dir:
+            from dlrover_core.cli.logs import LogTail
+
+            tail = _Tail(LogTail, job_dir)
+        try:
+            return _follow_loop(master, bar, told, tail, poll_s, job_dir)
+        finally:
+            if tail is not None:
+                tail.close()
+
+
+class _Tail:
+    """A :class:`~dlrover_core.cli.logs.LogTail` of a job directory's logs to stderr,
+    made once the directory holds logs of the current run."""
+
+    def __init__(self, cls: Any, job_dir: str) -> None:
+        self.cls, self.job_dir, self.tail = cls, job_dir, None
+
+    def poll(self) -> None:
+        if self.tail is None:
+            if not os.path.isdir(os.path.join(self.job_dir, "logs")):
+                return
+            self.tail = self.cls(self.job_dir, sys.stderr, prefixed=True)
+        self.tail.poll()
+
+    def close(self) -> None:
+        self.poll()
+        if self.tail is not None:
+            self.tail.finish()
+
+
+def _follow_loop(master: Any, bar: Any, told: set, tail: Any, poll_s: float,
+                 job_dir: str | None) -> dict | None:
+    import ray
+
+    while True:
+        if tail is not None:
+            tail.poll()
+        try:
+            st = ray.get(master.status.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            if _gone(master):
+                return read_summary(job_dir) if job_dir else None
+            time.sleep(poll_s)  # the master is restarting
+            continue
+        bar.update(st)
+        for role, r in sorted((st.get("resumed_from") or {}).items()):
+            if role not in told:
+                told.add(role)
+                bar.console.print(resume_line(st.get("run"), role, r), highlight=False,
+                                  markup=False)
+        if st["summary"] is not None:
+            return st["summary"]
+        time.sleep(poll_s)
 
 
 def resume_line(run: int | None, role: str, resumed: dict) -> str:

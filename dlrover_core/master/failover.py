@@ -141,7 +141,11 @@ class FailoverCoordinator:
         return sum(self.counts.values())
 
     def restart_counts(self) -> dict[str, int]:
-        return {"total": self.total_restarts(), **self.counts}
+        """``{"total": N, <level>: n, ...}``, the levels from the smallest scope to the
+        largest (the order of :class:`FailoverLevel`), whatever order they happened in."""
+        order = {lvl.value: i for i, lvl in enumerate(FailoverLevel)}
+        levels = sorted(self.counts, key=lambda k: (order.get(k, len(order)), k))
+        return {"total": self.total_restarts(), **{k: self.counts[k] for k in levels}}
 
     def failure_log(self) -> list[dict]:
         return list(self._log)

@@ -83,6 +83,47 @@ def prepare_token_auth(address: str) -> str | None:
     return src
 
 
+#: Where :func:`notice_once` records that it has spoken (per user).
+NOTICE_MARK = os.path.join("~", ".cache", "dlrover", "token-auth-notice")
+
+
+def quiet_token_auth(starting: bool) -> None:
+    """Before ``ray.init`` starts a local cluster (``starting``) or joins the one on this
+    machine (``address="auto"``): set ``RAY_AUTH_MODE=token`` where Ray would turn token
+    authentication on by itself (a new cluster; a join when a token exists), so that
+    Ray does not print its notice on every command; authentication stays on. An
+    explicit ``RAY_AUTH_MODE`` is respected. A new cluster gets :func:`notice_once`."""
+    if os.environ.get(AUTH_MODE) is not None:
+        return
+    if starting or token_source() is not None:
+        os.environ[AUTH_MODE] = "token"
+        _reload_ray_config()
+    if starting:
+        notice_once()
+
+
+def notice_once(stream=None) -> bool:
+    """Print, once per user (marked in :data:`NOTICE_MARK`), that the clusters this
+    command starts use Ray's token authentication and what a process joining one
+    needs; True when it printed."""
+    import sys
+
+    mark = os.path.expanduser(NOTICE_MARK)
+    if os.path.exists(mark):
+        return False
+    print("note: Ray clusters started by dlrover use Ray's token authentication (the "
+          f"token: {os.path.expanduser(DEFAULT_TOKEN_PATH)}); a process joining one by "
+          f"address needs {AUTH_MODE}=token and that token (`dlrover cluster env` prints "
+          "both). Shown once.", file=stream or sys.stderr, flush=True)
+    try:
+        os.makedirs(os.path.dirname(mark), exist_ok=True)
+        with open(mark, "w") as f:
+            f.write("shown\n")
+    except OSError:
+        pass
+    return True
+
+
 def read_token() -> str | None:
     """This process's token value (see :func:`token_source`), or ``None``."""
     src = token_source()

@@ -186,6 +186,21 @@ def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
     after the hooks when it changed."""
 
 
+@hookspec
+def dlrover_job_deleted(job: str, job_dir: str) -> list[str]:
+    """``dlrover delete`` removed the job directory ``job_dir`` of the finished job
+    ``job``. Client process (the command), Ray not needed. Remove what the plugin keeps
+    for the job outside that directory on this machine (the flash saver: its
+    shared-memory buffers) and return one line per thing removed, shown to the user.
+
+    Example::
+
+        @hookimpl
+        def dlrover_job_deleted(job, job_dir):
+            return [f"removed cache {p}" for p in remove_my_cache(job)]
+    """
+
+
 # --------------------------------------------------------------------------- failure classification
 @hookspec(firstresult=True)
 def dlrover_classify_failure(failure: Failure, history: list[Failure]) -> FailureVerdict | None:

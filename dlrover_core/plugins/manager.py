@@ -304,6 +304,12 @@ class PluginManager:
         self._pm.hook.dlrover_job_finished(job=job, summary=summary, emit=emit or _no_emit,
                                            spec=spec)
 
+    def job_deleted(self, job: str, job_dir: str) -> list[str]:
+        """``dlrover_job_deleted``: what the plugins removed for a deleted job (one line
+        each). Client process."""
+        return [line for lines in self._pm.hook.dlrover_job_deleted(job=job, job_dir=job_dir)
+                for line in (lines or [])]
+
 
 def _no_emit(event: str, **fields: Any) -> None:
     """The ``emit`` hooks get outside a JobMaster: events go nowhere."""

@@ -8,10 +8,11 @@ dropped), as ``logging.handlers.RotatingFileHandler`` does.
 
 How: the process's file descriptors 1 and 2 are redirected (``os.dup2``) into a pipe
 that a daemon thread reads; it appends every chunk to the current attempt's file and
-also writes it to the previous stdout (Ray's worker log, so ``--verbose`` still shows
-it). Output of C/C++ code (gloo, NCCL) is captured as well as Python's. stdout and
-stderr share one file, interleaved as written. ``sys.stdout``/``sys.stderr`` are made
-line-buffered so that a SIGKILL loses at most the unread part of the pipe.
+also writes it to the previous stdout (Ray's worker log). ``submit --verbose`` shows
+it by reading these files (:class:`dlrover_core.cli.logs.LogTail`). Output of C/C++
+code (gloo, NCCL) is captured as well as Python's. stdout and stderr share one file,
+interleaved as written. ``sys.stdout``/``sys.stderr`` are made line-buffered so that
+a SIGKILL loses at most the unread part of the pipe.
 """
 
 from __future__ import annotations

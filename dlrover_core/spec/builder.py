@@ -102,8 +102,15 @@ class RoleBuilder:
         return getattr(self._parent, item)
 
 
+#: ``checkpoint.every_steps`` of a built job whose builder did not set it (the spec's
+#: own default, 0, saves only when the workload calls ``checkpointer.save``).
+DEFAULT_EVERY_STEPS = 100
+
+
 class DLJobBuilder:
-    """Fluent builder of a job spec; :meth:`build` validates it."""
+    """Fluent builder of a job spec; :meth:`build` validates it. A built job saves a
+    checkpoint every :data:`DEFAULT_EVERY_STEPS` steps (through ``maybe_save``) unless
+    :meth:`checkpoint` sets ``every_steps``."""
 
     def __init__(self) -> None:
         self._spec: dict[str, Any] = {"roles": {}, "collocation": []}
@@ -292,6 +299,9 @@ class DLJobBuilder:
 
         spec = self.to_dict()
         spec.setdefault("name", self.default_name())
+        # checkpoints by default, as the example job files do (issue 29)
+        spec["checkpoint"] = {"every_steps": DEFAULT_EVERY_STEPS,
+                              **(spec.get("checkpoint") or {})}
         if "template" not in spec and "driver" not in spec:
             spec["template"] = DL_TYPES[spec.get("dl_type", "SFT")]
         return DLJob(load_spec(spec, overrides))

@@ -86,8 +86,10 @@ class FailoverSpec:
     re-form the group in them (False: restart every rank of the role).
     ``survivor_grace_s``: how long survivors get to leave their failed collective
     before they are replaced too. ``standby``: keep one warm spare process per role with
-    a process group (no CPU reserved, imports done, ``warm_up()`` run) to replace a
-    failed rank without a process start.
+    a process group (imports done, ``warm_up()`` run) to replace a failed rank without a
+    process start; the spare holds a reservation like a rank's, a placement-group bundle
+    with one rank's resources (CPU, GPU, memory), so the cluster needs room for one more
+    rank per role (:mod:`dlrover_core.master.standby`; without room it waits, not warm).
     """
 
     max_restarts: int = 3

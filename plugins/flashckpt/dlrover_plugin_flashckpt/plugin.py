@@ -72,6 +72,16 @@ def shm_dirs_of(spec: Any) -> list[str]:
 
 
 @hookimpl
+def dlrover_job_deleted(job: str, job_dir: str) -> list[str]:
+    """``dlrover delete``: every buffer of ``job`` in ``/dev/shm`` of this machine."""
+    from dlrover_plugin_flashckpt.handles import DEFAULT_SHM_DIR
+    from dlrover_plugin_flashckpt.hygiene import remove_job
+
+    return [f"removed flash-checkpoint buffer {DEFAULT_SHM_DIR}/{name}"
+            for name in remove_job(DEFAULT_SHM_DIR, job)]
+
+
+@hookimpl
 def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
     try:
         import ray
