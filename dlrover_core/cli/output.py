@@ -157,3 +157,14 @@ def print_json(obj: Any, stream: IO[str] | None = None) -> None:
     stream = stream or sys.stdout
     stream.write(json.dumps(obj, indent=1, default=str) + "\n")
     stream.flush()
+
+
+class _Stderr:
+    """Messages to the current ``sys.stderr`` (looked up at each print, so that a
+    redirected or captured stderr gets them), through :func:`console_for`."""
+
+    def print(self, *objects, **kwargs) -> None:
+        console_for(stderr=True).print(*objects, **kwargs)
+
+
+err = _Stderr()

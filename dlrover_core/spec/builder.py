@@ -359,7 +359,8 @@ class DLJob:
         return result
 
 
-#: exit code of a job by its final status (anything else: 1), as ``dlrover submit``
+#: exit code of a job by its final status (anything else: 1); ``dlrover submit`` and
+#: :meth:`DLJob.submit` both use it
 EXIT_CODES = {"succeeded": 0, "already_complete": 4}
 
 
