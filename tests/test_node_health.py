@@ -217,8 +217,8 @@ def test_faulthandler_dump_of_a_busy_process(tmp_path):
         import sys
         from dlrover_core.runtime.stack_dump import register
         register({str(tmp_path)!r})
-        print("ready", flush=True)
         def spin_here():
+            print("ready", flush=True)  # from inside: a dump after it shows this frame
             while True:
                 pass
         spin_here()

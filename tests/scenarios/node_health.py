@@ -69,9 +69,21 @@ def base(name: str, steps: int, **config: Any) -> DLJobBuilder:
             .resource(cpu=1).end())
 
 
-def part_check(root: str, raylets: dict[int, str]) -> dict:
+def part_check(root: str, raylets: dict[int, str], tries: int = 2) -> dict:
     """The probe of the first node seen runs at 20% speed from its start, at 5% once
-    it is started."""
+    it is started. When the injector saw no probe process at all (the check came and
+    went between its scans on a loaded machine: nothing was tested), the job runs
+    again in a new directory, up to ``tries`` times (also when the probe's parent was
+    not a raylet of the cluster); ``attempts`` says how many ran."""
+    for attempt in range(1, tries + 1):
+        out = _check_once(root, raylets, "check" if attempt == 1 else f"check-{attempt}")
+        out["attempts"] = attempt
+        if out["slowed_pids"] and out["target_node"]:
+            break
+    return out
+
+
+def _check_once(root: str, raylets: dict[int, str], name: str) -> dict:
     job = (base("nh-check", 20).failover(standby=False)
            .node_health(matmul_size=512, matmul_iters=40, check_timeout_s=20).build())
     target: dict[str, Any] = {}
@@ -98,7 +110,7 @@ def part_check(root: str, raylets: dict[int, str]) -> dict:
         if st["state"] in ("running", "succeeded", "failed") and cycle.is_alive():
             cycle.stop()
 
-    job_dir = os.path.join(root, "check")
+    job_dir = os.path.join(root, name)
     try:
         summary = run_job(job.spec, job_dir, watch)
     finally:
