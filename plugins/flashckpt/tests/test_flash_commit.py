@@ -131,7 +131,7 @@ def test_the_attempt_trailer_survives_the_meta_block():
     table, _, skeleton = layout.build_table({"w": torch.zeros(3)})
     att = storage.make_attempt("run", 2, "e")
     blob = pack_meta(4, table, skeleton, {"rank": 1}) + storage.attempt_trailer(att)
-    assert unpack_meta(blob)["step"] == 4  # pickle ignores the trailing bytes
+    assert unpack_meta(blob)["step"] == 4  # it reads the length its header gives
     assert storage.meta_attempt(blob) == att
     assert storage.meta_attempt(pack_meta(4, table, skeleton, {})) is None
 
