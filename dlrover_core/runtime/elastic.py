@@ -85,19 +85,27 @@ def accumulation_step(model: Any, optimizer: Any, micro_batches: Sequence[Any],
     divided by ``len(micro_batches)`` before ``backward()``; the gradient all-reduce of a
     DDP/FSDP ``model`` runs only on the last backward (:func:`gradient_sync`). Returns the
     mean loss over the global batch (the local mean, averaged over the ranks with an
-    ``all_reduce`` when a process group is initialized), a Python float.
+    ``all_reduce`` when a process group is initialized), a Python float. The loss sum is
+    kept in float64 on the losses' device, so the ``all_reduce`` gets a tensor on the
+    device the model computes on (NCCL reduces only CUDA tensors).
+
+    Raises:
+        ValueError: ``micro_batches`` is empty.
     """
-    import torch
     import torch.distributed as dist
 
     n = len(micro_batches)
+    if n == 0:
+        raise ValueError("accumulation_step: micro_batches is empty; an optimizer step "
+                         "needs at least one micro-batch")
     optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), dtype=torch.float64)
+    total = None
     for i, batch in enumerate(micro_batches):
         with gradient_sync(model, enabled=i == n - 1):
             loss = loss_fn(model, batch)
             (loss / n).backward()
-        total += loss.detach().double()
+        part = loss.detach().double()
+        total = part if total is None else total + part
     optimizer.step()
     mean = total / n
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -52,17 +52,21 @@ def collectives(gloo, monkeypatch):
     state = {"expected": torch.device("cpu"), "seen": []}
 
     def wrap(fn):
-        def checked(tensor, *args, **kwargs):
-            state["seen"].append(tensor.device)
-            assert tensor.device == state["expected"], \
-                f"{fn.__name__} of a tensor on {tensor.device}; backend.device is " \
+        def checked(*args, **kwargs):
+            # every tensor argument, those in a list (all_gather's outputs) too
+            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
+            devices = {t.device for t in tensors}
+            state["seen"].append(tensors[0].device)
+            assert devices == {state["expected"]}, \
+                f"{fn.__name__} of tensors on {devices}; backend.device is " \
                 f"{state['expected']}"
-            if tensor.device.type == "cpu":
-                return fn(tensor, *args, **kwargs)
+            if state["expected"].type == "cpu":
+                return fn(*args, **kwargs)
             return None  # the faked GPU: nothing to move
         return checked
 
-    for name in ("all_reduce", "broadcast", "send", "recv", "reduce"):
+    for name in ("all_reduce", "all_gather", "broadcast", "send", "recv", "reduce"):
         monkeypatch.setattr(dist, name, wrap(getattr(dist, name)))
     return state
 

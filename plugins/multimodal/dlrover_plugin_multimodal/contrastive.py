@@ -46,7 +46,8 @@ def gather_features(image_features: torch.Tensor, text_features: torch.Tensor,
     process group, or with one rank, the inputs are returned unchanged.
 
     Every rank must pass the same number of rows ``n_r`` (all_gather needs equal
-    shapes).
+    shapes). Every gathered tensor, the row counts included, is on the features'
+    device (with NCCL: this rank's CUDA device).
 
     Raises:
         ValueError: the ranks' row counts differ (all-gathered first, so every rank
@@ -60,7 +61,9 @@ def gather_features(image_features: torch.Tensor, text_features: torch.Tensor,
     if world == 1:
         return image_features, text_features
     rank = dist.get_rank(group)
-    rows = torch.tensor([image_features.shape[0]], dtype=torch.int64)
+    # on the features' device: NCCL gathers only CUDA tensors
+    rows = torch.tensor([image_features.shape[0]], dtype=torch.int64,
+                        device=image_features.device)
     all_rows = [torch.zeros_like(rows) for _ in range(world)]
     dist.all_gather(all_rows, rows, group=group)
     counts = [int(r) for r in all_rows]

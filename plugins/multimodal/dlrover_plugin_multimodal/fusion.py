@@ -169,13 +169,17 @@ class FusionTrainerWorkload(MultimodalWorkload):
             except Exception as exc:  # noqa: BLE001 - agreed on below, then raised
                 error = exc
                 break
-        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
+        failed = error is not None
         if self.world_size > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                # on the backend's device: NCCL reduces only CUDA tensors
+                ok = torch.tensor([0 if failed else 1], dtype=torch.int64,
+                                  device=self.backend.device)
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if int(ok) == 0:
+                failed = int(ok) == 0
+        if failed:
             what = f"{type(error).__name__}: {error}" if error is not None else \
                 "another trainer rank could not fetch its inputs"
             raise UpstreamLost(f"trainer-{self.rank}: an encoder's output of this step is "
