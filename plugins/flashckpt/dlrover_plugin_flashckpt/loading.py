@@ -264,16 +264,26 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
             quarantine(self.dir, step, "; ".join(errors))
 
     def _agree_attempt(self, base: int | None) -> None:
-        """Draw this incarnation's attempt (collective with a process group: every
-        rank takes rank 0's epoch); the first save makes it the lineage of :attr:`dir`
-        with ``base`` (the step restored) as its base (:meth:`_start_attempt`). Without
-        a process group the epoch is empty when ``world_size > 1`` (the ranks cannot
-        agree on a random one): the attempt is then the run id and world size only."""
-        epoch = storage.new_epoch() if self._dist() is not None or self.world_size == 1 \
-            else ""
-        attempt = storage.make_attempt(self._ident()["run_id"], self.world_size, epoch)
+        """Draw this incarnation's attempt: every rank draws a random epoch and all take
+        rank 0's (:meth:`_gather`: ``all_gather_object`` with a process group, else the
+        gather board), so an incarnation never shares an attempt with an earlier one of
+        the same run and world size. When the gather fails (the board unreachable, a
+        rank missing), each rank keeps its own epoch (logged): the ranks' attempts then
+        differ, so none of their saves commits until a later load agrees; nothing
+        mixed can. The first save makes the attempt the lineage of :attr:`dir` with
+        ``base`` (the step restored) as its base (:meth:`_start_attempt`)."""
+        own = storage.make_attempt(self._ident()["run_id"], self.world_size,
+                                   storage.new_epoch())
+        got = self._gather(own)
+        if len(got) == self.world_size and got[0] is not None:
+            attempt = got[0]
+        else:
+            attempt = own
+            log.warning("flash saver rank %d could not agree on an attempt with the other "
+                        "ranks: it uses its own, so its saves are not committed until the "
+                        "next load agrees", self.rank)
         self._attempt = None
-        self._next_attempt = (self._gather(attempt)[0], base)
+        self._next_attempt = (attempt, base)
 
     def _start_attempt(self) -> dict:
         """At the first save after a load (or the first save at all: collective then):

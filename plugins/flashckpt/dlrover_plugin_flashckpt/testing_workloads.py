@@ -244,6 +244,11 @@ class SaverRank:
     def wait(self) -> None:
         self.saver.wait()
 
+    def attempt(self) -> dict | None:
+        """The attempt this rank's saves will name (drawn by the last load)."""
+        s = self.saver
+        return s._attempt or (s._next_attempt[0] if s._next_attempt else None)
+
     def load(self) -> dict:
         got = rank_state(self.rank, -1)
         step = self.saver.load(got)
