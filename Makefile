@@ -2,9 +2,9 @@
 #             the core and every plugin (editable, with its `test` extra)
 # make demo:  the nanoGPT pre-training job on the Python reference manual
 # make test:  every test suite, core and each plugin
-# make gpu-check: on a CUDA machine, the gpu-marked tests, nanoGPT on cuda for 200 steps and
-#             the flash D2H figure, one JSON report (scripts/gpu_check.py); without CUDA it
-#             prints "no CUDA device" and exits 0
+# make gpu-check: on a CUDA machine, nanoGPT on cuda for 200 steps, the flash D2H figure and
+#             the gpu-marked tests, each with time reserved within 10 minutes, one JSON
+#             report (scripts/gpu_check.py); without CUDA it prints "no CUDA device", exits 0
 # make cluster-up NODES=2 [CPUS=2]: a head and NODES worker nodes, each its own `ray start`
 #             process on this machine (dlrover cluster up); prints the export lines for clients
 # make cluster-down: stop exactly those nodes (dlrover cluster down)

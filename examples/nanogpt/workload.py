@@ -63,6 +63,17 @@ class GPTWorkload(BaseWorkload):
 
     _maybe_fault = maybe_fault  # config.fault: the tests' injected faults
 
+    def report(self, step: int, **metrics: float) -> None:
+        """:meth:`BaseWorkload.report`, plus ``cuda_max_allocated_mib`` (float, MiB: the
+        peak memory this rank's tensors took on its GPU so far) when the rank computes
+        on CUDA; ``make gpu-check`` reads it from ``summary.json`` as the proof that the
+        example trained on the GPU."""
+        device = self.backend.device
+        if device.type == "cuda":
+            metrics.setdefault("cuda_max_allocated_mib",
+                               torch.cuda.max_memory_allocated(device) / 2 ** 20)
+        super().report(step, **metrics)
+
     def run(self) -> dict:
         c = self.config
         bs, seed, device = int(c.batch_size), int(c.get("seed", 1337)), self.backend.device
