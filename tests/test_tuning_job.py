@@ -109,8 +109,12 @@ def test_tuned_job_switches_together_and_a_killed_rank_resumes_with_the_version(
 
 @pytest.mark.slow
 def test_reverted_changes_and_a_master_restart_keep_the_version(ray_cluster, job_dir):
-    s = spec("tune-revert", 30, job_dir, "tuning.guard.memory_limit_bytes=1",
-             "tuning.tuners=[dataloader_workers]")
+    # 80 steps: the revert comes about step 15, and the ranks must still have steps to
+    # run under it after the master's restart (at 30 the job could end first, leaving
+    # the revert pending); no retry of the reverted raise (max_retries=0): this test is
+    # about the revert surviving the restart
+    s = spec("tune-revert", 80, job_dir, "tuning.guard.memory_limit_bytes=1",
+             "tuning.guard.max_retries=0", "tuning.tuners=[dataloader_workers]")
     seen = {}
 
     def reverted(d: str) -> bool:
