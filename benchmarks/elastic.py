@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,26 +40,11 @@ sys.path.insert(0, ROOT)
 G, B = 24, 4  # the global batch splits into micro-batches of 4 at 1, 2 and 3 ranks
 
 
-def _cluster():
-    from ray.cluster_utils import Cluster
-
-    temp_dir = tempfile.mkdtemp(prefix="dlb", dir="/tmp")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "temp_dir": temp_dir, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=2) for _ in range(3)]
-    cluster.wait_for_nodes()
-    return cluster, nodes
-
-
 def run_ours(args) -> dict:
-    import ray
-
     from dlrover_core import load_spec
-    from dlrover_core.master.client import create_master, init_ray
     from dlrover_core.master.events import read_events
+    from dlrover_core.testing import master_node_id, multinode_cluster, run_job
 
-    cluster, nodes = _cluster()
-    init_ray(cluster.address)
     job_dir = tempfile.mkdtemp(prefix="dlrover-elastic-bench-")
     options = {"replicas": 1} if args.saver == "flash" else {}
     spec = load_spec({
@@ -73,37 +59,24 @@ def run_ours(args) -> dict:
                     "poll_interval_s": 1, "global_batch": G, "micro_batch": B},
         "config": {"global_batch": G, "micro_batch": B, "max_steps": args.steps,
                    "batches_per_shard": 1, "sleep_s": args.step_s}})
-    by_id = {n.node_id: n for n in nodes}
-    master = create_master(spec, job_dir)
-    ray.get(master.start.remote())
-    removed_ts = added = None
-    summary = None
-    deadline = time.time() + args.timeout_s
-    while time.time() < deadline:
-        try:
-            st = ray.get(master.status.remote(), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            time.sleep(0.3)
-            continue
-        step = st["instances"].get("trainer-0", {}).get("step", -1)
-        if removed_ts is None and step >= args.remove_at:
-            # a trainer node without the JobMaster (losing that is a master restart)
-            master_node = next((e.get("master_node_id") for e in read_events(
-                os.path.join(job_dir, "events.jsonl")) if e["event"] == "job_started"), None)
-            node_id = next(st["instances"][f"trainer-{r}"]["node_id"] for r in (2, 1, 0)
-                           if st["instances"][f"trainer-{r}"]["node_id"] != master_node)
-            cluster.remove_node(by_id[node_id])
-            removed_ts = time.time()
-        if removed_ts is not None and added is None and step >= args.add_at:
-            added = cluster.add_node(num_cpus=2).node_id
-        if st["summary"]:
-            summary = st["summary"]
-            break
-        time.sleep(0.1)
-    ray.kill(master)
-    ray.shutdown()
-    cluster.shutdown()
-    resume = None
+    seen: dict = {"removed_ts": None, "added": None}
+    with multinode_cluster(workers=3, cpus=2) as (cluster, by_id):
+
+        def resize(st: dict) -> None:
+            step = st["instances"].get("trainer-0", {}).get("step", -1)
+            if seen["removed_ts"] is None and step >= args.remove_at:
+                # a trainer node without the JobMaster (losing that is a master restart)
+                master_node = master_node_id(job_dir)
+                node_id = next(st["instances"][f"trainer-{r}"]["node_id"] for r in (2, 1, 0)
+                               if st["instances"][f"trainer-{r}"]["node_id"] != master_node)
+                cluster.remove_node(by_id[node_id])
+                seen["removed_ts"] = time.time()
+            if seen["removed_ts"] is not None and seen["added"] is None \
+                    and step >= args.add_at:
+                seen["added"] = cluster.add_node(num_cpus=2).node_id
+
+        summary = run_job(spec, job_dir, resize, timeout=args.timeout_s)
+    removed_ts, resume = seen["removed_ts"], None
     if removed_ts is not None:
         after = [r["ts"] for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
                  if r["event"] == "step" and r.get("world_size", 3) < 3 and r["ts"] > removed_ts]
@@ -171,48 +144,43 @@ def run_ray_train(args) -> dict:
     except ImportError as exc:
         return {"ray_train_error": f"Ray Train is not installed (pip install -e '.[bench]'): "
                                    f"{exc}"}
-    cluster, nodes = _cluster()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    log = tempfile.mktemp(prefix="raytrain-elastic-", suffix=".jsonl")
-    by_id = {n.node_id: n for n in nodes}
-    try:
-        scaling = ray.train.ScalingConfig(num_workers=(1, 3), use_gpu=False,
-                                          resources_per_worker={"CPU": 2})
-    except Exception as exc:  # noqa: BLE001 - a version without elastic ranges
-        ray.shutdown()
-        cluster.shutdown()
-        return {"ray_train_error": f"ScalingConfig(num_workers=(1, 3)) refused: {exc}"}
-    trainer = TorchTrainer(
-        _train_fn, train_loop_config={"steps": args.steps, "log": log, "step_s": args.step_s,
-                                      "ckpt_every": args.ckpt_every},
-        scaling_config=scaling,
-        run_config=ray.train.RunConfig(
-            storage_path=tempfile.mkdtemp(prefix="raytrain-elastic-store-"),
-            failure_config=ray.train.FailureConfig(max_failures=3)))
-    import threading
+    from dlrover_core.testing import multinode_cluster
 
     state: dict = {}
-
-    def fit() -> None:
+    with multinode_cluster(workers=3, cpus=2, connect=False) as (cluster, by_id):
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+        log = tempfile.mktemp(prefix="raytrain-elastic-", suffix=".jsonl")
         try:
-            trainer.fit()
-        except Exception as exc:  # noqa: BLE001
-            state["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            scaling = ray.train.ScalingConfig(num_workers=(1, 3), use_gpu=False,
+                                              resources_per_worker={"CPU": 2})
+        except Exception as exc:  # noqa: BLE001 - a version without elastic ranges
+            return {"ray_train_error": f"ScalingConfig(num_workers=(1, 3)) refused: {exc}"}
+        trainer = TorchTrainer(
+            _train_fn, train_loop_config={"steps": args.steps, "log": log,
+                                          "step_s": args.step_s, "ckpt_every": args.ckpt_every},
+            scaling_config=scaling,
+            run_config=ray.train.RunConfig(
+                storage_path=tempfile.mkdtemp(prefix="raytrain-elastic-store-"),
+                failure_config=ray.train.FailureConfig(max_failures=3)))
 
-    th = threading.Thread(target=fit, daemon=True)
-    th.start()
-    removed_ts = None
-    while th.is_alive():
+        def fit() -> None:
+            try:
+                trainer.fit()
+            except Exception as exc:  # noqa: BLE001
+                state["error"] = f"{type(exc).__name__}: {exc}"[:500]
+
+        th = threading.Thread(target=fit, daemon=True)
+        th.start()
+        removed_ts = None
+        while th.is_alive():
+            recs = _read(log)
+            if removed_ts is None and any(r["step"] >= args.remove_at for r in recs):
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                victim = next(n for nid, n in by_id.items() if nid in alive)
+                cluster.remove_node(victim)
+                removed_ts = time.time()
+            time.sleep(0.2)
         recs = _read(log)
-        if removed_ts is None and any(r["step"] >= args.remove_at for r in recs):
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            victim = next(n for nid, n in by_id.items() if nid in alive)
-            cluster.remove_node(victim)
-            removed_ts = time.time()
-        time.sleep(0.2)
-    recs = _read(log)
-    ray.shutdown()
-    cluster.shutdown()
     after = [r["ts"] for r in recs if removed_ts is not None and r["ts"] > removed_ts]
     out = {"ray_train_resume_after_loss_s": round(min(after) - removed_ts, 3)
            if after else None}

@@ -12,23 +12,34 @@ Fixtures:
 - ``fake_dist``: a factory that installs a fake distribution with a
   ``dlrover.plugins`` entry point on ``sys.path`` (no pip needed).
 - ``job_dir``: a fresh job directory.
+
+Helpers (plain functions): real Ray clusters (``start_test_ray``,
+``multinode_cluster``), whole jobs (``run_job``, ``poll_status``, ``master_node_id``),
+roles outside a job (``spawn_role``, ``call_all``, ``kill_actors``), the ``dlrover`` command
+(``dlrover_json``, ``plugin_row``, ``heavy_modules_after``) and state dicts
+(``flatten_state``, ``assert_states_equal``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import pytest
 
-__all__ = ["fake_dist", "job_dir", "make_fake_dist", "plugin_manager", "poll_status",
-           "ray_cluster", "spawn_role", "start_test_ray"]
+__all__ = ["assert_states_equal", "call_all", "dlrover_json", "fake_dist", "flatten_state",
+           "heavy_modules_after", "job_dir", "kill_actors", "make_fake_dist", "master_node_id",
+           "multinode_cluster", "plugin_manager", "plugin_row", "poll_status", "ray_cluster",
+           "run_job", "spawn_role", "start_test_ray"]
 
 
 def start_test_ray(num_cpus: int | None = None, **kwargs) -> str:
@@ -39,6 +50,38 @@ def start_test_ray(num_cpus: int | None = None, **kwargs) -> str:
     cpus = num_cpus or int(os.environ.get("DLROVER_TEST_CPUS", "4"))
     init_ray(None, num_cpus=cpus, _temp_dir=temp_dir, **kwargs)
     return temp_dir
+
+
+@contextlib.contextmanager
+def multinode_cluster(workers: int, cpus: float, head_cpus: float = 0,
+                      connect: bool = True) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """A several-node ``ray.cluster_utils.Cluster`` on this machine, in a fresh temp dir
+    and without a dashboard: a head with ``head_cpus`` CPUs and ``workers`` worker nodes
+    of ``cpus`` CPUs each, all started before it yields. ``connect``: this process joins
+    it (``init_ray``). Yields ``(cluster, nodes)``, ``nodes`` mapping each worker's node
+    id (hex) to its node handle (for ``cluster.remove_node``). On exit this process leaves
+    Ray, the cluster is shut down and its temp dir removed."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from dlrover_core.master.client import init_ray
+
+    temp_dir = tempfile.mkdtemp(prefix="dlc", dir="/tmp")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": head_cpus, "temp_dir": temp_dir, "include_dashboard": False})
+    try:
+        nodes = {}
+        for _ in range(workers):
+            node = cluster.add_node(num_cpus=cpus)
+            nodes[node.node_id] = node
+        cluster.wait_for_nodes()
+        if connect:
+            init_ray(cluster.address)
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -152,6 +195,143 @@ def poll_status(master, until: Callable[[dict], bool], timeout: float = 240,
             return st
         time.sleep(interval)
     raise TimeoutError(f"the job's status did not reach the condition within {timeout} s")
+
+
+def run_job(spec: Any, job_dir: str, on_status: Callable[[dict], Any] | None = None,
+            timeout: float = 240, interval: float = 0.1) -> dict | None:
+    """Run a loaded job spec (``load_spec(...)``, ``DLJob.spec``) under a new JobMaster
+    in ``job_dir`` (this process must be connected to Ray) and wait for the job to end,
+    calling ``on_status(status)`` with each ``master.status()`` polled, every
+    ``interval`` s. A job still running after ``timeout`` s is stopped (its summary then
+    has status ``stopped``). The master is killed before this returns.
+
+    Returns:
+        the job's summary (``status``, ``error``, ``metrics``, ...); ``None`` when a
+        stopped job had not ended 60 s later.
+    """
+    import ray
+
+    from dlrover_core.master.client import create_master
+
+    def done(st: dict) -> bool:
+        if on_status is not None:
+            on_status(st)
+        return bool(st["summary"])
+
+    master = create_master(spec, job_dir)
+    try:
+        ray.get(master.start.remote())
+        try:
+            return poll_status(master, done, timeout, interval)["summary"]
+        except TimeoutError:
+            ray.get(master.stop.remote())
+            return ray.get(master.wait.remote(60))
+    finally:
+        ray.kill(master, no_restart=True)
+
+
+def master_node_id(job_dir: str) -> str | None:
+    """The Ray node id (hex) the JobMaster of ``job_dir`` runs on, from the
+    ``job_started`` event of its ``events.jsonl``; ``None`` before that event."""
+    from dlrover_core.master.events import read_events
+
+    for e in read_events(os.path.join(job_dir, "events.jsonl")):
+        if e["event"] == "job_started":
+            return e.get("master_node_id")
+    return None
+
+
+def call_all(handles: Iterable[Any], method: str, *args: Any) -> list:
+    """``method(*args)`` of the workload of each ``WorkloadHost`` in ``handles`` (its
+    ``call``), all at once; the results in the order of ``handles``."""
+    import ray
+
+    return ray.get([h.call.remote(method, *args) for h in handles])
+
+
+def kill_actors(handles: Iterable[Any]) -> None:
+    """``ray.kill`` each actor handle, without restart."""
+    import ray
+
+    for h in handles:
+        ray.kill(h, no_restart=True)
+
+
+def dlrover_json(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> Any:
+    """Run ``dlrover <args> --json`` (``python -m dlrover_core.cli.main``) in a fresh
+    interpreter (environment ``env``, default this one's) and parse its stdout.
+
+    Raises:
+        subprocess.CalledProcessError: the command exited non-zero.
+    """
+    out = subprocess.run([sys.executable, "-m", "dlrover_core.cli.main", *args, "--json"],
+                         env=env, capture_output=True, text=True, check=True,
+                         timeout=timeout).stdout
+    return json.loads(out)
+
+
+def plugin_row(name: str, env: dict[str, str] | None = None) -> dict:
+    """The row of plugin ``name`` in ``dlrover plugins list --json`` (keys ``name``,
+    ``version``, ``distribution``, ``hooks``, ``provides``, ``status``, ``error``).
+
+    Raises:
+        KeyError: no plugin of that name is listed.
+    """
+    return {r["name"]: r for r in dlrover_json("plugins", "list", env=env)}[name]
+
+
+def heavy_modules_after(code: str, heavy: Iterable[str] = ("torch",)) -> list[str]:
+    """Run ``code`` in a fresh interpreter; the top-level package names among ``heavy``
+    that are imported afterwards (sorted; ``[]``: none).
+
+    Raises:
+        subprocess.CalledProcessError: ``code`` raised.
+    """
+    probe = (f"{code}\nimport json as _j, sys as _s\n"
+             f"print(_j.dumps(sorted({{m.split('.')[0] for m in _s.modules}} & {set(heavy)!r})))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def flatten_state(state: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a nested state dict as ``dotted.path -> value`` (dict keys and
+    list/tuple indices joined by ``.``, each path starting with ``.``); a tensor (a
+    DTensor: its local shard) is detached and cloned, any other leaf kept as is."""
+    out: dict[str, Any] = {}
+    if hasattr(state, "to_local"):
+        out[prefix] = state.to_local().detach().clone()
+    elif hasattr(state, "detach"):
+        out[prefix] = state.detach().clone()
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            out.update(flatten_state(v, f"{prefix}.{k}"))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(flatten_state(v, f"{prefix}.{i}"))
+    else:
+        out[prefix] = state
+    return out
+
+
+def assert_states_equal(a: list[dict], b: list[dict]) -> None:
+    """Assert that two lists of flattened states (one per rank, see
+    :func:`flatten_state`) hold the same paths, and per path the same value: tensors of
+    the same dtype and equal bit for bit (``torch.equal``), other values ``==``.
+
+    Raises:
+        AssertionError: naming the rank and path that differ.
+    """
+    import torch
+
+    assert len(a) == len(b), (len(a), len(b))
+    for rank, (x, y) in enumerate(zip(a, b)):
+        assert x.keys() == y.keys(), rank
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (rank, k)
+            else:
+                assert x[k] == y[k], (rank, k)
 
 
 def crash_renames_after(monkeypatch: pytest.MonkeyPatch, crash_at: int,

@@ -163,11 +163,8 @@ def test_log_options_are_checked_before_anything_starts():
 def test_a_jobs_log_options_reach_its_workers(ray_cluster, tmp_path):
     """A real one-rank job with ``log_max_bytes: 2048, log_backups: 1``: the rank's log
     is rotated at 2 KiB with one older part kept (the default would keep it whole)."""
-    import ray
-
     from dlrover_core import load_spec
-    from dlrover_core.master.client import create_master
-    from dlrover_core.testing import poll_status
+    from dlrover_core.testing import run_job
 
     spec = {"name": "log-opts",
             "roles": {"trainer": {"workload": "tests.cli_workloads:Chatty", "total": 1,
@@ -175,10 +172,7 @@ def test_a_jobs_log_options_reach_its_workers(ray_cluster, tmp_path):
             "observability": {"log_max_bytes": 2048, "log_backups": 1},
             "config": {"max_steps": 150, "step_s": 0.0}}
     job_dir = str(tmp_path / "job")
-    master = create_master(load_spec(spec), job_dir)
-    ray.get(master.start.remote())
-    summary = poll_status(master, lambda s: s["summary"], 240)["summary"]
-    ray.kill(master, no_restart=True)
+    summary = run_job(load_spec(spec), job_dir)
     assert summary["status"] == "succeeded", summary["error"]
     live = attempt_path(job_dir, "trainer", 0, 0)
     assert os.path.exists(live + ".1") and not os.path.exists(live + ".2")

@@ -5,11 +5,8 @@ window of duplicates (steps after the restored checkpoint x the global batch).""
 
 from __future__ import annotations
 
-import ray
-
 from dlrover_core import load_spec
-from dlrover_core.master.client import create_master
-from dlrover_core.testing import poll_status
+from dlrover_core.testing import run_job
 
 EVERY, G, B, STEPS = 4, 8, 4, 16
 
@@ -25,10 +22,7 @@ def test_sigkill_loses_no_sample(ray_cluster, job_dir):
         "config": {"global_batch": G, "micro_batch": B, "max_steps": STEPS,
                    "batches_per_shard": 2, "sleep_s": 0.05,
                    "fault": {"rank": 1, "step": 10}}})
-    master = create_master(spec, job_dir)
-    ray.get(master.start.remote())
-    summary = poll_status(master, lambda st: st["summary"], 240)["summary"]
-    ray.kill(master, no_restart=True)
+    summary = run_job(spec, job_dir)
     assert summary["status"] == "succeeded", summary["error"]
     assert summary["restarts"]["total"] == 1
     assert summary["samples_lost"] == 0

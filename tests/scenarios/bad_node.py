@@ -15,15 +15,12 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import ray
-from ray.cluster_utils import Cluster
 
 from dlrover_core import DLJobBuilder
-from dlrover_core.master.client import create_master, init_ray
-from dlrover_core.testing import make_fake_dist
+from dlrover_core.testing import make_fake_dist, multinode_cluster, run_job
 
 CLASSIFIER = '''
 from dlrover_core import hookimpl
@@ -43,41 +40,21 @@ def main(job_dir: str) -> None:
     make_fake_dist(plugin_dir, "dlrover-plugin-badnode", "badnode", CLASSIFIER)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(plugin_dir), os.getcwd(), os.environ.get("PYTHONPATH", "")])
-    temp_dir = tempfile.mkdtemp(prefix="dlb", dir="/tmp")
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 0, "temp_dir": temp_dir,
-                                      "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    init_ray(cluster.address)
-    job = (DLJobBuilder().name("ft-badnode").config({"steps": 40, "sleep_s": 0.1})
-           .workload("trainer", "tests.workloads", "NodeSensitive").total(2).per_node(2)
-           .resource(cpu=1).build())
-    master = create_master(job.spec, job_dir)
-    ray.get(master.start.remote())
-    bad = None
-    summary = None
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            st = ray.get(master.status.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            time.sleep(0.3)
-            continue
-        if bad is None and st["step"] >= 5:
-            bad = st["instances"]["trainer-0"]["node_id"]
-            Path(job_dir, "bad_nodes").write_text(bad + "\n")
-        if st["summary"]:
-            summary = st["summary"]
-            break
-        time.sleep(0.2)
-    alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-    ray.kill(master)
-    print(json.dumps({"summary": summary, "bad_node": bad, "alive_nodes": alive}))
-    sys.stdout.flush()
-    ray.shutdown()
-    cluster.shutdown()
+    seen: dict = {"bad": None}
+
+    def mark_bad(st: dict) -> None:
+        if seen["bad"] is None and st["step"] >= 5:
+            seen["bad"] = st["instances"]["trainer-0"]["node_id"]
+            Path(job_dir, "bad_nodes").write_text(seen["bad"] + "\n")
+
+    with multinode_cluster(workers=2, cpus=2):
+        job = (DLJobBuilder().name("ft-badnode").config({"steps": 40, "sleep_s": 0.1})
+               .workload("trainer", "tests.workloads", "NodeSensitive").total(2).per_node(2)
+               .resource(cpu=1).build())
+        summary = run_job(job.spec, job_dir, mark_bad, timeout=300, interval=0.2)
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        print(json.dumps({"summary": summary, "bad_node": seen["bad"], "alive_nodes": alive}))
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Scenario: an elastic role (``nodes: "1:2"``, one rank per node) on a 3-node
-``ray.cluster_utils.Cluster`` (a head without CPUs, two 3-CPU workers). At step
+``ray.cluster_utils.Cluster`` (a 1-CPU head, two 2-CPU workers). At step
 ``--remove-at`` the node of trainer rank 1 is removed for real; no replacement comes
 within ``elastic.replacement_timeout_s``, so the trainer shrinks to 1 rank. At step
 ``--add-at`` a new node joins; the trainer grows back to 2 ranks at its next
@@ -14,15 +14,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
-import time
-
-import ray
-from ray.cluster_utils import Cluster
 
 from dlrover_core import load_spec
-from dlrover_core.master.client import create_master, init_ray
 from dlrover_core.master.events import read_events
+from dlrover_core.testing import master_node_id, multinode_cluster, run_job
 
 G, B, STEPS, EVERY = 8, 4, 50, 5
 REMOVE_AT, ADD_AT = 20, 32
@@ -47,52 +42,24 @@ def job_spec(saver: str):
                    "batches_per_shard": 1, "sleep_s": 0.25}})
 
 
-def master_node_id(job_dir: str) -> str | None:
-    for e in read_events(os.path.join(job_dir, "events.jsonl")):
-        if e["event"] == "job_started":
-            return e.get("master_node_id")
-    return None
-
-
 def main(job_dir: str, saver: str = "disk") -> None:
-    temp_dir = tempfile.mkdtemp(prefix="dle", dir="/tmp")
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "temp_dir": temp_dir,
-                                      "include_dashboard": False})
-    workers = {}
-    for _ in range(2):
-        node = cluster.add_node(num_cpus=2)
-        workers[node.node_id] = node
-    cluster.wait_for_nodes()
-    init_ray(cluster.address)
-    master = create_master(job_spec(saver), job_dir)
-    ray.get(master.start.remote())
-    removed = added = None
-    summary = None
-    deadline = time.time() + 400
-    while time.time() < deadline:
-        try:
-            st = ray.get(master.status.remote(), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            time.sleep(0.3)
-            continue
-        inst = st["instances"]
-        step = inst.get("trainer-0", {}).get("step", -1)
-        if removed is None and step >= REMOVE_AT:
-            # a trainer node without the JobMaster (Ray puts the master on any node of
-            # this one-machine cluster; losing it is a master restart, not this test)
-            master_node = master_node_id(job_dir)
-            node_id = next(inst[k]["node_id"] for k in ("trainer-1", "trainer-0")
-                           if inst[k]["node_id"] != master_node)
-            removed = node_id
-            cluster.remove_node(workers[node_id])
-        if removed is not None and added is None and step >= ADD_AT:
-            added = cluster.add_node(num_cpus=2).node_id
-        if st["summary"]:
-            summary = st["summary"]
-            break
-        time.sleep(0.2)
-    ray.kill(master)
+    seen: dict = {"removed": None, "added": None}
+    with multinode_cluster(workers=2, cpus=2, head_cpus=1) as (cluster, workers):
+
+        def resize(st: dict) -> None:
+            inst = st["instances"]
+            step = inst.get("trainer-0", {}).get("step", -1)
+            if seen["removed"] is None and step >= REMOVE_AT:
+                # a trainer node without the JobMaster (Ray puts the master on any node of
+                # this one-machine cluster; losing it is a master restart, not this test)
+                master_node = master_node_id(job_dir)
+                seen["removed"] = next(inst[k]["node_id"] for k in ("trainer-1", "trainer-0")
+                                       if inst[k]["node_id"] != master_node)
+                cluster.remove_node(workers[seen["removed"]])
+            if seen["removed"] is not None and seen["added"] is None and step >= ADD_AT:
+                seen["added"] = cluster.add_node(num_cpus=2).node_id
+
+        summary = run_job(job_spec(saver), job_dir, resize, timeout=400, interval=0.2)
     losses: dict[int, float] = {}
     for r in read_events(os.path.join(job_dir, "metrics.jsonl")):
         if r["event"] == "step" and r["role"] == "trainer" and "loss" in r:
@@ -102,11 +69,9 @@ def main(job_dir: str, saver: str = "disk") -> None:
     if os.path.exists(path):
         with open(path) as f:
             loads = [json.loads(line) for line in f if line.strip()]
-    print(json.dumps({"summary": summary, "removed_node": removed, "added_node": added,
-                      "losses": losses, "loads": loads}))
+    print(json.dumps({"summary": summary, "removed_node": seen["removed"],
+                      "added_node": seen["added"], "losses": losses, "loads": loads}))
     sys.stdout.flush()
-    ray.shutdown()
-    cluster.shutdown()
 
 
 if __name__ == "__main__":

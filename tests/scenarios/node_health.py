@@ -22,44 +22,14 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
-from typing import Any, Callable
-
-import ray
-from ray.cluster_utils import Cluster
+from typing import Any
 
 from dlrover_core import DLJobBuilder
-from dlrover_core.master.client import create_master, init_ray
+from dlrover_core.testing import multinode_cluster, run_job
 from tests.node_health_workloads import DutyCycle, parent_pid, probe_pids
 
 W = "tests.node_health_workloads"
-
-
-def run_job(spec: Any, job_dir: str, on_status: Callable[[dict], None],
-            timeout_s: float = 150) -> dict | None:
-    """Run the job, calling ``on_status(status)`` every 0.1 s; its summary (``None``:
-    it did not end within ``timeout_s`` and was stopped)."""
-    master = create_master(spec, job_dir)
-    ray.get(master.start.remote())
-    deadline = time.time() + timeout_s
-    summary = None
-    while time.time() < deadline:
-        try:
-            st = ray.get(master.status.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            time.sleep(0.2)
-            continue
-        on_status(st)
-        if st["summary"]:
-            summary = st["summary"]
-            break
-        time.sleep(0.1)
-    if summary is None:
-        ray.get(master.stop.remote())
-        summary = ray.get(master.wait.remote(60))
-    ray.kill(master)
-    return summary
 
 
 def base(name: str, steps: int, **config: Any) -> DLJobBuilder:
@@ -112,7 +82,7 @@ def _check_once(root: str, raylets: dict[int, str], name: str) -> dict:
 
     job_dir = os.path.join(root, name)
     try:
-        summary = run_job(job.spec, job_dir, watch)
+        summary = run_job(job.spec, job_dir, watch, timeout=150)
     finally:
         cycle.stop()
     return {"job_dir": job_dir, "summary": summary,
@@ -141,7 +111,7 @@ def part_straggler(root: str) -> dict:
 
     job_dir = os.path.join(root, "straggler")
     try:
-        summary = run_job(job.spec, job_dir, watch)
+        summary = run_job(job.spec, job_dir, watch, timeout=150)
     finally:
         if cycle.is_alive():
             cycle.stop()
@@ -164,7 +134,7 @@ def part_hang(root: str) -> dict:
 
     job_dir = os.path.join(root, "hang")
     try:
-        summary = run_job(job.spec, job_dir, watch)
+        summary = run_job(job.spec, job_dir, watch, timeout=150)
     finally:
         if "pid" in seen:  # killed by the recovery; continue it if it is still there
             try:
@@ -177,31 +147,22 @@ def part_hang(root: str) -> dict:
 
 def main(root: str, parts: list[str]) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
-    temp_dir = tempfile.mkdtemp(prefix="dlnh", dir="/tmp")
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 0, "temp_dir": temp_dir,
-                                      "include_dashboard": False})
-    for _ in range(3):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    raylets = {}
-    for node in cluster.list_all_nodes():
-        for proc in node.all_processes.get("raylet", []):
-            raylets[proc.process.pid] = node.node_id
-    init_ray(cluster.address)
-    out = {}
-    runners = {"check": lambda: part_check(root, raylets),
-               "straggler": lambda: part_straggler(root), "hang": lambda: part_hang(root)}
-    try:
-        for part in parts or list(runners):
-            t0 = time.time()
-            out[part] = runners[part]()
-            out[part]["wall_s"] = round(time.time() - t0, 1)
-    finally:
-        print(json.dumps(out, default=str))
-        sys.stdout.flush()
-        ray.shutdown()
-        cluster.shutdown()
+    with multinode_cluster(workers=3, cpus=1) as (cluster, _):
+        raylets = {}
+        for node in cluster.list_all_nodes():
+            for proc in node.all_processes.get("raylet", []):
+                raylets[proc.process.pid] = node.node_id
+        out = {}
+        runners = {"check": lambda: part_check(root, raylets),
+                   "straggler": lambda: part_straggler(root), "hang": lambda: part_hang(root)}
+        try:
+            for part in parts or list(runners):
+                t0 = time.time()
+                out[part] = runners[part]()
+                out[part]["wall_s"] = round(time.time() - t0, 1)
+        finally:
+            print(json.dumps(out, default=str))
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":
