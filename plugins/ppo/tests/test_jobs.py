@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
 
 import pytest
 import ray
 
+from dlrover_core.runtime.trace import read_traces
 from dlrover_plugin_ppo.builder import RLJobBuilder
 
 TOY = "dlrover_plugin_ppo.toy"
@@ -24,15 +24,6 @@ def step_metrics(job_dir):
     with open(os.path.join(job_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return [r for r in rows if r.get("role") == "driver"]
-
-
-def traces(trace_dir):
-    seen = defaultdict(set)
-    with open(os.path.join(trace_dir, "trace.log")) as f:
-        for line in f:
-            tag, pid = line.split()
-            seen[tag].add(int(pid))
-    return seen
 
 
 def test_grpo_collocated_roles_share_bundles_and_data_skips_the_driver(ray_cluster, job_dir,
@@ -69,7 +60,7 @@ def test_grpo_collocated_roles_share_bundles_and_data_skips_the_driver(ray_clust
     assert cpu == [pytest.approx(0.1, abs=1e-3)]
     assert len({actor["pid"], ref["pid"], r0["pid"], r1["pid"]}) == 4  # separate processes
 
-    seen = traces(trace_dir)
+    seen = read_traces(os.path.join(trace_dir, "trace.log"))
     driver = p["driver"]["pid"]
     rollout_pids = {r0["pid"], r1["pid"]}
     for rank in (0, 1):
@@ -102,7 +93,7 @@ def test_ppo_separated_roles_get_their_own_placement_groups(ray_cluster, job_dir
     assert whole == [pytest.approx(0.25)]  # not shared: the full bundle
     # rollout batches reach actor, critic and reward directly; the critic also gets the
     # actor's advantage batch (which carries the same tracer); never the driver
-    seen = traces(str(tmp_path))
+    seen = read_traces(str(tmp_path / "trace.log"))
     consumers = {p[r][0]["pid"] for r in ("actor", "critic", "reward")}
     assert seen["batch-0"] == seen["batch-1"] == consumers
     assert p["driver"]["pid"] not in set().union(*seen.values())
