@@ -10,7 +10,6 @@ test suites use is left unchanged.
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 from dlrover_core.cli.main import main
 from dlrover_core.cli.scaffold import ScaffoldError, core_requirement, new_plugin
 from dlrover_core.cli.scaffold.kinds import KINDS
+from dlrover_core.testing import dlrover_json
 
 KIND_NAMES = ("backend", "template", "saver", "placement", "classifier", "tuner")
 
@@ -92,10 +92,7 @@ def test_each_kind_installs_is_listed_and_passes_its_tests(tmp_path):
                    check=True, timeout=600)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    out = subprocess.run([sys.executable, "-m", "dlrover_core.cli.main", "plugins", "list",
-                          "--json"], env=env, capture_output=True, text=True, check=True,
-                         timeout=300).stdout
-    rows = {r["name"]: r for r in json.loads(out)}
+    rows = {r["name"]: r for r in dlrover_json("plugins", "list", env=env)}
     for kind, name in names.items():
         assert rows[name]["status"] == "active", rows[name]["error"]
         assert rows[name]["distribution"] == f"dlrover-plugin-{name}"

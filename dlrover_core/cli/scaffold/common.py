@@ -82,15 +82,11 @@ TEST_LISTED = '''\
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from dlrover_core.testing import heavy_modules_after, plugin_row
 
 
 def test_listed_as_active():
-    out = subprocess.run([sys.executable, "-m", "dlrover_core.cli.main", "plugins", "list",
-                          "--json"], capture_output=True, text=True, check=True).stdout
-    row = {r["name"]: r for r in json.loads(out)}["__NAME__"]
+    row = plugin_row("__NAME__")
     assert row["status"] == "active", row["error"]
     assert row["distribution"] == "__DIST__"
     assert row["provides"] == __PROVIDES_LIST__
@@ -98,8 +94,5 @@ def test_listed_as_active():
 
 
 def test_plugin_module_imports_nothing_heavy():
-    code = "import sys, __PKG__.plugin; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert out == "False"
+    assert heavy_modules_after("import __PKG__.plugin", ["torch"]) == []
 '''

@@ -4,61 +4,50 @@ the state-dict engine restores a snapshot bit for bit (real DeepSpeed, real acto
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
+
+from dlrover_core.testing import assert_states_equal, call_all, kill_actors, spawn_role
 
 pytest.importorskip("deepspeed")
 
 WORKLOAD = "dlrover_plugin_deepspeed.testing_workloads:ZeroTrainer"
 
 
-def call(handles, method, *args):
-    return ray.get([h.call.remote(method, *args) for h in handles])
-
-
 def test_zero2_trains_and_engine_state_round_trips(ray_cluster):
-    from dlrover_core.testing import spawn_role
-
     hs = spawn_role("trainer", WORKLOAD, 2, {"stage": 2}, backend="deepspeed", job="dstest")
     try:
-        losses = call(hs, "train", 30)
+        losses = call_all(hs, "train", 30)
         for rank_losses in losses:
             assert sum(rank_losses[-5:]) < sum(rank_losses[:5]) * 0.7
-        call(hs, "snapshot")
-        before = call(hs, "flat_state")
+        call_all(hs, "snapshot")
+        before = call_all(hs, "flat_state")
         assert any(".optimizer.single_partition_of_fp32_groups" in k for k in before[0])
         # ZeRO-2 partitions the optimizer state: the ranks hold different halves
         key = ".optimizer.base_optimizer_state.state.0.exp_avg"
         assert not torch.equal(before[0][key], before[1][key])
-        later = call(hs, "train", 3)
-        call(hs, "restore")
-        after = call(hs, "flat_state")
-        for a, b in zip(before, after):
-            assert a.keys() == b.keys()
-            for k in a:
-                assert torch.equal(a[k], b[k]), k
-        assert call(hs, "train", 3) == later  # the same 3 steps again, bit for bit
+        later = call_all(hs, "train", 3)
+        call_all(hs, "restore")
+        after = call_all(hs, "flat_state")
+        assert_states_equal(after, before)
+        assert call_all(hs, "train", 3) == later  # the same 3 steps again, bit for bit
     finally:
-        for h in hs:
-            ray.kill(h, no_restart=True)
+        kill_actors(hs)
 
 
 def test_zero3_checkpoint_is_refused_with_the_stage(ray_cluster):
     """The README's promise: ZeRO-3 trains, but its checkpoint is refused, clearly."""
     from dlrover_core.runtime.errors import WorkloadError
-    from dlrover_core.testing import spawn_role
 
     hs = spawn_role("trainer", WORKLOAD, 1, {"stage": 3}, backend="deepspeed", job="dstest3")
     try:
-        assert len(call(hs, "train", 2)[0]) == 2
+        assert len(call_all(hs, "train", 2)[0]) == 2
         with pytest.raises(WorkloadError) as e:
-            call(hs, "snapshot")
+            call_all(hs, "snapshot")
         assert e.value.exc_type == "NotImplementedError"
         assert "ZeRO stage 3 is not supported" in e.value.message
         assert "use zero_optimization.stage 0, 1 or 2" in e.value.message
     finally:
-        for h in hs:
-            ray.kill(h, no_restart=True)
+        kill_actors(hs)
 
 
 def test_engine_rejects_what_is_not_a_deepspeed_engine():

@@ -10,28 +10,11 @@ import torch
 import torch.distributed as dist
 
 from dlrover_core import BaseWorkload
+from dlrover_core.testing import flatten_state
 from examples.megatron_gpt.model import CharGPTShape, LayerStack, TensorParallelCharGPT
 
 SHAPE = CharGPTShape(vocab_size=32, block_size=16, num_layers=2, num_attention_heads=4,
                      hidden_size=32)
-
-
-def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
-    """Every leaf of a state dict as ``path -> value`` (tensors: their local shard)."""
-    out: dict[str, Any] = {}
-    if hasattr(state, "to_local"):
-        out[prefix] = state.to_local().detach().clone()
-    elif isinstance(state, torch.Tensor):
-        out[prefix] = state.detach().clone()
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            out.update(flatten(v, f"{prefix}.{k}"))
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            out.update(flatten(v, f"{prefix}.{i}"))
-    else:
-        out[prefix] = state
-    return out
 
 
 def _name(n: str) -> str:
@@ -184,7 +167,7 @@ class TPTrainer(BaseWorkload):
                                                   "disk")}
 
     def flat_state(self) -> dict:
-        return flatten(self.checkpointer.engine.state_dict(self.objects()))
+        return flatten_state(self.checkpointer.engine.state_dict(self.objects()))
 
     def full_optimizer_state(self) -> dict[str, torch.Tensor]:
         """AdamW moments of every parameter at global shape, keyed by parameter name."""

@@ -5,9 +5,6 @@ load; Megatron failures are classified."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -16,20 +13,18 @@ import torch
 
 from dlrover_core import Failure, load_spec
 from dlrover_core.spec.errors import SpecError
-from dlrover_core.testing import spawn_role
+from dlrover_core.testing import (
+    assert_states_equal,
+    call_all,
+    heavy_modules_after,
+    kill_actors,
+    plugin_row,
+    spawn_role,
+)
 
 pytest.importorskip("megatron.core")
 
 W = "plugins.megatron.tests.megatron_workloads:TPTrainer"
-
-
-def call(handles, method, *args):
-    return ray.get([h.call.remote(method, *args) for h in handles])
-
-
-def kill(handles):
-    for h in handles:
-        ray.kill(h, no_restart=True)
 
 
 def start(world_size: int, tp: int, **config) -> list:
@@ -39,20 +34,15 @@ def start(world_size: int, tp: int, **config) -> list:
 
 # --------------------------------------------------------------------------- registration
 def test_active_in_plugins_list():
-    out = subprocess.run([sys.executable, "-m", "dlrover_core.cli.main", "plugins", "list",
-                          "--json"], capture_output=True, text=True, check=True).stdout
-    row = {r["name"]: r for r in json.loads(out)}["megatron"]
+    row = plugin_row("megatron")
     assert row["status"] == "active", row["error"]
     assert row["distribution"] == "dlrover-plugin-megatron"
     assert row["provides"] == ["backend:megatron", "engine:megatron"]
 
 
 def test_plugin_module_imports_no_torch_or_megatron():
-    code = ("import sys, dlrover_plugin_megatron.plugin as p; p.dlrover_backends();"
-            "print('torch' in sys.modules, 'megatron' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert out == "False False"
+    code = "import dlrover_plugin_megatron.plugin as p; p.dlrover_backends()"
+    assert heavy_modules_after(code, ["torch", "megatron"]) == []
 
 
 # --------------------------------------------------------------------------- spec load
@@ -145,13 +135,13 @@ def test_tp2_forward_and_gradients_equal_tp1(ray_cluster):
     tp1 = start(1, 1)
     tp2 = start(2, 2)
     try:
-        weights = call(tp1, "full_params")[0]
-        call(tp2, "set_full_params", weights)
+        weights = call_all(tp1, "full_params")[0]
+        call_all(tp2, "set_full_params", weights)
         g = torch.Generator().manual_seed(7)
         x = torch.randint(0, 20, (3, 16), generator=g)
         y = torch.randint(0, 20, (3, 16), generator=g)
-        ref = call(tp1, "forward_backward", x, y)[0]
-        outs = call(tp2, "forward_backward", x, y)
+        ref = call_all(tp1, "forward_backward", x, y)[0]
+        outs = call_all(tp2, "forward_backward", x, y)
         assert ref["logits"].shape == (16, 3, 32)
         for out in outs:  # both TP ranks hold the whole result after the gathers
             assert out["loss"] == pytest.approx(ref["loss"], abs=1e-5)
@@ -162,15 +152,15 @@ def test_tp2_forward_and_gradients_equal_tp1(ray_cluster):
                 torch.testing.assert_close(out["grads"][name], grad, rtol=0, atol=1e-5,
                                            msg=name)
         # TP=2 splits the weights: each rank holds half of every column/row-parallel one
-        locals_ = call(tp2, "flat_state")
+        locals_ = call_all(tp2, "flat_state")
         assert locals_[0][".model.layers.0.attn.qkv.weight"].shape == (48, 32)
         assert not torch.equal(locals_[0][".model.layers.0.attn.qkv.weight"],
                                locals_[1][".model.layers.0.attn.qkv.weight"])
         # a TP layer hidden in a plain torch container would be saved as if whole: refused
-        err = call(tp2, "hidden_split_error")[0]
+        err = call_all(tp2, "hidden_split_error")[0]
         assert "blocks.0.weight is a tensor-parallel parameter" in err and "MegatronModule" in err
     finally:
-        kill(tp1 + tp2)
+        kill_actors(tp1 + tp2)
 
 
 def test_pipeline_stages_equal_one_stage(ray_cluster):
@@ -180,14 +170,14 @@ def test_pipeline_stages_equal_one_stage(ray_cluster):
     pp2 = start(2, 1, pipeline_parallel=2)
     tp2pp2 = start(4, 2, pipeline_parallel=2)
     try:
-        weights = call(tp1, "full_params")[0]
+        weights = call_all(tp1, "full_params")[0]
         g = torch.Generator().manual_seed(11)
         x = torch.randint(0, 20, (3, 16), generator=g)
         y = torch.randint(0, 20, (3, 16), generator=g)
-        ref = call(tp1, "forward_backward", x, y)[0]
+        ref = call_all(tp1, "forward_backward", x, y)[0]
         for hs in (pp2, tp2pp2):
-            call(hs, "set_full_params", weights)
-            outs = call(hs, "pipelined_forward_backward", x, y, 3)
+            call_all(hs, "set_full_params", weights)
+            outs = call_all(hs, "pipelined_forward_backward", x, y, 3)
             grads: dict = {}
             for out in outs:  # every stage reports the last stage's loss
                 assert out["loss"] == pytest.approx(ref["loss"], abs=1e-5)
@@ -198,54 +188,44 @@ def test_pipeline_stages_equal_one_stage(ray_cluster):
             for name, grad in ref["grads"].items():
                 torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
     finally:
-        kill(tp1 + pp2 + tp2pp2)
+        kill_actors(tp1 + pp2 + tp2pp2)
 
 
 # --------------------------------------------------------------------------- checkpoints
-def assert_same(a: list[dict], b: list[dict]) -> None:
-    for rank, (x, y) in enumerate(zip(a, b)):
-        assert x.keys() == y.keys(), rank
-        for k in x:
-            if isinstance(x[k], torch.Tensor):
-                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (rank, k)
-            else:
-                assert x[k] == y[k], (rank, k)
-
-
 def test_disk_round_trip_bit_exact_and_tp2_loads_at_tp1(ray_cluster, tmp_path):
     ckpt = {"saver": "disk", "dir": str(tmp_path / "ckpt"), "keep": 2}
     hs = start(2, 2, ckpt=ckpt)
-    losses = call(hs, "train", 3)[0]
-    call(hs, "save", 3)
-    saved = call(hs, "flat_state")
-    full = call(hs, "full_params")[0]
-    moments = call(hs, "full_optimizer_state")[0]
+    losses = call_all(hs, "train", 3)[0]
+    call_all(hs, "save", 3)
+    saved = call_all(hs, "flat_state")
+    full = call_all(hs, "full_params")[0]
+    moments = call_all(hs, "full_optimizer_state")[0]
     x = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(3))
-    logits = call(hs, "logits", x)[0]
-    continued = call(hs, "train", 2)
-    kill(hs)
+    logits = call_all(hs, "logits", x)[0]
+    continued = call_all(hs, "train", 2)
+    kill_actors(hs)
 
     hs = start(2, 2, ckpt=ckpt)  # same layout: bit for bit, and the same next steps
-    assert [r["step"] for r in call(hs, "load")] == [3, 3]
-    assert_same(call(hs, "flat_state"), saved)
-    assert call(hs, "train", 2) == continued
-    kill(hs)
+    assert [r["step"] for r in call_all(hs, "load")] == [3, 3]
+    assert_states_equal(call_all(hs, "flat_state"), saved)
+    assert call_all(hs, "train", 2) == continued
+    kill_actors(hs)
 
     one = start(1, 1, ckpt=ckpt)  # TP=2 -> TP=1: the global tensors are the same
     try:
-        assert call(one, "load")[0]["step"] == 3
-        loaded = call(one, "full_params")[0]
+        assert call_all(one, "load")[0]["step"] == 3
+        loaded = call_all(one, "full_params")[0]
         assert loaded.keys() == full.keys()
         for k in full:
             assert torch.equal(loaded[k], full[k]), k
-        loaded_moments = call(one, "full_optimizer_state")[0]
+        loaded_moments = call_all(one, "full_optimizer_state")[0]
         assert loaded_moments.keys() == moments.keys() and moments
         for k in moments:
             assert torch.equal(loaded_moments[k], moments[k]), k
-        torch.testing.assert_close(call(one, "logits", x)[0], logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(call_all(one, "logits", x)[0], logits, rtol=0, atol=1e-5)
         assert losses[-1] < losses[0]
     finally:
-        kill(one)
+        kill_actors(one)
 
 
 @pytest.mark.parametrize("workload,saver,source", [
@@ -269,15 +249,15 @@ def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path, workload, saver, sou
         two = spawn_role("trainer", w, 2, {"pipeline_parallel": 2, "num_layers": 4,
                                            "ckpt": ckpt}, backend="megatron", job=job)
         try:
-            call(two, "step")
-            call(two, "save", 1)
-            parts = call(two, "full_params")
-            moments = call(two, "full_optimizer_state")
+            call_all(two, "step")
+            call_all(two, "save", 1)
+            parts = call_all(two, "full_params")
+            moments = call_all(two, "full_optimizer_state")
             saved_names = [[k for k in flat if k.startswith(".model.")]
-                           for flat in call(two, "flat_state")]
-            pipelined = call(two, "pipelined_forward_backward", x, y, 2)
+                           for flat in call_all(two, "flat_state")]
+            pipelined = call_all(two, "pipelined_forward_backward", x, y, 2)
         finally:
-            kill(two)
+            kill_actors(two)
         first, last = parts
         assert {"embedding.weight", "position.weight"} <= first.keys()
         assert not {"embedding.weight", "position.weight"} & last.keys()
@@ -294,13 +274,13 @@ def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path, workload, saver, sou
         one = spawn_role("trainer", w, 1, {"pipeline_parallel": 1, "num_layers": 4,
                                            "ckpt": ckpt}, backend="megatron", job=job)
         try:
-            before = call(one, "full_params")[0]
-            assert call(one, "load") == [{"step": 1, "source": source}]
-            loaded = call(one, "full_params")[0]
-            loaded_moments = call(one, "full_optimizer_state")[0]
-            loss = call(one, "forward_backward", x, y)[0]["loss"]
+            before = call_all(one, "full_params")[0]
+            assert call_all(one, "load") == [{"step": 1, "source": source}]
+            loaded = call_all(one, "full_params")[0]
+            loaded_moments = call_all(one, "full_optimizer_state")[0]
+            loss = call_all(one, "forward_backward", x, y)[0]["loss"]
         finally:
-            kill(one)
+            kill_actors(one)
     finally:
         if saver == "flash":
             from dlrover_plugin_flashckpt.persister import finish_job
@@ -355,25 +335,25 @@ def test_flash_round_trip_bit_exact(ray_cluster, tmp_path):
 
     try:
         hs = flash_role()
-        call(hs, "train", 3)
-        call(hs, "save", 3)
-        saved = call(hs, "flat_state")
-        call(hs, "wait")
-        continued = call(hs, "train", 2)
-        kill(hs)
+        call_all(hs, "train", 3)
+        call_all(hs, "save", 3)
+        saved = call_all(hs, "flat_state")
+        call_all(hs, "wait")
+        continued = call_all(hs, "train", 2)
+        kill_actors(hs)
 
         hs = flash_role()
-        assert call(hs, "load") == [{"step": 3, "source": "memory"}] * 2
-        assert_same(call(hs, "flat_state"), saved)
-        assert call(hs, "train", 2) == continued
-        kill(hs)
+        assert call_all(hs, "load") == [{"step": 3, "source": "memory"}] * 2
+        assert_states_equal(call_all(hs, "flat_state"), saved)
+        assert call_all(hs, "train", 2) == continued
+        kill_actors(hs)
 
         hygiene.remove_job("/dev/shm", job)  # as after a node loss: only the disk is left
         hs = flash_role()
-        assert call(hs, "load") == [{"step": 3, "source": "disk"}] * 2
-        assert_same(call(hs, "flat_state"), saved)
-        assert call(hs, "train", 2) == continued
-        kill(hs)
+        assert call_all(hs, "load") == [{"step": 3, "source": "disk"}] * 2
+        assert_states_equal(call_all(hs, "flat_state"), saved)
+        assert call_all(hs, "train", 2) == continued
+        kill_actors(hs)
     finally:
         finish_job(job, timeout=30)
 
@@ -398,13 +378,13 @@ def test_flash_checkpoint_changes_layout(ray_cluster, tmp_path):
     x = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(3))
     try:
         hs = role(2, 2)
-        call(hs, "train", 3)
-        call(hs, "save", 3)
-        full = call(hs, "full_params")[0]
-        moments = call(hs, "full_optimizer_state")[0]
-        logits = call(hs, "logits", x)[0]
-        call(hs, "wait")
-        kill(hs)
+        call_all(hs, "train", 3)
+        call_all(hs, "save", 3)
+        full = call_all(hs, "full_params")[0]
+        moments = call_all(hs, "full_optimizer_state")[0]
+        logits = call_all(hs, "logits", x)[0]
+        call_all(hs, "wait")
+        kill_actors(hs)
 
         # (world size, TP, step asked, step and source expected, then save this step)
         phases = [(2, 1, None, 3, "memory-resharded", None),
@@ -416,22 +396,22 @@ def test_flash_checkpoint_changes_layout(ray_cluster, tmp_path):
                 hygiene.remove_job("/dev/shm", job)  # only the disk copies are left
             hs = role(world_size, tp)
             try:
-                assert call(hs, "load", ask) == [{"step": step, "source": source}] * world_size
+                assert call_all(hs, "load", ask) == [{"step": step, "source": source}] * world_size
                 where = (world_size, tp, source)
-                for rank_params in call(hs, "full_params"):  # DP ranks: equal replicas
+                for rank_params in call_all(hs, "full_params"):  # DP ranks: equal replicas
                     assert rank_params.keys() == full.keys()
                     for k in full:
                         assert torch.equal(rank_params[k], full[k]), (where, k)
-                loaded_moments = call(hs, "full_optimizer_state")[0]
+                loaded_moments = call_all(hs, "full_optimizer_state")[0]
                 assert loaded_moments.keys() == moments.keys() and moments
                 for k in moments:
                     assert torch.equal(loaded_moments[k], moments[k]), (where, k)
-                torch.testing.assert_close(call(hs, "logits", x)[0], logits, rtol=0, atol=1e-5)
+                torch.testing.assert_close(call_all(hs, "logits", x)[0], logits, rtol=0, atol=1e-5)
                 if save is not None:
-                    call(hs, "save", save)
-                    call(hs, "wait")
+                    call_all(hs, "save", save)
+                    call_all(hs, "wait")
             finally:
-                kill(hs)
+                kill_actors(hs)
     finally:
         finish_job(job, timeout=30)
 
@@ -462,23 +442,23 @@ def test_gpt_model_trains_and_round_trips_through_flash(ray_cluster, tmp_path):
 
     try:
         hs = role()
-        losses = call(hs, "train", 20)[0]
+        losses = call_all(hs, "train", 20)[0]
         assert sum(losses[-5:]) < sum(losses[:5])
-        call(hs, "save", 20)
+        call_all(hs, "save", 20)
         saved = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                 for s in call(hs, "flat_state")]
-        call(hs, "wait")
-        continued = call(hs, "train", 2)
-        kill(hs)
+                 for s in call_all(hs, "flat_state")]
+        call_all(hs, "wait")
+        continued = call_all(hs, "train", 2)
+        kill_actors(hs)
         for source in ("memory", "disk"):
             if source == "disk":
                 hygiene.remove_job("/dev/shm", job)
             hs = role()
-            assert call(hs, "load") == [{"step": 20, "source": source}]
+            assert call_all(hs, "load") == [{"step": 20, "source": source}]
             state = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                     for s in call(hs, "flat_state")]
-            assert_same(state, saved)
-            assert call(hs, "train", 2) == continued
-            kill(hs)
+                     for s in call_all(hs, "flat_state")]
+            assert_states_equal(state, saved)
+            assert call_all(hs, "train", 2) == continued
+            kill_actors(hs)
     finally:
         finish_job(job, timeout=30)

@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from dlrover_core import DLJobBuilder, SpecError, load_spec
+from dlrover_core.testing import dlrover_json, plugin_row
 
 W = "examples.nanogpt.workload:GPTWorkload"
 
 
 def test_active_in_plugins_list():
-    out = subprocess.run([sys.executable, "-m", "dlrover_core.cli.main", "plugins", "list",
-                          "--json"], capture_output=True, text=True, check=True).stdout
-    row = {r["name"]: r for r in json.loads(out)}["sft"]
+    row = plugin_row("sft")
     assert row["status"] == "active", row["error"]
     assert row["provides"] == ["template:sft"]
     assert row["distribution"] == "dlrover-plugin-sft"
 
 
 def test_templates_list_shows_roles():
-    out = subprocess.run([sys.executable, "-m", "dlrover_core.cli.main", "templates", "list",
-                          "--json"], capture_output=True, text=True, check=True).stdout
-    sft = {t["name"]: t for t in json.loads(out)}["sft"]
+    sft = {t["name"]: t for t in dlrover_json("templates", "list")}["sft"]
     assert [(r["name"], r["required"]) for r in sft["roles"]] == [("trainer", True),
                                                                    ("eval", False)]
     assert sft["driver"] is None
