@@ -70,19 +70,27 @@ def cmd_plugins_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _role_cell(role: dict) -> str:
+    """``name``, ``name*`` (required) or ``<pattern>...`` (any number of such roles)."""
+    if role["pattern"]:
+        return role["name"] + "..."
+    return role["name"] + ("*" if role["required"] else "")
+
+
 def cmd_templates_list(args: argparse.Namespace) -> int:
     templates = _pm().templates()
     rows = [{"name": t.name, "provider": t.provider, "description": t.description,
-             "roles": [{"name": r.name, "required": r.required, "description": r.description}
-                       for r in t.roles],
+             "roles": [{"name": r.name, "required": r.required, "description": r.description,
+                        "pattern": r.pattern} for r in t.roles],
              "edges": [list(e) for e in t.edges], "driver": t.driver}
             for t in templates.values()]
     if args.json:
         print_json(rows)
         return 0
-    print_table(("name", "plugin", "roles (* required)", "driver", "description"),
+    print_table(("name", "plugin", "roles (* required, ... any number)", "driver",
+                 "description"),
                 ((r["name"], r["provider"],
-                  ", ".join(x["name"] + ("*" if x["required"] else "") for x in r["roles"]),
+                  ", ".join(_role_cell(x) for x in r["roles"]),
                   r["driver"] or "-", r["description"]) for r in rows),
                 title="graph templates")
     return 0

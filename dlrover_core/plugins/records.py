@@ -92,14 +92,19 @@ class RoleTemplate:
     """One role a graph template knows about.
 
     Attributes:
-        name: role name in the job spec (``actor``, ``rollout``, ``trainer``).
-        required: the template refuses a job without this role.
+        name: role name in the job spec (``actor``, ``rollout``, ``trainer``), or, with
+            ``pattern``, how the job names roles of this kind (``<modality>_encoder``).
+        required: the template refuses a job without this role (not for a pattern).
         description: one line for ``dlrover templates list``.
+        pattern: ``name`` stands for any number of roles the job names itself (one
+            encoder per modality, say). A template with a pattern role lets a job have
+            roles it does not list by name; its ``apply`` checks them.
     """
 
     name: str
     required: bool = True
     description: str = ""
+    pattern: bool = False
 
 
 @dataclass(frozen=True)

@@ -320,12 +320,14 @@ def _apply_devices(spec: DictConfig) -> None:
 def _apply_template(spec: DictConfig, template: Any) -> None:
     names = ", ".join(r.name for r in template.roles)
     for rt in template.roles:
-        if rt.required and rt.name not in spec.roles:
-            raise SpecError(f"roles.{rt.name}", None, f"roles of template {template.name!r}: {names}",
+        if rt.required and not rt.pattern and rt.name not in spec.roles:
+            raise SpecError(f"roles.{rt.name}", None,
+                            f"roles of template {template.name!r}: {names}",
                             f"template {template.name!r} requires role {rt.name!r}")
     known = {r.name for r in template.roles}
+    open_names = any(r.pattern for r in template.roles)  # apply() checks those names
     for role in spec.roles:
-        if known and role not in known:
+        if known and not open_names and role not in known:
             raise SpecError(f"roles.{role}", role, f"roles of template {template.name!r}: {names}")
     if not spec.edges:
         spec.edges = [list(e) for e in template.edges if e[0] in spec.roles and e[1] in spec.roles]

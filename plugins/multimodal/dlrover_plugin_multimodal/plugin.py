@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dlrover_core import GraphTemplate, SpecError, hookimpl
+from dlrover_core import GraphTemplate, RoleTemplate, SpecError, hookimpl
 
 DRIVER = "dlrover_plugin_multimodal.driver:MultimodalDriver"
 TEMPLATE = "multimodal"
@@ -99,14 +99,18 @@ def apply_multimodal(spec: Any) -> None:
 
 @hookimpl
 def dlrover_graph_templates() -> list[GraphTemplate]:
-    # roles=(): the encoder roles are named by the job (any number); apply_multimodal
-    # requires 'trainer' and checks every other role against config.multimodal.encoders.
+    # the encoder roles are named by the job (any number): a pattern role;
+    # apply_multimodal checks every role but the trainer against config.multimodal.encoders
     return [GraphTemplate(
         name=TEMPLATE,
         description="encoders -> fusion trainer: roles 'trainer' (required) and one encoder "
                     "role per modality (config.multimodal.encoders), frozen or trainable; "
                     "embeddings move to the trainer as DRefs",
-        roles=(),
+        roles=(RoleTemplate("trainer", True, "the fusion model or projector, SPMD under a "
+                            "backend; gets every encoder's output"),
+               RoleTemplate("<modality>_encoder", False, "one role per modality, any name "
+                            "(vision_encoder, text_encoder), each an entry of "
+                            "config.multimodal.encoders", pattern=True)),
         edges=(),
         driver=DRIVER,
         apply=apply_multimodal,

@@ -41,7 +41,7 @@ def test_cli_lists_templates_with_roles():
     rows = {r["name"]: r for r in json.loads(out.getvalue())}
     assert [r["name"] for r in rows["grpo"]["roles"]] == ["actor", "rollout", "reference",
                                                           "reward"]
-    assert rows["ppo"]["roles"][0] == {"name": "actor", "required": True,
+    assert rows["ppo"]["roles"][0] == {"name": "actor", "required": True, "pattern": False,
                                        "description": rows["ppo"]["roles"][0]["description"]}
 
 
