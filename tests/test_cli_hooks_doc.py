@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 
-from dlrover_core.cli.hooks_doc import DOC_PATH, collect_hooks, docstring_to_markdown, render_markdown
+from dlrover_core.cli.hooks_doc import (
+    DOC_PATH,
+    collect_hooks,
+    docstring_to_markdown,
+    render_markdown,
+)
 from dlrover_core.cli.main import main
 from dlrover_core.plugins import hookspecs
 
@@ -35,8 +42,6 @@ def test_every_hookspec_is_documented():
 
 def test_stale_doc_is_detected():
     """A hookspec added to the source changes the generated text."""
-    import inspect
-
     source = inspect.getsource(hookspecs) + '''
 
 @hookspec
@@ -58,12 +63,39 @@ def test_google_sections_and_examples():
     assert "```python\n@hookimpl\ndef f():\n    return 1\n```" in md
 
 
-def test_dlrover_hooks_prints_it(capsys, tmp_path):
+def _hookspecs() -> dict:
+    """name -> hookspec function, found in the module by pluggy's marker (not by the
+    code under test)."""
+    return {n: getattr(hookspecs, n) for n in dir(hookspecs)
+            if n.startswith("dlrover_") and hasattr(getattr(hookspecs, n), "dlrover_spec")}
+
+
+def test_dlrover_hooks_prints_the_committed_doc(capsys, tmp_path):
+    with open(os.path.join(ROOT, DOC_PATH)) as f:
+        committed = f.read()
     assert main(["hooks"]) == 0
-    assert capsys.readouterr().out == render_markdown()
-    assert main(["hooks", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert {r["name"] for r in rows} == {h.name for h in collect_hooks()}
+    printed = capsys.readouterr().out
+    assert printed == committed, f"`dlrover hooks` differs from the committed {DOC_PATH}"
+    specs = _hookspecs()
+    assert len(specs) >= 10
+    for name, fn in specs.items():
+        first_line = inspect.getdoc(fn).splitlines()[0]
+        section = printed.split(f"### {name}\n", 1)[1].split("\n### ", 1)[0]
+        assert first_line in section, (name, first_line)
+        marker = "@hookspec(firstresult=True)" if fn.dlrover_spec["firstresult"] else "@hookspec\n"
+        assert marker in section, name
     out = tmp_path / "hooks.md"
     assert main(["hooks", "--write", str(out)]) == 0
-    assert out.read_text() == render_markdown()
+    assert out.read_text() == committed
+
+
+def test_dlrover_hooks_json_lists_every_hookspec(capsys):
+    assert main(["hooks", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    specs = _hookspecs()
+    assert set(rows) == set(specs)
+    for name, fn in specs.items():
+        assert rows[name]["doc"] == inspect.getdoc(fn), name
+        assert rows[name]["firstresult"] == fn.dlrover_spec["firstresult"], name
+        written = re.findall(r"(?:^|, )(\w+)(?=:)", rows[name]["args"])
+        assert written == list(inspect.signature(fn).parameters), name
