@@ -22,20 +22,24 @@ class Chatty(BaseWorkload):
               f"from step {self.extra['step']}", file=sys.stderr, flush=True)
 
     def run(self):
+        for step in range(self.extra["step"], int(self.config.max_steps)):
+            self.train_step(step)
+            time.sleep(float(self.config.get("step_s", 0.2)))
+
+    def train_step(self, step: int) -> None:
+        """One SGD step; prints its loss, reports it and saves when the spec says."""
         import torch
 
-        for step in range(self.extra["step"], int(self.config.max_steps)):
-            x = torch.full((2, 4), float(self.rank + 1))
-            loss = self.model(x).pow(2).mean()
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
-            print(f"rank {self.rank} step {step} loss {loss.item():.4f}", flush=True)
-            self.report(step, loss=loss.item())
-            self.extra["step"] = step + 1
-            self.checkpointer.maybe_save(step + 1, model=self.model, optimizer=self.opt,
-                                         extra=self.extra)
-            time.sleep(float(self.config.get("step_s", 0.2)))
+        x = torch.full((2, 4), float(self.rank + 1))
+        loss = self.model(x).pow(2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        print(f"rank {self.rank} step {step} loss {loss.item():.4f}", flush=True)
+        self.report(step, loss=loss.item())
+        self.extra["step"] = step + 1
+        self.checkpointer.maybe_save(step + 1, model=self.model, optimizer=self.opt,
+                                     extra=self.extra)
 
 
 class ChattyDriver(BaseTrainer):

@@ -8,12 +8,9 @@ from __future__ import annotations
 import os
 import re
 
-import ray
-
 from dlrover_core import load_spec
-from dlrover_core.master.client import create_master
 from dlrover_core.runtime.log_capture import attempt_path
-from dlrover_core.testing import poll_status
+from dlrover_core.testing import run_job
 
 SPEC = {"name": "attempt-log",
         "roles": {"trainer": {"workload": "tests.attempt_log_workloads:Logged", "total": 2,
@@ -21,15 +18,12 @@ SPEC = {"name": "attempt-log",
         "checkpoint": {"saver": "disk", "every_steps": 3, "keep": 2},
         "failover": {"max_restarts": 2, "pg_timeout_s": 30, "survivor_grace_s": 3},
         "node_health": {"skip_node_check": True},  # not about node health: no probe
-        "config": {"max_steps": 8, "fail_at": 5}}
+        "config": {"max_steps": 8, "fail_at": 5, "step_s": 0.0}}
 
 
 def test_attempt_logs_have_header_saves_restore_footer_and_user_records(ray_cluster, tmp_path):
     job_dir = str(tmp_path / "job")
-    master = create_master(load_spec(SPEC), job_dir)
-    ray.get(master.start.remote())
-    summary = poll_status(master, lambda s: s["summary"], 240)["summary"]
-    ray.kill(master, no_restart=True)
+    summary = run_job(load_spec(SPEC), job_dir)
     assert summary["status"] == "succeeded", summary["error"]
     a0 = open(attempt_path(job_dir, "trainer", 1, 0)).read()
     a1 = open(attempt_path(job_dir, "trainer", 1, 1)).read()
