@@ -11,8 +11,12 @@ empty for buffers written outside a job). A buffer is **stale** when
 - it is a temp file whose creating process is gone, or it has no valid header.
 
 Stale buffers are removed when a node's persister starts (the next job start on that
-node), and by ``dlrover flash clean``. A job's own buffers are removed at its end
-(``dlrover_job_finished``, which ``dlrover stop`` also triggers).
+node; in the saver's ``checkpoint.options.shm_dir``, and in any other directory a rank
+registers), and by ``dlrover flash clean``. A job's own buffers are removed at its end
+(``dlrover_job_finished``, which ``dlrover stop`` also triggers; in the spec's
+``shm_dir``), and by ``dlrover delete`` (``dlrover_job_deleted``: in the directories
+every saver of the job on this machine recorded, :func:`record_shm_dir`, since the job
+directory holding the spec is gone by then).
 
 A buffer that holds a step newer than the newest step committed in its checkpoint
 directory (:func:`unpersisted_step`) is never removed by the job's end nor as stale:
@@ -25,6 +29,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import stat
+import tempfile
 from typing import Callable
 
 from dlrover_plugin_flashckpt import shm, storage
@@ -47,6 +54,65 @@ def master_run_id(job: str) -> str | None:
         return None
     actor_id = getattr(handle, "_actor_id", None)
     return actor_id.hex() if actor_id is not None else ""
+
+
+def _records(job: str, create: bool = False) -> str | None:
+    """``<tmp>/dlrover-flash-<uid>/<job>``: this machine's record of the shared-memory
+    directories of ``job``'s buffers; ``None`` when the per-user folder is missing, or
+    is not a directory owned by this user and closed to others (logged)."""
+    base = os.path.join(tempfile.gettempdir(), f"dlrover-flash-{os.getuid()}")
+    if create:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+    try:
+        st = os.lstat(base)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        log.warning("%s is not a private directory of this user: the flash buffers' "
+                    "directories are not recorded there", base)
+        return None
+    return os.path.join(base, shm.safe_name(job, 100))
+
+
+def record_shm_dir(job: str, shm_dir: str) -> None:
+    """Record on this machine that ``job`` keeps buffers in ``shm_dir`` (one small file
+    per directory; failures are logged, never raised), for :func:`recorded_shm_dirs`."""
+    try:
+        d = _records(job, create=True)
+        if d is None:
+            return
+        path = os.path.join(d, shm.dir_key(shm_dir))
+        if not os.path.exists(path):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(os.path.abspath(shm_dir))
+            os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not record the shared-memory directory of job %r: %s", job, exc)
+
+
+def recorded_shm_dirs(job: str) -> list[str]:
+    """The shared-memory directories :func:`record_shm_dir` recorded for ``job`` on
+    this machine, sorted (``[]``: none)."""
+    d = _records(job)
+    out = set()
+    for name in os.listdir(d) if d and os.path.isdir(d) else []:
+        if name.endswith(".tmp"):
+            continue
+        try:
+            with open(os.path.join(d, name)) as f:
+                out.add(f.read().strip())
+        except OSError:
+            continue
+    return sorted(p for p in out if p)
+
+
+def forget_shm_dirs(job: str) -> None:
+    """Drop this machine's record of ``job``'s shared-memory directories."""
+    d = _records(job)
+    if d:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def current_session() -> str:

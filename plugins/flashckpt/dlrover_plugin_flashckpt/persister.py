@@ -52,7 +52,8 @@ class FlashPersister(ReplicaMixin, PersistMixin):
     """Ray actor (threaded): see the module docstring. Create through
     :func:`get_persister`."""
 
-    def __init__(self, job: str, session: str, node_id: str) -> None:
+    def __init__(self, job: str, session: str, node_id: str,
+                 shm_dir: str = DEFAULT_SHM_DIR) -> None:
         logging.basicConfig(level=logging.INFO)
         self.job = job
         self.session = session
@@ -68,7 +69,9 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         self.current: dict | None = None
         self.history: list[dict] = []
         self.errors: list[str] = []
-        self.removed_stale = hygiene.remove_stale("/dev/shm", session)
+        #: shared-memory directories already swept for stale buffers
+        self._swept: set[str] = set()
+        self.removed_stale = self._sweep(shm_dir)
         #: (role, rank) -> (step, seq) of the last save replicated to the peer
         self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
         #: finished replications: role, rank, step, peer, bytes, seconds
@@ -88,6 +91,8 @@ class FlashPersister(ReplicaMixin, PersistMixin):
     def saved(self, reg: dict, step: int | None = None) -> None:
         """A trainer saved (or just registered): remember its buffers, wake the loop."""
         r = Registration(**reg)
+        if r.shm_dir not in self._swept:  # a directory first seen here: swept once
+            self.removed_stale += self._sweep(r.shm_dir)
         with self._lock:
             for key, old in list(self._regs.items()):
                 # the role came back with another world size (or directory): the ranks
@@ -102,9 +107,21 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         self._wake.set()
         if r.replicas:
             self._repl_wake.set()
+    def _sweep(self, shm_dir: str) -> list[str]:
+        """Remove the stale buffers in ``shm_dir`` (:func:`hygiene.remove_stale`) unless
+        this persister did already; returns their names."""
+        with self._lock:
+            if shm_dir in self._swept:
+                return []
+            self._swept.add(shm_dir)
+        return hygiene.remove_stale(shm_dir, self.session)
+
     def _peer(self, node_id: str) -> Any:
-        """The persister actor of ``node_id`` (created there when missing)."""
-        return get_persister(self.job, node_id=node_id)
+        """The persister actor of ``node_id`` (created there when missing, sweeping
+        the shared-memory directory of this node's ranks)."""
+        with self._lock:
+            shm_dir = next((r.shm_dir for r in self._regs.values()), DEFAULT_SHM_DIR)
+        return get_persister(self.job, node_id=node_id, shm_dir=shm_dir)
 
     # ------------------------------------------------------------ allowed paths
     def _allowed_shm_dir(self, shm_dir: str) -> str:
@@ -277,10 +294,12 @@ def remote_class() -> Any:
 
 
 def get_persister(job: str, create: bool = True, timeout: float = 120.0,
-                  node_id: str | None = None) -> Any:
+                  node_id: str | None = None, shm_dir: str = DEFAULT_SHM_DIR) -> Any:
     """The ready persister actor of ``job`` on this node (or on ``node_id``), created
-    when missing and ``create``, or ``None``. Call from a process connected to Ray (a
-    worker of the job, or another persister).
+    when missing and ``create``, or ``None``. A new persister first removes the stale
+    buffers in ``shm_dir`` (the caller's ``checkpoint.options.shm_dir``; every other
+    directory a rank registers is swept at its first registration). Call from a
+    process connected to Ray (a worker of the job, or another persister).
 
     Raises:
         TimeoutError: no live persister could be had within ``timeout`` s.
@@ -302,7 +321,7 @@ def get_persister(job: str, create: bool = True, timeout: float = 120.0,
                 name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
                 num_cpus=0, max_concurrency=16, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-            ).remote(job, hygiene.current_session(), node_id)
+            ).remote(job, hygiene.current_session(), node_id, shm_dir)
         try:
             ray.get(handle.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
             return handle

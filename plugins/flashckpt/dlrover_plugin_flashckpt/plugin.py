@@ -15,6 +15,7 @@ the saver in the worker process; the master-side hooks use Ray only.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from dlrover_core import CheckpointSaver, hookimpl
@@ -73,12 +74,18 @@ def shm_dirs_of(spec: Any) -> list[str]:
 
 @hookimpl
 def dlrover_job_deleted(job: str, job_dir: str) -> list[str]:
-    """``dlrover delete``: every buffer of ``job`` in ``/dev/shm`` of this machine."""
+    """``dlrover delete``: every buffer of ``job`` on this machine, in the shared-memory
+    directories its savers recorded here (``checkpoint.options.shm_dir``; the job
+    directory, with the spec, is gone when this runs), or ``/dev/shm`` when none
+    were recorded; then the record."""
     from dlrover_plugin_flashckpt.handles import DEFAULT_SHM_DIR
-    from dlrover_plugin_flashckpt.hygiene import remove_job
+    from dlrover_plugin_flashckpt.hygiene import forget_shm_dirs, recorded_shm_dirs, remove_job
 
-    return [f"removed flash-checkpoint buffer {DEFAULT_SHM_DIR}/{name}"
-            for name in remove_job(DEFAULT_SHM_DIR, job)]
+    lines = [f"removed flash-checkpoint buffer {os.path.join(d, name)}"
+             for d in recorded_shm_dirs(job) or [DEFAULT_SHM_DIR]
+             for name in remove_job(d, job)]
+    forget_shm_dirs(job)
+    return lines
 
 
 @hookimpl

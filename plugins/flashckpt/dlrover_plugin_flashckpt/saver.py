@@ -79,6 +79,9 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
                             "an existing tmpfs directory such as /dev/shm", "no such directory")
         self.job = config.job or "job"
         self.dir = os.path.abspath(config.dir)
+        from dlrover_plugin_flashckpt.hygiene import record_shm_dir
+
+        record_shm_dir(self.job, self.opts.shm_dir)  # for `dlrover delete` on this machine
         self.rank, self.world_size = context.rank, context.world_size
         self.paths = [os.path.join(self.opts.shm_dir,
                                    shm.slot_name(self.job, self.dir, self.rank, s))
@@ -225,7 +228,7 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
         import ray
 
         self._ident()  # the run id, looked up once
-        handle = get_persister(self.job)
+        handle = get_persister(self.job, shm_dir=self.opts.shm_dir)
         # register now: the first call to an actor opens the connection to it, tens of
         # ms that the first save would otherwise pay
         ray.get(handle.saved.remote(self._registration()), timeout=60)
