@@ -51,12 +51,18 @@ def _has(f: Failure, markers: tuple[str, ...]) -> bool:
     return any(m in text for m in markers)
 
 
-def _times_on_node(failure: Failure, history: list[Failure],
-                   markers: tuple[str, ...]) -> int:
-    """How many times (this one included) a failure with one of ``markers`` struck
-    ``failure``'s node, counting the earlier ones in ``history``."""
-    return 1 + sum(1 for f in history if f.node_id and f.node_id == failure.node_id
-                   and _has(f, markers))
+def _node_verdict(failure: Failure, history: list[Failure], markers: tuple[str, ...],
+                  threshold: int, what: str, suspect: str) -> FailureVerdict | None:
+    """``node`` when a failure with one of ``markers`` struck ``failure``'s node
+    ``threshold`` times or more (this one and the earlier ones in ``history``), else
+    ``None``; the reason names ``what`` happened and what is ``suspect``."""
+    times = 1 + sum(1 for f in history if f.node_id and f.node_id == failure.node_id
+                    and _has(f, markers))
+    if times < threshold:
+        return None
+    return FailureVerdict("node", f"{what} on node {failure.node_id[:12]} {times} times "
+                                  f"(this one included): {suspect}; moving its ranks to "
+                                  "another node")
 
 
 def _where(f: Failure) -> str:
@@ -85,12 +91,11 @@ def classify(failure: Failure, history: list[Failure]) -> FailureVerdict | None:
             f"roles.{role}.config.tensor_parallel / pipeline_parallel / context_parallel (their "
             f"product must divide roles.{role}.total, and heads and layers must split evenly)")
     if _has(failure, ILLEGAL_ACCESS_MARKERS):
-        times = _times_on_node(failure, history, ILLEGAL_ACCESS_MARKERS)
-        if times >= ILLEGAL_ACCESS_NODE_THRESHOLD:
-            return FailureVerdict(
-                "node", f"CUDA illegal memory access on node {failure.node_id[:12]} again "
-                f"({times} times): a faulty GPU is likely; moving its ranks to "
-                "another node")
+        node = _node_verdict(failure, history, ILLEGAL_ACCESS_MARKERS,
+                             ILLEGAL_ACCESS_NODE_THRESHOLD, "CUDA illegal memory access",
+                             "a faulty GPU is likely")
+        if node is not None:
+            return node
         same_step = [f for f in history if f.step == failure.step and f.step >= 0
                      and _has(f, ILLEGAL_ACCESS_MARKERS)]
         if same_step:
@@ -103,12 +108,10 @@ def classify(failure: Failure, history: list[Failure]) -> FailureVerdict | None:
             f"{failure.step}: the CUDA context is lost, restarting the process from the "
             "last checkpoint")
     if _has(failure, NCCL_MARKERS):
-        times = _times_on_node(failure, history, NCCL_MARKERS)
-        if times >= NCCL_NODE_THRESHOLD:
-            return FailureVerdict(
-                "node", f"NCCL timeout or abort on node {failure.node_id[:12]} for the "
-                f"{times}th time: its network or GPUs are suspect; moving its "
-                "ranks to another node")
+        node = _node_verdict(failure, history, NCCL_MARKERS, NCCL_NODE_THRESHOLD,
+                             "NCCL timeout or abort", "its network or GPUs are suspect")
+        if node is not None:
+            return node
         return FailureVerdict(
             "process", f"NCCL collective timed out or was aborted on {_where(failure)} at "
             f"step {failure.step} (a peer died, hung, or the network dropped); re-forming "
