@@ -55,6 +55,8 @@ a = p.parse_args()
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+with open(f"{a.record}.pid-{rank}-{restart}", "w") as f:  # for the benchmark's SIGKILL
+    f.write(str(os.getpid()))
 torch.manual_seed(0)
 model = nn.parallel.DistributedDataParallel(
     nn.Sequential(nn.Linear(a.width, a.width), nn.ReLU(), nn.Linear(a.width, 1)))
@@ -91,20 +93,11 @@ def _records(path: Path) -> list[tuple[int, float, int]]:
     return out
 
 
-def _script_pid(script: Path, rank: int) -> int | None:
-    """The pid of ``rank``'s first-attempt process running ``script`` (from /proc; the
-    script's path is unique to the run)."""
-    want = {f"RANK={rank}", "TORCHELASTIC_RESTART_COUNT=0"}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = set(Path(f"/proc/{pid}/environ").read_bytes().decode(
-                "utf-8", "replace").split("\0"))
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if want <= env and str(script).encode() in cmd:
-            return int(pid)
-    return None
+def _script_pid(record: Path, rank: int) -> int | None:
+    """The pid of ``rank``'s first-attempt script process, which the script wrote next
+    to ``record`` when it started (``None``: not written)."""
+    path = Path(f"{record}.pid-{rank}-0")
+    return int(path.read_text()) if path.exists() else None
 
 
 def run_once(launcher: str, args: argparse.Namespace, work: Path) -> dict:
@@ -138,7 +131,7 @@ def run_once(launcher: str, args: argparse.Namespace, work: Path) -> dict:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{launcher} ended early ({proc.returncode}); see {d}")
                 time.sleep(0.01)
-            pid = _script_pid(script, 1)
+            pid = _script_pid(record, 1)
             if pid is None:
                 raise RuntimeError(f"{launcher}: rank 1's script process not found")
             t_kill = time.time()
