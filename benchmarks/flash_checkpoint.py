@@ -97,6 +97,55 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
+def gpu_state(size_mib: int) -> tuple[dict, float, dict[str, Any]]:
+    """A GPU-resident state of ``size_mib`` MiB, its size in GiB and the start of its
+    figures (``size_mib``, ``device``)."""
+    state = make_state(size_mib, "cuda")
+    return state, nbytes(state) / GIB, {"size_mib": size_mib,
+                                        "device": torch.cuda.get_device_name()}
+
+
+def pinned_d2h_s(state: dict, repeat: int) -> float:
+    """Seconds (median) to copy the GPU-resident ``state`` into preallocated pinned host
+    tensors: one ``copy_(non_blocking=True)`` per tensor (what
+    ``tensor.to("cpu", non_blocking=True)`` does into pinned memory), then
+    ``torch.cuda.synchronize()``."""
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+              for k, v in state["model"].items()}
+
+    def d2h() -> None:
+        for k, v in state["model"].items():
+            pinned[k].copy_(v, non_blocking=True)
+        torch.cuda.synchronize()
+
+    d2h()
+    return median_s(d2h, repeat)
+
+
+def copy_all(views: list, sources: list, non_blocking: bool) -> None:
+    """``copy_`` each source tensor into its view (the save's copy), then wait for the
+    GPU (``torch.cuda.synchronize()``)."""
+    for dst, src in zip(views, sources):
+        dst.copy_(src, non_blocking=non_blocking)
+    torch.cuda.synchronize()
+
+
+def shm_slot(state: dict, tag: str, size_mib: int) -> tuple:
+    """A shared-memory segment laid out for ``state`` as the saver lays out a slot
+    (``/dev/shm/<prefix><tag>-<pid>-<size_mib>``): ``(seg, table, sources, skeleton,
+    views)``, one tensor view into the segment per table entry. The caller drops every
+    view, then closes ``seg`` and unlinks ``seg.path``."""
+    from dlrover_plugin_flashckpt import layout, shm
+
+    table, sources, skeleton = layout.build_table(state)
+    path = f"/dev/shm/{shm.NAME_PREFIX}{tag}-{os.getpid()}-{size_mib}"
+    seg = shm.Segment.create(path, 4096, layout.data_size(table), {"job": "gpubench"},
+                             layout.signature(table), 0, 1)
+    h = seg.read_header()
+    return seg, table, sources, skeleton, [layout.tensor_view(seg.mm, h.data_offset, e)
+                                           for e in table]
+
+
 def flash_saver(job: str, directory: str, **options: Any):
     """A saver of its own role (the persister tracks ranks by role and rank; one role
     per checkpoint directory, as in a job)."""
@@ -360,20 +409,8 @@ def bench_reshard(size_mib: int, work: str, job: str) -> dict:
 
 
 def bench_gpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
-    state = make_state(size_mib, "cuda")
-    gib = nbytes(state) / GIB
-    out: dict[str, Any] = {"size_mib": size_mib, "device": torch.cuda.get_device_name()}
-    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-              for k, v in state["model"].items()}
-
-    def d2h() -> None:
-        for k, v in state["model"].items():
-            pinned[k].copy_(v, non_blocking=True)
-        torch.cuda.synchronize()
-
-    d2h()
-    out["d2h_pinned_gib_s"] = gib / median_s(d2h, repeat)
-    del pinned
+    state, gib, out = gpu_state(size_mib)
+    out["d2h_pinned_gib_s"] = gib / pinned_d2h_s(state, repeat)
     ckpt = os.path.join(work, f"gpuflash{size_mib}")
     saver = flash_saver(job, ckpt)
     step = [0]
@@ -414,35 +451,15 @@ def bench_gpu_copy_path(size_mib: int, repeat: int) -> dict:
     persister: for machines without Ray (``--gpu-copy-path``)."""
     from dlrover_plugin_flashckpt import layout, shm
 
-    state = make_state(size_mib, "cuda")
-    gib = nbytes(state) / GIB
-    out: dict[str, Any] = {"size_mib": size_mib, "device": torch.cuda.get_device_name(),
-                           "mode": "copy path, no persister"}
-    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-              for k, v in state["model"].items()}
-
-    def d2h() -> None:
-        for k, v in state["model"].items():
-            pinned[k].copy_(v, non_blocking=True)
-        torch.cuda.synchronize()
-
-    d2h()
-    out["d2h_pinned_gib_s"] = gib / median_s(d2h, repeat)
-    del pinned
-    table, _, skeleton = layout.build_table(state)
-    path = f"/dev/shm/{shm.NAME_PREFIX}gpubench-{os.getpid()}-{size_mib}"
-    seg = shm.Segment.create(path, 4096, layout.data_size(table), {"job": "gpubench"},
-                             layout.signature(table), 0, 1)
+    state, gib, out = gpu_state(size_mib)
+    out["mode"] = "copy path, no persister"
+    out["d2h_pinned_gib_s"] = gib / pinned_d2h_s(state, repeat)
+    seg, table, _, skeleton, views = shm_slot(state, "gpubench", size_mib)
     try:
-        h = seg.read_header()
-        views = [layout.tensor_view(seg.mm, h.data_offset, e) for e in table]
-
         def save(non_blocking: bool) -> Callable[[], None]:
             def run() -> None:
                 _, sources, _ = layout.build_table(state)  # as every save does
-                for dst, src in zip(views, sources):
-                    dst.copy_(src, non_blocking=non_blocking)
-                torch.cuda.synchronize()
+                copy_all(views, sources, non_blocking)
             return run
 
         save(False)()
@@ -461,10 +478,10 @@ def bench_gpu_copy_path(size_mib: int, repeat: int) -> dict:
         out["load_memory_gib_s"] = gib / median_s(load, repeat)
         assert torch.equal(template["model"]["layer0.weight"], state["model"]["layer0.weight"])
         shm.unpin_buffers(bases)
-        del views, template
+        del views, template, by_path
     finally:
         seg.close()
-        os.unlink(path)
+        os.unlink(seg.path)
     return out
 
 
@@ -477,30 +494,13 @@ def bench_gpu_staging(size_mib: int, repeat: int) -> dict:
     ``to_cpu_non_blocking_gib_s``, a plain ``tensor.to("cpu", non_blocking=True)``
     of the same tensors into pinned memory (the target is preallocated: ``copy_`` into
     pinned tensors), both waited for with ``torch.cuda.synchronize()``."""
-    from dlrover_plugin_flashckpt import layout, shm
+    from dlrover_plugin_flashckpt import shm
     from dlrover_plugin_flashckpt.staging import HostStaging
 
-    state = make_state(size_mib, "cuda")
-    gib = nbytes(state) / GIB
-    out: dict[str, Any] = {"size_mib": size_mib, "device": torch.cuda.get_device_name()}
-    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-              for k, v in state["model"].items()}
-
-    def to_cpu() -> None:
-        for k, v in state["model"].items():
-            pinned[k].copy_(v, non_blocking=True)   # = v.to("cpu", non_blocking=True)
-        torch.cuda.synchronize()
-
-    to_cpu()
-    out["to_cpu_non_blocking_gib_s"] = gib / median_s(to_cpu, repeat)
-    del pinned
-    table, sources, _ = layout.build_table(state)
-    path = f"/dev/shm/{shm.NAME_PREFIX}gpustage-{os.getpid()}-{size_mib}"
-    seg = shm.Segment.create(path, 4096, layout.data_size(table), {"job": "gpubench"},
-                             layout.signature(table), 0, 1)
+    state, gib, out = gpu_state(size_mib)
+    out["to_cpu_non_blocking_gib_s"] = gib / pinned_d2h_s(state, repeat)
+    seg, _, sources, _, views = shm_slot(state, "gpustage", size_mib)
     try:
-        h = seg.read_header()
-        views = [layout.tensor_view(seg.mm, h.data_offset, e) for e in table]
         staging = HostStaging()
 
         def staged() -> None:
@@ -514,9 +514,7 @@ def bench_gpu_staging(size_mib: int, repeat: int) -> dict:
         bases = shm.pin_buffers([seg])
         try:
             def direct() -> None:
-                for dst, src in zip(views, sources):
-                    dst.copy_(src, non_blocking=True)
-                torch.cuda.synchronize()
+                copy_all(views, sources, True)
 
             direct()
             out["pinned_shm_d2h_gib_s"] = gib / median_s(direct, repeat)
@@ -525,7 +523,7 @@ def bench_gpu_staging(size_mib: int, repeat: int) -> dict:
         del views
     finally:
         seg.close()
-        os.unlink(path)
+        os.unlink(seg.path)
     return out
 
 
