@@ -11,9 +11,11 @@
 3. trains the same model offline, in one pass over the shuffled first half, and
    scores it on the second half, beside the online model's prequential accuracy
    and the baselines' on that same second half;
-4. counts ``lost`` (never trained) and ``duplicated`` (trained more than once)
-   records from the ids the trainer logged, and prints one JSON summary line
-   (no throughput: ``benchmarks/odl_stream.py`` measures that).
+4. takes ``lost`` and ``duplicated`` from the job's ``summary.json`` (the driver
+   counts them from the records the source handed out and the trainer trained),
+   checks ``lost_vs_data_set``: records of the data set the trainer never trained
+   (what a broker never handed to the source included), and prints one JSON
+   summary line (no throughput: ``benchmarks/odl_stream.py`` measures that).
 
 The job directory (``runs/odl-shuttle``, or ``--job-dir``) is removed first, so the
 stream starts from its beginning.
@@ -148,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     offline_2nd, majority = offline_one_pass(records, float(cfg.lr), int(cfg.hidden),
                                              int(cfg.odl.batch_size), int(cfg.seed))
     ids = _trained_ids(job_dir)
-    lost = sum(1 for r in records if str(r["id"]) not in ids)
-    duplicated = sum(c - 1 for c in ids.values())
     out = {"source": "redis" if args.redis else "replay",
-           "records": int(m["records"]), "lost": lost, "duplicated": duplicated,
+           "records": int(m["records"]), "lost": int(m["lost"]),
+           "duplicated": int(m["duplicated"]),
+           "lost_vs_data_set": sum(1 for r in records if str(r["id"]) not in ids),
            **{k: round(m[k], 4) for k in (
                "prequential_accuracy", "kappa", "kappa_temporal",
                "baseline_no_change_accuracy", "baseline_majority_accuracy")},

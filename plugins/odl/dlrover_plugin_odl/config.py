@@ -54,8 +54,11 @@ class ODLConfig:
         publish_every: trainer steps between published model versions (0: only at
             the end), written to ``<job dir>/published``. report_every: driver steps
             between metric reports. window: records in the sliding prequential
-            accuracy. log_record_ids: every trainer rank appends the ids it trained
-            to ``<job dir>/odl/trained/`` (to count lost and duplicated records).
+            accuracy. log_record_ids (default true): every source instance appends
+            the records it hands out, and every trainer rank the ids it trained, to
+            logs under ``<job dir>/odl/``, from which the driver counts ``lost`` and
+            ``duplicated`` records at the end (:mod:`dlrover_plugin_odl.ledger`; one
+            short line per record and stage: turn it off for an endless stream).
     """
 
     source: SourceConfig = field(default_factory=SourceConfig)
@@ -69,7 +72,7 @@ class ODLConfig:
     publish_every: int = 50
     report_every: int = 1
     window: int = 1000
-    log_record_ids: bool = False
+    log_record_ids: bool = True
 
     @classmethod
     def from_config(cls, config: Any) -> ODLConfig:

@@ -66,7 +66,10 @@ class ODLTrainer(BaseTrainer):
     ``in_flight_chunks``, ``max_in_flight_chunks``, ``source_read_records`` and the
     sources' other counters (``broker_reconnects``...), ``committed_step``,
     ``published_version``; with an ``eval`` role ``eval_accuracy``, ``eval_records``,
-    ``eval_version``.
+    ``eval_version``. The last report also has ``steps``,
+    ``stop_reason_end_of_stream`` (1.0 or 0.0) and, with ``config.odl.log_record_ids``
+    (the default), ``lost`` and ``duplicated`` (records, counted from the job's
+    record logs: :func:`dlrover_plugin_odl.ledger.count`).
     """
 
     def init(self) -> None:
@@ -216,7 +219,8 @@ class ODLTrainer(BaseTrainer):
         # steps sent to the trainer and not yet finished, oldest first: the trainer
         # runs them in order; the driver prepares the next while one trains
         training: collections.deque[tuple[list[_Chunk], list, dict, int]] = collections.deque()
-        issued_offsets, self._issued_records, next_step = dict(self.offsets), self.records, self.step
+        issued_offsets, next_step = dict(self.offsets), self.step
+        self._issued_records = self.records
         metrics: dict[str, float] = {}
         reason = None
         while True:
@@ -282,6 +286,11 @@ class ODLTrainer(BaseTrainer):
         metrics = self._metrics([], start_records, len(fifo), max_in_flight, win_n, win_c)
         metrics["stop_reason_end_of_stream"] = float(reason == "end_of_stream")
         metrics["steps"] = float(self.step)
+        if self.odl.log_record_ids and self.job_dir:
+            from dlrover_plugin_odl.ledger import count
+
+            tally = count(self.job_dir, self.offsets, reason == "end_of_stream")
+            metrics.update(lost=tally["lost"], duplicated=tally["duplicated"])
         self.report(self.step, **metrics)
         return metrics
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dlrover_core import BaseWorkload
+from dlrover_plugin_odl import ledger
 from dlrover_plugin_odl.config import ODLConfig
 from dlrover_plugin_odl.prequential import PrequentialStats
 
@@ -87,6 +88,7 @@ class SourceWorkload(BaseWorkload):
         cls = resolve(record.source)
         self.stream = cls(dict(self.odl.source.options), self.rank, self.world_size,
                           self.context.job)
+        self._logs: dict[str, Any] = {}   # partition key -> its handed-out log
 
     def seek(self, position: Any | None, departed: dict | None = None) -> None:
         """Resume after ``position``; ``departed``: offsets (``str(k) -> position``)
@@ -112,8 +114,15 @@ class SourceWorkload(BaseWorkload):
                                 "first": r.positions[0] if r.positions else None,
                                 "last": r.positions[-1] if r.positions else None}
         if r.records:
-            meta["data"] = [ray.put({"partition": self.rank, "positions": r.positions,
-                                     "records": r.records})]
+            meta["data"] = [ray.put({"partition": self.rank, "key": str(key),
+                                     "positions": r.positions, "records": r.records})]
+            if self.odl.log_record_ids and self.job_dir:
+                if str(key) not in self._logs:
+                    self._logs[str(key)] = ledger.open_log(self.job_dir, ledger.HANDED_OUT,
+                                                           key)
+                ledger.write_handed_out(self._logs[str(key)], r.positions, [
+                    ledger.record_id(rec, key, pos)
+                    for rec, pos in zip(r.records, r.positions)])
         return meta
 
     def commit(self, position: Any, partition: int | None = None) -> None:
@@ -131,6 +140,8 @@ class SourceWorkload(BaseWorkload):
         stream = getattr(self, "stream", None)
         if stream is not None:
             stream.close()
+        for log in getattr(self, "_logs", {}).values():
+            log.close()
 
 
 # ---------------------------------------------------------------------------- preprocess
@@ -146,11 +157,15 @@ class PreprocessWorkload(BaseWorkload):
         return {"x": x, "y": y}
 
     def process(self, chunk: dict) -> dict:
-        """``{"partition", "positions", "records"}`` -> ``{"partition", "n", "ids",
-        "batch"}``."""
+        """``{"partition", "key", "positions", "records"}`` -> ``{"partition", "n",
+        "ids", "batch"}`` (``ids``: :func:`dlrover_plugin_odl.ledger.record_id` of each
+        record, ``str``)."""
         records = chunk["records"]
+        key = chunk.get("key", chunk["partition"])
         return {"partition": chunk["partition"], "n": len(records),
-                "ids": [r.get("id") for r in records], "batch": self.transform(records)}
+                "ids": [ledger.record_id(r, key, p)
+                        for r, p in zip(records, chunk["positions"])],
+                "batch": self.transform(records)}
 
 
 # ---------------------------------------------------------------------------- trainer
@@ -199,12 +214,9 @@ class OnlineTrainerWorkload(BaseWorkload):
         self.restored_step = loaded
         self._awaiting: dict[int, dict] = {}   # saved step -> offsets, until committed
         self._committed_step = loaded if loaded is not None else -1
-        self._id_log = None
-        if self.odl.log_record_ids and self.job_dir:
-            d = os.path.join(self.job_dir, "odl", "trained")
-            os.makedirs(d, exist_ok=True)
-            # kept open while the workload lives; closed by finish()
-            self._id_log = open(os.path.join(d, f"rank{self.rank}.txt"), "a")  # noqa: SIM115
+        # kept open while the workload lives; closed by finish()
+        self._id_log = ledger.open_log(self.job_dir, ledger.TRAINED, self.rank) \
+            if self.odl.log_record_ids else None
         self.published: int | None = None
 
     def resume_state(self) -> dict:
@@ -273,8 +285,7 @@ class OnlineTrainerWorkload(BaseWorkload):
             self.stats.update(labels, predicted)
         correct = self.stats.correct - before
         if self._id_log is not None and n:
-            self._id_log.write("".join(f"{i}\n" for i in chunk["ids"]))
-            self._id_log.flush()
+            ledger.write_trained(self._id_log, chunk["ids"])
         self.progress = {"step": step + 1, "records": int(records), "offsets": dict(offsets),
                          "prequential": self.stats.state()}
         if self.rank == 0 and self.odl.publish_every and (step + 1) % self.odl.publish_every == 0:

@@ -129,6 +129,30 @@ def events(job_dir, name):
         return [e for e in map(json.loads, f) if e["event"] == name]
 
 
+SUMMARY_KEYS = ("records", "lost", "duplicated", "prequential_accuracy", "kappa",
+                "kappa_temporal", "baseline_no_change_accuracy", "baseline_majority_accuracy")
+
+
+def check_summary(summary, records, counts, max_duplicated, learned=True):
+    """The eight stream keys of ``summary.json``: ``records`` trained, ``lost`` 0 and
+    ``duplicated`` (from the job's own ledger) equal to what the trainer's id logs
+    (``counts``) show and at most ``max_duplicated``; accuracies in [0, 1], kappas in
+    [-1, 1]; with ``learned``, the model beats both baselines and chance."""
+    m = summary["metrics"]
+    assert set(SUMMARY_KEYS) <= set(m), sorted(set(SUMMARY_KEYS) - set(m))
+    assert m["records"] == records
+    assert m["lost"] == 0
+    assert m["duplicated"] == sum(c - 1 for c in counts.values()) <= max_duplicated
+    for k in ("prequential_accuracy", "baseline_no_change_accuracy",
+              "baseline_majority_accuracy"):
+        assert 0.0 <= m[k] <= 1.0, (k, m[k])
+    assert -1.0 <= m["kappa"] <= 1.0 and -1.0 <= m["kappa_temporal"] <= 1.0
+    if learned:
+        assert m["prequential_accuracy"] > max(m["baseline_no_change_accuracy"],
+                                               m["baseline_majority_accuracy"]) + 0.15
+        assert m["kappa"] > 0.5 and m["kappa_temporal"] > 0.3
+
+
 # ---------------------------------------------------------------------------- backpressure
 def test_slow_trainer_slows_an_endless_source_to_the_buffer_bound(cluster, job_dir):
     batch, buffer = 8, 3
@@ -186,6 +210,7 @@ def test_sigkill_trainer_and_preprocess_lose_no_record(cluster, job_dir):
     # trained twice: only what the killed trainer trained after its last checkpoint
     # (at most every_steps chunks); a preprocess kill re-sends nothing the trainer had
     assert duplicated <= every * batch, duplicated
+    check_summary(summary, n, counts, max_duplicated=every * batch)
     m = summary["metrics"]
     assert m["records"] == n and m["stop_reason_end_of_stream"] == 1.0
     assert m["prequential_accuracy"] > 0.8  # it learned, also after the drift
@@ -222,6 +247,7 @@ def test_a_driver_restart_keeps_the_prequential_counters(cluster, job_dir):
     expected = PrequentialStats()
     labels = [r["y"] for r in toy_records(n)]
     expected.update(labels, labels)
+    check_summary(summary, n, counts, max_duplicated=0)
     m = summary["metrics"]
     assert m["records"] == n
     assert m["baseline_no_change_accuracy"] == pytest.approx(expected.no_change_accuracy())
@@ -266,6 +292,8 @@ def test_redis_broker_sigkilled_then_trainer_sigkilled_lose_nothing(cluster, job
         assert not lost, f"{len(lost)} entries never trained"
         # trained twice: only what the killed trainer trained after its last checkpoint
         assert duplicated <= every * batch, duplicated
+        # stopped by max_records: the ledger's due records end at each final offset
+        check_summary(summary, n, counts, max_duplicated=every * batch, learned=False)
         m = summary["metrics"]
         assert m["broker_reconnects"] >= 1
         # everything trained is in the final committed checkpoint, and acknowledged
@@ -307,6 +335,10 @@ def test_redis_job_resumed_with_fewer_sources_trains_a_departed_consumers_entrie
         counts = trained_ids(job_dir) + trained_ids(job2)
         assert set(counts) == set(map(str, range(n)))          # lost == 0
         assert max(counts.values()) == 1                        # duplicated == 0
+        # each job's ledger: the first left read-ahead chunks untrained (not due: after
+        # its final offsets); the second trained the rest, the taken-over entries too
+        check_summary(first, 160, trained_ids(job_dir), max_duplicated=0, learned=False)
+        check_summary(second, n, trained_ids(job2), max_duplicated=0, learned=False)
         assert second["metrics"]["departed_pending"] == len(departed)
         assert client.xpending_range("events", "dlrover", "-", "+", 1000,
                                      consumername="c-1") == []
@@ -341,5 +373,6 @@ def test_a_stream_source_from_another_distribution_via_its_entry_point(cluster, 
     assert summary["status"] == "succeeded", summary["error"]
     counts = trained_ids(job_dir)
     assert sorted(counts, key=int) == [str(i) for i in range(n)] and max(counts.values()) == 1
+    check_summary(summary, n, counts, max_duplicated=0, learned=False)
     m = summary["metrics"]
     assert m["records"] == n and m["eval_records"] + m["eval_unscored"] == n
