@@ -527,6 +527,18 @@ def bench_gpu_staging(size_mib: int, repeat: int) -> dict:
     return out
 
 
+def _d2h_line(g: dict) -> str:
+    return (f"pinned shm D2H {g['pinned_shm_d2h_gib_s']:.2f} | staged D2H "
+            f"{g['staged_d2h_gib_s']:.2f} GiB/s | to('cpu', non_blocking) pinned "
+            f"{g['to_cpu_non_blocking_gib_s']:.2f}")
+
+
+def _copy_path_line(g: dict) -> str:
+    return (f"D2H pinned {g['d2h_pinned_gib_s']:.2f} GiB/s | flash save "
+            f"{g['flash_save_gib_s']:.2f} (unpinned {g['flash_save_unpinned_gib_s']:.2f}) | "
+            f"load memory -> GPU {g['load_memory_gib_s']:.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", default="256,1024",
@@ -551,31 +563,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: use an integer >= 1")
 
-    if args.gpu_d2h:
+    if args.gpu_d2h or args.gpu_copy_path:  # GPU only, no Ray
         if not torch.cuda.is_available():
-            p.error("--gpu-d2h needs a CUDA GPU")
-        gpu = []
+            p.error(f"{'--gpu-d2h' if args.gpu_d2h else '--gpu-copy-path'} needs a CUDA GPU")
+        bench, key, line = ((bench_gpu_staging, "gpu_d2h", _d2h_line) if args.gpu_d2h
+                            else (bench_gpu_copy_path, "gpu", _copy_path_line))
+        figures = []
         for size in sizes:
-            g = bench_gpu_staging(size, args.repeat)
-            gpu.append({k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
-            print(f"{size:5d} MiB on {g['device']}: pinned shm D2H "
-                  f"{g['pinned_shm_d2h_gib_s']:.2f} | staged D2H {g['staged_d2h_gib_s']:.2f} "
-                  f"GiB/s | to('cpu', non_blocking) pinned {g['to_cpu_non_blocking_gib_s']:.2f}",
-                  file=sys.stderr, flush=True)
-        print(json.dumps({"gpu_d2h": gpu}))
-        return 0
-    if args.gpu_copy_path:
-        if not torch.cuda.is_available():
-            p.error("--gpu-copy-path needs a CUDA GPU")
-        gpu = []
-        for size in sizes:
-            g = bench_gpu_copy_path(size, args.repeat)
-            gpu.append({k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
-            print(f"{size:5d} MiB on {g['device']}: D2H pinned {g['d2h_pinned_gib_s']:.2f} GiB/s"
-                  f" | flash save {g['flash_save_gib_s']:.2f} (unpinned "
-                  f"{g['flash_save_unpinned_gib_s']:.2f}) | load memory -> GPU "
-                  f"{g['load_memory_gib_s']:.2f}", file=sys.stderr, flush=True)
-        print(json.dumps({"gpu": gpu}))
+            g = bench(size, args.repeat)
+            figures.append({k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
+            print(f"{size:5d} MiB on {g['device']}: {line(g)}", file=sys.stderr, flush=True)
+        print(json.dumps({key: figures}))
         return 0
 
     import ray
