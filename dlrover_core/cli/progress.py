@@ -103,7 +103,10 @@ class JobProgress:
 
 
 def print_summary(summary: dict, console: Console | None = None) -> None:
-    """The end-of-job summary table."""
+    """The end-of-job summary table; then, when the summary has
+    ``checkpoint_not_persisted`` (saves a plugin could not write to disk by the job's
+    end), one line naming each (role, rank, step, buffer), the checkpoint folder they
+    missed and how to list (``dlrover flash ls``) or drop them; then the error."""
     from rich.table import Table
 
     console = console or console_for()
@@ -123,13 +126,27 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     tuning = summary.get("tuning")
     if tuning and tuning.get("config"):
         c = tuning["config"]
+        accum = c["optimizer"]["grad_accum_steps"]
         t.add_row("tuning", f"version {tuning['version']} ({tuning['accepted']} kept, "
                             f"{tuning['reverted']} reverted): micro-batch "
-                            f"{c['dataloader']['batch_size']} x {c['optimizer']['grad_accum_steps']}"
+                            f"{c['dataloader']['batch_size']} x {accum}"
                             f" accumulation, {c['dataloader']['num_workers']} loader workers, "
                             f"lr {c['optimizer']['learning_rate']:.3g}")
     for k, v in sorted((summary.get("metrics") or {}).items()):
         t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     console.print(t)
+    lost = summary.get("checkpoint_not_persisted") or []
+    if lost:
+        dirs = sorted({k.get("shm_dir") or "/dev/shm" for k in lost})
+        ls = "; ".join("dlrover flash ls" + ("" if d == "/dev/shm" else f" --shm-dir {d}")
+                       for d in dirs)
+        console.print(
+            "[bold yellow]checkpoint not persisted:[/] " + ", ".join(
+                f"{k.get('role')} rank {k.get('rank')} step {k.get('step')} (buffer "
+                f"{k.get('name')})" for k in lost)
+            + f" did not reach {', '.join(sorted({str(k.get('dir')) for k in lost}))}; "
+            f"their shared-memory buffers are kept (`{ls}` lists them): the next run of "
+            f"the job loads them, `dlrover flash clean --job {summary.get('name')} --force` "
+            "drops them", markup=True, highlight=False)
     if summary.get("error"):
         console.print("[bold red]error:[/] " + summary["error"], markup=True, highlight=False)

@@ -215,7 +215,7 @@ def remove_job(shm_dir: str, job: str, run_id: str | None = None,
     """Remove the buffers of ``job`` in ``shm_dir`` (only those of ``run_id`` and
     ``session`` when given); return their names. With ``keep_unpersisted`` a buffer
     holding a step newer than its directory's newest commit stays, and is appended to
-    ``kept`` (``{"name", "role", "rank", "step", "dir"}``)."""
+    ``kept`` (``{"name", "role", "rank", "step", "dir", "shm_dir"}``)."""
     removed = []
     for path in shm.list_segments(shm_dir, shm.job_prefix(job)):
         if shm.tmp_owner(path) is None:
@@ -239,7 +239,8 @@ def remove_job(shm_dir: str, job: str, run_id: str | None = None,
                 if step is not None:
                     if kept is not None:
                         kept.append({"name": os.path.basename(path), "role": ident.get("role"),
-                                     "rank": rank, "step": step, "dir": ident.get("dir")})
+                                     "rank": rank, "step": step, "dir": ident.get("dir"),
+                                     "shm_dir": shm_dir})
                     continue
         try:
             os.unlink(path)

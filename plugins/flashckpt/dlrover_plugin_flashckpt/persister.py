@@ -251,7 +251,7 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         except those holding a step newer than their directory's newest commit: they
         stay for the next run (:func:`hygiene.remove_job`, ``keep_unpersisted``).
         Returns ``{"flushed": {role: step}, "removed": [names], "not_persisted": [{"name",
-        "role", "rank", "step", "dir"}], "shm_dirs": [...], "errors": [...]}``."""
+        "role", "rank", "step", "dir", "shm_dir"}], "shm_dirs": [...], "errors": [...]}``."""
         flushed: dict[str, int] = {}
         with self._lock:
             roles = sorted({ro for ro, _ in self._regs})

@@ -8,7 +8,7 @@ the saver in the worker process; the master-side hooks use Ray only.
 - ``dlrover_job_finished`` (master; also after ``dlrover stop``): persist what is not
   on disk yet, stop the job's persisters and remove its shared-memory buffers, except
   those holding a step newer than the newest commit: they stay, and the summary lists
-  them under ``checkpoint_not_persisted`` (role, rank, step, dir, node, name).
+  them under ``checkpoint_not_persisted`` (role, rank, step, dir, node, name, shm_dir).
 - ``dlrover_cli_commands``: ``dlrover flash ls`` and ``dlrover flash clean``.
 """
 

@@ -5,6 +5,7 @@ training process is this pytest process (one rank)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -16,8 +17,10 @@ import uuid
 import pytest
 import ray
 import torch
+from rich.console import Console
 
 from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+from dlrover_core.cli.progress import print_summary
 from dlrover_plugin_flashckpt import plugin, shm
 from dlrover_plugin_flashckpt.persister import finish_job
 from dlrover_plugin_flashckpt.saver import FlashSaver
@@ -71,6 +74,15 @@ def test_final_step_of_a_stopped_persister_survives_the_job_end(job, tmp_path, m
     assert [(k["role"], k["rank"], k["step"], k["dir"]) for k in lost] == [
         ("trainer", 0, 2, os.path.abspath(d))]
     assert [ev for ev, _ in events] == ["flash_cleanup"]
+    # the end of `dlrover submit` says so (the summary it prints)
+    out = io.StringIO()
+    print_summary({"name": job, "status": "succeeded", "steps": 2, **summary},
+                  Console(file=out, width=400, color_system=None))
+    said = " ".join(out.getvalue().split())
+    assert (f"checkpoint not persisted: trainer rank 0 step 2 (buffer {lost[0]['name']}) "
+            f"did not reach {os.path.abspath(d)};") in said
+    assert "(`dlrover flash ls` lists them)" in said
+    assert f"dlrover flash clean --job {job} --force" in said
     # the buffer holding step 2 stays and is listed; the one of the committed step 1 went
     rows = _flash_ls(job)
     assert [(r["step"], r.get("not_persisted")) for r in rows] == [(2, True)]

@@ -51,8 +51,8 @@ def test_a_custom_shm_dir_is_where_the_job_is_swept_and_cleaned(ray_cluster, tmp
     s = None
     try:
         s = FlashSaver(SaverConfig(dir=ckpt, keep=2, job=name, options={
-            "shm_dir": str(custom), "persist_every_steps": 100, "wait_timeout_s": 60, "reserve_mib": 1}),
-            SaverContext(role="trainer"))
+            "shm_dir": str(custom), "persist_every_steps": 100, "wait_timeout_s": 60,
+            "reserve_mib": 1}), SaverContext(role="trainer"))
         import ray
 
         swept = ray.get(s.persister().ready.remote())["removed_stale"]

@@ -259,7 +259,8 @@ def test_cli_lists_and_cleans_stale_buffers(shm_path, capsys):
             f"bytes(16), 3, 4)")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert main(["flash", "ls", "--json"]) == 0
-    rows = [r for r in json.loads(capsys.readouterr().out) if r["name"] == os.path.basename(shm_path)]
+    rows = [r for r in json.loads(capsys.readouterr().out)
+            if r["name"] == os.path.basename(shm_path)]
     assert rows == [{"name": os.path.basename(shm_path), "job": "gone", "role": "t", "rank": 3,
                      "step": -1, "state": "empty", "bytes": os.path.getsize(shm_path),
                      "session": None, "run_id": None}]
