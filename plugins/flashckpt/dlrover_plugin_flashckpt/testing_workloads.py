@@ -261,12 +261,14 @@ class SaverRank:
 
 def hf_train(directory: str, job: str, max_steps: int, every_steps: int,
              kill_at: int = -1) -> dict:
-    """Train a tiny GPT-2 (built from a config, nothing downloaded) with
-    ``transformers.Trainer`` and the flash callback; every batch is the same, so the
-    result does not depend on where in the data a resumed run starts. Returns the
-    callback's resume, the state at train begin (after it) and at every step end, and
-    the committed steps. ``kill_at``: the process SIGKILLs itself at the end of that
-    step (after the flash callback's save)."""
+    """Train a tiny GPT-2 (built from a config, nothing downloaded, dropout on) with
+    ``transformers.Trainer`` through ``FlashCheckpointCallback.train``: 24 distinct
+    samples (sample ``i`` starts with token ``i``), shuffled anew every epoch, 2 per
+    batch, 2 batches per optimizer step (6 steps an epoch), a loss log every 3 steps.
+    Returns the callback's resume, the state at train begin (after it) and at every
+    step end, the sample ids in the order the model saw them, the loss logs, the
+    returned ``training_loss`` and the committed steps. ``kill_at``: the process
+    SIGKILLs itself at the end of that step (after the flash callback's save)."""
     from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
                               TrainingArguments)
 
@@ -274,11 +276,17 @@ def hf_train(directory: str, job: str, max_steps: int, every_steps: int,
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
-                                       n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0))
+                                       n_positions=16, resid_pdrop=0.1, embd_pdrop=0.1,
+                                       attn_pdrop=0.1))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (16,), generator=g)
-    data = [{"input_ids": ids, "labels": ids}] * 64
+    data = []
+    for i in range(24):
+        ids = torch.randint(0, 64, (16,), generator=g)
+        ids[0] = i
+        data.append({"input_ids": ids, "labels": ids})
+    seen: list[int] = []
+    model.register_forward_pre_hook(
+        lambda mod, a, kw: seen.extend(kw["input_ids"][:, 0].tolist()), with_kwargs=True)
 
     def snapshot(model: Any, optimizer: Any, lr_scheduler: Any, state: Any) -> dict:
         return {"step": int(state.global_step),
@@ -305,12 +313,15 @@ def hf_train(directory: str, job: str, max_steps: int, every_steps: int,
                                     options={"wait_timeout_s": 120})
     probe = Probe()
     args = TrainingArguments(output_dir=os.path.join(directory, "..", "hf-out"),
-                             max_steps=max_steps, per_device_train_batch_size=4,
-                             learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="linear",
-                             logging_steps=1000, save_strategy="no", report_to=[],
-                             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-                             seed=0)
-    Trainer(model=model, args=args, train_dataset=data, callbacks=[flash, probe]).train()
+                             max_steps=max_steps, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=1e-2,
+                             warmup_steps=2, lr_scheduler_type="linear", logging_steps=3,
+                             save_strategy="no", report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[flash, probe])
+    out = flash.train(trainer)
     return {"resumed_from": flash.resumed_from, "source": flash.resumed_source,
             "saves": [s for s, _ in flash.saves], "begin": probe.begin, "steps": probe.steps,
+            "seen": seen, "training_loss": out.training_loss,
+            "logs": [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e],
             "committed": flash.saver.committed_steps()}

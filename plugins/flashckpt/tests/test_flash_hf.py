@@ -1,7 +1,9 @@
 """``FlashCheckpointCallback`` with a real ``transformers.Trainer`` (a tiny GPT-2 built
-from a config, nothing downloaded), each run in its own Ray actor process: the second
-run resumes from the first one's save in shared memory and ends where an
-uninterrupted run ends, bit for bit."""
+from a config, nothing downloaded, dropout on), each run in its own Ray worker process:
+a run SIGKILLed after a save is resumed by a new process from shared memory in the
+middle of its second epoch; it trains the samples an uninterrupted run trains after
+that step, in the same order, and ends with its weights, loss logs and
+``training_loss``."""
 
 from __future__ import annotations
 
@@ -45,20 +47,39 @@ def same_state(a: dict, b: dict) -> None:
     assert a["lr"] == b["lr"]
 
 
-def test_trainer_killed_after_a_save_resumes_from_memory_and_ends_like_an_uninterrupted_run(
+def test_trainer_killed_after_a_save_resumes_at_the_next_batch_like_an_uninterrupted_run(
         job, tmp_path):
-    first = run(str(tmp_path / "ref"), job, max_steps=6, every_steps=3)  # uninterrupted
-    assert first["resumed_from"] is None and first["saves"] == [3, 6]
-    assert first["committed"][-1] == 6
-    assert not torch.equal(first["steps"][2]["model"]["lm_head.weight"],
+    # 24 samples, 4 per optimizer step (2 x 2 accumulated): 6 steps an epoch, 10 in all
+    first = run(str(tmp_path / "ref"), job, max_steps=10, every_steps=4)  # uninterrupted
+    assert first["resumed_from"] is None and first["saves"] == [4, 8]
+    assert first["committed"][-1] == 8
+    seen = first["seen"]
+    assert len(seen) == 40 and sorted(seen[:24]) == list(range(24))  # every sample once
+    assert len(set(seen[24:])) == 16 and seen[24:40] != seen[:16]  # epoch 2 reshuffled
+    assert not torch.equal(first["steps"][7]["model"]["lm_head.weight"],
                            first["steps"][-1]["model"]["lm_head.weight"])  # it trains
 
     d = str(tmp_path / "ckpt")
-    with pytest.raises(ray.exceptions.RayError):  # SIGKILLed right after the save of step 3
-        run(d, job, max_steps=6, every_steps=3, kill_at=3)
-    resumed = run(d, job, max_steps=6, every_steps=3)
-    assert resumed["resumed_from"] == 3 and resumed["source"] == "memory"
-    same_state(resumed["begin"], first["steps"][2])  # the state saved at step 3
-    assert [s["step"] for s in resumed["steps"]] == [4, 5, 6]  # only the missing steps
-    same_state(resumed["steps"][-1], first["steps"][-1])  # same end, bit for bit
-    assert resumed["saves"] == [6] and resumed["committed"][-1] == 6
+    with pytest.raises(ray.exceptions.RayError):  # SIGKILLed after step 9 (saved: 8)
+        run(d, job, max_steps=10, every_steps=4, kill_at=9)
+    resumed = run(d, job, max_steps=10, every_steps=4)
+    assert resumed["resumed_from"] == 8 and resumed["source"] == "memory"
+    same_state(resumed["begin"], first["steps"][7])  # the state saved at step 8
+    assert [s["step"] for s in resumed["steps"]] == [9, 10]  # only the missing steps
+    # the samples after step 8 (epoch 2, from its 5th batch): no repeat, no skip
+    assert resumed["seen"] == seen[32:40]
+    close_state(resumed["steps"][-1], first["steps"][-1])  # same end
+    assert [s for s, _ in resumed["logs"]] == [3, 6, 9] == [s for s, _ in first["logs"]]
+    for (_, a), (_, b) in zip(resumed["logs"], first["logs"]):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
+    assert resumed["training_loss"] == pytest.approx(first["training_loss"], rel=1e-6,
+                                                     abs=1e-9)
+    assert resumed["saves"] == [] and resumed["committed"][-1] == 8
+
+
+def close_state(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    assert a["lr"] == pytest.approx(b["lr"])
