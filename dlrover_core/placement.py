@@ -11,6 +11,10 @@ only by ``ClusterResources.from_ray``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dlrover_core.graph.graph import CollocationGroup, ComputationGraph
 
 
 def bundle_index(assigned: dict[str, float]) -> int | None:
@@ -93,3 +97,31 @@ class PlacementPlan:
     def describe(self) -> list[dict]:
         """JSON-friendly view for events and the job context."""
         return [{"name": g.name, "strategy": g.strategy, "bundles": g.bundles} for g in self.groups]
+
+
+def group_bundle(graph: ComputationGraph, group: CollocationGroup) -> dict[str, float]:
+    """The bundle of one collocation group: per Ray resource, the largest request among
+    its roles (``roles.R.resources``); ``{"CPU": 0.001}`` when they request nothing."""
+    out: dict[str, float] = {}
+    for role in group.roles:
+        for key, value in graph.roles[role].resources.as_ray().items():
+            out[key] = max(out.get(key, 0.0), value)
+    return {k: v for k, v in out.items() if v > 0} or {"CPU": 0.001}
+
+
+def add_group(plan: PlacementPlan, graph: ComputationGraph, group: CollocationGroup,
+              bundle: dict[str, float], strategy: str) -> None:
+    """Append to ``plan`` one placement group of ``group.size`` copies of ``bundle``
+    with ``strategy`` (``PACK``, ``SPREAD``, ...): bundle ``i`` hosts rank ``i`` of every
+    role of the group that has one, each asking for ``1/len(group.roles)`` of the bundle
+    (collocated roles share its devices), on node-slot ``i // per_node``."""
+    pg = len(plan.groups)
+    share = 1.0 / len(group.roles)
+    plan.groups.append(PlacementGroupPlan("+".join(group.roles), [dict(bundle)] * group.size,
+                                          strategy))
+    for rank in range(group.size):
+        for role in group.roles:
+            if rank < graph.roles[role].total:
+                plan.slots[(role, rank)] = InstanceSlot(
+                    pg, rank, {k: v * share for k, v in bundle.items()},
+                    rank // group.per_node, rank % group.per_node, group.per_node)

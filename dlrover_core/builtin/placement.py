@@ -24,18 +24,12 @@ from dlrover_core.placement import (
     PlacementError,
     PlacementGroupPlan,
     PlacementPlan,
+    add_group,
+    group_bundle,
 )
 
 if TYPE_CHECKING:
     from dlrover_core.graph.graph import CollocationGroup, ComputationGraph
-
-
-def _bundle(graph: ComputationGraph, group: CollocationGroup) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for r in group.roles:
-        for k, v in graph.roles[r].resources.as_ray().items():
-            out[k] = max(out.get(k, 0.0), v)
-    return {k: v for k, v in out.items() if v > 0} or {"CPU": 0.001}
 
 
 def _check_fits(graph: ComputationGraph, cluster: ClusterResources,
@@ -80,7 +74,7 @@ def _fraction(group: CollocationGroup) -> float:
 def plan_pack(graph: ComputationGraph, cluster: ClusterResources) -> PlacementPlan:
     plan = PlacementPlan()
     for group in graph.groups:
-        bundle = _bundle(graph, group)
+        bundle = group_bundle(graph, group)
         frac = _fraction(group)
         nodes = group.size // group.per_node
         if graph.node_num and nodes > 1:
@@ -121,16 +115,6 @@ def _spread_nodes(plan: PlacementPlan, group: CollocationGroup, bundle: dict[str
 def plan_spread(graph: ComputationGraph, cluster: ClusterResources) -> PlacementPlan:
     plan = PlacementPlan()
     for group in graph.groups:
-        bundle = _bundle(graph, group)
-        frac = _fraction(group)
-        pg = len(plan.groups)
-        plan.groups.append(PlacementGroupPlan("+".join(group.roles), [dict(bundle)] * group.size,
-                                              "SPREAD"))
-        for rank in range(group.size):
-            for r in group.roles:
-                if rank < graph.roles[r].total:
-                    plan.slots[(r, rank)] = InstanceSlot(
-                        pg, rank, {k: v * frac for k, v in bundle.items()},
-                        rank // group.per_node, rank % group.per_node, group.per_node)
+        add_group(plan, graph, group, group_bundle(graph, group), "SPREAD")
     _check_fits(graph, cluster, plan)
     return plan

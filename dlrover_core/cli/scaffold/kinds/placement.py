@@ -33,10 +33,10 @@ from typing import Any
 
 from dlrover_core.placement import (
     ClusterResources,
-    InstanceSlot,
     PlacementError,
-    PlacementGroupPlan,
     PlacementPlan,
+    add_group,
+    group_bundle,
 )
 
 
@@ -49,21 +49,10 @@ def plan(graph: Any, cluster: ClusterResources) -> PlacementPlan:
     out = PlacementPlan()
     demand: dict[str, float] = {}
     for group in graph.groups:
-        bundle: dict[str, float] = {}
-        for role in group.roles:
-            for key, value in graph.roles[role].resources.as_ray().items():
-                bundle[key] = max(bundle.get(key, 0.0), value)
-        bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
-        share = 1.0 / len(group.roles)  # collocated roles share each bundle
-        index = len(out.groups)
-        out.groups.append(PlacementGroupPlan("+".join(group.roles),
-                                             [dict(bundle)] * group.size, "PACK"))
-        for rank in range(group.size):
-            for role in group.roles:
-                if rank < graph.roles[role].total:
-                    out.slots[(role, rank)] = InstanceSlot(
-                        index, rank, {k: v * share for k, v in bundle.items()},
-                        rank // group.per_node, rank % group.per_node, group.per_node)
+        # per resource the largest request of the group's roles; collocated roles
+        # share each bundle (write your own bundles and slots for other layouts)
+        bundle = group_bundle(graph, group)
+        add_group(out, graph, group, bundle, "PACK")
         for key, value in bundle.items():
             demand[key] = demand.get(key, 0.0) + value * group.size
     for key, value in demand.items():
