@@ -83,3 +83,29 @@ def close_state(a: dict, b: dict) -> None:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7,
                                    msg=lambda m, k=k: f"{k}: {m}")
     assert a["lr"] == pytest.approx(b["lr"])
+
+
+def tiny_trainer(tmp_path, callbacks: list):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=1, vocab_size=16,
+                                       n_positions=4))
+    ids = torch.arange(4)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=[{"input_ids": ids, "labels": ids}],
+                   callbacks=callbacks)
+
+
+def test_trainer_train_alone_and_resume_from_checkpoint_are_refused(tmp_path):
+    from dlrover_plugin_flashckpt.hf import FlashCheckpointCallback
+
+    flash = FlashCheckpointCallback(str(tmp_path / "ckpt"), every_steps=1)
+    trainer = tiny_trainer(tmp_path, [flash])
+    with pytest.raises(RuntimeError, match=r"callback\.train\(trainer\), not trainer\.train"):
+        trainer.train()  # no step trained, nothing saved: it stops at on_train_begin
+    assert trainer.state.global_step == 0 and flash.saves == []
+    with pytest.raises(ValueError, match="resume_from_checkpoint is not allowed"):
+        flash.train(trainer, resume_from_checkpoint=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="every_steps=0 is invalid"):
+        FlashCheckpointCallback(str(tmp_path / "ckpt"), every_steps=0)
