@@ -124,6 +124,23 @@ def test_dlrover_run_missing_script_is_bad_input(tmp_path, monkeypatch, capsys):
     assert "no file 'nope.py'" in capsys.readouterr().err
 
 
+def test_dlrover_run_exit_code_3_when_another_run_holds_the_job_dir(tmp_path, monkeypatch,
+                                                                     capsys):
+    """As ``dlrover submit``: exit 3, the error names the directory and its holder,
+    nothing started (the lock is taken before Ray is)."""
+    from dlrover_core.master.dir_lock import DirLock
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("")
+    job_dir = tmp_path / "job"
+    with DirLock(str(job_dir), "job directory", "busy"):  # as a running submit holds it
+        code = dlrover_run.main(["--nproc_per_node", "1", "--job-dir", str(job_dir), "x.py"])
+    assert code == 3
+    err = " ".join(capsys.readouterr().err.split())
+    assert "job directory" in err and "is in use by pid" in err and "'busy'" in err
+    assert not (job_dir / "summary.json").exists() and not (job_dir / "logs").exists()
+
+
 # ---------------------------------------------------------------------- running
 def test_builder_runs_function_with_torchrun_env(ray_cluster, tmp_path, monkeypatch):
     """``module:function`` through ``DLJobBuilder.train``: each rank gets torchrun's
@@ -277,9 +294,12 @@ def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_res
 
 
 def test_dlrover_run_exit_code_of_a_failing_script(tmp_path):
-    """A script exiting 3 fails the job: dlrover-run exits 1 (as torchrun), the
-    summary's error names the exit code, and no restart was made (``--max-restarts``
+    """A script exiting 3 fails the job: dlrover-run exits with the job's exit code
+    through ``dlrover submit``'s table (failed: 1, as torchrun), the summary's error
+    names the script's exit code, and no restart was made (``--max-restarts``
     defaults to 0, as torchrun's)."""
+    from dlrover_core.spec.builder import EXIT_CODES
+
     (tmp_path / "envdump.py").write_text(ENVDUMP)
     job_dir = tmp_path / "job"
     res = subprocess.run([str(BIN / "dlrover-run"), "--nproc_per_node", "2", "--job-dir",
@@ -288,5 +308,6 @@ def test_dlrover_run_exit_code_of_a_failing_script(tmp_path):
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((job_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "exit code 3" in summary["error"]
+    assert res.returncode == EXIT_CODES.get(summary["status"], 1)
     assert summary["restarts"]["total"] == 0
     assert (tmp_path / "env-0.json").exists() and (tmp_path / "env-1.json").exists()

@@ -27,8 +27,12 @@ dlrover-run's own options: ``--address`` (a Ray cluster to join), ``--job-dir``
 ``min(1, CPUs of this machine / ranks per node)``) and ``--quiet`` (the ranks' output
 only in the job's log files, ``dlrover logs``, not on the console).
 
-Exit code: 0 when every rank's script exited 0, 1 when the job failed (as torchrun,
-which exits 1 when a worker fails), 2 for bad input (nothing started).
+Exit code: the job's, through the table ``dlrover submit`` uses
+(:data:`dlrover_core.spec.builder.EXIT_CODES`): 0 when the job succeeded (every rank's
+script exited 0), 1 when it failed or was stopped (as torchrun, which exits 1 when a
+worker fails); 2 for bad input and 3 when another run holds the job directory or the
+checkpoint folder (nothing started in either case). (``submit``'s 4, already complete,
+needs ``config.max_steps``, which a dlrover-run job has not.)
 """
 
 from __future__ import annotations
@@ -194,16 +198,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from dlrover_core.cli.progress import print_summary
     from dlrover_core.master.client import submit_job
+    from dlrover_core.master.dir_lock import DirInUseError
+    from dlrover_core.spec.builder import EXIT_CODES  # the table of `dlrover submit`
 
     job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
-    summary = submit_job(spec, address=args.address, job_dir=job_dir, progress=False,
-                         verbose=not args.quiet)
+    try:
+        summary = submit_job(spec, address=args.address, job_dir=job_dir, progress=False,
+                             verbose=not args.quiet)
+    except DirInUseError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 3
     if summary is None:
         err.print("the job ended without a summary")
         return 1
     print_summary(summary)
     err.print(f"job directory: {job_dir}  (logs: dlrover logs {spec.name} --job-dir {job_dir})")
-    return 0 if summary.get("status") == "succeeded" else 1
+    return EXIT_CODES.get(summary.get("status"), 1)
 
 
 if __name__ == "__main__":
