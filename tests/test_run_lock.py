@@ -89,3 +89,22 @@ def test_lock_is_exclusive_between_open_file_descriptions(tmp_path):
         with pytest.raises(DirInUseError, match=rf"{tmp_path} is in use by pid {os.getpid()}"):
             DirLock(str(tmp_path), "job directory", "b").acquire()
     DirLock(str(tmp_path), "job directory", "b").acquire().release()
+
+
+def test_a_handed_over_lock_is_only_for_its_token_until_the_deadline(tmp_path, monkeypatch):
+    """Issue 28 item 4: the handover to a detached job's lock keeper leaves no gap."""
+    from dlrover_core.master import dir_lock
+
+    first = DirLock(str(tmp_path), "job directory", "a").acquire()
+    first.release(handover="t0ken")
+    with pytest.raises(DirInUseError, match="handing it over to the job's lock keeper"):
+        DirLock(str(tmp_path), "job directory", "b").acquire()
+    keeper = DirLock(str(tmp_path), "job directory", "a", by="keeper").acquire(token="t0ken")
+    with pytest.raises(DirInUseError, match=rf"in use by pid {os.getpid()} .*, keeper\)"):
+        DirLock(str(tmp_path), "job directory", "b").acquire()
+    keeper.release()
+    DirLock(str(tmp_path), "job directory", "b").acquire().release()
+
+    monkeypatch.setattr(dir_lock, "HANDOVER_S", 0.0)  # a keeper that never came
+    DirLock(str(tmp_path), "job directory", "a").acquire().release(handover="gone")
+    DirLock(str(tmp_path), "job directory", "b").acquire().release()

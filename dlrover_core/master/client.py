@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from dlrover_core.master.dir_lock import DirLock
+from dlrover_core.master.dir_lock import HANDOVER_S, DirLock, LockKeeper
 from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
 
 MASTER_MAX_RESTARTS = 3
@@ -98,20 +98,26 @@ def create_master(spec: DictConfig, job_dir: str, fresh: bool = False) -> Any:
     if get_master(spec.name) is not None:
         raise RuntimeError(f"job {spec.name!r} is already running; `dlrover stop {spec.name}` "
                            "first, or choose another name")
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     cls = ray.remote(concurrency_groups={"report": 1})(JobMaster)
-    # on the head, whose loss ends the cluster anyway: a hard affinity (Ray placed a
-    # 0-CPU actor with a *soft* affinity to a head without CPUs on a worker node every
-    # time, and a worker's loss then took the master with it); without a head in the
-    # table, this process's node, softly
-    head = head_node_id()
-    here = head or ray.get_runtime_context().get_node_id()
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=head is None),
+        scheduling_strategy=_master_node(),
     ).remote(OmegaConf.to_container(spec, resolve=True), job_dir, fresh)
+
+
+def _master_node() -> Any:
+    """Where the JobMaster (and a detached job's lock keeper) runs: on the head, whose
+    loss ends the cluster anyway, by a hard affinity (Ray placed a 0-CPU actor with a
+    *soft* affinity to a head without CPUs on a worker node every time, and a worker's
+    loss then took the master with it); without a head in the table, this process's
+    node, softly."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = head_node_id()
+    here = head or ray.get_runtime_context().get_node_id()
+    return NodeAffinitySchedulingStrategy(here, soft=head is None)
 
 
 def head_node_id() -> str | None:
@@ -139,19 +145,21 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
     a directory of code shipped with the job (see :func:`init_ray`). ``wait=False``
     returns once the JobMaster started the run (``{"name", "run", "job_dir", "status":
     "submitted"}``): the job goes on without this process, so it needs a cluster that
-    outlives it (``address``; the locks are released when this returns).
+    outlives it (``address``).
 
     Ctrl-C stops the job (embedded cluster) or detaches (joined cluster: the job goes on).
     The job directory and the checkpoint folder are locked until this returns
-    (:func:`run_locks`).
+    (:func:`run_locks`); a job that goes on without this process (``wait=False``, a
+    Ctrl-C detach) keeps them locked until it reaches a terminal state: they are handed
+    over to a lock keeper actor (:func:`hand_over_locks`).
 
     Raises:
         DirInUseError: another run holds the job directory or the checkpoint folder.
     """
     job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
-    with run_locks(spec, job_dir):
+    with run_locks(spec, job_dir) as locks:
         return _submit_locked(spec, address, job_dir, progress, verbose, fresh, working_dir,
-                              wait)
+                              wait, locks)
 
 
 def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
@@ -162,21 +170,57 @@ def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
 
 
 @contextmanager
-def run_locks(spec: DictConfig, job_dir: str) -> Iterator[None]:
+def run_locks(spec: DictConfig, job_dir: str) -> Iterator[list[DirLock]]:
     """Hold exclusive locks (:mod:`.dir_lock`) on ``job_dir`` and on the checkpoint
-    folder for the life of this run.
+    folder for the life of this run (yields them: :func:`hand_over_locks`).
 
     Raises:
         DirInUseError: another run holds one of them (nothing was written there).
     """
-    with DirLock(job_dir, "job directory", spec.name), \
-            DirLock(checkpoint_dir(spec, job_dir), "checkpoint folder", spec.name):
-        yield
+    with DirLock(job_dir, "job directory", spec.name) as jd, \
+            DirLock(checkpoint_dir(spec, job_dir), "checkpoint folder", spec.name) as ck:
+        yield [jd, ck]
+
+
+def hand_over_locks(name: str, locks: list[DirLock]) -> dict | None:
+    """Hand ``locks`` (held by this process) over to a new lock keeper actor
+    (:class:`~dlrover_core.master.dir_lock.LockKeeper`, detached, on the JobMaster's
+    node) that holds them until job ``name``'s JobMaster ends. No other process can
+    take them in between (a handover marker, :meth:`DirLock.release`). Returns the
+    keeper's ``{"pid", "host"}``, or ``None`` when it failed (printed to stderr: the
+    directories are then not locked while the job runs)."""
+    import uuid
+
+    import ray
+
+    token = uuid.uuid4().hex
+    keeper = None
+    try:
+        keeper = ray.remote(LockKeeper).options(
+            name=f"dlrover-lock-keeper-{name}-{token[:8]}", namespace=MASTER_NAMESPACE,
+            lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=4,
+            scheduling_strategy=_master_node(),
+        ).remote(name, master_actor_name(name), MASTER_NAMESPACE)
+        ray.get(keeper.ready.remote(), timeout=HANDOVER_S)
+        for lock in locks:
+            lock.release(handover=token)
+        return ray.get(keeper.take.remote([(lk.directory, lk.what) for lk in locks], token,
+                                          HANDOVER_S), timeout=HANDOVER_S + 30)
+    except Exception as exc:  # noqa: BLE001 - the job runs on; say what is not locked
+        print(f"warning: the job directory and checkpoint folder of {name} are not locked "
+              f"while it runs on ({type(exc).__name__}: {exc}); another submit could use "
+              "them", file=sys.stderr)
+        if keeper is not None:
+            try:
+                ray.kill(keeper, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        return None
 
 
 def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress: bool,
                    verbose: bool, fresh: bool = False, working_dir: str | None = None,
-                   wait: bool = True) -> dict:
+                   wait: bool = True, locks: list[DirLock] | None = None) -> dict:
     import ray
 
     started_here = init_ray(address, verbose=verbose, working_dir=working_dir)
@@ -188,6 +232,7 @@ def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress
     ray.get(master.start.remote())
     if not wait:
         st = ray.get(master.status.remote(), timeout=30)
+        hand_over_locks(spec.name, locks or [])
         return {"name": spec.name, "run": st.get("run"), "job_dir": job_dir,
                 "status": "submitted", "state": st.get("state")}
     try:
@@ -200,6 +245,7 @@ def _submit_locked(spec: DictConfig, address: str | None, job_dir: str, progress
         else:
             print(f"\ndetached; the job goes on. `dlrover status {spec.name}` to follow it",
                   file=sys.stderr)
+            hand_over_locks(spec.name, locks or [])
             raise
     try:  # the job ended and its hooks ran: free the name at once
         ray.kill(master, no_restart=True)
