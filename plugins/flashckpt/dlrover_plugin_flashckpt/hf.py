@@ -24,7 +24,8 @@ model, optimizer and scheduler come from the flash save, not from files. The los
 are restored, so the ``training_loss`` that ``train()`` returns and the losses it logs
 are those of an uninterrupted run (its speed metrics then count every step since the
 run began, over this call's runtime). A loss log due at the saved step itself is not
-written again: its steps go into the next log's average.
+written again: its steps go into the next log's average. The fp16 gradient scaler is
+not saved.
 
 The persister is a Ray actor: run the Trainer inside a Ray worker (a dlrover workload,
 where ``saver=self.checkpointer.saver`` reuses the job's saver) or after
