@@ -4,8 +4,8 @@ tensor there fails on GPUs with two or more ranks).
 
 Two real gloo ranks (spawned processes) call ``runtime.elastic.accumulation_step`` and
 ``examples.nanogpt``'s ``GPTWorkload.evaluate`` with ``torch.distributed``'s collectives
-wrapped to fail when a tensor is not on the expected device (the approach of
-``plugins/megatron/tests/test_collective_devices.py``). On the CPU the collectives run
+wrapped to fail when a tensor is not on the expected device
+(``dlrover_core.testing.check_collective_devices``). On the CPU the collectives run
 for real, and the returned means are the two ranks' average. The GPU case is faked,
 since this machine has no CUDA: ``meta`` stands in for ``cuda:<i>`` (not the CPU, no
 hardware needed); the wrapper checks the device and skips the communication (meta
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import types
 
 import pytest
@@ -26,35 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from dlrover_core.cli.local_cluster import free_port
+from dlrover_core.testing import check_collective_devices
+
 META = torch.device("meta")  # stands in for cuda:<i>: no CUDA here
 CPU = torch.device("cpu")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _install_checker(state: dict) -> None:
-    """Wrap the collectives: every tensor argument (lists too) must be on
-    ``state["expected"]``; each call appends its devices to ``state["seen"]``."""
-    def wrap(fn):
-        def checked(*args, **kwargs):
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a
-                        if isinstance(t, torch.Tensor)]
-            devices = sorted({str(t.device) for t in tensors})
-            state["seen"].append(devices)
-            assert devices == [str(state["expected"])], \
-                f"{fn.__name__} of tensors on {devices}; expected {state['expected']}"
-            if state["expected"].type == "cpu":
-                return fn(*args, **kwargs)
-            return None  # the faked GPU: nothing to move
-        return checked
-
-    for name in ("all_reduce", "all_gather", "broadcast", "reduce"):
-        setattr(dist, name, wrap(getattr(dist, name)))
 
 
 def _accumulate(rank: int, device: torch.device) -> float:
@@ -94,7 +69,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
                             world_size=2)
     out = {}
     state: dict = {}
-    _install_checker(state)
+    check_collective_devices(state)
     for name, fn in (("accumulation_step", _accumulate), ("nanogpt_evaluate", _nanogpt_eval)):
         state.update(expected=CPU, seen=[])
         value = fn(rank, CPU)
@@ -113,7 +88,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("collectives")
-    mp.start_processes(_rank, args=(_free_port(), str(out)), nprocs=2, join=True,
+    mp.start_processes(_rank, args=(free_port(), str(out)), nprocs=2, join=True,
                        start_method="spawn")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -1,7 +1,8 @@
 """Every collective of the Megatron example gets tensors on the backend's device (NCCL
 reduces only CUDA tensors: a CPU tensor there fails at TP >= 2 or DP >= 2).
 
-``torch.distributed``'s collectives are wrapped to fail when a tensor is not on
+``torch.distributed``'s collectives are wrapped
+(``dlrover_core.testing.check_collective_devices``) to fail when a tensor is not on
 ``backend.device``. On the CPU the collectives run for real over a one-process gloo
 group. The GPU case is faked, since this machine has no CUDA: the device the GPU path
 would use is stood in for by ``meta`` (a device that is not the CPU and needs no
@@ -14,33 +15,22 @@ group) so that every collective of the functions is called.
 
 from __future__ import annotations
 
-import socket
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dlrover_core.testing import check_collective_devices
 from examples.megatron_gpt import workload as wl
 
 META = torch.device("meta")  # stands in for cuda:<i>: no CUDA here
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.fixture
 def collectives(gloo, monkeypatch):
-    """Wrap the collectives; returns ``(set_expected, seen)``: the expected device and
-    the devices seen, one per collective call."""
+    """The collectives wrapped by :func:`check_collective_devices`; returns its state:
+    ``expected`` (the device) and ``seen`` (one list of device names per call)."""
     from megatron.core import parallel_state as ps
 
     for name in ("get_tensor_model_parallel_world_size",
@@ -50,24 +40,7 @@ def collectives(gloo, monkeypatch):
                  "get_data_parallel_group"):
         monkeypatch.setattr(ps, name, lambda **kw: dist.group.WORLD)
     state = {"expected": torch.device("cpu"), "seen": []}
-
-    def wrap(fn):
-        def checked(*args, **kwargs):
-            # every tensor argument, those in a list (all_gather's outputs) too
-            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
-                       if isinstance(t, torch.Tensor)]
-            devices = {t.device for t in tensors}
-            state["seen"].append(tensors[0].device)
-            assert devices == {state["expected"]}, \
-                f"{fn.__name__} of tensors on {devices}; backend.device is " \
-                f"{state['expected']}"
-            if state["expected"].type == "cpu":
-                return fn(*args, **kwargs)
-            return None  # the faked GPU: nothing to move
-        return checked
-
-    for name in ("all_reduce", "all_gather", "broadcast", "send", "recv", "reduce"):
-        monkeypatch.setattr(dist, name, wrap(getattr(dist, name)))
+    check_collective_devices(state, monkeypatch.setattr)
     return state
 
 
@@ -99,7 +72,7 @@ def test_on_gloo_every_collective_is_on_the_cpu(collectives):
     assert wl._num_params(_model(cpu), cpu) == 2 * 6 + 2   # the TP-split weight x TP=2
     # mean loss 1.0 per batch, all-reduced over DP (x1) then divided by dp_size 2
     assert wl.MegatronGPTWorkload.evaluate(_eval_self(cpu)) == pytest.approx(0.5)
-    assert collectives["seen"] == [cpu] * 4
+    assert collectives["seen"] == [["cpu"]] * 4
 
 
 @pytest.mark.parametrize("fn,calls", [
@@ -111,4 +84,4 @@ def test_gpu_path_collectives_are_on_the_backend_device(collectives, fn, calls):
     collectives["expected"] = META
     with pytest.raises(RuntimeError, match="meta tensors"):   # reading the value back
         fn()
-    assert collectives["seen"] == [META] * calls
+    assert collectives["seen"] == [["meta"]] * calls

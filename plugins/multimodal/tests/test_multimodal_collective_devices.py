@@ -2,9 +2,9 @@
 (NCCL reduces and gathers only CUDA tensors: a CPU tensor there fails with two or more
 trainer ranks on GPUs).
 
-``torch.distributed``'s collectives are wrapped to fail when a tensor (or a tensor of a
-list argument) is not on the expected device, as in
-``plugins/megatron/tests/test_collective_devices.py``. On the CPU the collectives run for
+``torch.distributed``'s collectives are wrapped
+(``dlrover_core.testing.check_collective_devices``) to fail when a tensor (or a tensor
+of a list argument) is not on the expected device. On the CPU the collectives run for
 real over gloo: a one-process group for the trainer's fetch agreement, two spawned
 processes for :func:`gather_features` (its shapes need two real ranks). The GPU case is
 faked, since this machine has no CUDA: ``meta`` stands in for ``cuda:<i>`` (not the CPU,
@@ -17,7 +17,6 @@ faked to 2 there so that the collective is called at all.
 from __future__ import annotations
 
 import os
-import socket
 import types
 
 import pytest
@@ -25,61 +24,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dlrover_core.cli.local_cluster import free_port
+from dlrover_core.testing import check_collective_devices
 from dlrover_plugin_multimodal.contrastive import gather_features
 from dlrover_plugin_multimodal.fusion import FusionTrainerWorkload, UpstreamLost
 
 META = torch.device("meta")  # stands in for cuda:<i>: no CUDA here
 CPU = torch.device("cpu")
-COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tensors(args) -> list[torch.Tensor]:
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out += [t for t in a if isinstance(t, torch.Tensor)]
-    return out
-
-
-def install_checker(state: dict, patch) -> None:
-    """Wrap the collectives (``patch(module, name, fn)`` sets an attribute): every
-    tensor argument must be on ``state["expected"]``; each call appends its devices to
-    ``state["seen"]``. CPU tensors are communicated for real, meta ones are not."""
-    def wrap(fn):
-        def checked(*args, **kwargs):
-            devices = {t.device for t in _tensors(args)}
-            state["seen"].append(sorted(str(d) for d in devices))
-            assert devices == {state["expected"]}, \
-                f"{fn.__name__} of tensors on {devices}; expected {state['expected']}"
-            if state["expected"].type == "cpu":
-                return fn(*args, **kwargs)
-            return None  # the faked GPU: nothing to move
-        return checked
-
-    for name in COLLECTIVES:
-        patch(dist, name, wrap(getattr(dist, name)))
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture
 def collectives(gloo, monkeypatch):
     state = {"expected": CPU, "seen": []}
-    install_checker(state, monkeypatch.setattr)
+    check_collective_devices(state, monkeypatch.setattr)
     return state
 
 
@@ -128,7 +85,7 @@ def _gather_rank(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     state = {"expected": CPU, "seen": []}
-    install_checker(state, setattr)
+    check_collective_devices(state)
     image = torch.full((2, 3), float(rank))
     text = torch.full((2, 3), 10.0 + rank)
     a, b = gather_features(image, text)
@@ -138,7 +95,7 @@ def _gather_rank(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_gather_features_over_two_gloo_ranks_runs_every_collective_on_the_cpu(tmp_path):
-    mp.start_processes(_gather_rank, args=(_free_port(), str(tmp_path)), nprocs=2,
+    mp.start_processes(_gather_rank, args=(free_port(), str(tmp_path)), nprocs=2,
                        join=True, start_method="spawn")
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")

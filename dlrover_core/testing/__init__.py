@@ -12,12 +12,15 @@ Fixtures:
 - ``fake_dist``: a factory that installs a fake distribution with a
   ``dlrover.plugins`` entry point on ``sys.path`` (no pip needed).
 - ``job_dir``: a fresh job directory.
+- ``gloo`` (module): a one-process gloo ``torch.distributed`` group.
 
 Helpers (plain functions): real Ray clusters (``start_test_ray``,
 ``multinode_cluster``), whole jobs (``run_job``, ``poll_status``, ``master_node_id``),
 roles outside a job (``spawn_role``, ``call_all``, ``kill_actors``), the ``dlrover`` command
-(``dlrover_json``, ``plugin_row``, ``heavy_modules_after``) and state dicts
-(``flatten_state``, ``assert_states_equal``).
+(``dlrover_json``, ``plugin_row``, ``heavy_modules_after``), state dicts
+(``flatten_state``, ``assert_states_equal``) and the devices of ``torch.distributed``'s
+collectives (``check_collective_devices``); these three and ``gloo`` are in
+:mod:`dlrover_core.testing.tensors`.
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ from typing import Any, Callable, Iterable, Iterator
 
 import pytest
 
-__all__ = ["assert_states_equal", "call_all", "dlrover_json", "fake_dist", "flatten_state",
-           "heavy_modules_after", "job_dir", "kill_actors", "make_fake_dist", "master_node_id",
-           "multinode_cluster", "plugin_manager", "plugin_row", "poll_status", "ray_cluster",
-           "run_job", "spawn_role", "start_test_ray"]
+from dlrover_core.testing.tensors import (assert_states_equal, check_collective_devices,
+                                          flatten_state, gloo)
+
+__all__ = ["assert_states_equal", "call_all", "check_collective_devices", "dlrover_json",
+           "fake_dist", "flatten_state", "gloo", "heavy_modules_after", "job_dir",
+           "kill_actors", "make_fake_dist", "master_node_id", "multinode_cluster",
+           "plugin_manager", "plugin_row", "poll_status", "ray_cluster", "run_job",
+           "spawn_role", "start_test_ray"]
 
 
 def start_test_ray(num_cpus: int | None = None, **kwargs) -> str:
@@ -294,46 +301,6 @@ def heavy_modules_after(code: str, heavy: Iterable[str] = ("torch",)) -> list[st
     return json.loads(out.strip().splitlines()[-1])
 
 
-def flatten_state(state: Any, prefix: str = "") -> dict[str, Any]:
-    """Every leaf of a nested state dict as ``dotted.path -> value`` (dict keys and
-    list/tuple indices joined by ``.``, each path starting with ``.``); a tensor (a
-    DTensor: its local shard) is detached and cloned, any other leaf kept as is."""
-    out: dict[str, Any] = {}
-    if hasattr(state, "to_local"):
-        out[prefix] = state.to_local().detach().clone()
-    elif hasattr(state, "detach"):
-        out[prefix] = state.detach().clone()
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            out.update(flatten_state(v, f"{prefix}.{k}"))
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            out.update(flatten_state(v, f"{prefix}.{i}"))
-    else:
-        out[prefix] = state
-    return out
-
-
-def assert_states_equal(a: list[dict], b: list[dict]) -> None:
-    """Assert that two lists of flattened states (one per rank, see
-    :func:`flatten_state`) hold the same paths, and per path the same value: tensors of
-    the same dtype and equal bit for bit (``torch.equal``), other values ``==``.
-
-    Raises:
-        AssertionError: naming the rank and path that differ.
-    """
-    import torch
-
-    assert len(a) == len(b), (len(a), len(b))
-    for rank, (x, y) in enumerate(zip(a, b)):
-        assert x.keys() == y.keys(), rank
-        for k in x:
-            if isinstance(x[k], torch.Tensor):
-                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (rank, k)
-            else:
-                assert x[k] == y[k], (rank, k)
-
-
 def crash_renames_after(monkeypatch: pytest.MonkeyPatch, crash_at: int,
                         exchange: bool = True) -> list:
     """Make every rename after the first ``crash_at`` ones raise ``OSError("injected
@@ -358,3 +325,4 @@ def crash_renames_after(monkeypatch: pytest.MonkeyPatch, crash_at: int,
     monkeypatch.setattr(aio, "_exchange", (lambda a, b: step(real_exchange, a, b))
                         if exchange else (lambda a, b: False))
     return calls
+
