@@ -41,6 +41,13 @@ def spec(**changes):
     return s
 
 
+def extra_encoder(role: str, modality: str) -> dict:
+    """The :func:`spec` changes that add an encoder role ``role`` (a toy text encoder)
+    for ``modality``."""
+    return {f"roles__{role}": {"workload": f"{TOY}:ToyTextEncoder"},
+            f"config__multimodal__encoders__{role}": {"modality": modality}}
+
+
 def test_template_is_registered():
     t = PluginManager().get_template("multimodal")
     assert t.provider == "multimodal"
@@ -77,24 +84,13 @@ def test_every_modality_of_the_data_needs_an_encoder_role():
     assert "encoders: tag (text_encoder), vec (vision_encoder)" in msg
 
 
-def test_an_encoder_of_a_modality_the_data_lacks_is_an_error():
-    s = spec()
-    s["roles"]["audio_encoder"] = {"workload": f"{TOY}:ToyTextEncoder"}
-    s["config"]["multimodal"]["encoders"]["audio_encoder"] = {"modality": "words"}
-    with pytest.raises(SpecError, match=r"encoders.audio_encoder.modality: 'words' is invalid.*"
-                                        r"allowed: a modality of the data: vec, tag"):
-        load_spec(s)
-
-
 def test_missing_trainer_and_unknown_roles():
     with pytest.raises(SpecError, match=r"roles.trainer: None .*template 'multimodal' requires "
                                         r"role 'trainer'"):
         load_spec(spec(roles__trainer=None, collocation=[]))
-    extra = spec()
-    extra["roles"]["audio_encoder"] = {"workload": f"{TOY}:ToyTextEncoder"}
     with pytest.raises(SpecError, match=r"roles.audio_encoder: 'audio_encoder' is invalid .*"
                                         r"add config.multimodal.encoders.audio_encoder"):
-        load_spec(extra)
+        load_spec(spec(roles__audio_encoder={"workload": f"{TOY}:ToyTextEncoder"}))
     with pytest.raises(SpecError, match=r"config.multimodal.encoders.text_encoder: "
                                         r"'text_encoder' is invalid .*a role of this job"):
         load_spec(spec(roles__text_encoder=None))
@@ -122,19 +118,17 @@ def test_a_trainable_encoder_must_share_the_trainers_bundles():
     ({"config__multimodal__encoders__text_encoder": {"modality": "tag", "frozen": True}},
      r"encoders.text_encoder.frozen: True is invalid \(unknown encoder setting\)"),
     ({"config__multimodal": None}, r"config.multimodal: None is invalid \(missing\)"),
+    # an encoder of a modality the data lacks; two encoders of one modality
+    (extra_encoder("audio_encoder", "words"),
+     r"encoders.audio_encoder.modality: 'words' is invalid.*"
+     r"allowed: a modality of the data: vec, tag"),
+    (extra_encoder("text_encoder_2", "tag"),
+     r"encoders: \['text_encoder', 'text_encoder_2'\] is invalid .*; "
+     r"allowed: one encoder role per modality"),
 ])
 def test_bad_settings_name_key_value_and_allowed(change, match):
     with pytest.raises(SpecError, match=match):
         load_spec(spec(**change))
-
-
-def test_two_encoders_of_one_modality_are_rejected():
-    s = spec()
-    s["roles"]["text_encoder_2"] = {"workload": f"{TOY}:ToyTextEncoder"}
-    s["config"]["multimodal"]["encoders"]["text_encoder_2"] = {"modality": "tag"}
-    with pytest.raises(SpecError, match=r"encoders: \['text_encoder', 'text_encoder_2'\] is "
-                                        r"invalid .*; allowed: one encoder role per modality"):
-        load_spec(s)
 
 
 def test_batch_must_split_over_trainer_and_encoder_ranks():
