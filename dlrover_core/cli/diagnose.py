@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from dlrover_core.cli.job_files import add_job_arguments
 from dlrover_core.cli.output import print_json, print_table
 
 VERDICT_STYLE = {"ok": "green", "unverified": "yellow", "failed": "red",
@@ -16,8 +17,7 @@ VERDICT_STYLE = {"ok": "green", "unverified": "yellow", "failed": "red",
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("diagnose", help="node checks, stragglers and hangs of a job "
                        "(from its job directory)")
-    p.add_argument("job", help="job name (runs/NAME) or a job directory")
-    p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
+    add_job_arguments(p, run=False)
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=cmd_diagnose)
 

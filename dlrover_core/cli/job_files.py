@@ -15,7 +15,7 @@ from dlrover_core.master.events import read_events
 from dlrover_core.runs import EVENTS, METRICS, RUN_INFO, SUMMARY, run_paths
 
 __all__ = ["EVENTS", "METRICS", "SUMMARY", "AmbiguousJobError", "JobFiles", "JobRef",
-           "find_job", "is_job_dir", "job_name_of", "resolve_job_dir"]
+           "add_job_arguments", "find_job", "is_job_dir", "job_name_of", "resolve_job_dir"]
 
 
 def run_option(text: str) -> str:
@@ -30,6 +30,20 @@ def run_option(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def add_job_arguments(parser, run: bool = True) -> None:
+    """Add the arguments of a command that reads a job directory after the fact to
+    ``parser`` (an ``argparse.ArgumentParser``): ``job`` (a job name or a job
+    directory), ``--job-dir`` and, with ``run``, ``--run`` (:func:`run_option`); the
+    values go to :func:`resolve_job_dir` and :meth:`JobFiles.read`."""
+    parser.add_argument("job", help="job name (runs/NAME) or a job directory")
+    parser.add_argument("--job-dir", default=None,
+                        help="the job directory (default runs/NAME)")
+    if run:
+        parser.add_argument("--run", default=None, type=run_option,
+                            help="which run of the job directory (N or run-N; default: "
+                                 "the latest)")
 
 
 class AmbiguousJobError(LookupError):

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Iterable
 
-from dlrover_core.cli.job_files import run_option
+from dlrover_core.cli.job_files import add_job_arguments
 from dlrover_core.runs import SUMMARY
 from dlrover_core.runtime.log_capture import LOGS_DIR
 
@@ -207,15 +207,12 @@ def run_header(run: RunPaths) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logs", help="stdout/stderr of role instances, every attempt, from "
                        "the job directory")
-    p.add_argument("job", help="job name (runs/NAME) or a job directory")
+    add_job_arguments(p)
     p.add_argument("--role", default=None, help="only this role ('driver' for the driver)")
     p.add_argument("--rank", type=int, default=None, help="only this rank")
     p.add_argument("--attempt", type=int, default=None, help="only this attempt (0: first)")
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing new output until the job ends")
-    p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
-    p.add_argument("--run", default=None, type=run_option,
-                   help="which run of the job directory (N or run-N; default: the latest)")
     p.set_defaults(func=cmd_logs)
 
 

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import argparse
 
-from dlrover_core.cli.job_files import run_option
+from dlrover_core.cli.job_files import add_job_arguments
 from dlrover_core.cli.output import print_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("timeline", help="draw a job's timeline (instances, failures, "
                        "recoveries, checkpoints, goodput) from its job directory")
-    p.add_argument("job", help="job name (runs/NAME) or a job directory")
+    add_job_arguments(p)
     p.add_argument("-o", "--output", default="timeline.png",
                    help="image to write (.png, .svg, .pdf; default timeline.png)")
-    p.add_argument("--job-dir", default=None, help="the job directory (default runs/NAME)")
-    p.add_argument("--run", default=None, type=run_option,
-                   help="which run of the job directory (N or run-N; default: the latest)")
     p.add_argument("--json", action="store_true",
                    help="print the drawn data as JSON instead of drawing")
     p.set_defaults(func=cmd_timeline)
