@@ -100,16 +100,12 @@ def test_ppo_separated_roles_get_their_own_placement_groups(ray_cluster, job_dir
 
 
 def test_short_cartpole_run_raises_the_return(ray_cluster, job_dir):
-    job = (RLJobBuilder("ppo").name("cartpole-short")
-           .rl(iterations=10, minibatch_unit="step", epochs=4, minibatches=4)
-           .config({"seed": 1, "cartpole": {"envs_per_worker": 8, "steps_per_iter": 128}})
-           .actor("examples.ppo_cartpole.workload", "CartPoleActor").resource(cpu=0.5)
-           .critic("examples.ppo_cartpole.workload", "CartPoleCritic").resource(cpu=0.5)
-           .rollout("examples.ppo_cartpole.workload", "CartPoleRollout").total(2)
-           .resource(cpu=0.5)
-           .with_collocation("actor", "rollout")
-           .build())
-    summary = job.submit(job_dir=job_dir)
+    """examples/ppo_cartpole from its job file, shortened to 10 iterations."""
+    from dlrover_core import load_spec
+    from dlrover_core.master.client import submit_job
+
+    spec = load_spec("examples/ppo_cartpole/job.yaml", ["config.rl.iterations=10"])
+    summary = submit_job(spec, job_dir=job_dir, progress=False)
     assert summary["status"] == "succeeded", summary["error"]
     returns = [s["mean_return"] for s in step_metrics(job_dir) if "mean_return" in s]
     assert returns[0] < 40  # a random policy balances the pole for about 20 steps
