@@ -17,6 +17,8 @@ import pytest
 from dlrover_core import DLJobBuilder, SpecError, load_spec
 from dlrover_core.cli import run as dlrover_run
 from dlrover_core.master.events import read_events
+from dlrover_core.pids import pid_alive
+from dlrover_core.testing import torchrun_script_pid
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "torchrun_ddp" / "train.py"
@@ -192,35 +194,8 @@ def test_torchrun_and_dlrover_run_reach_the_same_loss(tmp_path, torchrun_result)
     assert a["final_loss"] < 3.0  # it learned something (uniform over ~100 chars: 4.6)
 
 
-def _child_pid(run_id: str, rank: int, restart: int, timeout: float = 120) -> int:
-    """The pid of the script process of ``rank`` in job ``run_id`` (from /proc)."""
-    want = {f"TORCHELASTIC_RUN_ID={run_id}", f"RANK={rank}",
-            f"TORCHELASTIC_RESTART_COUNT={restart}"}
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                env = set(Path(f"/proc/{pid}/environ").read_bytes().decode(
-                    "utf-8", "replace").split("\0"))
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if want <= env and b"train.py" in cmd:
-                return int(pid)
-        time.sleep(0.1)
-    raise AssertionError(f"no script process {want}")
-
-
 def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.slow
@@ -239,7 +214,7 @@ def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_res
          *_train_args(tmp_path, "killed", "--step-sleep", "0.05")],
         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        target = _child_pid(run_id, 1, 0)
+        target = torchrun_script_pid(run_id, 1)
         deadline = time.time() + 120
         while not (tmp_path / "killed.pt").exists() and time.time() < deadline:
             time.sleep(0.05)
@@ -249,9 +224,9 @@ def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_res
         os.kill(target, signal.SIGKILL)
         if victim == "actor":  # PR_SET_PDEATHSIG: the script goes with its actor
             deadline = time.time() + 10
-            while _alive(script_pid) and time.time() < deadline:
+            while pid_alive(script_pid) and time.time() < deadline:
                 time.sleep(0.05)
-            assert not _alive(script_pid), "the script outlived its killed actor"
+            assert not pid_alive(script_pid), "the script outlived its killed actor"
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

@@ -33,6 +33,8 @@ import tempfile
 import time
 from typing import Any
 
+from dlrover_core.pids import pid_alive
+
 STATE = "cluster.json"
 TOKEN_FILE = "auth_token"
 DEFAULT_DIR = os.path.join(".dlrover", "cluster")
@@ -77,20 +79,6 @@ def client_env(state: dict) -> dict[str, str]:
     ``RAY_ADDRESS``, ``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN_PATH``."""
     return {"RAY_ADDRESS": state["address"], "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": state["token_path"]}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -153,7 +141,7 @@ def _start_node(directory: str, name: str, env: dict[str, str], num_cpus: int,
 def _wait_port(port: int, node: dict, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if not _alive(node["pid"]):
+        if not pid_alive(node["pid"]):
             raise ClusterError(f"node {node['name']} exited while starting; its log: "
                                f"{node['log']}\n{_tail(node['log'])}")
         try:
@@ -196,10 +184,10 @@ def wait_for_nodes(state: dict, timeout_s: float = 120.0) -> dict:
         ClusterError: a node exited, or is not alive after ``timeout_s`` seconds.
     """
     deadline = time.time() + timeout_s
-    want = [n for n in state["nodes"] if _alive(n["pid"])]
+    want = [n for n in state["nodes"] if pid_alive(n["pid"])]
     while True:
         for n in want:
-            if not _alive(n["pid"]):
+            if not pid_alive(n["pid"]):
                 raise ClusterError(f"node {n['name']} exited; its log: {n['log']}\n"
                                    f"{_tail(n['log'])}")
         table = {r["NodeManagerPort"]: r for r in _node_table(state) if r["Alive"]}
@@ -239,7 +227,7 @@ def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
         raise ValueError(f"--cpus-per-node: {cpus_per_node!r}; give 1 or more")
     directory = state_dir(directory)
     old = read_state(directory)
-    if old and any(_alive(n["pid"]) for n in old["nodes"]):
+    if old and any(pid_alive(n["pid"]) for n in old["nodes"]):
         raise ClusterError(f"a cluster is already up at {old['address']} (state {directory}); "
                            "`dlrover cluster down` first, or use another --dir")
     os.makedirs(directory, exist_ok=True)
@@ -307,7 +295,7 @@ def kill_node(state: dict, name: str) -> list[int]:
 
 
 def _stop_node(node: dict, grace_s: float) -> None:
-    if _alive(node["pid"]):
+    if pid_alive(node["pid"]):
         try:
             os.kill(node["pid"], signal.SIGTERM)  # `ray start --block` stops its processes
         except ProcessLookupError:
@@ -344,6 +332,7 @@ def down(directory: str | None = None, grace_s: float = 10.0, keep_temp: bool = 
 
 def node_rows(state: dict) -> list[dict]:
     """One row per recorded node: name, head?, pid, alive, CPUs, node id, temp dir."""
-    return [{"name": n["name"], "head": n["head"], "pid": n["pid"], "alive": _alive(n["pid"]),
-             "num_cpus": n["num_cpus"], "node_id": n["node_id"], "temp_dir": n["temp_dir"]}
+    return [{"name": n["name"], "head": n["head"], "pid": n["pid"],
+             "alive": pid_alive(n["pid"]), "num_cpus": n["num_cpus"], "node_id": n["node_id"],
+             "temp_dir": n["temp_dir"]}
             for n in state["nodes"]]

@@ -16,7 +16,8 @@ Fixtures:
 
 Helpers (plain functions): real Ray clusters (``start_test_ray``,
 ``multinode_cluster``), whole jobs (``run_job``, ``poll_status``, ``master_node_id``),
-roles outside a job (``spawn_role``, ``call_all``, ``kill_actors``), the ``dlrover`` command
+roles outside a job (``spawn_role``, ``call_all``, ``kill_actors``), a torchrun-style
+script's process (``torchrun_script_pid``), the ``dlrover`` command
 (``dlrover_json``, ``plugin_row``, ``heavy_modules_after``), state dicts
 (``flatten_state``, ``assert_states_equal``) and the devices of ``torch.distributed``'s
 collectives (``check_collective_devices``); these three and ``gloo`` are in
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -46,7 +48,7 @@ __all__ = ["assert_states_equal", "call_all", "check_collective_devices", "dlrov
            "fake_dist", "flatten_state", "gloo", "heavy_modules_after", "job_dir",
            "kill_actors", "make_fake_dist", "master_node_id", "multinode_cluster",
            "plugin_manager", "plugin_row", "poll_status", "ray_cluster", "run_job",
-           "spawn_role", "start_test_ray"]
+           "spawn_role", "start_test_ray", "torchrun_script_pid"]
 
 
 def start_test_ray(num_cpus: int | None = None, **kwargs) -> str:
@@ -262,6 +264,33 @@ def kill_actors(handles: Iterable[Any]) -> None:
 
     for h in handles:
         ray.kill(h, no_restart=True)
+
+
+def torchrun_script_pid(run_id: str, rank: int, restart: int = 0, script: str = "train.py",
+                        timeout: float = 120) -> int:
+    """The pid of the process that runs ``script`` as ``rank`` of the torchrun-style job
+    ``run_id`` (``TORCHELASTIC_RUN_ID``) in its ``restart``-th group restart
+    (``TORCHELASTIC_RESTART_COUNT``), found in /proc (``dlrover-run`` and ``torchrun``
+    set these variables).
+
+    Raises:
+        AssertionError: no such process within ``timeout`` seconds.
+    """
+    want = {f"TORCHELASTIC_RUN_ID={run_id}", f"RANK={rank}",
+            f"TORCHELASTIC_RESTART_COUNT={restart}"}
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                env = set(Path(f"/proc/{pid}/environ").read_bytes().decode(
+                    "utf-8", "replace").split("\0"))
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if want <= env and script.encode() in cmd:
+                return int(pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no {script} process {want}")
 
 
 def dlrover_json(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> Any:
