@@ -82,10 +82,15 @@ def test_straggler_is_detected_and_replaced(scenario):
     assert (ev["role"], ev["rank"], ev["pid"]) == ("trainer", 1, part["slowed_pid"])
     assert ev["action"] == "replace" and ev["ratio"] > 2.0 and len(ev["evidence"]) == 3
     assert ev["ts"] > part["slowed_at"]
+    waits = {"0": 0.0, "1": 0.0}
     for window in ev["evidence"]:  # the evidence: rank 1 computes, rank 0 waits
         r0, r1 = window["ranks"]["0"], window["ranks"]["1"]
         assert r1["compute_s"] > 2.0 * r0["compute_s"]
-        assert r0["wait_s"] > r1["wait_s"]
+        for r in waits:
+            waits[r] += window["ranks"][r]["wait_s"]
+    # over the windows (one window's medians can both be a few ms on a loaded machine,
+    # when rank 0's own report reaches the next all_reduce late)
+    assert waits["0"] > waits["1"], ev["evidence"]
     failed = _events(part, "instance_failed")
     assert [(e["kind"], e["rank"]) for e in failed] == [("straggler", 1)]
     assert _events(part, "recovery_finished")[0]["phases"]["standby_used"] is True
