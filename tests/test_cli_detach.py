@@ -176,6 +176,13 @@ def test_a_job_submitted_without_waiting_keeps_its_directories_locked(ray_cluste
     _wait_unlocked(os.path.join(job_dir, "ckpt"))
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT raises KeyboardInterrupt, as at a terminal. A test run
+    started in the background by a non-interactive shell inherits SIGINT ignored, and
+    Python then keeps ignoring it (the submit would never see the Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_job_detached_by_ctrl_c_keeps_its_directories_locked(ray_cluster, tmp_path):
     """Issue 28 item 4: a real ``dlrover submit`` joined to the test's cluster, sent
     SIGINT while the job runs, detaches; the job's directories stay locked (by the
@@ -190,7 +197,7 @@ def test_a_job_detached_by_ctrl_c_keeps_its_directories_locked(ray_cluster, tmp_
     first = subprocess.Popen([sys.executable, "-m", "dlrover_core.cli.main", "submit", job,
                               "--job-dir", job_dir, "--no-progress", "--address", address],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+                             text=True, preexec_fn=_default_sigint)
     try:
         deadline = time.monotonic() + 180
         while (get_master(name) is None
