@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import time
+from typing import Any, Callable
 
 MANIFEST = "manifest.json"
 
@@ -62,6 +63,41 @@ def build_manifest(step_dir: str, step: int, extra: dict | None = None) -> dict:
     return {"step": step, "created": time.time(), "files": files, **(extra or {})}
 
 
+def read_manifest_file(step_dir: str) -> dict:
+    """The parsed ``manifest.json`` of ``step_dir`` (any saver's format).
+
+    Raises:
+        CorruptCheckpointError: the manifest is missing or not JSON.
+    """
+    try:
+        with open(os.path.join(step_dir, MANIFEST)) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{step_dir}: unreadable manifest ({exc})") from None
+
+
+def check_file(step_dir: str, rel: str, meta: dict, key: str = "sha256",
+               digest: Callable[[str], Any] = file_digest) -> None:
+    """Check the file ``rel`` of ``step_dir`` against its manifest entry ``meta``: it
+    exists, has ``meta["bytes"]`` bytes and ``digest(path) == meta[key]`` (default: the
+    sha256 hex digest, :func:`file_digest`; the flash saver passes ``"crc32"``).
+
+    Raises:
+        DamagedStepError: a size or checksum mismatch (the message names the file).
+        CorruptCheckpointError: the file is missing.
+    """
+    path = os.path.join(step_dir, rel)
+    if not os.path.exists(path):
+        raise CorruptCheckpointError(f"{step_dir}: file {rel} is missing")
+    size = os.path.getsize(path)
+    if size != meta["bytes"]:
+        raise DamagedStepError(
+            f"{step_dir}: {rel} has {size} bytes, the manifest says {meta['bytes']}")
+    if digest(path) != meta[key]:
+        raise DamagedStepError(
+            f"{step_dir}: {rel} {key} checksum does not match the manifest")
+
+
 def verify(step_dir: str) -> dict:
     """Check sizes and checksums against the manifest; return the manifest.
 
@@ -69,20 +105,7 @@ def verify(step_dir: str) -> dict:
         DamagedStepError: a size or checksum mismatch.
         CorruptCheckpointError: missing manifest or file.
     """
-    path = os.path.join(step_dir, MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{step_dir}: unreadable manifest ({exc})") from None
+    manifest = read_manifest_file(step_dir)
     for rel, meta in manifest.get("files", {}).items():
-        p = os.path.join(step_dir, rel)
-        if not os.path.exists(p):
-            raise CorruptCheckpointError(f"{step_dir}: file {rel} is missing")
-        size = os.path.getsize(p)
-        if size != meta["bytes"]:
-            raise DamagedStepError(
-                f"{step_dir}: {rel} has {size} bytes, manifest says {meta['bytes']}")
-        if file_digest(p) != meta["sha256"]:
-            raise DamagedStepError(f"{step_dir}: {rel} checksum does not match the manifest")
+        check_file(step_dir, rel, meta)
     return manifest

@@ -9,12 +9,12 @@ by :func:`.storage.try_commit`.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import zlib
 
-from dlrover_core.checkpoint.manifest import MANIFEST, CorruptCheckpointError, DamagedStepError
+from dlrover_core.checkpoint.manifest import (CorruptCheckpointError, check_file,
+                                              read_manifest_file)
 
 FORMAT = "flashckpt-v1"
 #: bytes per read when a file's crc32 is computed
@@ -32,11 +32,7 @@ def read_manifest(step_dir: str) -> dict:
     Raises:
         CorruptCheckpointError: missing or unreadable, or not a flash checkpoint.
     """
-    try:
-        with open(os.path.join(step_dir, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{step_dir}: unreadable manifest ({exc})") from None
+    manifest = read_manifest_file(step_dir)
     if manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{step_dir}: format {manifest.get('format')!r} is not "
                                      f"{FORMAT!r} (written by another saver?)")
@@ -71,17 +67,9 @@ def verify_step(step_dir: str, ranks: list[int] | None = None,
              for n in rank_files(r)]
     for name in names:
         meta = manifest["files"].get(name)
-        path = os.path.join(step_dir, name)
         if meta is None:
             raise CorruptCheckpointError(f"{step_dir}: the manifest does not list {name}")
-        if not os.path.exists(path):
-            raise CorruptCheckpointError(f"{step_dir}: file {name} is missing")
-        size = os.path.getsize(path)
-        if size != meta["bytes"]:
-            raise DamagedStepError(
-                f"{step_dir}: {name} has {size} bytes, the manifest says {meta['bytes']}")
-        if file_crc32(path) != meta["crc32"]:
-            raise DamagedStepError(f"{step_dir}: {name} crc32 does not match the manifest")
+        check_file(step_dir, name, meta, "crc32", file_crc32)
     return manifest
 
 

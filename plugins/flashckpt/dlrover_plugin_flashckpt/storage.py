@@ -56,6 +56,7 @@ from dlrover_core.checkpoint.saver import (
     prune,
     step_dir_name,
 )
+from dlrover_core.pids import pid_alive
 
 # re-exported: the commit's users reach the step format and the lineage through ``storage``
 from dlrover_plugin_flashckpt.committed import (  # noqa: F401
@@ -212,7 +213,7 @@ def _lock_commit(tmp: str) -> bool:
                     age = time.time() - os.path.getmtime(path)
                 except OSError:
                     continue
-            dead = owner.get("host") == me["host"] and not _pid_alive(int(owner.get("pid", 0)))
+            dead = owner.get("host") == me["host"] and not pid_alive(int(owner.get("pid", 0)))
             if not dead and age <= LOCK_STALE_S:
                 return False
             grab = f"{path}.stale-{me['nonce']}"
@@ -240,16 +241,6 @@ def _lock_commit(tmp: str) -> bool:
             json.dump(me, f)
         return True
     return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid > 0
 
 
 def read_markers(tmp: str) -> list[dict]:
