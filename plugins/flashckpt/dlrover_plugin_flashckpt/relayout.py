@@ -16,7 +16,7 @@ from dlrover_core.checkpoint.saver import step_dir_name
 from dlrover_plugin_flashckpt import layout, shm, storage
 from dlrover_plugin_flashckpt.meta import unpack_meta
 from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, step_meta
-from dlrover_plugin_flashckpt.replica import parse_replica
+from dlrover_plugin_flashckpt.replica import folder_buffers, parse_replica
 from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
 
 #: the name of a rank's own slot (not a replica)
@@ -48,24 +48,18 @@ class RelayoutMixin:
                 holder = ray.get_runtime_context().get_node_id()[:12]
         except ImportError:
             pass
-        prefix = f"{shm.job_prefix(self.job)}{shm.dir_key(self.dir)}-r"
+
+        def here(name: str) -> bool:  # a slot, or a replica this node holds
+            rep = parse_replica(name)
+            return bool(_SLOT_RE.search(name)) or bool(rep and holder and rep[2] == holder)
+
         found: dict[int, dict[int, dict[int, tuple[int, str]]]] = {}
-        for path in shm.list_segments(self.opts.shm_dir, prefix):
-            rep = parse_replica(os.path.basename(path))
-            if not _SLOT_RE.search(path) and not (rep and holder and rep[2] == holder):
+        for path, h in folder_buffers(self.opts.shm_dir, self.job, self.dir, here):
+            if not shm.holds_step(h):
                 continue
-            seg = shm.Segment.attach(path)
-            if seg is None:
-                continue
-            try:
-                h = seg.read_header()
-                if not shm.holds_step(h) or seg.ident().get("dir") != self.dir:
-                    continue
-                ranks = found.setdefault(h.world_size, {}).setdefault(h.step, {})
-                if h.rank not in ranks or ranks[h.rank][0] < h.seq:
-                    ranks[h.rank] = (h.seq, path)
-            finally:
-                seg.close()
+            ranks = found.setdefault(h.world_size, {}).setdefault(h.step, {})
+            if h.rank not in ranks or ranks[h.rank][0] < h.seq:
+                ranks[h.rank] = (h.seq, path)
         return {world: full for world, steps in found.items()
                 if (full := {s: {r: p for r, (_, p) in ranks.items()}
                              for s, ranks in steps.items() if len(ranks) == world})}

@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 import zlib
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from dlrover_plugin_flashckpt import layout, shm
 from dlrover_plugin_flashckpt.handles import alive_nodes, persisters_of
@@ -118,26 +118,43 @@ def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dic
                 s.close()
 
 
-def held(shm_dir: str, job: str, directory: str, holder: str) -> list[dict]:
-    """The complete replicas of ``directory`` this holder has: ``[{"name", "rank",
-    "world_size", "step", "bytes"}]``."""
+def folder_buffers(shm_dir: str, job: str, directory: str,
+                   wanted: Callable[[str], bool]) -> Iterator[tuple[str, shm.Header]]:
+    """``(path, header)`` of each buffer of ``job`` in ``shm_dir`` named for the
+    checkpoint folder ``directory`` (its slots and the replicas of its saves) whose file
+    name passes ``wanted`` and whose identity names ``directory``; each buffer is
+    unmapped before its pair is yielded, a missing one skipped.
+
+    Raises:
+        shm.ShmTrustError: a buffer is not this user's own (see ``Segment.attach``).
+    """
     prefix = f"{shm.job_prefix(job)}{shm.dir_key(directory)}-r"
-    out = []
     for path in shm.list_segments(shm_dir, prefix):
-        parsed = parse_replica(os.path.basename(path))
-        if parsed is None or not holder.startswith(parsed[2]):
+        if not wanted(os.path.basename(path)):
             continue
         seg = shm.Segment.attach(path)
         if seg is None:
             continue
         try:
-            h = seg.read_header()
-            if h.state == shm.READY and h.step >= 0 and seg.ident().get("dir") == directory:
-                out.append({"name": seg.name, "rank": h.rank, "world_size": h.world_size,
-                            "step": h.step, "bytes": h.data_len, "path": path})
+            h, ours = seg.read_header(), seg.ident().get("dir") == directory
         finally:
             seg.close()
-    return out
+        if ours:
+            yield path, h
+
+
+def held(shm_dir: str, job: str, directory: str, holder: str) -> list[dict]:
+    """The complete replicas of ``directory`` this holder has: ``[{"name", "rank",
+    "world_size", "step", "bytes", "path"}]``."""
+
+    def mine(name: str) -> bool:
+        parsed = parse_replica(name)
+        return parsed is not None and holder.startswith(parsed[2])
+
+    return [{"name": os.path.basename(path), "rank": h.rank, "world_size": h.world_size,
+             "step": h.step, "bytes": h.data_len, "path": path}
+            for path, h in folder_buffers(shm_dir, job, directory, mine)
+            if h.state == shm.READY and h.step >= 0]
 
 
 def open_step(path: str, step: int) -> tuple[shm.Segment, shm.Header, bytes]:
