@@ -4,6 +4,7 @@ and a check of the devices of ``torch.distributed``'s collectives. Re-exported b
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -12,7 +13,9 @@ import pytest
 def flatten_state(state: Any, prefix: str = "") -> dict[str, Any]:
     """Every leaf of a nested state dict as ``dotted.path -> value`` (dict keys and
     list/tuple indices joined by ``.``, each path starting with ``.``); a tensor (a
-    DTensor: its local shard) is detached and cloned, any other leaf kept as is."""
+    DTensor: its local shard) is detached and cloned, a leaf equal to a copy of itself
+    (numbers, str, None, dtypes) kept as is, and any other object (compared by identity,
+    as DeepSpeed's loss scaler) stands as ``"<module.Class>"``, its type only."""
     out: dict[str, Any] = {}
     if hasattr(state, "to_local"):
         out[prefix] = state.to_local().detach().clone()
@@ -25,7 +28,12 @@ def flatten_state(state: Any, prefix: str = "") -> dict[str, Any]:
         for i, v in enumerate(state):
             out.update(flatten_state(v, f"{prefix}.{i}"))
     else:
-        out[prefix] = state
+        try:
+            by_value = (copy.copy(state) == state) is True
+        except Exception:  # not copyable, or == fails
+            by_value = False
+        out[prefix] = state if by_value else \
+            f"<{type(state).__module__}.{type(state).__qualname__}>"
     return out
 
 

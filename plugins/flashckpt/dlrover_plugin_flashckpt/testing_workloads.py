@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from dlrover_core import BaseWorkload
+from dlrover_core.runtime.elastic import accumulation_step
+from dlrover_core.testing.tensors import flatten_state
 
 
 class Net(torch.nn.Module):
@@ -29,21 +31,18 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
-def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
-    """``path -> value`` of a nested state dict; tensors (local shards of DTensors) cloned."""
-    out: dict[str, Any] = {}
-    if isinstance(state, torch.Tensor):
-        t = state.to_local() if hasattr(state, "to_local") else state
-        out[prefix] = t.detach().clone()
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            out.update(flatten(v, f"{prefix}.{k}"))
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            out.update(flatten(v, f"{prefix}.{i}"))
-    elif state is None or isinstance(state, (int, float, str, bool)):
-        out[prefix] = state
-    return out
+def toy_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``rank`` at ``step`` for :class:`Net`: inputs ``[16, 24]`` float32
+    (seeded by step and rank) and their classes ``[16]`` int64 (feature 0 > 0)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(16, 24, generator=g)
+    return x, (x[:, 0] > 0).long()
+
+
+def toy_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean cross entropy of ``model`` on a :func:`toy_batch` (a scalar tensor)."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
 
 
 class _CheckpointSpecMixin:
@@ -74,17 +73,17 @@ class TorchTrainer(_CheckpointSpecMixin, BaseWorkload):
         self.extra = {"step": 0, "rng": torch.get_rng_state()}
 
     def train(self, steps: int) -> list[float]:
+        """``steps`` optimizer steps (:meth:`step`) on :func:`toy_batch`; their
+        losses."""
         losses = []
         for _ in range(steps):
-            g = torch.Generator().manual_seed(100 * self.extra["step"] + self.rank)
-            x = torch.randn(16, 24, generator=g)
-            loss = torch.nn.functional.cross_entropy(self.model(x), (x[:, 0] > 0).long())
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
+            losses.append(self.step(toy_batch(self.extra["step"], self.rank)))
             self.extra["step"] += 1
-            losses.append(float(loss))
         return losses
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One AdamW step on ``batch``; its loss averaged over the ranks."""
+        return accumulation_step(self.model, self.opt, [batch], toy_loss)
 
     def objects(self) -> dict:
         return {"model": self.model, "optimizer": self.opt, "extra": self.extra}
@@ -101,7 +100,7 @@ class TorchTrainer(_CheckpointSpecMixin, BaseWorkload):
         self.checkpointer.wait()
 
     def flat_state(self) -> dict:
-        return flatten(self.checkpointer.engine.state_dict(self.objects()))
+        return flatten_state(self.checkpointer.engine.state_dict(self.objects()))
 
     def full_state(self) -> dict:
         """``path -> value`` of the state with every DTensor gathered to its full tensor
@@ -116,7 +115,7 @@ class TorchTrainer(_CheckpointSpecMixin, BaseWorkload):
                 return type(v)(full(x) for x in v)
             return v
 
-        return flatten(full(self.checkpointer.engine.state_dict(self.objects())))
+        return flatten_state(full(self.checkpointer.engine.state_dict(self.objects())))
 
     def saver_info(self) -> dict:
         s = self.checkpointer.saver
@@ -138,17 +137,12 @@ class ZeroTrainer(TorchTrainer):
             "zero_optimization": {"stage": int(self.config.get("stage", 2))}})
         self.extra = {"step": 0, "rng": torch.get_rng_state()}
 
-    def train(self, steps: int) -> list[float]:
-        losses = []
-        for _ in range(steps):
-            g = torch.Generator().manual_seed(100 * self.extra["step"] + self.rank)
-            x = torch.randn(16, 24, generator=g)
-            loss = torch.nn.functional.cross_entropy(self.model(x), (x[:, 0] > 0).long())
-            self.model.backward(loss)
-            self.model.step()
-            self.extra["step"] += 1
-            losses.append(float(loss))
-        return losses
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One step of the DeepSpeed engine on ``batch``; this rank's loss."""
+        loss = toy_loss(self.model, batch)
+        self.model.backward(loss)
+        self.model.step()
+        return float(loss)
 
     def objects(self) -> dict:
         return {"model": self.model, "extra": self.extra}
@@ -186,15 +180,11 @@ class CrashAfterSave(_CheckpointSpecMixin, BaseWorkload):
         c = self.config
         step = int(self.extra["step"])
         while step < int(c.max_steps):
-            g = torch.Generator().manual_seed(100 * step + self.rank)
-            x = torch.randn(16, 24, generator=g)
-            loss = torch.nn.functional.cross_entropy(self.model(x), (x[:, 0] > 0).long())
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
+            loss = accumulation_step(self.model, self.opt, [toy_batch(step, self.rank)],
+                                     toy_loss)
             step += 1
             self.extra["step"] = step
-            metrics = {"loss": float(loss)}
+            metrics = {"loss": loss}
             if self.resumed is not None:
                 metrics.update(resumed_from=self.resumed, on_disk=self.on_disk,
                                from_memory=float(self.source == "memory"))
@@ -291,7 +281,7 @@ def hf_train(directory: str, job: str, max_steps: int, every_steps: int,
     def snapshot(model: Any, optimizer: Any, lr_scheduler: Any, state: Any) -> dict:
         return {"step": int(state.global_step),
                 "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "optimizer": flatten(optimizer.state_dict()["state"]),
+                "optimizer": flatten_state(optimizer.state_dict()["state"]),
                 "lr": list(lr_scheduler.get_last_lr())}
 
     class Probe(TrainerCallback):

@@ -7,25 +7,12 @@ that step, in the same order, and ends with its weights, loss logs and
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import ray
 import torch
 
-from dlrover_plugin_flashckpt import shm
-from dlrover_plugin_flashckpt.persister import finish_job
-
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-
-
-@pytest.fixture
-def job(ray_cluster):
-    name = f"flashhf-{uuid.uuid4().hex[:8]}"
-    yield name
-    finish_job(name, timeout=30)
-    assert not shm.list_segments("/dev/shm", shm.job_prefix(name))
 
 
 def run(directory: str, job: str, max_steps: int, every_steps: int, kill_at: int = -1) -> dict:

@@ -13,18 +13,7 @@ import sys
 
 import pytest
 
-from dlrover_core import SpecError, load_spec
-
 SCENARIO = os.path.join(os.path.dirname(__file__), "replica_scenario.py")
-
-
-def test_replicas_option_is_checked_when_the_spec_loads():
-    with pytest.raises(SpecError, match=r"checkpoint\.options\.replicas.*2.*0 \(no replica\)"):
-        load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
-                                                "checkpoint.options.replicas=2"])
-    spec = load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
-                                                   "checkpoint.options.replicas=1"])
-    assert spec.checkpoint.options.replicas == 1
 
 
 @pytest.mark.slow

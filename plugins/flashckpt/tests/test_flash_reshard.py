@@ -4,34 +4,13 @@ and optimizer state that was saved, and trains on."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
-import ray
 import torch
 
-from dlrover_core.testing import spawn_role
-from dlrover_plugin_flashckpt import hygiene, shm
-from dlrover_plugin_flashckpt.persister import finish_job
+from dlrover_core.testing import call_all, kill_actors, spawn_role
+from dlrover_plugin_flashckpt import hygiene
 
 WORKLOAD = "dlrover_plugin_flashckpt.testing_workloads:TorchTrainer"
-
-
-@pytest.fixture
-def job(ray_cluster):
-    name = f"flashrs-{uuid.uuid4().hex[:8]}"
-    yield name
-    finish_job(name, timeout=30)
-    assert not shm.list_segments("/dev/shm", shm.job_prefix(name))
-
-
-def call(handles, method, *args):
-    return ray.get([h.call.remote(method, *args) for h in handles])
-
-
-def kill(handles):
-    for h in handles:
-        ray.kill(h, no_restart=True)
 
 
 def assert_full_equal(got: dict, want: dict) -> None:
@@ -51,30 +30,30 @@ def restore(job: str, config: dict, world: int, source: str, saved: list[dict],
             save_after: bool = False) -> None:
     hs = spawn_role("trainer", WORKLOAD, world, config, backend="fsdp", job=job)
     try:
-        assert call(hs, "load", 3) == [{"step": 3, "source": source}] * world
-        full = call(hs, "full_state")
+        assert call_all(hs, "load", 3) == [{"step": 3, "source": source}] * world
+        full = call_all(hs, "full_state")
         for rank, got in enumerate(full):
             assert_full_equal(got, saved[0])
             base = saved[rank % 2]
             assert torch.equal(got[".extra.rng"], base[".extra.rng"])
             assert got[".extra.step"] == 3
-        losses = call(hs, "train", 1)  # the restored state trains on
+        losses = call_all(hs, "train", 1)  # the restored state trains on
         assert all(len(x) == 1 and x[0] == x[0] for x in losses)
         if save_after:  # ... and saves in the new world size (the old ranks are forgotten)
-            call(hs, "save", 4)
-            call(hs, "wait")
-            assert call(hs[:1], "saver_info")[0]["committed"] == [3, 4]
+            call_all(hs, "save", 4)
+            call_all(hs, "wait")
+            assert call_all(hs[:1], "saver_info")[0]["committed"] == [3, 4]
     finally:
-        kill(hs)
+        kill_actors(hs)
 
 
 def save_two_ranks(job: str, config: dict) -> list[dict]:
     hs = spawn_role("trainer", WORKLOAD, 2, config, backend="fsdp", job=job)
-    call(hs, "train", 3)
-    call(hs, "save", 3)
-    saved = call(hs, "full_state")
-    call(hs, "wait")
-    kill(hs)
+    call_all(hs, "train", 3)
+    call_all(hs, "save", 3)
+    saved = call_all(hs, "full_state")
+    call_all(hs, "wait")
+    kill_actors(hs)
     assert torch.equal(saved[0][".model.head.weight"], saved[1][".model.head.weight"])
     return saved
 

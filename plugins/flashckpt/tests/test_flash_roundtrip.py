@@ -5,65 +5,33 @@ load from shared memory, then (buffers removed, as after a node loss) from disk.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
-import ray
-import torch
 
-from dlrover_core.testing import spawn_role
-from dlrover_plugin_flashckpt import hygiene, shm
-from dlrover_plugin_flashckpt.persister import finish_job
-
-
-@pytest.fixture
-def job(ray_cluster):
-    name = f"flashrt-{uuid.uuid4().hex[:8]}"
-    yield name
-    finish_job(name, timeout=30)
-    assert not shm.list_segments("/dev/shm", shm.job_prefix(name))
-
-
-def call(handles, method, *args):
-    return ray.get([h.call.remote(method, *args) for h in handles])
-
-
-def kill(handles):
-    for h in handles:
-        ray.kill(h, no_restart=True)
-
-
-def assert_same(a: list[dict], b: list[dict]) -> None:
-    for rank, (x, y) in enumerate(zip(a, b)):
-        assert x.keys() == y.keys(), rank
-        for k in x:
-            if isinstance(x[k], torch.Tensor):
-                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (rank, k)
-            else:
-                assert x[k] == y[k], (rank, k)
+from dlrover_core.testing import assert_states_equal, call_all, kill_actors, spawn_role
+from dlrover_plugin_flashckpt import hygiene
 
 
 def round_trip(job: str, workload: str, backend: str, config: dict) -> None:
     hs = spawn_role("trainer", workload, 2, config, backend=backend, job=job)
-    call(hs, "train", 3)
-    call(hs, "save", 3)
-    saved = call(hs, "flat_state")
-    call(hs, "wait")
-    continued = call(hs, "train", 2)  # the reference run goes on from step 3
-    kill(hs)
+    call_all(hs, "train", 3)
+    call_all(hs, "save", 3)
+    saved = call_all(hs, "flat_state")
+    call_all(hs, "wait")
+    continued = call_all(hs, "train", 2)  # the reference run goes on from step 3
+    kill_actors(hs)
 
     hs = spawn_role("trainer", workload, 2, config, backend=backend, job=job)
-    assert call(hs, "load") == [{"step": 3, "source": "memory"}] * 2
-    assert_same(call(hs, "flat_state"), saved)
-    assert call(hs, "train", 2) == continued  # same losses, bit for bit
-    kill(hs)
+    assert call_all(hs, "load") == [{"step": 3, "source": "memory"}] * 2
+    assert_states_equal(call_all(hs, "flat_state"), saved)
+    assert call_all(hs, "train", 2) == continued  # same losses, bit for bit
+    kill_actors(hs)
 
     hygiene.remove_job("/dev/shm", job)  # as after a node loss: only the disk is left
     hs = spawn_role("trainer", workload, 2, config, backend=backend, job=job)
-    assert call(hs, "load") == [{"step": 3, "source": "disk"}] * 2
-    assert_same(call(hs, "flat_state"), saved)
-    assert call(hs, "train", 2) == continued
-    kill(hs)
+    assert call_all(hs, "load") == [{"step": 3, "source": "disk"}] * 2
+    assert_states_equal(call_all(hs, "flat_state"), saved)
+    assert call_all(hs, "train", 2) == continued
+    kill_actors(hs)
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])

@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import time
-import uuid
 
 import pytest
 import ray
@@ -15,16 +14,8 @@ import torch
 
 from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
 from dlrover_plugin_flashckpt import hygiene, shm
-from dlrover_plugin_flashckpt.persister import finish_job, persisters_of
+from dlrover_plugin_flashckpt.persister import persisters_of
 from dlrover_plugin_flashckpt.saver import FlashSaver
-
-
-@pytest.fixture
-def job(ray_cluster):
-    name = f"flash-{uuid.uuid4().hex[:8]}"
-    yield name
-    finish_job(name, timeout=30)
-    assert not shm.list_segments("/dev/shm", shm.job_prefix(name))
 
 
 def make_saver(job: str, directory: str, **options) -> FlashSaver:
@@ -50,6 +41,19 @@ def same(a: dict, b: dict) -> bool:
             and torch.equal(a["model"]["h"], b["model"]["h"])
             and a["extra"]["step"] == b["extra"]["step"]
             and torch.equal(a["optimizer"]["state"][0]["step"], b["optimizer"]["state"][0]["step"]))
+
+
+def on_disk_only(job: str, directory: str, steps: tuple[int, ...]) -> None:
+    """Save :func:`state` of each of ``steps`` and wait until it is persisted (the
+    committed steps are checked); then close the saver and remove the job's buffers, as
+    after a node loss: only the disk is left."""
+    s = make_saver(job, directory)
+    for step in steps:
+        s.save(step, state(step))
+        s.wait()
+    assert s.committed_steps() == list(steps)
+    s.close()
+    hygiene.remove_job("/dev/shm", job)
 
 
 def test_save_wait_load_from_memory_and_disk(job, tmp_path):
@@ -81,12 +85,7 @@ def test_save_wait_load_from_memory_and_disk(job, tmp_path):
 
 def test_corrupted_shard_on_disk_is_skipped_for_the_previous_step(job, tmp_path, caplog):
     d = str(tmp_path / "ckpt")
-    s = make_saver(job, d)
-    for step in (1, 2):
-        s.save(step, state(step))
-        s.wait()
-    assert s.committed_steps() == [1, 2]
-    hygiene.remove_job("/dev/shm", job)
+    on_disk_only(job, d, (1, 2))
     with open(os.path.join(d, "step_00000002", "rank_00000.data"), "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xff")
@@ -252,13 +251,7 @@ def test_damaged_newest_step_is_quarantined_and_a_lower_save_is_persisted(job, t
     ``step_00000300.corrupt``; a save of 210 is then persisted and reported persisted
     truthfully (it is on disk, ``latest`` names it), and ``keep=1`` keeps it."""
     d = str(tmp_path / "ckpt")
-    s = make_saver(job, d)
-    for step in (200, 300):
-        s.save(step, state(step))
-        s.wait()
-    assert s.committed_steps() == [200, 300]
-    s.close()
-    hygiene.remove_job("/dev/shm", job)  # the node lost its memory
+    on_disk_only(job, d, (200, 300))
     shard = os.path.join(d, "step_00000300", "rank_00000.data")
     if damage == "truncate":
         os.truncate(shard, os.path.getsize(shard) // 2)
@@ -293,11 +286,7 @@ def test_load_raises_when_committed_steps_exist_but_none_loads(job, tmp_path):
     from dlrover_core.checkpoint.manifest import CheckpointLoadError
 
     d = str(tmp_path / "ckpt")
-    s = make_saver(job, d)
-    for step in (1, 2):
-        s.save(step, state(step))
-        s.wait()
-    hygiene.remove_job("/dev/shm", job)
+    on_disk_only(job, d, (1, 2))
     for step in (1, 2):
         os.unlink(os.path.join(d, f"step_{step:08d}", "rank_00000.data"))
     got = blank()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from dlrover_core.testing import torchrun_script_pid
+
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "torchrun_flashckpt" / "train.py"
 BIN = Path(sys.executable).parent
@@ -44,23 +46,6 @@ def _run(tmp: Path, tag: str, *extra: str, wait: bool = True):
     return json.loads((tmp / f"{tag}.json").read_text())
 
 
-def _script_pid(run_id: str, rank: int, timeout: float = 60.0) -> int:
-    want = {f"TORCHELASTIC_RUN_ID={run_id}", f"RANK={rank}", "TORCHELASTIC_RESTART_COUNT=0"}
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                env = set(Path(f"/proc/{pid}/environ").read_bytes().decode(
-                    "utf-8", "replace").split("\0"))
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if want <= env and b"train.py" in cmd:
-                return int(pid)
-        time.sleep(0.1)
-    raise AssertionError(f"no script process {want}")
-
-
 @pytest.fixture(scope="module")
 def clean_result(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("clean"), "clean")
@@ -73,7 +58,7 @@ def test_sigkilled_rank_resumes_from_memory(tmp_path, clean_result, parallel):
     proc = _run(tmp_path, tag, "--step-sleep", "0.1",
                 *(["--fsdp"] if parallel == "fsdp" else []), wait=False)
     try:
-        pid = _script_pid(f"{tag}-{os.getpid()}", 1)
+        pid = torchrun_script_pid(f"{tag}-{os.getpid()}", 1, timeout=60)
         log0 = tmp_path / tag / "logs" / "trainer-1" / "attempt-0.log"
         deadline = time.time() + 120
         while time.time() < deadline and not (

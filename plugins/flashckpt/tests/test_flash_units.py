@@ -269,19 +269,31 @@ def test_cli_lists_and_cleans_stale_buffers(shm_path, capsys):
     assert not os.path.exists(shm_path)
 
 
-def test_bad_options_fail_when_the_spec_loads():
-    """checkpoint.options are checked by load_spec, before anything starts."""
-    from dlrover_core import SpecError, load_spec
+def _flash_spec(*options: str):
+    """examples/nanogpt/job.yaml with the flash saver and ``checkpoint.options.<KEY=VALUE>``
+    overrides, through ``load_spec``."""
+    from dlrover_core import load_spec
 
-    with pytest.raises(SpecError, match=r"checkpoint\.options\.slots"):
-        load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
-                                                "checkpoint.options.slots=0"])
-    with pytest.raises(SpecError, match=r"checkpoint\.options\.bogus"):
-        load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
-                                                "checkpoint.options.bogus=1"])
-    spec = load_spec("examples/nanogpt/job.yaml", ["checkpoint.saver=flash",
-                                                   "checkpoint.options.slots=3"])
-    assert spec.checkpoint.options.slots == 3
+    return load_spec("examples/nanogpt/job.yaml",
+                     ["checkpoint.saver=flash", *(f"checkpoint.options.{o}" for o in options)])
+
+
+@pytest.mark.parametrize("option,match", [
+    ("slots=0", r"checkpoint\.options\.slots"),
+    ("bogus=1", r"checkpoint\.options\.bogus"),
+    ("replicas=2", r"checkpoint\.options\.replicas.*2.*0 \(no replica\)"),
+])
+def test_bad_options_fail_when_the_spec_loads(option, match):
+    """checkpoint.options are checked by load_spec, before anything starts."""
+    from dlrover_core import SpecError
+
+    with pytest.raises(SpecError, match=match):
+        _flash_spec(option)
+
+
+def test_good_options_reach_the_spec():
+    options = _flash_spec("slots=3", "replicas=1").checkpoint.options
+    assert (options.slots, options.replicas) == (3, 1)
 
 
 # ----------------------------------------------------------------------------- reader

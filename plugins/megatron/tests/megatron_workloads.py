@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dlrover_core import BaseWorkload
+from dlrover_core.runtime.elastic import accumulation_step
 from dlrover_core.testing import flatten_state
 from examples.megatron_gpt.model import CharGPTShape, LayerStack, TensorParallelCharGPT
 
@@ -56,15 +57,14 @@ class TPTrainer(BaseWorkload):
         return x[:, :-1], x[:, 1:]
 
     def train(self, steps: int) -> list[float]:
+        """``steps`` AdamW steps (:func:`accumulation_step`, one micro-batch each); their
+        losses, each the mean over all ranks."""
         losses = []
         for _ in range(steps):
-            x, y = self.batch(self.extra["step"])
-            loss = self.model(x, y)
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
+            batch = self.batch(self.extra["step"])
+            losses.append(accumulation_step(self.model, self.opt, [batch],
+                                            lambda model, b: model(*b)))
             self.extra["step"] += 1
-            losses.append(float(loss))
         return losses
 
     # ------------------------------------------------------------ full tensors
