@@ -82,6 +82,10 @@ def test_stop_persists_the_newest_step_and_removes_buffers(ray_cluster, job_dir)
     assert summary["status"] == "stopped"
     steps = committed_steps(os.path.join(ckpt, "trainer"))
     assert steps and steps[-1] >= 6
+    # the job end killed the persisters (ray.kill returns before Ray drops the name)
+    deadline = time.monotonic() + 60
+    while (buffers(name) or persisters_of(name)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert buffers(name) == [] and persisters_of(name) == {}
 
 
