@@ -81,7 +81,11 @@ def test_sigkill_worker_process(ray_cluster, job_dir):
     assert_recovered(summary, job_dir)
     assert summary["restarts"]["total"] == 1
     failed = events(job_dir, "instance_failed")[0]
-    assert failed["kind"] == "actor_died" and failed["rank"] == 1
+    # the master sees rank 1's death first, or (on a loaded machine) rank 0's broken
+    # collective: then rank 0 is probed as a survivor, not replaced
+    assert (failed["kind"], failed["rank"]) == ("actor_died", 1) or (
+        (failed["kind"], failed["rank"]) == ("user_error", 0)
+        and "Connection" in failed["message"]), failed
     restarted = [e for e in events(job_dir, "instance_started") if e["attempt"] == 1]
     # the survivor re-formed the group in its own process; only rank 1 is a new process
     assert {(e["rank"], e["in_place"]) for e in restarted} == {(0, True), (1, False)}
@@ -89,7 +93,7 @@ def test_sigkill_worker_process(ray_cluster, job_dir):
     assert len(pids0) == 1
     # the survivor was asked to abort its process group first: gloo needs nothing
     rec = events(job_dir, "recovery_finished")[0]
-    assert rec["phases"]["survivor_abort"] == {"trainer-0": "skipped (gloo)"}
+    assert rec["phases"]["survivor_abort"]["trainer-0"] == "skipped (gloo)"
 
 
 def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):

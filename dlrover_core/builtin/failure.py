@@ -31,6 +31,14 @@ COLLECTIVE_MARKERS = (
 )
 
 
+def is_broken_collective(failure: Failure) -> bool:
+    """Whether ``failure`` is user code that raised from a broken collective (a peer
+    closed or reset the connection, a timeout): often a survivor reporting a dead peer
+    before the peer's own death is seen."""
+    return failure.kind == "user_error" and any(m in failure.message
+                                                 for m in COLLECTIVE_MARKERS)
+
+
 def _short(exc_type: str) -> str:
     return exc_type.rsplit(".", 1)[-1]
 
@@ -55,7 +63,7 @@ def classify(failure: Failure, history: list[Failure]) -> FailureVerdict:
             return FailureVerdict(
                 "role", f"{failure.exc_type} at step {failure.step} happened again after a "
                 "restart; restarting the whole role once more")
-        if any(m in failure.message for m in COLLECTIVE_MARKERS):
+        if is_broken_collective(failure):
             return FailureVerdict("process", f"broken collective: {failure.message[:120]}")
         return FailureVerdict("process", f"{failure.exc_type} in user code at step {failure.step}")
     if failure.kind == "straggler":

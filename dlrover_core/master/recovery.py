@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from dlrover_core.builtin.failure import is_broken_collective
 from dlrover_core.master.instances import DRIVER, Instance, InstanceFailure
 from dlrover_core.plugins.records import FailoverLevel
 from dlrover_core.runtime.script import SCRIPT_BACKEND
@@ -84,7 +85,8 @@ class RecoveryExecutor:
         for role in action.roles:
             ranks = [failure.rank] if action.level == FailoverLevel.PROCESS else \
                 list(range(s.graph.roles[role].total))
-            rec.phases = self.restart_role(role, ranks)
+            rec.phases = self.restart_role(role, ranks,
+                                           reporter_may_survive=is_broken_collective(failure))
         if s.graph.driver:  # it held handles of the replaced actors
             self._restart_driver()
 
@@ -96,7 +98,8 @@ class RecoveryExecutor:
         self.launcher.stop_instances([drv])
         self.launcher.start_driver(drv.attempt + 1)
 
-    def restart_role(self, role: str, failed_ranks: list[int]) -> dict[str, Any]:
+    def restart_role(self, role: str, failed_ranks: list[int],
+                     reporter_may_survive: bool = False) -> dict[str, Any]:
         """Replace the failed ranks of ``role``; returns the phase timings (s).
 
         A role with a process group re-forms it: survivors whose processes are intact
@@ -106,7 +109,9 @@ class RecoveryExecutor:
         ``failover.in_place: false`` every rank is replaced. In a script role
         (:mod:`dlrover_core.runtime.script`) the failed ranks' actors are kept too when
         they are alive (only their script died): every rank starts its script again in
-        its own actor.
+        its own actor. ``reporter_may_survive``: the failure was a broken collective (a
+        survivor that saw a dead peer first, before the peer's death was seen): the failed
+        ranks are probed like survivors, so a rank whose process is intact stays in place.
         """
         s = self.scope
         r = s.graph.roles[role]
@@ -115,6 +120,8 @@ class RecoveryExecutor:
             failed_ranks = list(range(r.total))
         failed = [m for m in members if m.rank in failed_ranks]
         others = [m for m in members if m.rank not in failed_ranks]
+        if reporter_may_survive and r.backend and s.spec.failover.in_place:
+            failed, others = [], others + failed
         if r.backend == SCRIPT_BACKEND and s.spec.failover.in_place:
             # a script role's actor outlives its script: every actor that is still alive
             # starts the script again in place (torchrun's agent restarting its workers);
