@@ -24,12 +24,12 @@ stream starts from its beginning.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import json
 import os
 import shutil
 import sys
+
+from dlrover_plugin_odl.ledger import trained_ids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,14 +38,6 @@ def _driver_rows(job_dir: str) -> list[dict]:
     with open(os.path.join(job_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return [r for r in rows if r.get("role") == "driver" and "records" in r]
-
-
-def _trained_ids(job_dir: str) -> collections.Counter:
-    ids: collections.Counter = collections.Counter()
-    for path in glob.glob(os.path.join(job_dir, "odl", "trained", "rank*.txt")):
-        with open(path) as f:
-            ids.update(line.strip() for line in f if line.strip())
-    return ids
 
 
 def offline_one_pass(records: list[dict], lr: float, hidden: int, batch_size: int,
@@ -149,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = spec.config
     offline_2nd, majority = offline_one_pass(records, float(cfg.lr), int(cfg.hidden),
                                              int(cfg.odl.batch_size), int(cfg.seed))
-    ids = _trained_ids(job_dir)
+    ids = trained_ids(job_dir)
     out = {"source": "redis" if args.redis else "replay",
            "records": int(m["records"]), "lost": int(m["lost"]),
            "duplicated": int(m["duplicated"]),

@@ -85,14 +85,21 @@ def _lines(path: str) -> Iterable[str]:
                 yield line
 
 
+def trained_ids(job_dir: str) -> collections.Counter:
+    """record id -> how many times a trainer trained it, from every rank's
+    :data:`TRAINED` log under ``job_dir``."""
+    trained: collections.Counter = collections.Counter()
+    for path in glob.glob(os.path.join(job_dir, "odl", TRAINED, "rank*.txt")):
+        trained.update(_lines(path))
+    return trained
+
+
 def count(job_dir: str, offsets: dict[str, Any], ended: bool) -> dict[str, float]:
     """``{"lost", "duplicated", "handed_out", "trained"}`` (floats, records) from the
     logs under ``job_dir`` (see the module docstring). ``offsets``: the final
     ``partition key -> last trained position``; ``ended``: the stream ended (every
     record handed out is due)."""
-    trained: collections.Counter = collections.Counter()
-    for path in glob.glob(os.path.join(job_dir, "odl", TRAINED, "rank*.txt")):
-        trained.update(_lines(path))
+    trained = trained_ids(job_dir)
     due: set[str] = set()
     handed: set[str] = set()
     for path in glob.glob(os.path.join(job_dir, "odl", HANDED_OUT, "partition*.txt")):
