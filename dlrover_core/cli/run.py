@@ -10,17 +10,25 @@ the Ray cluster (an embedded one unless ``--address`` is given).
 
 What each torchrun option does here:
 
-- honoured: ``--nnodes N`` (or ``N:N``), ``--nproc-per-node`` (an integer, ``cpu``,
-  ``gpu``, ``auto``), ``--max-restarts`` (``failover.max_restarts``), ``--rdzv-id`` (the
-  job name and ``TORCHELASTIC_RUN_ID``), ``-m``/``--module``,
-  ``--role`` (the role name, ``trainer`` when not given).
+- honoured: ``--nnodes N`` (or ``N:N``), ``--nnodes MIN:MAX`` (an elastic role,
+  ``roles.trainer.nodes: "MIN:MAX"``, started at MAX nodes; see below),
+  ``--nproc-per-node`` (an integer, ``cpu``, ``gpu``, ``auto``), ``--max-restarts``
+  (``failover.max_restarts``), ``--rdzv-id`` (the job name and ``TORCHELASTIC_RUN_ID``),
+  ``-m``/``--module``, ``--role`` (the role name, ``trainer`` when not given).
 - accepted, nothing to do: ``--standalone``, ``--rdzv-backend static|c10d`` (the
   master makes the rendezvous: rank 0's node, a free port), ``--monitor-interval``
   (the master watches the ranks itself), ``--start-method spawn`` (each rank is a new
   ``python`` process).
 - any other option set to something other than its default (``--no-python``,
-  ``--master-port``, ``--log-dir``, ``--tee``, ``--node-rank``, an elastic ``--nnodes
-  1:4`` ...) is refused before anything starts, with an error naming it.
+  ``--master-port``, ``--log-dir``, ``--tee``, ``--node-rank`` ...) is refused before
+  anything starts, with an error naming it.
+
+``--nnodes MIN:MAX`` makes the role elastic (docs/elastic.md): it starts at ``MAX`` nodes
+of ``--nproc-per-node`` ranks (all placed before the scripts start: the cluster needs room
+for them), and when a node is lost it restarts at the largest size the nodes left
+hold, down to ``MIN`` nodes (``WORLD_SIZE`` of the restarted scripts is the new size,
+``TORCHELASTIC_RESTART_COUNT`` + 1). It grows back only after rank 0 reports a
+checkpoint, which a plain script does not, so a script role does not grow.
 
 dlrover-run's own options: ``--address`` (a Ray cluster to join), ``--job-dir``
 (default ``runs/<job name>``), ``--cpus-per-rank`` (CPUs each rank reserves; default
@@ -118,20 +126,22 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         raise UsageError(f"dlrover-run cannot honour {_flag(parser, dest)}={value!r}: {why}")
 
 
-def parse_nnodes(value: str) -> int:
-    """``"2"`` or ``"2:2"`` -> 2. Raises :class:`UsageError` for a range (elastic
-    node counts are not built yet) or anything not a positive integer."""
-    lo, _, hi = str(value).partition(":")
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes``: ``"2"`` or ``"2:2"`` -> ``(2, 2)``; ``"1:4"`` -> ``(1, 4)``
+    (an elastic node range).
+
+    Raises:
+        UsageError: not ``N`` or ``MIN:MAX`` of integers with ``1 <= MIN <= MAX``.
+    """
+    lo, sep, hi = str(value).partition(":")
+    allowed = "N or MIN:MAX with 1 <= MIN <= MAX (integers)"
     try:
-        n, m = int(lo), int(hi or lo)
+        n, m = int(lo), int(hi if sep else lo)
     except ValueError:
-        raise UsageError(f"--nnodes={value!r}: allowed: N or N:N with N >= 1") from None
-    if n != m:
-        raise UsageError(f"dlrover-run cannot honour --nnodes={value!r}: an elastic MIN:MAX "
-                         "node range is not built yet; give a fixed N")
-    if n < 1:
-        raise UsageError(f"--nnodes={value!r}: allowed: N >= 1")
-    return n
+        raise UsageError(f"--nnodes={value!r}: allowed: {allowed}") from None
+    if n < 1 or n > m:
+        raise UsageError(f"--nnodes={value!r}: allowed: {allowed}")
+    return n, m
 
 
 def local_world_size(value: str) -> int:
@@ -155,7 +165,7 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The job spec (a plain dict, validated by ``load_spec``) for parsed ``args``."""
     import shlex
 
-    nnodes = parse_nnodes(args.nnodes)
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
     nproc = local_world_size(args.nproc_per_node)
     if args.training_script is None:
         raise UsageError("no training script given: dlrover-run [options] train.py [args]")
@@ -172,10 +182,13 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
     if cpus is None:
         cpus = min(1.0, (os.cpu_count() or 1) / nproc)
     role = "trainer" if args.role == "default" else args.role
+    spec_role: dict[str, Any] = {"command": shlex.join(words), "total": max_nodes * nproc,
+                                 "per_node": nproc, "resources": {"cpu": round(cpus, 3)}}
+    if min_nodes != max_nodes:  # elastic: starts at MAX nodes, shrinks down to MIN
+        spec_role["nodes"] = f"{min_nodes}:{max_nodes}"
     return {
         "name": name,
-        "roles": {role: {"command": shlex.join(words), "total": nnodes * nproc,
-                         "per_node": nproc, "resources": {"cpu": round(cpus, 3)}}},
+        "roles": {role: spec_role},
         "failover": {"max_restarts": int(args.max_restarts)},
     }
 
