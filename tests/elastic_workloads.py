@@ -1,6 +1,8 @@
 """The elastic tests' workload: the model and data of ``tests/elastic_math.py`` under the
 ``ddp`` backend, batches from the master's shard service, the global batch kept by
-gradient accumulation at any world size, checkpoints through the job's saver."""
+gradient accumulation at any world size, checkpoints (with the shard state) through the
+job's saver; each rank logs the sample ids of every step it trained to
+``<job_dir>/ids-<rank>.jsonl``."""
 
 from __future__ import annotations
 
@@ -35,17 +37,19 @@ class ElasticRegression(BaseWorkload):
         self.model = self.backend.wrap(_model())
         self.opt = make_optimizer(self.model)
         self.extra = {"step": 0}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
+        self.x, self.y = _data(int(c.global_batch) * self.max_steps)
+        self.sampler = ShardSampler.for_workload(
+            self, batch_size=int(c.micro_batch), num_samples=len(self.x),
+            batches_per_shard=int(c.get("batches_per_shard", 1)))
+        # the shard state is saved with the model: a restore rewinds the shard service
+        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra,
+                                        shards=self.sampler)
         self.start = int(self.extra["step"]) if loaded is not None else 0
         if self.rank == 0:  # where each start restored from, for the tests
             source = getattr(self.checkpointer.saver, "last_load_source", None)
             with open(os.path.join(self.job_dir, "loads.jsonl"), "a") as f:
                 f.write(json.dumps({"world_size": self.world_size, "loaded": loaded,
                                     "source": source}) + "\n")
-        self.x, self.y = _data(int(c.global_batch) * self.max_steps)
-        self.sampler = ShardSampler.for_workload(
-            self, batch_size=int(c.micro_batch), num_samples=len(self.x),
-            batches_per_shard=int(c.get("batches_per_shard", 1)))
         self.sampler.restore(self.start - 1)  # the checkpoint holds steps 0..start-1
 
     def run(self) -> dict:
@@ -55,21 +59,25 @@ class ElasticRegression(BaseWorkload):
         for step in range(self.start, self.max_steps):
             if fault and int(fault.rank) == self.rank and int(fault.step) == step \
                     and self.attempt == 0:
+                self.sampler.flush()  # the master has every report the ids log has
                 os.kill(os.getpid(), signal.SIGKILL)
-            batches = []
+            batches, ids = [], []
             for _ in range(self.plan.grad_accum_steps):
                 idx = self.sampler.next_indices()
                 if idx is None:
                     break
                 batches.append((self.x[idx], self.y[idx]))
+                ids += idx
             if len(batches) < self.plan.grad_accum_steps:
                 break  # the data set is done
             loss = accumulation_step(self.model, self.opt, batches, _mse)
             self.sampler.step_done(step)
+            with open(os.path.join(self.job_dir, f"ids-{self.rank}.jsonl"), "a") as f:
+                f.write(json.dumps({"attempt": self.attempt, "step": step, "ids": ids}) + "\n")
             self.report(step, loss=loss, world_size=float(self.world_size))
             self.extra["step"] = step + 1
             self.checkpointer.maybe_save(step + 1, model=self.model, optimizer=self.opt,
-                                         extra=self.extra)
+                                         extra=self.extra, shards=self.sampler)
             time.sleep(float(c.get("sleep_s", 0.0)))
         if self.rank == 0:
             open(os.path.join(self.job_dir, "trainer_done"), "w").close()

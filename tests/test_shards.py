@@ -3,6 +3,8 @@ the sampler calls the service directly instead of through the JobMaster actor.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dlrover_core.master.shards import ShardRegistry, ShardService
@@ -49,7 +51,7 @@ def test_restore_requeues_the_rolled_back_window_and_a_failed_ranks_lease():
         r1.step_done(step)
     # checkpoint at step 2; rank 1 dies during step 5 holding a half-read shard
     r1.next_indices()
-    gen = svc.restore(2)
+    gen = svc.restore(2)["generation"]
     assert gen == 1
     survivor = sampler(svc, 0, 4)
     survivor.generation = gen
@@ -62,8 +64,10 @@ def test_restore_requeues_the_rolled_back_window_and_a_failed_ranks_lease():
         step += 1
     ledger = svc.ledger()
     assert ledger["samples_lost"] == 0
-    # steps 3 and 4 (2 ranks x 4 samples each) were rolled back and read again
-    assert ledger["samples_duplicated"] == 16
+    # steps 3 and 4 (2 ranks x 4 samples each) were rolled back and read again: undone
+    # work, not duplicates (no sample's gradient is kept twice)
+    assert ledger["samples_reread_after_rollback"] == 16
+    assert ledger["samples_duplicated"] == 0
     assert ledger["samples_trained"] == 64
     assert svc.done()
     # first the tails of the two shards read half by step 2 (16-19 and 24-27 read)
@@ -110,3 +114,99 @@ def test_elastic_dataloader_reads_through_the_shard_service():
             got += loader.next_batch().squeeze(1).int().tolist()
     assert got == list(range(20))
     assert svc.leases_per_rank[0] == 4
+    loader.shards.step_done(0)
+    state = loader.state_dict()
+    assert json.loads(state["shards"]["shard_state"])["read"] == {
+        "0": 6, "1": 12, "2": 18, "3": 20}
+    again = ElasticDataLoader(data, batch_size=4, shuffle=False, shards=sampler(svc, 0, 4))
+    again.load_state_dict(state)
+    again.shards.restore(0)
+    with pytest.raises(StopIteration):  # the state says every sample is trained
+        again.next_batch()
+
+
+def test_checkpointed_shard_state_rewinds_even_when_a_report_never_arrived():
+    """The shard state saved with the checkpoint decides what is trained: rank 1's report
+    of step 2 is lost (as a SIGKILL can drop a non-blocking call); restoring by step
+    alone would queue those samples again and train them twice; the state does not."""
+    svc = ShardService(num_samples=48, shard_size=4)
+    r0, r1 = sampler(svc, 0, 4), sampler(svc, 1, 4)
+    lost_report = []
+    for step in range(5):
+        r0.next_indices()
+        lost_report += r1.next_indices()
+        r0.step_done(step)
+        if step == 2:  # the master never hears of rank 1's step 2
+            r1._call, call = (lambda *a: None), r1._call
+            r1.step_done(step)
+            r1._call = call
+        else:
+            r1.step_done(step)
+        if step == 2:  # the checkpoint of steps 0..2 (one state over both ranks)
+            saved = r0.state_dict()
+            other = r1.state_dict()
+    by_step = ShardService(num_samples=48, shard_size=4)
+    for r in svc.reports:
+        by_step.reports.append(list(r))
+    by_step.handed_out = set(svc.handed_out)
+    merged = json.loads(saved["shard_state"])
+    # each rank saves only its own prefixes here (no process group): merge them
+    merged["read"].update(json.loads(other["shard_state"])["read"])
+    fresh = sampler(svc, 0, 4)
+    fresh.load_state_dict({"shard_state": json.dumps(merged)})
+    out = fresh.restore(2)
+    assert out == 1
+    got = []
+    while (idx := fresh.next_indices()) is not None:
+        got += idx
+        fresh.step_done(10)
+    assert not set(got) & set(lost_report[8:12])  # step 2 of rank 1: in the checkpoint
+    ledger = svc.ledger()
+    assert ledger["samples_duplicated"] == 0
+    assert ledger["samples_reread_after_rollback"] == 16  # steps 3, 4 of both ranks
+    assert ledger["samples_lost"] == 0  # step 2 of rank 1: credited to the checkpoint
+    assert ledger["samples_trained"] == 48
+    assert [r[1:6] for r in svc.reports if r[1] == -1] == [[-1, 2, 5, 20, 24]]
+    # the same history restored by step alone trains rank 1's step 2 twice
+    assert by_step.restore(2)["read"] != svc.restore(2, merged)["read"]
+
+
+def test_step_done_reports_only_trained_batches_and_bad_states_are_named():
+    svc = ShardService(num_samples=16, shard_size=8)
+    sm = sampler(svc, 0, 2)
+    sm.next_indices()
+    sm.next_indices()
+    sm.next_indices()  # read ahead (a DataLoader worker's prefetch)
+    sm.step_done(0, batches=2)
+    assert json.loads(sm.state_dict()["shard_state"]) == {"size": 16, "read": {"0": 4}}
+    with pytest.raises(ValueError, match=r"batches=5.*0\.\.1"):
+        sm.step_done(1, batches=5)
+    with pytest.raises(ValueError, match="data set of 16 samples"):
+        sm.load_state_dict({"shard_state": json.dumps({"size": 17, "read": {}})})
+    with pytest.raises(ValueError, match=r"read\['9'\]=3.*shard id in 0\.\.1"):
+        svc.restore(0, {"size": 16, "read": {"9": 3}})
+    with pytest.raises(ValueError, match=r"read\['1'\]=3.*\[8, 16\]"):
+        svc.restore(0, {"size": 16, "read": {"1": 3}})
+
+
+def test_batch_sampler_in_a_dataloader_and_the_error_outside_dlrover(monkeypatch):
+    import torch
+    from torch.utils.data import DataLoader
+
+    from dlrover_core.runtime.sharding import NotInDlroverError, ShardBatchSampler
+
+    svc = ShardService(num_samples=10, shard_size=4)
+    sm = sampler(svc, 0, 3)
+    data = torch.arange(10)
+    got = []
+    for step, batch in enumerate(DataLoader(data, batch_sampler=ShardBatchSampler(sm))):
+        got += batch.tolist()
+        sm.step_done(step)
+    assert got == list(range(10))
+    assert svc.ledger()["samples_trained"] == 10
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("RANK", "0")
+    for key in ("DLROVER_JOB", "DLROVER_ROLE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(NotInDlroverError, match="DLROVER_JOB, DLROVER_ROLE not set"):
+        ShardSampler.for_script(batch_size=4, num_samples=10)

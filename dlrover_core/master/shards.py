@@ -6,19 +6,29 @@ file); ``num_epochs`` passes over it give the *positions* ``[0, num_epochs * siz
 position ``p`` being sample ``p % size`` of epoch ``p // size``. The positions are cut
 into shards of ``shard_size`` positions (a few batches). Ranks **lease** shards from a
 FIFO queue (a rank that finishes its shards sooner leases more) and **report** which
-positions they trained at which optimizer step. A checkpoint at step ``k`` therefore
-fixes which positions the model has seen: those reported at steps ``<= k``. A
-**restore** to step ``k`` (after a failure, or a resize) drops every lease, marks the
-reports of later steps as rolled back, and queues again what is left of each shard
-(the unread tail of a partly read shard first, then the untouched shards in order), so
-no sample is lost and none is repeated except the rolled-back ones: at most the
-samples of the steps after the restored checkpoint (one checkpoint interval, the
-*uncheckpointed window*).
+positions they trained at which optimizer step. A shard is read in order, so what the
+model has trained of it is a prefix ``[start, read)``.
 
-The ledger (:meth:`ShardService.ledger`) counts per position: ``samples_duplicated``
-= reports of a position beyond its first; ``samples_lost`` = positions handed out in a
-lease that are neither in the kept history (reports not rolled back), nor back in the
-queue, nor under a current lease.
+**Shard state in the checkpoint.** The ranks keep the same prefixes (the *shard state*,
+``{"size", "read": {shard: read}}``, :meth:`ShardSampler.state_dict
+<dlrover_core.runtime.sharding.ShardSampler.state_dict>`) and save it with the model. A
+**restore** with the loaded state (:meth:`ShardService.restore`) sets every shard's
+prefix to it, drops every lease, marks every report outside the prefixes as *rolled
+back* (its gradient is not in the restored model), records positions inside them that
+no report named (a report lost with a killed rank) as trained by rank -1 (the
+checkpoint), and queues again what is left (the
+unread tails of partly read shards first, then the untouched shards in order). So the
+positions after the checkpoint are trained again exactly once, whichever reports reached
+the master. Without a state (a workload that does not save it) the service rolls back
+the reports of steps after the restored step instead.
+
+The ledger (:meth:`ShardService.ledger`) counts per position, over the reports:
+``samples_duplicated`` = kept (not rolled back) reports of a position beyond its first:
+samples whose gradient is in the final model more than once (0 when the service works);
+``samples_reread_after_rollback`` = positions of rolled-back reports: training undone by
+a restore and done again (work lost, not duplicates); ``samples_lost`` = positions handed
+out in a lease that are neither in a kept report, nor back in the queue, nor under a
+current lease.
 """
 
 from __future__ import annotations
@@ -27,7 +37,6 @@ import collections
 import threading
 from dataclasses import dataclass
 from typing import Any
-
 
 
 @dataclass
@@ -116,26 +125,76 @@ class ShardService:
                     if sh.read >= sh.end:
                         self.leases.pop(sh.id, None)
 
-    def restore(self, step: int) -> int:
-        """Roll back to the checkpoint of optimizer ``step`` (-1: no checkpoint): reports
-        of later steps are rolled back, every lease is dropped, what is left is queued
-        again. Returns the new generation, which leases and reports must carry."""
+    def restore(self, step: int, state: dict | None = None) -> dict:
+        """Roll back to the checkpoint of optimizer ``step`` (-1: no checkpoint). With
+        ``state`` (the checkpoint's shard state, ``{"size": int, "read": {shard id: first
+        untrained position}}``; shards not named are untouched), each shard's trained
+        prefix is the state's and every report outside it is rolled back; without it,
+        the reports of steps after ``step`` are. Every lease is dropped and what is left
+        is queued again. Returns ``{"generation", "read"}``: the new generation, which
+        leases and reports must carry, and the restored state's ``read``.
+
+        Raises:
+            ValueError: ``state`` is of another data set, names an unknown shard or a
+                position outside its shard.
+        """
         with self._lock:
+            read = self._check_state(state) if state is not None else None
             for sh in self.shards.values():
-                sh.read = sh.start
+                sh.read = sh.start if read is None else read.get(sh.id, sh.start)
             for r in self.reports:
-                if not r[6] and r[2] > step:
-                    r[6] = True
-            for r in self.reports:
-                if not r[6]:
-                    sh = self.shards[r[3]]
-                    sh.read = max(sh.read, r[5])
+                if r[6]:
+                    continue
+                if read is None:
+                    r[6] = r[2] > step
+                else:
+                    r[6] = r[5] > self.shards[r[3]].read
+            if read is None:
+                for r in self.reports:
+                    if not r[6]:
+                        sh = self.shards[r[3]]
+                        sh.read = max(sh.read, r[5])
+            else:
+                self._credit_unreported(step)
             self.leases.clear()
             partial = [s.id for s in self.shards.values() if s.start < s.read < s.end]
             fresh = [s.id for s in self.shards.values() if s.read == s.start]
             self.queue = collections.deque(partial + fresh)
             self.generation += 1
-            return self.generation
+            return {"generation": self.generation,
+                    "read": {str(s.id): s.read for s in self.shards.values() if s.read > s.start}}
+
+    def _credit_unreported(self, step: int) -> None:
+        """Positions the restored state holds that no kept report names (a report a
+        killed rank never delivered) are in the model: record them as trained at
+        ``step`` by rank -1 (the checkpoint)."""
+        covered: dict[int, set[int]] = collections.defaultdict(set)
+        for r in self.reports:
+            if not r[6]:
+                covered[r[3]].update(range(r[4], r[5]))
+        for sh in self.shards.values():
+            missing = sorted(set(range(sh.start, sh.read)) - covered[sh.id])
+            lo = 0
+            for i in range(1, len(missing) + 1):
+                if i == len(missing) or missing[i] != missing[i - 1] + 1:
+                    self.reports.append([self.generation, -1, int(step), sh.id,
+                                         missing[lo], missing[i - 1] + 1, False])
+                    lo = i
+
+    def _check_state(self, state: dict) -> dict[int, int]:
+        if not isinstance(state, dict) or int(state.get("size", -1)) != self.size:
+            raise ValueError(f"shard state {str(state)[:200]!r}: its data set size is not "
+                             f"{self.size}; allowed: the state of this role's data set")
+        read: dict[int, int] = {}
+        for sid, pos in (state.get("read") or {}).items():
+            sh = self.shards.get(int(sid))
+            if sh is None or not sh.start <= int(pos) <= sh.end:
+                raise ValueError(
+                    f"shard state read[{sid!r}]={pos!r}: allowed: a shard id in "
+                    f"0..{len(self.shards) - 1} and a position in its [start, end]"
+                    + (f" = [{sh.start}, {sh.end}]" if sh is not None else ""))
+            read[int(sid)] = int(pos)
+        return read
 
     # ------------------------------------------------------------------ views
     def file_names(self, lo: int, hi: int) -> list[str] | None:
@@ -149,17 +208,17 @@ class ShardService:
             return all(s.read >= s.end for s in self.shards.values())
 
     def ledger(self) -> dict:
-        """``samples_total`` (positions), ``samples_trained`` (distinct positions in the
-        kept history), ``samples_duplicated``, ``samples_lost`` (see the module doc),
-        ``leases_per_rank``, ``generation``."""
+        """``samples_total`` (positions), ``samples_trained`` (distinct positions in kept
+        reports), ``samples_duplicated``, ``samples_reread_after_rollback``,
+        ``samples_lost`` (see the module doc), ``leases_per_rank``, ``generation``."""
         with self._lock:
-            count: collections.Counter[int] = collections.Counter()
-            kept: set[int] = set()
+            kept: collections.Counter[int] = collections.Counter()
+            rolled_back = 0
             for _, _, _, _, lo, hi, rolled in self.reports:
-                for p in range(lo, hi):
-                    count[p] += 1
-                    if not rolled:
-                        kept.add(p)
+                if rolled:
+                    rolled_back += hi - lo
+                else:
+                    kept.update(range(lo, hi))
             out_now = set()
             for sid in list(self.queue) + list(self.leases):
                 sh = self.shards[sid]
@@ -168,9 +227,10 @@ class ShardService:
             for sid in self.handed_out:
                 sh = self.shards[sid]
                 handed.update(range(sh.start, sh.end))
-            lost = handed - kept - out_now
+            lost = handed - set(kept) - out_now
             return {"samples_total": self.total, "samples_trained": len(kept),
-                    "samples_duplicated": sum(c - 1 for c in count.values() if c > 1),
+                    "samples_duplicated": sum(c - 1 for c in kept.values() if c > 1),
+                    "samples_reread_after_rollback": rolled_back,
                     "samples_lost": len(lost),
                     "leases_per_rank": {str(k): v for k, v in sorted(self.leases_per_rank.items())},
                     "generation": self.generation}
@@ -213,8 +273,9 @@ class ShardRegistry:
                            "(ShardSampler.for_workload)") from None
 
     def ledger(self) -> dict:
-        """Per role, :meth:`ShardService.ledger`; plus the totals over the roles."""
+        """Per role (``roles``), :meth:`ShardService.ledger`; plus ``samples_lost``,
+        ``samples_duplicated`` and ``samples_reread_after_rollback`` summed over them."""
         roles = {role: svc.ledger() for role, svc in self.services.items()}
-        return {"samples_lost": sum(r["samples_lost"] for r in roles.values()),
-                "samples_duplicated": sum(r["samples_duplicated"] for r in roles.values()),
-                "roles": roles}
+        return {key: sum(r[key] for r in roles.values()) for key in
+                ("samples_lost", "samples_duplicated", "samples_reread_after_rollback")} | {
+                    "roles": roles}

@@ -3,23 +3,42 @@
 
 A workload asks for sample indices batch by batch; the sampler leases shards of a few
 batches from the JobMaster as it needs them, and after each optimizer step tells the
-master which positions that step trained (one non-blocking call per step). After a
-checkpoint load, :meth:`ShardSampler.restore` rolls the service back to the loaded
-step, so a restart or a resize neither loses nor repeats a sample beyond the steps
-after that checkpoint. Example (inside a workload's ``run()``)::
+master which positions that step trained (one non-blocking call per step). The sampler
+is also a checkpoint object: its :meth:`~ShardSampler.state_dict` (the trained prefix of
+every shard) is saved with the model, and after a load :meth:`ShardSampler.restore`
+rewinds the service to it, so the samples after the checkpoint are trained exactly once
+in the final model. Example (inside a workload)::
 
     sampler = ShardSampler.for_workload(self, num_samples=len(ds), batch_size=8)
-    step = self.checkpointer.load(model=model) or -1
-    sampler.restore(step)
-    for step in range(step + 1, max_steps):
+    extra = {"step": 0}
+    loaded = self.checkpointer.load(model=model, extra=extra, shards=sampler)
+    sampler.restore(extra["step"] - 1 if loaded is not None else -1)
+    for step in range(extra["step"], max_steps):
         idx = sampler.next_indices()          # None: the data set is done
         ...
         sampler.step_done(step)
+        extra["step"] = step + 1
+        self.checkpointer.maybe_save(step + 1, model=model, extra=extra, shards=sampler)
+
+A ``torchrun`` script run as a script role gets its sampler from
+:meth:`ShardSampler.for_script` (the JobMaster found through the environment the role
+gives the script) and its batches from :class:`ShardBatchSampler` (a
+``torch.utils.data.Sampler`` of index batches for ``DataLoader(batch_sampler=...)``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import json
+import os
+from typing import Any, Callable, Iterator
+
+#: The environment a script role gives its script that :meth:`ShardSampler.for_script`
+#: needs (``dlrover_core/runtime/script.py``, ``WorkerContext.env``).
+SCRIPT_ENV = ("RAY_ADDRESS", "DLROVER_JOB", "DLROVER_ROLE", "RANK")
+
+
+class NotInDlroverError(RuntimeError):
+    """The shard service was asked for outside a dlrover job (no JobMaster to reach)."""
 
 
 class ShardSampler:
@@ -32,22 +51,28 @@ class ShardSampler:
         size: the data set size (positions map to sample ``position % size``).
         shuffle, seed: a fresh permutation of the samples per epoch (torch ``randperm``
             seeded by ``seed * 1_000_003 + epoch``), the same on every rank.
+        wait: ``wait(results)`` waits for what ``call("report", ...)`` returned (Ray
+            object refs: ``ray.get``); default: nothing to wait for.
 
     Raises:
         ValueError: ``batch_size < 1``.
     """
 
     def __init__(self, call: Callable[..., Any], rank: int, batch_size: int, size: int,
-                 shuffle: bool = False, seed: int = 0) -> None:
+                 shuffle: bool = False, seed: int = 0,
+                 wait: Callable[[list], Any] | None = None) -> None:
         if int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size!r}; allowed: an integer >= 1")
-        self._call = call
+        self._call, self._wait = call, wait
         self.rank, self.batch_size, self.size = rank, int(batch_size), int(size)
         self.shuffle, self.seed = shuffle, seed
         self.generation = 0
         self._lease: dict | None = None  # the current shard, "start" moved as it is read
-        self._spans: list[tuple[int, int, int]] = []  # read since the last step_done
+        self._batches: list[list[tuple[int, int, int]]] = []  # handed out, not reported
+        self._trained: dict[int, int] = {}  # shard -> end of its trained prefix (this rank)
+        self._inflight: list = []  # results of report calls not waited for
         self._perms: dict[int, list[int]] = {}
+        self.loaded_state: dict | None = None  # from load_state_dict, for restore
         self.leases = 0
 
     @classmethod
@@ -58,37 +83,129 @@ class ShardSampler:
         the JobMaster with these settings (the first rank's settings win; a rank with
         other settings gets a ``ValueError``). Shards are ``batches_per_shard *
         batch_size`` positions."""
+        return cls._over_master(workload.master_handle, workload.role, workload.rank,
+                                batch_size, num_samples, files, batches_per_shard,
+                                num_epochs, shuffle, seed)
+
+    @classmethod
+    def for_script(cls, batch_size: int, num_samples: int = 0,
+                   files: list[str] | None = None, batches_per_shard: int = 4,
+                   num_epochs: int = 1, shuffle: bool = False,
+                   seed: int = 0) -> ShardSampler:
+        """:meth:`for_workload` for a script run as a script role: joins the job's Ray
+        cluster (``ray.init(address=$RAY_ADDRESS)`` unless already joined) and finds the
+        JobMaster of ``$DLROVER_JOB``; role ``$DLROVER_ROLE``, rank ``$RANK``.
+
+        Raises:
+            NotInDlroverError: one of :data:`SCRIPT_ENV` is not set (not a script role),
+                naming the missing variables.
+        """
+        missing = [k for k in SCRIPT_ENV if not os.environ.get(k)]
+        if missing:
+            raise NotInDlroverError(
+                f"ShardSampler.for_script: {', '.join(missing)} not set; the shard service "
+                "is the JobMaster's, reachable only from a dlrover script role (dlrover-run, "
+                "or roles.<role>.command); outside dlrover, use a DistributedSampler")
         import ray
 
-        master, role = workload.master_handle, workload.role
+        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False,
+                     logging_level="warning")
+        job = os.environ["DLROVER_JOB"]
+        try:
+            master = ray.get_actor(master_actor_name(job), namespace=MASTER_NAMESPACE)
+        except ValueError as e:
+            raise NotInDlroverError(f"ShardSampler.for_script: no JobMaster of job "
+                                    f"DLROVER_JOB={job!r} in the cluster ({e})") from None
+        return cls._over_master(master, os.environ["DLROVER_ROLE"], int(os.environ["RANK"]),
+                                batch_size, num_samples, files, batches_per_shard,
+                                num_epochs, shuffle, seed)
+
+    @classmethod
+    def _over_master(cls, master: Any, role: str, rank: int, batch_size: int,
+                     num_samples: int, files: list[str] | None, batches_per_shard: int,
+                     num_epochs: int, shuffle: bool, seed: int) -> ShardSampler:
+        import ray
+
         config = {"num_samples": int(num_samples), "files": list(files) if files else None,
                   "shard_size": int(batches_per_shard) * int(batch_size),
                   "num_epochs": int(num_epochs)}
         size = ray.get(master.shards_open.remote(role, config))
 
         def call(method: str, *args: Any) -> Any:
+            if method == "restore" and args[1] is not None and \
+                    _has_method(master, "shards_restore_state"):
+                return ray.get(master.shards_restore_state.remote(role, *args))
+            if method == "restore":  # a master without the state restore: by step
+                return ray.get(master.shards_restore.remote(role, args[0]))
             fn = getattr(master, f"shards_{method}")
             if method == "report":
-                return fn.remote(role, *args)  # fire and forget, in order per rank
+                return fn.remote(role, *args)  # waited for by flush()
             return ray.get(fn.remote(role, *args))
 
-        return cls(call, workload.rank, batch_size, size, shuffle, seed)
+        return cls(call, rank, batch_size, size, shuffle, seed, wait=ray.get)
 
-    # ------------------------------------------------------------------ restore
-    def restore(self, step: int) -> int:
-        """Roll the role's shard service back to optimizer ``step`` (the loaded
-        checkpoint; -1: none). Rank 0 does it and the generation goes to the others over
-        the default process group (a collective: call it on every rank, after every rank
-        loaded the same step). Returns the generation."""
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """The shard state: ``{"shard_state": json}`` of ``{"size": int, "read": {shard
+        id: end of its trained prefix}}`` over every rank, as of the last
+        :meth:`step_done`. A collective over the default process group when it is
+        initialized (call it on every rank: the checkpointer does, when it saves). It
+        first waits until this rank's reports reached the master (:meth:`flush`), so
+        the master's ledger holds every step the checkpoint holds."""
         import torch.distributed as dist
 
-        gen = [self._call("restore", int(step)) if self.rank == 0 else 0]
+        self.flush()
+        mine = dict(self._trained)
+        parts = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(gen, src=0)
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+        read: dict[int, int] = {}
+        for part in parts:
+            for sid, hi in (part or {}).items():
+                read[int(sid)] = max(read.get(int(sid), 0), int(hi))
+        state = {"size": self.size, "read": {str(k): v for k, v in sorted(read.items())}}
+        return {"shard_state": json.dumps(state)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Keep a loaded :meth:`state_dict` for the next :meth:`restore`.
+
+        Raises:
+            ValueError: it is not a shard state of a data set of this size.
+        """
+        try:
+            state = json.loads(state_dict["shard_state"])
+            ok = int(state["size"]) == self.size and isinstance(state["read"], dict)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"shard state {str(state_dict)[:200]!r}: allowed: a "
+                             f"ShardSampler.state_dict() of a data set of {self.size} samples")
+        self.loaded_state = state
+
+    def restore(self, step: int, state: dict | None = None) -> int:
+        """Rewind the role's shard service to the loaded checkpoint of optimizer ``step``
+        (-1: none): to ``state`` (default: the one :meth:`load_state_dict` got; ``{}``
+        when ``step`` is -1), else, without one, by ``step``; every rank then holds the
+        restored state (what the service restored to). Rank 0 does it and the
+        generation goes to the others over the default process group (a collective:
+        call it on every rank, after every rank loaded the same step). Returns the
+        generation."""
+        import torch.distributed as dist
+
+        if state is None:
+            state = self.loaded_state if step >= 0 else {"size": self.size, "read": {}}
+        out = [self._call("restore", int(step), state) if self.rank == 0 else None]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(out, src=0)
         elif self.rank != 0:
             raise RuntimeError("ShardSampler.restore on rank > 0 needs the role's process group")
-        self.generation = int(gen[0])
-        self._lease, self._spans = None, []
+        self.generation = int(out[0]["generation"])
+        self._lease, self._batches = None, []
+        self._trained = {int(k): int(v) for k, v in out[0]["read"].items()}
         return self.generation
 
     # ------------------------------------------------------------------ batches
@@ -96,6 +213,7 @@ class ShardSampler:
         """Positions of the next batch (``batch_size`` of them, fewer at the very end, read
         across shard boundaries), or ``None`` when no shard is left to lease."""
         out: list[int] = []
+        spans: list[tuple[int, int, int]] = []
         while len(out) < self.batch_size:
             if self._lease is None or self._lease["start"] >= self._lease["end"]:
                 self._lease = self._call("lease", self.rank, self.generation)
@@ -106,8 +224,10 @@ class ShardSampler:
             take = min(self.batch_size - len(out), ls["end"] - ls["start"])
             lo, hi = ls["start"], ls["start"] + take
             out.extend(range(lo, hi))
-            self._spans.append((ls["shard"], lo, hi))
+            spans.append((ls["shard"], lo, hi))
             ls["start"] = hi
+        if spans:
+            self._batches.append(spans)
         return out or None
 
     def next_indices(self) -> list[int] | None:
@@ -128,9 +248,57 @@ class ShardSampler:
             perm = self._perms[epoch] = torch.randperm(self.size, generator=g).tolist()
         return perm[i]
 
-    def step_done(self, step: int) -> None:
-        """Report what this rank read since the last call as trained in optimizer
-        ``step`` (non-blocking). Call it after ``optimizer.step()``."""
-        if self._spans:
-            self._call("report", self.generation, self.rank, int(step), list(self._spans))
-            self._spans = []
+    def step_done(self, step: int, batches: int | None = None) -> None:
+        """Report the batches handed out since the last call (or the first ``batches``
+        of them: the others, e.g. prefetched by a ``DataLoader``'s workers, are not
+        trained yet) as trained in optimizer ``step`` (non-blocking). Call it after
+        ``optimizer.step()``.
+
+        Raises:
+            ValueError: ``batches`` is negative or more than were handed out.
+        """
+        n = len(self._batches) if batches is None else int(batches)
+        if not 0 <= n <= len(self._batches):
+            raise ValueError(f"step_done(batches={batches!r}): allowed: 0.."
+                             f"{len(self._batches)} (the batches handed out, not reported)")
+        spans = [sp for b in self._batches[:n] for sp in b]
+        del self._batches[:n]
+        if not spans:
+            return
+        for sid, _, hi in spans:
+            self._trained[sid] = max(self._trained.get(sid, 0), hi)
+        result = self._call("report", self.generation, self.rank, int(step), spans)
+        if result is not None and self._wait is not None:
+            self._inflight.append(result)
+            if len(self._inflight) > 64:
+                self.flush()
+
+    def flush(self) -> None:
+        """Wait until every report sent so far reached the master."""
+        if self._inflight and self._wait is not None:
+            self._wait(self._inflight)
+        self._inflight = []
+
+
+class ShardBatchSampler:
+    """A ``torch.utils.data.Sampler`` of index batches over a :class:`ShardSampler`, for
+    ``DataLoader(dataset, batch_sampler=ShardBatchSampler(sampler))``: yields the batches
+    the sampler leases until no shard is left. Report each optimizer step with
+    ``sampler.step_done(step)`` (with ``num_workers > 0`` the loader reads ahead: pass
+    ``batches=``, the number of batches that step trained). ``len()`` is not defined
+    (the number of batches depends on the other ranks)."""
+
+    def __init__(self, sampler: ShardSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while (idx := self.sampler.next_indices()) is not None:
+            yield idx
+
+
+def _has_method(handle: Any, name: str) -> bool:
+    try:
+        getattr(handle, name)
+        return True
+    except AttributeError:
+        return False

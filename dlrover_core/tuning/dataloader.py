@@ -54,8 +54,10 @@ class ElasticDataLoader:
         shards: a :class:`dlrover_core.runtime.sharding.ShardSampler` (dynamic data
             sharding): batches come from the shards it leases from the JobMaster, in the
             main process (``num_workers`` unused), and the position is the shard
-            service's (restore it with ``shards.restore(step)``, report each step with
-            ``shards.step_done(step)``); :meth:`next_batch` raises ``StopIteration``
+            service's: :meth:`state_dict` holds the sampler's shard state (then it is a
+            collective: call it on every rank), :meth:`load_state_dict` hands it back;
+            after a load call ``shards.restore(step)``, and report each step with
+            ``shards.step_done(step)``; :meth:`next_batch` raises ``StopIteration``
             when no shard is left.
     Raises:
         ValueError: a bad argument (named), or a dataset smaller than ``world_size``.
@@ -261,12 +263,13 @@ class ElasticDataLoader:
     def state_dict(self) -> dict:
         """``epoch``, ``global_position``, ``seed``, ``dataset_len``, ``world_size`` and
         the current settings; a plain dict of ints/bools (put it in the checkpoint's
-        ``extra``)."""
+        ``extra``); with ``shards``, also ``shards``: the sampler's shard state."""
         return {"state_version": STATE_VERSION, "epoch": self.epoch,
                 "global_position": self.global_position, "seed": self.seed,
                 "shuffle": self.shuffle, "dataset_len": len(self.dataset),
                 "world_size": self.world_size, "batch_size": self.batch_size,
-                "num_workers": self.num_workers, "pin_memory": self.pin_memory}
+                "num_workers": self.num_workers, "pin_memory": self.pin_memory,
+                **({"shards": self.shards.state_dict()} if self.shards is not None else {})}
 
     def load_state_dict(self, state: dict, settings: bool = False) -> None:
         """Continue from ``state`` (from :meth:`state_dict`, possibly of another
@@ -287,6 +290,8 @@ class ElasticDataLoader:
         self._drop_iterator()
         self.epoch = int(state["epoch"])
         self._base, self._offset, self._shard = pos, 0, None
+        if self.shards is not None and "shards" in state:
+            self.shards.load_state_dict(state["shards"])
         if settings:
             self.reconfigure(int(state["batch_size"]), int(state["num_workers"]),
                              bool(state["pin_memory"]))
