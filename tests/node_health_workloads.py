@@ -16,7 +16,10 @@ class SyncSteps(BaseWorkload):
     ``config.size`` (the rank's own compute, timed as ``compute_s``), then an
     ``all_reduce`` that waits for the slowest rank; reports ``compute_s``, ``step_s``
     (compute + wait) and ``samples`` (``config.batch`` per rank). Runs ``config.steps``
-    steps, or ``config.steps_after_restart`` once restarted (attempt >= 1)."""
+    steps, or ``config.steps_after_restart`` once restarted (attempt >= 1). With
+    ``config.checkpoint`` true it saves its next step through the job's checkpointer
+    (``checkpoint.every_steps``) and a restart resumes from the newest one, up to
+    ``config.steps``."""
 
     def run(self):
         import torch
@@ -25,12 +28,16 @@ class SyncSteps(BaseWorkload):
         torch.set_num_threads(1)
         n, work = int(self.config.get("size", 128)), int(self.config.get("work", 20))
         batch = float(self.config.get("batch", 1))
-        steps = int(self.config.steps)
-        if self.attempt >= 1:
+        steps, start = int(self.config.steps), 0
+        ckpt = bool(self.config.get("checkpoint", False))
+        extra = {"step": 0}
+        if ckpt and self.checkpointer.load(extra=extra) is not None:
+            start = int(extra["step"])
+        elif self.attempt >= 1:
             steps = int(self.config.get("steps_after_restart", steps))
         a = torch.randn(n, n) / n ** 0.5
         grad = torch.ones(4096)
-        for step in range(steps):
+        for step in range(start, steps):
             t0 = time.perf_counter()
             x = a
             for _ in range(work):
@@ -41,6 +48,9 @@ class SyncSteps(BaseWorkload):
             t2 = time.perf_counter()
             self.report(step, compute_s=t1 - t0, step_s=t2 - t0,
                         samples=batch * self.world_size)
+            if ckpt:
+                extra["step"] = step + 1
+                self.checkpointer.maybe_save(step + 1, extra=extra)
         return steps
 
 

@@ -13,6 +13,14 @@ healthy nodes (torchrun's ``--nnodes=MIN:MAX``; Ray Train v2's ``num_workers=(mi
   master looks for room for more node-slots of a role below ``MAX`` nodes; once there
   is room, the role is restarted at the larger size right after its next checkpoint
   (rank 0's next ``checkpoint_saved``).
+- **Straggler shrink** (``node_health.straggler_action: shrink``;
+  :func:`straggler_shrink_target` before, :meth:`ElasticManager.shrink` after): the
+  straggler's node is dropped from its role at once (no replacement wait): the role
+  restarts alone at the largest valid size of at most its size less that node's
+  ``per_node`` ranks, on the other nodes, from the newest checkpoint. At the role's
+  minimum (no valid smaller size) the detector reports instead. The node is kept out
+  of the role (its placement and its grow) for the rest of the job (this master's
+  memory: a restarted master forgets it); other roles may still use it.
 - **History**: every size the role ran at, with the role's last reported step when it
   changed and the newest checkpoint step the master knew of then (``world_sizes`` in
   ``summary.json``).
@@ -81,23 +89,18 @@ class ElasticManager:
             for role in self.ranges]
         self._last_poll = 0.0
         self._grow_after: dict[str, int] = {}  # role -> checkpoint step when room appeared
+        #: role -> nodes kept out of it (a straggler's node, dropped by a shrink)
+        self.excluded: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ sizes
     def valid(self, role: str, world_size: int) -> bool:
         """Whether ``world_size`` ranks is a valid size of ``role``."""
-        rng = self.ranges[role]
-        if world_size % rng.per_node or not rng.min_ranks <= world_size <= rng.max_ranks:
-            return False
-        return not self.global_batch or \
-            self.global_batch % (self.micro_batch * world_size) == 0
+        return _valid(self.ranges[role], world_size, self.global_batch, self.micro_batch)
 
     def largest_valid(self, role: str, node_slots: int) -> int | None:
         """The largest valid world size on at most ``node_slots`` node-slots, or ``None``."""
-        rng = self.ranges[role]
-        for nodes in range(min(node_slots, rng.max_nodes), rng.min_nodes - 1, -1):
-            if self.valid(role, nodes * rng.per_node):
-                return nodes * rng.per_node
-        return None
+        return _largest_valid(self.ranges[role], node_slots, self.global_batch,
+                              self.micro_batch)
 
     def node_slots(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> int:
         """How many node-slots of ``role`` (``per_node`` ranks each) the alive nodes not
@@ -107,7 +110,8 @@ class ElasticManager:
         if not need:
             need = {"CPU": 0.001 * r.per_node}
         slots = 0
-        skip = set(self.scope.failover.bad_nodes) | set(exclude)
+        skip = set(self.scope.failover.bad_nodes) | set(exclude) | \
+            self.excluded.get(role, set())
         for node in ClusterResources.from_ray(exclude=skip).nodes:
             slots += int(min(node.resources.get(k, 0.0) / v + 1e-9 for k, v in need.items()))
         return slots
@@ -119,6 +123,8 @@ class ElasticManager:
         collective broke first)."""
         if failure.role not in self.ranges:
             return False
+        if failure.kind == FailureKind.STRAGGLER:
+            return str(self.scope.spec.node_health.straggler_action) == "shrink"
         return failure.kind == FailureKind.NODE_LOST or bool(self.lost_nodes(failure.role))
 
     def lost_nodes(self, role: str) -> list[str]:
@@ -137,6 +143,8 @@ class ElasticManager:
             JobStopped: the job was stopped while waiting.
         """
         s, role = self.scope, failure.role
+        if failure.kind == FailureKind.STRAGGLER:
+            return self._drop_straggler(failure)
         # Ray may list a lost node as alive for a moment: never count it as room
         lost = sorted(set(self.lost_nodes(role)) | ({failure.node_id} if
                       failure.kind == FailureKind.NODE_LOST and failure.node_id else set()))
@@ -165,6 +173,29 @@ class ElasticManager:
         phases = self.resize(role, target, reason)
         return {"replacement_wait_s": waited, **phases}
 
+    def _drop_straggler(self, failure: Failure) -> dict[str, Any]:
+        """Drop the straggler's node from its role: restart the role at the largest
+        valid size of at most its size less one node, on its other nodes; keep the node
+        out of the role from now on. Returns the phase timings (s).
+
+        Raises:
+            JobFailed: no valid smaller size fits on the other nodes (the detector
+                checked the sizes before; the nodes left may hold fewer slots).
+            InstanceFailure: a new rank failed to start.
+        """
+        role, node = failure.role, failure.node_id
+        if node:
+            self.excluded.setdefault(role, set()).add(node)
+        current = self.scope.graph.roles[role].total
+        per_node = self.ranges[role].per_node
+        slots = self.node_slots(role)
+        target = self.largest_valid(role, min(slots, current // per_node - 1))
+        if target is None:
+            raise JobFailed(
+                f"role {role!r}: no valid world size below {current} fits on its nodes "
+                f"without straggler node {node[:12]} ({slots} node-slot(s) left)")
+        return {"straggler_node": node, **self.resize(role, target, "straggler")}
+
     # ------------------------------------------------------------------ grow
     def check_grow(self) -> None:
         """Called by the controller while ``RUNNING``: look for room every
@@ -190,7 +221,7 @@ class ElasticManager:
                     total >= self.ranges[role].max_ranks:
                 continue
             target = self.largest_valid(role, self.node_slots(role))
-            if target is not None and target > total:
+            if target is not None and target > total:  # node_slots skips excluded nodes
                 self._grow_after[role] = s.checkpoint_steps.get(role, -1)
                 s.emit("elastic_room", role=role, world_size=total, target=target,
                        after_checkpoint=self._grow_after[role])
@@ -248,7 +279,8 @@ class ElasticManager:
         for pg in extra:
             _remove(pg)
         plan = la.make_plan()
-        alive_bad = la.alive_bad_nodes()
+        alive_bad = sorted(set(la.alive_bad_nodes()) | (self.excluded.get(role, set())
+                                                         & alive_nodes()))
         pgs, fresh = [], []
         for g in plan.groups:
             if g.name in by_name and g.name not in mine:
@@ -278,7 +310,41 @@ class ElasticManager:
                         f"placement group {g.name} ({g.bundles}, {g.strategy}) of elastic role "
                         f"{role!r} was not ready within {PG_READY_TIMEOUT_S:.0f} s")
         self.scope.emit("placement", policy=self.scope.spec.placement, groups=plan.describe(),
-                        excluded_nodes=sorted(self.scope.failover.bad_nodes), role=role)
+                        excluded_nodes=sorted(self.scope.failover.bad_nodes), role=role,
+                        straggler_nodes=sorted(self.excluded.get(role, set())))
+
+
+def _valid(rng: NodeRange, world_size: int, global_batch: int, micro_batch: int) -> bool:
+    if world_size % rng.per_node or not rng.min_ranks <= world_size <= rng.max_ranks:
+        return False
+    return not global_batch or global_batch % (micro_batch * world_size) == 0
+
+
+def _largest_valid(rng: NodeRange, node_slots: int, global_batch: int,
+                   micro_batch: int) -> int | None:
+    for nodes in range(min(node_slots, rng.max_nodes), rng.min_nodes - 1, -1):
+        if _valid(rng, nodes * rng.per_node, global_batch, micro_batch):
+            return nodes * rng.per_node
+    return None
+
+
+def straggler_shrink_target(scope: JobScope, role: str) -> tuple[int | None, str]:
+    """``(world size, "")`` that dropping one node of ``role`` (a straggler's) would
+    shrink it to (the largest valid size of at most its size less ``per_node``
+    ranks), or ``(None, why not)``: the role is not elastic, or no valid size is left
+    between that and its minimum (it is at its minimum)."""
+    rng = node_range(scope.spec, role)
+    if rng is None:
+        return None, f"role {role!r} is not elastic (no roles.{role}.nodes)"
+    current = scope.graph.roles[role].total
+    e = scope.spec.elastic
+    target = _largest_valid(rng, current // rng.per_node - 1, int(e.global_batch),
+                            int(e.micro_batch))
+    if target is None:
+        return None, (f"role {role!r} runs {current} rank(s), at its minimum of "
+                      f"roles.{role}.nodes min {rng.min_nodes} node(s) of {rng.per_node} "
+                      "(or no smaller size splits elastic.global_batch)")
+    return target, ""
 
 
 def _remove(pg: Any) -> None:

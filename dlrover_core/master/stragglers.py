@@ -14,9 +14,12 @@ compared with the median of the other ranks' medians; a rank above
 ``straggler_windows`` windows in a row, it is a straggler: ``straggler_detected``
 (with every window's per-rank medians as evidence) and the
 ``node_health.straggler_action``: ``report`` (the event only; reported again only
-after it was not slow for a window) or ``replace`` (a ``straggler`` failure of that
+after it was not slow for a window), ``replace`` (a ``straggler`` failure of that
 rank: the failover policy restarts it at ``process`` level, from the warm standby
-when there is one, counting against ``failover.max_restarts``). A window that a
+when there is one, counting against ``failover.max_restarts``) or ``shrink`` (the same
+failure, recovered by ``master.elastic``: the straggler's node is dropped from its
+elastic role; when the role is at its minimum, ``report`` instead, and the event
+names ``configured_action`` and ``fallback_reason``). A window that a
 recovery overlaps is dropped, and so are the streaks.
 
 Non-zero ranks coalesce their reports (``runtime.reporting``: the newest step at most
@@ -30,6 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from dlrover_core.master.elastic import straggler_shrink_target
 from dlrover_core.master.instances import InstanceState
 from dlrover_core.master.monitor import Detection
 from dlrover_core.plugins.records import Failure, FailureKind
@@ -139,12 +143,19 @@ class StragglerDetector:
         self._reported.add((role, rank))
         self._streak.pop((role, rank), None)
         ratio = evidence[-1]["ratio"]
+        action, extra = self.action, {}
+        if action == "shrink":  # at the role's minimum (or not elastic): report, say why
+            target, why = straggler_shrink_target(s, role)
+            action, extra = ("shrink", {"target_world_size": target}) if target else \
+                ("report", {"configured_action": "shrink", "fallback_reason": why})
         s.emit("straggler_detected", role=role, rank=rank,
                node_id=inst.node_id if inst else "", pid=inst.pid if inst else 0,
                step=inst.last_step if inst else -1, ratio=ratio,
                factor=float(nh.straggler_factor), windows=len(evidence),
-               window_s=float(nh.straggler_window_s), action=self.action, evidence=evidence)
-        if self.action != "replace" or inst is None or inst.state != InstanceState.RUNNING:
+               window_s=float(nh.straggler_window_s), action=action, evidence=evidence,
+               **extra)
+        if action not in ("replace", "shrink") or inst is None or \
+                inst.state != InstanceState.RUNNING:
             return None
         message = (f"compute_s {ratio:.2f}x the median of the other ranks for "
                    f"{len(evidence)} windows of {float(nh.straggler_window_s):g} s "

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from dlrover_core.spec.elastic import parse_nodes
 from dlrover_core.spec.errors import SpecError
 
 #: What the master does with a straggler: ``off`` (no detection), ``report`` (the
 #: ``straggler_detected`` event only), ``replace`` (the rank is replaced, from the warm
-#: standby when there is one, like a failed rank).
-STRAGGLER_ACTIONS = ("off", "report", "replace")
+#: standby when there is one, like a failed rank), ``shrink`` (the straggler's node is
+#: dropped from its elastic role: ``dlrover_core.master.elastic``).
+STRAGGLER_ACTIONS = ("off", "report", "replace", "shrink")
 #: How the stacks of hung ranks are captured: ``auto`` (py-spy when installed, else
 #: faulthandler), ``py-spy``, ``faulthandler``, ``off``.
 STACK_METHODS = ("auto", "py-spy", "faulthandler", "off")
@@ -34,7 +36,8 @@ class NodeHealthSpec:
     the all-gather) and ``allgather_iters``; ``check_timeout_s``: seconds one step
     (matmul, or one pair's all-gather) may take before the node or pair fails.
 
-    Stragglers: ``straggler_action`` (:data:`STRAGGLER_ACTIONS`); every
+    Stragglers: ``straggler_action`` (:data:`STRAGGLER_ACTIONS`; ``shrink`` only when
+    the roles are elastic: :func:`validate_node_health`); every
     ``straggler_window_s`` s, each rank's median ``compute_s`` (else ``step_s``) of its
     reports in the window is compared with the median of the other ranks of its role;
     a rank above ``straggler_factor`` times that for ``straggler_windows`` windows in a
@@ -62,7 +65,9 @@ def validate_node_health(spec: DictConfig) -> None:
     """Check ``spec.node_health``.
 
     Raises:
-        SpecError: a value out of range (names the key, the value and what is allowed).
+        SpecError: a value out of range (names the key, the value and what is allowed);
+            ``straggler_action: shrink`` on a role with a process group and more than
+            one rank that has no node range ``roles.R.nodes`` with ``MIN < MAX``.
     """
     nh = spec.node_health
     positive = {"slow_factor": 1.0, "straggler_factor": 1.0}
@@ -79,5 +84,41 @@ def validate_node_health(spec: DictConfig) -> None:
     if nh.straggler_action not in STRAGGLER_ACTIONS:
         raise SpecError("node_health.straggler_action", nh.straggler_action,
                         ", ".join(STRAGGLER_ACTIONS))
+    if nh.straggler_action == "shrink":
+        _check_shrink(spec)
     if nh.stack_dump not in STACK_METHODS:
         raise SpecError("node_health.stack_dump", nh.stack_dump, ", ".join(STACK_METHODS))
+
+
+def _check_shrink(spec: DictConfig) -> None:
+    """``straggler_action: shrink`` needs every role with a process group (``backend``)
+    that can have a straggler (more than one rank, or a node range) to be elastic with
+    room to shrink: ``roles.R.nodes`` ``"MIN:MAX"`` with ``MIN < MAX``; and at least one
+    such role.
+
+    Raises:
+        SpecError: keyed ``node_health.straggler_action``, naming the role.
+    """
+    allowed = ("off, report or replace; shrink only when every role with a process group "
+               "(backend) and more than one rank is elastic with room to shrink "
+               "(roles.R.nodes \"MIN:MAX\" with MIN < MAX)")
+    elastic = []
+    for role, r in spec.roles.items():
+        if not r.get("backend"):
+            continue
+        value = r.get("nodes")
+        if value is None:
+            if int(r.total) <= 1:
+                continue  # one fixed rank: never compared, never a straggler
+            raise SpecError("node_health.straggler_action", "shrink", allowed,
+                            f"roles.{role} has {r.total} ranks and no node range "
+                            f"(roles.{role}.nodes)")
+        lo, hi = parse_nodes(value, f"roles.{role}.nodes")
+        if lo >= hi:
+            raise SpecError("node_health.straggler_action", "shrink", allowed,
+                            f"roles.{role}.nodes is {value!r}: MIN = MAX, nothing to "
+                            "shrink to")
+        elastic.append(role)
+    if not elastic:
+        raise SpecError("node_health.straggler_action", "shrink", allowed,
+                        "no role with a process group and a node range")

@@ -1,5 +1,5 @@
 """Scenario: node health on one 3-node ``ray.cluster_utils.Cluster`` (1 CPU per node),
-three 2-rank gloo jobs one after the other, every slowness injected from outside the
+gloo jobs one after the other, every slowness injected from outside the
 code under test:
 
 - ``check``: the pre-flight node check runs (the default); the probe on one node is
@@ -8,11 +8,15 @@ code under test:
 - ``straggler``: no node check (``skip_node_check``); once the job runs, rank 1's
   process is duty-cycled to 30% speed; the master must raise ``straggler_detected``
   and replace rank 1 (``straggler_action: replace``) from the warm standby.
+- ``shrink``: no node check; an elastic 3-rank trainer; rank 1 slowed as in
+  ``straggler``; the master must drop rank 1's node (``straggler_action: shrink``) and
+  go on at 2 ranks from the newest checkpoint, never growing back onto that node.
 - ``hang``: no node check; rank 1's process is stopped (SIGSTOP); after
   ``hang_timeout_s`` the master must capture the stuck ranks' stacks, name the file in
   the failure, and recover.
 
-Run as ``python -m tests.scenarios.node_health ROOT [PART ...]``; prints one JSON line:
+Run as ``python -m tests.scenarios.node_health ROOT [PART ...]`` (default: every part
+but ``shrink``, which ``tests/test_straggler_shrink.py`` runs alone); prints one JSON line:
 part -> what it saw (job directory, summary, injected pids and nodes).
 """
 
@@ -25,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from dlrover_core import DLJobBuilder
+from dlrover_core import DLJobBuilder, load_spec
 from dlrover_core.testing import multinode_cluster, run_job
 from tests.node_health_workloads import DutyCycle, parent_pid, probe_pids
 
@@ -119,6 +123,46 @@ def part_straggler(root: str) -> dict:
             "slowed_node": seen.get("node"), "slowed_at": seen.get("slowed_at")}
 
 
+def part_shrink(root: str) -> dict:
+    """An elastic trainer (``nodes: "2:3"``, one rank per node, 3 ranks) with
+    ``straggler_action: shrink`` and flash checkpoints every 10 steps: rank 1 runs at
+    30% speed from step 30 until its process is gone. The master must drop rank 1's
+    node (2 ranks on the other two nodes, restored from the newest checkpoint) and
+    never grow back onto it, although its CPU is free again."""
+    job = load_spec({
+        "name": "nh-shrink",
+        "roles": {"trainer": {"workload": f"{W}:SyncSteps", "total": 3, "per_node": 1,
+                              "nodes": "2:3", "backend": "ddp", "resources": {"cpu": 1}}},
+        "checkpoint": {"saver": "flash", "every_steps": 10, "keep": 2,
+                       "options": {"replicas": 1, "wait_timeout_s": 60}},
+        "failover": {"standby": False, "pg_timeout_s": 60},
+        "elastic": {"poll_interval_s": 1},
+        "node_health": {"skip_node_check": True, "straggler_action": "shrink",
+                        "straggler_window_s": 1.5, "straggler_windows": 3},
+        "config": {"steps": 200, "size": 128, "work": 300, "checkpoint": True}})
+    seen: dict[str, Any] = {}
+    cycle = DutyCycle(lambda: [seen["pid"]] if "pid" in seen else [], speed=0.3,
+                      period_s=0.05)
+
+    def watch(st: dict) -> None:
+        r1 = st["instances"].get("trainer-1", {})
+        if "pid" not in seen and st["step"] >= 30 and r1.get("state") == "running":
+            seen["pid"], seen["node"] = r1["pid"], r1["node_id"]
+            seen["slowed_at"] = time.time()
+            cycle.start()
+        elif "pid" in seen and r1.get("pid") != seen["pid"] and cycle.is_alive():
+            cycle.stop()
+
+    job_dir = os.path.join(root, "shrink")
+    try:
+        summary = run_job(job, job_dir, watch, timeout=240)
+    finally:
+        if cycle.is_alive():
+            cycle.stop()
+    return {"job_dir": job_dir, "summary": summary, "slowed_pid": seen.get("pid"),
+            "slowed_node": seen.get("node"), "slowed_at": seen.get("slowed_at")}
+
+
 def part_hang(root: str) -> dict:
     """Rank 1 is stopped at step 20 (SIGSTOP) and never continued by the test."""
     job = (base("nh-hang", 3000, steps_after_restart=20).skip_node_check()
@@ -154,9 +198,10 @@ def main(root: str, parts: list[str]) -> None:
                 raylets[proc.process.pid] = node.node_id
         out = {}
         runners = {"check": lambda: part_check(root, raylets),
-                   "straggler": lambda: part_straggler(root), "hang": lambda: part_hang(root)}
+                   "straggler": lambda: part_straggler(root), "hang": lambda: part_hang(root),
+                   "shrink": lambda: part_shrink(root)}
         try:
-            for part in parts or list(runners):
+            for part in parts or ["check", "straggler", "hang"]:
                 t0 = time.time()
                 out[part] = runners[part]()
                 out[part]["wall_s"] = round(time.time() - t0, 1)
