@@ -25,7 +25,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 with open("world-%s.json" % os.environ["RANK"], "w") as f:
     json.dump({"world_size": dist.get_world_size(), "env": os.environ["WORLD_SIZE"],
-               "group_world_size": os.environ["GROUP_WORLD_SIZE"]}, f)
+               "group": int(os.environ["GROUP_WORLD_SIZE"]),
+               "local": int(os.environ["LOCAL_WORLD_SIZE"])}, f)
 dist.destroy_process_group()
 '''
 
@@ -87,7 +88,9 @@ def test_dlrover_run_elastic_nnodes_starts_at_max(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"world-{rank}.json").read_text())
-        assert seen == {"world_size": 2, "env": "2", "group_world_size": "2"}
+        assert (seen["world_size"], seen["env"]) == (2, "2")
+        # one machine: both node-slots may share it (then LOCAL_WORLD_SIZE 2, GROUP 1)
+        assert seen["group"] * seen["local"] == 2
     summary = json.loads((job_dir / "summary.json").read_text())
     assert summary["status"] == "succeeded"
     assert summary["world_sizes"] == [{"role": "trainer", "world_size": 2, "step": -1,
