@@ -1,20 +1,29 @@
 """Straggler benchmark: a 4-rank gloo job (``tests.node_health_workloads.SyncSteps``: a
 timed matmul loop, then an ``all_reduce``), one rank slowed from outside to about
 ``--speed`` (default 40%) of its speed at step ``--slow-at`` by SIGSTOP/SIGCONT duty
-cycling, with ``node_health.straggler_action`` (default ``replace``: the straggler is
-replaced from the warm standby).
+cycling, with ``node_health.straggler_action`` (``--action``): ``replace`` (default:
+the straggler is replaced from the warm standby; the 4 ranks on one Ray node of 5
+CPUs) or ``shrink`` (an elastic role, ``nodes: "MIN:4"``, one rank on each node of a
+4-node ``ray.cluster_utils.Cluster`` of 1 CPU per node: the straggler's node is dropped
+and the role goes on at 3 ranks).
 
 Figures, per run (the JSON line holds the median over ``--runs`` runs):
 
-- ``detected_after_s``: from the first SIGSTOP to the ``straggler_detected`` event;
+- ``detected_after_s``: from the start of the slowdown (the duty cycle's first
+  SIGSTOP) to the first ``straggler_detected`` event after it;
 - ``throughput_healthy``: samples/s (rank 0's step reports in ``metrics.jsonl``: the
   samples of the steps over the wall time between the first and the last step of the
   span) from step ``--warmup`` to the slowdown;
 - ``throughput_slowed``: from the slowdown to the detection;
-- ``throughput_after_action``: from ``--warmup`` steps after ``recovery_finished`` to
-  the end (``None`` when nothing was replaced);
-- ``recovered_ratio``: ``throughput_after_action / throughput_healthy``;
-- ``action``: the action the ``straggler_detected`` event names.
+- ``throughput_after_action``: from ``--warmup`` steps after the first
+  ``recovery_finished`` after the detection to the end (``None`` when nothing was
+  replaced or shrunk);
+- ``recovered_ratio``: ``throughput_after_action / throughput_healthy``. A step's
+  samples are 8 per rank, so after a shrink from 4 to 3 ranks the ratio is about 0.75
+  at best (nothing grows back: the straggler's node is kept out of the role);
+- ``action``: the action the ``straggler_detected`` event names (``report`` when a
+  shrink fell back); ``configured_action``: ``--action``; per run, ``world_sizes``
+  (the elastic role's history, ``None`` without one).
 
 The last stdout line is one JSON object with these keys (plus ``runs``: every run's
 figures). Smoke run: ``python benchmarks/straggler.py --runs 1 --steps 150
@@ -24,12 +33,14 @@ figures). Smoke run: ``python benchmarks/straggler.py --runs 1 --steps 150
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -45,23 +56,36 @@ def throughput(steps: list[dict], t_from: float, t_to: float) -> float | None:
     return sum(r["samples"] for r in span[1:]) / dt if dt > 0 else None
 
 
+def job_spec(args: argparse.Namespace) -> Any:
+    """The 4-rank job: one node of 4 ranks (``replace``, ``report``), or, for
+    ``shrink``, an elastic role of one rank on each of 4 nodes (``nodes:
+    "MIN_NODES:4"``, no standby: a shrink does not use it)."""
+    from dlrover_core import load_spec
+
+    trainer = {"workload": "tests.node_health_workloads:SyncSteps", "total": 4,
+               "per_node": 4, "backend": "ddp", "resources": {"cpu": 1}}
+    failover = {}
+    if args.action == "shrink":
+        trainer.update(per_node=1, nodes=f"{args.min_nodes}:4")
+        failover["standby"] = False
+    return load_spec({
+        "name": f"straggler-bench-{int(time.time() * 1000) % 10**8}",
+        "roles": {"trainer": trainer}, "failover": failover,
+        "node_health": {"straggler_action": args.action, "straggler_window_s": args.window_s,
+                        "straggler_windows": args.windows,
+                        "straggler_factor": args.factor},
+        "config": {"steps": args.steps, "steps_after_restart": args.steps_after,
+                   "size": 128, "work": args.work, "batch": 8}})
+
+
 def one_run(args: argparse.Namespace, job_dir: str) -> dict:
     import ray
 
-    from dlrover_core import DLJobBuilder
     from dlrover_core.master.client import create_master
     from dlrover_core.master.events import read_events
     from tests.node_health_workloads import DutyCycle
 
-    job = (DLJobBuilder().name(f"straggler-bench-{int(time.time() * 1000) % 10**8}")
-           .config({"steps": args.steps, "steps_after_restart": args.steps_after,
-                    "size": 128, "work": args.work, "batch": 8})
-           .workload("trainer", "tests.node_health_workloads", "SyncSteps")
-           .total(4).per_node(4).backend("ddp").resource(cpu=1).end()
-           .node_health(straggler_action=args.action, straggler_window_s=args.window_s,
-                        straggler_windows=args.windows, straggler_factor=args.factor)
-           .build())
-    master = create_master(job.spec, job_dir)
+    master = create_master(job_spec(args), job_dir)
     ray.get(master.start.remote())
     seen: dict = {}
     cycle = DutyCycle(lambda: [seen["pid"]] if "pid" in seen else [], speed=args.speed,
@@ -86,10 +110,14 @@ def one_run(args: argparse.Namespace, job_dir: str) -> dict:
     events = read_events(os.path.join(job_dir, "events.jsonl"))
     steps = [r for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
              if r["event"] == "step"]
-    detected = next((e for e in events if e["event"] == "straggler_detected"), None)
-    recovered = next((e for e in events if e["event"] == "recovery_finished"), None)
-    healthy_from = next((r["ts"] for r in steps if r["step"] >= args.warmup), None)
     slowed_at = seen.get("at")
+    # the first detection after the slowdown began (one before it is a false alarm, not
+    # this figure), and the first recovery after that detection
+    detected = next((e for e in events if e["event"] == "straggler_detected"
+                     and slowed_at is not None and e["ts"] >= slowed_at), None)
+    recovered = next((e for e in events if e["event"] == "recovery_finished"
+                      and detected is not None and e["ts"] >= detected["ts"]), None)
+    healthy_from = next((r["ts"] for r in steps if r["step"] >= args.warmup), None)
     healthy = throughput(steps, healthy_from, slowed_at) if healthy_from and slowed_at \
         else None
     slowed = throughput(steps, slowed_at, detected["ts"]) if detected else None
@@ -103,6 +131,7 @@ def one_run(args: argparse.Namespace, job_dir: str) -> dict:
             "throughput_after_action": after,
             "recovered_ratio": after / healthy if after and healthy else None,
             "action": detected["action"] if detected else None,
+            "world_sizes": [w["world_size"] for w in summary.get("world_sizes", [])] or None,
             "status": summary["status"]}
 
 
@@ -123,27 +152,38 @@ def main() -> None:
     p.add_argument("--speed", type=float, default=0.4)
     p.add_argument("--period-s", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--action", default="replace")
+    p.add_argument("--action", default="replace", choices=("replace", "shrink", "report"),
+                   help="node_health.straggler_action; shrink runs on a 4-node "
+                        "cluster_utils cluster, one rank per node")
+    p.add_argument("--min-nodes", type=int, default=2,
+                   help="shrink: the elastic role's MIN nodes, 1 to 3 (its MAX is 4)")
     p.add_argument("--window-s", type=float, default=5.0)
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--factor", type=float, default=2.0)
     args = p.parse_args()
 
     from dlrover_core.master.client import init_ray
+    from dlrover_core.testing import multinode_cluster
 
     os.chdir(ROOT)
-    temp_dir = tempfile.mkdtemp(prefix="dlsb", dir="/tmp")
-    init_ray(None, num_cpus=5, _temp_dir=temp_dir)  # 4 ranks and the warm standby
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     root = tempfile.mkdtemp(prefix="straggler-bench-")
     runs = []
-    for i in range(args.runs):
-        runs.append(one_run(args, os.path.join(root, f"run{i}")))
-        print(json.dumps(runs[-1]), file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        if args.action == "shrink":  # a node per rank: shrink drops the straggler's node
+            stack.enter_context(multinode_cluster(workers=4, cpus=1))
+        else:
+            temp_dir = tempfile.mkdtemp(prefix="dlsb", dir="/tmp")
+            init_ray(None, num_cpus=5, _temp_dir=temp_dir)  # 4 ranks and the warm standby
+        for i in range(args.runs):
+            runs.append(one_run(args, os.path.join(root, f"run{i}")))
+            print(json.dumps(runs[-1]), file=sys.stderr)
     actions = {r["action"] for r in runs}
     out = {k: median(runs, k) for k in ("detected_after_s", "throughput_healthy",
                                         "throughput_slowed", "throughput_after_action",
                                         "recovered_ratio")}
     out["action"] = actions.pop() if len(actions) == 1 else sorted(map(str, actions))
+    out["configured_action"] = args.action
     out["runs"] = runs
     print(json.dumps(out))
 

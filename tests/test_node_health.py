@@ -66,9 +66,13 @@ def test_node_check_excludes_a_slowed_node(scenario, capsys):
     found = json.loads(capsys.readouterr().out)
     assert [n["verdict"] for n in found["node_checks"][0]["nodes"]
             if n["node_id"] == bad] == [first[bad]["verdict"]]
+    assert found["node_checks"][0]["seconds"] == checks[0]["seconds"] > 0  # its duration
+    assert set(checks[0]["phases"]) == {"start_s", "matmul_s", "round1_s", "round2_s"}
+    assert sum(checks[0]["phases"].values()) <= checks[0]["seconds"] + 0.01
     assert cli_main(["diagnose", part["job_dir"]]) == 0
     text = capsys.readouterr().out
     assert first[bad]["verdict"] in text and "GFLOP/s" in text
+    assert f"node check 1 ({checks[0]['seconds']:.1f} s" in text
 
 
 @pytest.mark.slow

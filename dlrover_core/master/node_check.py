@@ -206,18 +206,29 @@ class NodeCheck:
 
     # ------------------------------------------------------------------ the check
     def check(self, nodes: dict[str, tuple[Any, int, dict]]) -> dict[str, NodeResult]:
-        """Probe ``nodes`` (from :meth:`placement_nodes`); emits ``node_check`` and
-        returns node id -> result."""
+        """Probe ``nodes`` (from :meth:`placement_nodes`); emits ``node_check`` (with
+        ``seconds``, the whole check's wall time, and ``phases``: s of the probes' start,
+        the matmul, round 1 and round 2) and returns node id -> result."""
         s, o = self.scope, self.options
         t0 = time.time()
         timeout = float(o.check_timeout_s)
         results = {n: NodeResult(n) for n in nodes}
+        phases: dict[str, float] = {}  # s of each part: start, matmul, round 1, round 2
+        mark = [t0]
+
+        def lap(name: str) -> None:
+            now = time.time()
+            phases[name], mark[0] = round(now - mark[0], 3), now
+
         probes = self._start_probes(nodes, results)
+        lap("start_s")
         try:
             self._matmul(probes, results, timeout)
+            lap("matmul_s")
             order = [n for n in sorted(nodes) if n in probes]
             pairs, odd = round1_pairs(order)
             self._run_pairs(pairs, 1, probes, results, timeout)
+            lap("round1_s")
             judge(results, float(o.slow_factor))
             suspects = [n for n in order if n in probes and (
                 n in odd or any(not p["ok"] or _slow(p, results, float(o.slow_factor))
@@ -225,6 +236,7 @@ class NodeCheck:
             good = [n for n in order if n in probes and n not in suspects]
             for batch in round2_batches(suspects, good):
                 self._run_pairs(batch, 2, probes, results, timeout)
+            lap("round2_s")
             judge(results, float(o.slow_factor))
         finally:
             for h in probes.values():
@@ -232,7 +244,7 @@ class NodeCheck:
         self.results.update(results)
         s.emit("node_check", nodes=[r.as_dict() for r in results.values()],
                excluded=sorted(n for n, r in results.items() if r.verdict in BAD_VERDICTS),
-               seconds=round(time.time() - t0, 3),
+               seconds=round(time.time() - t0, 3), phases=phases,
                settings={k: o[k] for k in ("slow_factor", "matmul_size", "matmul_iters",
                                            "allgather_kb", "allgather_iters",
                                            "check_timeout_s")})
