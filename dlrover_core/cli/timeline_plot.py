@@ -3,10 +3,13 @@
 
 Three panels over the job's wall time (seconds since ``job_started``):
 
-1. the step rank 0 reported (a line), with tuning versions as vertical lines;
+1. the step rank 0 reported (a line), with tuning versions as vertical lines; a job
+   of script roles only reports no steps, and the panel says so;
 2. one row per role instance: a bar per attempt (shade by attempt number), a red
    ``X`` where it failed, a band per recovery coloured by its failover level (with its
-   duration), and a thin band per checkpoint as long as the save blocked the loop;
+   duration), and a thin band per checkpoint as long as the save blocked the loop; a
+   script role's attempts are labelled at their end with how they ended
+   (``Attempt.exit``: ``exit code 0``, ``signal SIGKILL (9)``, ``node_lost``, ...);
 3. the goodput breakdown: one stacked bar (productive, start-up, recovery,
    checkpoint, other), each part labelled with its share of the wall time.
 
@@ -65,6 +68,11 @@ def draw_timeline(tl: Timeline, width_in: float = 12.0, dpi: int = 100) -> tuple
         ax_s.annotate(f"v{m.version}{' reverted' if m.event == 'reverted' else ''}",
                       (m.t, 1.0), xycoords=("data", "axes fraction"), rotation=90,
                       va="top", ha="right", fontsize=7, color=TUNING_COLOR)
+    if not tl.steps and tl.script_roles:
+        ax_s.text(0.5, 0.5, f"no steps: script role(s) {', '.join(tl.script_roles)} report "
+                  "none; their attempts below are labelled with how each ended",
+                  transform=ax_s.transAxes, ha="center", va="center", fontsize=9,
+                  color="#555555")
     ax_s.set_ylabel("step")
     ax_s.set_title(f"{tl.name}: {tl.status}, {tl.wall_s:.1f} s"
                    + (f", goodput {tl.goodput:.2f}" if tl.goodput is not None else ""))
@@ -83,6 +91,9 @@ def draw_timeline(tl: Timeline, width_in: float = 12.0, dpi: int = 100) -> tuple
             ax_r.broken_barh([(a.start, max(a.end - a.start, min_w))], (i - 0.3, 0.6),
                              facecolors=ATTEMPT_COLORS[a.attempt % len(ATTEMPT_COLORS)],
                              zorder=3)
+            if row.role in tl.script_roles and a.exit:
+                ax_r.annotate(a.exit, (a.end, i), xytext=(-2, 0), textcoords="offset points",
+                              ha="right", va="center", fontsize=7, zorder=6)
     if tl.failures:
         ax_r.scatter([f.t for f in tl.failures],
                      [tl.row_index(f.role, f.rank) for f in tl.failures],
