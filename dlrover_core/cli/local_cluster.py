@@ -97,9 +97,11 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
-def _ray_start(args: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen:
+def _ray_start(args: list[str], env: dict[str, str], log_path: str,
+               wrap: list[str] | None = None) -> subprocess.Popen:
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    cmd = [ray_bin if os.path.exists(ray_bin) else "ray", "start", "--block", *args]
+    cmd = [*(wrap or []), ray_bin if os.path.exists(ray_bin) else "ray", "start", "--block",
+           *args]
     with open(log_path, "ab") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -115,7 +117,7 @@ def _node_ports() -> dict[str, int]:
 
 def _start_node(directory: str, name: str, env: dict[str, str], num_cpus: int,
                 head_port: int | None = None, address: str | None = None,
-                temp_root: str | None = None) -> dict:
+                temp_root: str | None = None, wrap: list[str] | None = None) -> dict:
     temp_dir = os.path.join(temp_root, name)  # short: Ray's socket paths must fit 107 bytes
     os.makedirs(temp_dir, exist_ok=True)
     ports = _node_ports()
@@ -132,7 +134,7 @@ def _start_node(directory: str, name: str, env: dict[str, str], num_cpus: int,
     else:
         args.append(f"--address={address}")
     log_path = os.path.join(directory, f"{name}.log")
-    proc = _ray_start(args, env, log_path)
+    proc = _ray_start(args, env, log_path, wrap)
     return {"name": name, "pid": proc.pid, "pgid": proc.pid, "temp_dir": temp_dir,
             "num_cpus": num_cpus, "ports": ports, "log": log_path, "node_id": None,
             "head": head_port is not None}
@@ -261,9 +263,11 @@ def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
 
 
 def add_node(state: dict, num_cpus: int = 2, wait: bool = True,
-             timeout_s: float = 120.0) -> dict:
+             timeout_s: float = 120.0, wrap: list[str] | None = None) -> dict:
     """Start one more worker node (``ray start --address``) in the cluster of ``state``;
-    return its record (with ``node_id`` when ``wait``)."""
+    return its record (with ``node_id`` when ``wait``). ``wrap``: a command that execs
+    its arguments (e.g. ``["unshare", "--mount", "--propagation", "private"]``: a node
+    with a mount namespace of its own), put before ``ray start``; it must keep the PID."""
     taken = {n["name"] for n in state["nodes"]}
     i = 1
     while f"worker-{i}" in taken:
@@ -272,7 +276,7 @@ def add_node(state: dict, num_cpus: int = 2, wait: bool = True,
     env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_ADDRESS", None)
     node = _start_node(state["dir"], f"worker-{i}", env, num_cpus, address=state["address"],
-                       temp_root=state["temp_root"])
+                       temp_root=state["temp_root"], wrap=wrap)
     state["nodes"].append(node)
     _write_state(state["dir"], state)
     if wait:

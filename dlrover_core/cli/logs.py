@@ -2,7 +2,10 @@
 the stdout/stderr of role instances of one run (the latest by default), from the job
 directory (``logs/<role>-<rank>/attempt-<N>.log`` and its rotated parts, see
 :mod:`dlrover_core.runtime.log_capture`; an earlier run's under ``run-<N>/logs/``), so it
-works while the job runs, after it ended and after a master restart.
+works while the job runs, after it ended and after a master restart. With ``--address``
+the same path is also read on every alive node of that Ray cluster (one Ray task per
+node, :mod:`dlrover_core.cli.remote_logs`), so ranks of other nodes show without a shared
+file system; each attempt is printed from the longest copy found.
 
 The output starts with a ``=== run 2 of nanogpt (started ...) ===`` header. One
 instance: its attempts in order, each under a ``==> trainer-1 attempt 0 <==`` line.
@@ -113,6 +116,45 @@ class Printer:
         self.out.flush()
 
 
+def read_local(job_dir: str, role: str | None = None, rank: int | None = None,
+               attempt: int | None = None) -> dict[tuple[str, int], bytes]:
+    """``{(label, attempt): bytes}`` of the matching attempt logs under ``job_dir`` as
+    this machine sees it (rotated parts first, then the live file, concatenated). Run
+    on every node of a cluster by ``dlrover logs --address``."""
+    out = {}
+    for src in find_sources(job_dir, role, rank, attempt):
+        data = b""
+        for part in src.parts():
+            try:
+                with open(part, "rb") as f:
+                    data += f.read()
+            except OSError:  # rotated or removed while reading
+                continue
+        out[(src.label, src.attempt)] = data
+    return out
+
+
+def cluster_sources(job_dir: str, role: str | None, rank: int | None,
+                    attempt: int | None) -> tuple[list[tuple[LogSource, bytes]], list[str]]:
+    """The matching attempts as every alive node of the connected Ray cluster and this
+    machine see ``job_dir`` (:func:`dlrover_core.cli.remote_logs.read_cluster`): one
+    ``(LogSource, bytes)`` per attempt, the longest copy, ordered by role, rank and
+    attempt; and the nodes that did not answer."""
+    from dlrover_core.cli.remote_logs import read_cluster
+
+    found, problems = read_cluster(read_local, job_dir, role, rank, attempt)
+    best = {key: data for key, (data, _) in found.items()}
+    for key, data in read_local(job_dir, role, rank, attempt).items():
+        if len(data) > len(best.get(key, b"")) or key not in best:
+            best[key] = data
+    out = []
+    for (label, att), data in best.items():
+        r, k = _split_label(label)
+        path = os.path.join(job_dir, LOGS_DIR, label, f"attempt-{att}.log")
+        out.append((LogSource(label, r, k, att, path), data))
+    return sorted(out, key=lambda s: (s[0].role, s[0].rank, s[0].attempt)), problems
+
+
 def print_logs(sources: Iterable[LogSource], out: IO[str], prefixed: bool) -> None:
     """Print everything logged so far by ``sources`` (rotated parts first)."""
     printer = Printer(out, prefixed)
@@ -213,6 +255,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attempt", type=int, default=None, help="only this attempt (0: first)")
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing new output until the job ends")
+    p.add_argument("--address", default=None,
+                   help="read the logs on every node of this Ray cluster (HOST:PORT or "
+                        "auto) as well as here: no shared file system needed")
     p.set_defaults(func=cmd_logs)
 
 
@@ -222,16 +267,38 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
     from dlrover_core.runs import run_paths
 
-    run = run_paths(resolve_job_dir(args.job, args.job_dir), args.run)
+    try:
+        root = resolve_job_dir(args.job, args.job_dir)
+    except FileNotFoundError:
+        if args.address is None:
+            raise
+        root = _job_dir_on_cluster(args)  # not on this machine: the nodes may have it
+    run = run_paths(root, args.run)
     job_dir = run.dir  # the run's files: find_sources/follow read <dir>/logs
-    sources = find_sources(job_dir, args.role, args.rank, args.attempt)
+    remote: dict[LogSource, bytes] | None = None
+    if args.address is not None:
+        if args.follow:
+            console_for(stderr=True).print("--follow reads this machine's job directory "
+                                           "only; leave out --address", highlight=False)
+            return 2
+        from dlrover_core.cli.remote_logs import connect
+
+        connect(args.address)
+        found, problems = cluster_sources(job_dir, args.role, args.rank, args.attempt)
+        for problem in problems:
+            console_for(stderr=True).print(f"no logs from {problem}", highlight=False)
+        remote = dict(found)
+        sources = list(remote)
+    else:
+        sources = find_sources(job_dir, args.role, args.rank, args.attempt)
     labels = {s.label for s in sources}
     if not sources and not args.follow:
         what = ", ".join(f"{k}={v}" for k, v in (("role", args.role), ("rank", args.rank),
                                                   ("attempt", args.attempt)) if v is not None)
         have = sorted({s.label for s in find_sources(job_dir)})
+        where = "the cluster's nodes or " if remote is not None else ""
         console_for(stderr=True).print(
-            f"no worker logs in {os.path.join(job_dir, LOGS_DIR)}"
+            f"no worker logs in {where}{os.path.join(job_dir, LOGS_DIR)}"
             + (f" for {what}" if what else "")
             + (f"; logged instances: {', '.join(have)}" if have else ""), highlight=False)
         return 2
@@ -244,5 +311,17 @@ def cmd_logs(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         return 0
+    if remote is not None:
+        printer = Printer(sys.stdout, prefixed)
+        for src in sources:
+            printer.write(src, remote[src])
+        printer.finish()
+        return 0
     print_logs(sources, sys.stdout, prefixed)
     return 0
+
+
+def _job_dir_on_cluster(args: argparse.Namespace) -> str:
+    """The job directory of ``args.job`` when this machine has none: ``--job-dir`` as
+    given, else ``runs/<job>`` under the current directory, as the nodes name it."""
+    return os.path.abspath(args.job_dir or os.path.join("runs", args.job))
