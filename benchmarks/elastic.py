@@ -2,26 +2,35 @@
 one added back later; how soon training resumes after the loss, against Ray Train v2.
 
     .venv/bin/pip install -e ".[bench]"      # Ray Train for the baseline (optional)
-    .venv/bin/python benchmarks/elastic.py --steps 80 --remove-at 20 --add-at 45
+    .venv/bin/python benchmarks/elastic.py --steps 80 --remove-at 20 --add-at 45 --runs 3
 
 Ours: the elastic workload of the tests (``tests/elastic_workloads.py``: a small MLP under
 ``ddp``, batches from the master's shard service, the global batch kept by gradient
-accumulation) as role ``trainer`` with ``nodes: "1:3"``, one rank per worker node,
-checkpoints every ``--ckpt-every`` steps (``--saver``), ``elastic.replacement_timeout_s``
-``--replacement-timeout-s``. ``resume_after_loss_s``: from the node removal to the first
-step report after it at the smaller world size (``metrics.jsonl``).
+accumulation, the shard state in the checkpoint) as role ``trainer`` with ``nodes:
+"1:3"``, one rank per worker node, checkpoints every ``--ckpt-every`` steps (``--saver``,
+default ``flash``: the in-memory saver with one replica on another node, so the shrunk
+role restores from memory; ``restore_sources`` says where each start restored from),
+``elastic.replacement_timeout_s`` ``--replacement-timeout-s``.
 
 Ray Train: ``TorchTrainer`` with ``ScalingConfig(num_workers=(1, 3))`` (Ray Train v2's
 elastic range), the same model, data order and step time, a checkpoint every
-``--ckpt-every`` steps, the same node removed; ``ray_train_resume_after_loss_s`` is from
-the removal to the first step its workers log after it. Without Ray Train (the ``bench``
-extra) or when its version refuses the range, the JSON says why
-(``ray_train_error``) and the baseline figures are ``null``.
+``--ckpt-every`` steps, the same node removed. Without Ray Train (the ``bench`` extra) or
+when its version refuses the range, the JSON says why (``ray_train_error``) and the
+baseline figures are ``null``.
 
-The last stdout line is one JSON object: ``world_sizes`` (ours, history), ``samples_lost``,
-``samples_duplicated``, ``resume_after_loss_s``, ``ray_train_resume_after_loss_s``,
-``ratio`` (ours / Ray Train's), ``goodput`` (ours, from the summary). One run per call;
-the issue's figure is the median of 3 calls.
+Both sides measure the same thing: ``resume_after_loss_s`` (ours) and
+``ray_train_resume_after_loss_s`` are from the node removal to the first step completed
+at a world size other than the one before the removal (ours: a ``step`` record of
+``metrics.jsonl``; Ray Train: a line its workers log after each step). A step a survivor
+completes at the old world size after the removal does not count.
+
+``--runs N`` (default 3) runs both sides N times. The last stdout line is one JSON object:
+``world_sizes`` (ours, history: ``[world_size, step]``, of each run), ``samples_lost``,
+``samples_duplicated``, ``samples_reread_after_rollback``, ``resume_after_loss_s``,
+``ray_train_resume_after_loss_s``, ``ratio`` (ours / Ray Train's, per run) and
+``goodput``: each the median over the runs; ``spread``: per figure ``{"median", "min",
+"max", "n"}`` (``n``: runs with a value); ``runs``: every run's figures, in order, none
+left out.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -46,7 +56,7 @@ def run_ours(args) -> dict:
     from dlrover_core.testing import master_node_id, multinode_cluster, run_job
 
     job_dir = tempfile.mkdtemp(prefix="dlrover-elastic-bench-")
-    options = {"replicas": 1} if args.saver == "flash" else {}
+    options = {"replicas": 1, "wait_timeout_s": 60} if args.saver == "flash" else {}
     spec = load_spec({
         "name": "elastic-bench",
         "roles": {"trainer": {"workload": "tests.elastic_workloads:ElasticRegression",
@@ -76,17 +86,37 @@ def run_ours(args) -> dict:
                 seen["added"] = cluster.add_node(num_cpus=2).node_id
 
         summary = run_job(spec, job_dir, resize, timeout=args.timeout_s)
-    removed_ts, resume = seen["removed_ts"], None
-    if removed_ts is not None:
-        after = [r["ts"] for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
-                 if r["event"] == "step" and r.get("world_size", 3) < 3 and r["ts"] > removed_ts]
-        resume = round(min(after) - removed_ts, 3) if after else None
+    steps = [{"ts": r["ts"], "world": r.get("world_size")}
+             for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
+             if r["event"] == "step" and r.get("role", "trainer") == "trainer"]
     summary = summary or {}
+    shards = (summary.get("shards") or {}).get("trainer") or {}
     return {"world_sizes": [(w["world_size"], w["step"]) for w in summary.get("world_sizes", [])],
             "samples_lost": summary.get("samples_lost"),
             "samples_duplicated": summary.get("samples_duplicated"),
-            "resume_after_loss_s": resume, "goodput": summary.get("goodput"),
-            "status": summary.get("status"), "job_dir": job_dir}
+            "samples_reread_after_rollback": shards.get("samples_reread_after_rollback"),
+            "resume_after_loss_s": resume_after(steps, seen["removed_ts"]),
+            "goodput": summary.get("goodput"), "status": summary.get("status"),
+            "restore_sources": _restore_sources(job_dir), "job_dir": job_dir}
+
+
+def resume_after(steps: list[dict], removed_ts: float | None) -> float | None:
+    """Seconds from ``removed_ts`` to the first step completed after it at a world size
+    other than the one of the last step before it (``steps``: ``{"ts", "world"}``), or
+    ``None`` (no removal, or no such step)."""
+    if removed_ts is None:
+        return None
+    before = [r for r in steps if r["ts"] <= removed_ts]
+    if not before:
+        return None
+    old = max(before, key=lambda r: r["ts"])["world"]
+    after = [r["ts"] for r in steps if r["ts"] > removed_ts and r["world"] != old]
+    return round(min(after) - removed_ts, 3) if after else None
+
+
+def _restore_sources(job_dir: str) -> list:
+    path = os.path.join(job_dir, "loads.jsonl")
+    return [[ld["world_size"], ld["source"]] for ld in _read(path)]
 
 
 def _train_fn(cfg: dict) -> None:
@@ -181,9 +211,8 @@ def run_ray_train(args) -> dict:
                 removed_ts = time.time()
             time.sleep(0.2)
         recs = _read(log)
-    after = [r["ts"] for r in recs if removed_ts is not None and r["ts"] > removed_ts]
-    out = {"ray_train_resume_after_loss_s": round(min(after) - removed_ts, 3)
-           if after else None}
+    steps = [{"ts": r["ts"], "world": r["world"]} for r in recs]
+    out = {"ray_train_resume_after_loss_s": resume_after(steps, removed_ts)}
     if "error" in state:
         out["ray_train_error"] = state["error"]
     return out
@@ -203,19 +232,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--add-at", type=int, default=45)
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--step-s", type=float, default=0.2)
-    p.add_argument("--saver", default="disk", choices=["disk", "flash"])
+    p.add_argument("--saver", default="flash", choices=["disk", "flash"])
     p.add_argument("--replacement-timeout-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--runs", type=int, default=3)
     p.add_argument("--skip-ray-train", action="store_true")
     args = p.parse_args(argv)
-    ours = run_ours(args)
-    base = {"ray_train_error": "skipped (--skip-ray-train)"} if args.skip_ray_train \
-        else run_ray_train(args)
-    x, y = ours["resume_after_loss_s"], base.get("ray_train_resume_after_loss_s")
-    out = {**ours, **base, "ratio": round(x / y, 3) if x and y else None}
-    out.setdefault("ray_train_resume_after_loss_s", None)
-    print(json.dumps(out))
+    if args.runs < 1:
+        p.error(f"--runs={args.runs}; allowed: an integer >= 1")
+    runs = []
+    for i in range(args.runs):
+        ours = run_ours(args)
+        base = {"ray_train_error": "skipped (--skip-ray-train)"} if args.skip_ray_train \
+            else run_ray_train(args)
+        x, y = ours["resume_after_loss_s"], base.get("ray_train_resume_after_loss_s")
+        run = {**ours, **base, "ratio": round(x / y, 3) if x and y else None}
+        run.setdefault("ray_train_resume_after_loss_s", None)
+        runs.append(run)
+        print(f"run {i + 1}/{args.runs}: {json.dumps(run)}", file=sys.stderr, flush=True)
+    print(json.dumps(summarize(runs)))
     return 0
+
+
+FIGURES = ("samples_lost", "samples_duplicated", "samples_reread_after_rollback",
+           "resume_after_loss_s", "ray_train_resume_after_loss_s", "ratio", "goodput")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The medians of :data:`FIGURES` over ``runs`` (``None`` where no run has one), their
+    ``spread`` (median, min, max, n) and every run (see the module doc)."""
+    spread = {}
+    for key in FIGURES:
+        vals = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        spread[key] = {"median": statistics.median(vals) if vals else None,
+                       "min": min(vals, default=None), "max": max(vals, default=None),
+                       "n": len(vals)}
+    return {"world_sizes": [r["world_sizes"] for r in runs],
+            **{key: spread[key]["median"] for key in FIGURES},
+            "spread": spread, "runs": runs}
 
 
 if __name__ == "__main__":
