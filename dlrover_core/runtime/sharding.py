@@ -136,7 +136,7 @@ class ShardSampler:
 
         def call(method: str, *args: Any) -> Any:
             if method == "restore" and args[1] is not None and \
-                    _has_method(master, "shards_restore_state"):
+                    hasattr(master, "shards_restore_state"):
                 return ray.get(master.shards_restore_state.remote(role, *args))
             if method == "restore":  # a master without the state restore: by step
                 return ray.get(master.shards_restore.remote(role, args[0]))
@@ -295,10 +295,3 @@ class ShardBatchSampler:
         while (idx := self.sampler.next_indices()) is not None:
             yield idx
 
-
-def _has_method(handle: Any, name: str) -> bool:
-    try:
-        getattr(handle, name)
-        return True
-    except AttributeError:
-        return False
