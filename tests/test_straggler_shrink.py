@@ -70,6 +70,11 @@ def check_shrink(part: dict) -> None:
     assert [e["straggler_nodes"] for e in placed] == [[part["slowed_node"]]]
     resized = _events(job_dir, "elastic_resized")
     assert [(e["previous"], e["world_size"]) for e in resized] == [(3, 2)]
+    # the role's new spare keeps out of the dropped node, the only one with a free CPU:
+    # it waits for room and never warms up
+    spares = [e for e in _events(job_dir, "standby_created") if e["ts"] > ev["ts"]]
+    assert spares and all(e["kept_out"] == [part["slowed_node"]] for e in spares)
+    assert part["spare_warm"] and not any(part["spare_warm"]), part["spare_warm"]
     recovered = _events(job_dir, "recovery_finished")
     assert recovered and recovered[0]["phases"]["straggler_node"] == part["slowed_node"]
 

@@ -19,8 +19,8 @@ healthy nodes (torchrun's ``--nnodes=MIN:MAX``; Ray Train v2's ``num_workers=(mi
   restarts alone at the largest valid size of at most its size less that node's
   ``per_node`` ranks, on the other nodes, from the newest checkpoint. At the role's
   minimum (no valid smaller size) the detector reports instead. The node is kept out
-  of the role (its placement and its grow) for the rest of the job (this master's
-  memory: a restarted master forgets it); other roles may still use it.
+  of the role (its placement, its spares and its grow) for the rest of the job (this
+  master's memory: a restarted master forgets it); other roles may still use it.
 - **History**: every size the role ran at, with the role's last reported step when it
   changed and the newest checkpoint step the master knew of then (``world_sizes`` in
   ``summary.json``).
@@ -89,8 +89,9 @@ class ElasticManager:
             for role in self.ranges]
         self._last_poll = 0.0
         self._grow_after: dict[str, int] = {}  # role -> checkpoint step when room appeared
-        #: role -> nodes kept out of it (a straggler's node, dropped by a shrink)
-        self.excluded: dict[str, set[str]] = {}
+        #: role -> nodes kept out of it (a straggler's node, dropped by a shrink); the
+        #: standby pool's dict, so that the role's spares keep out of them too
+        self.excluded: dict[str, set[str]] = standby.kept_out
 
     # ------------------------------------------------------------------ sizes
     def valid(self, role: str, world_size: int) -> bool:

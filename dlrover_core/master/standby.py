@@ -6,8 +6,9 @@ instead of starting a cold process.
 A spare holds a reservation like a rank's: one placement-group bundle with the rank's
 resources (CPU, GPU, memory), and the actor asks for them, so a promoted spare runs with
 its GPU visible and its CPUs counted. The first spare of a role gets a placement group
-of its own (one bundle, ``STRICT_PACK``, bad nodes kept out); on promotion the rank
-moves to the spare's bundle and the failed rank's bundle becomes the next spare's. When
+of its own (one bundle, ``STRICT_PACK``, bad nodes and the role's straggler nodes kept
+out); on promotion the rank moves to the spare's bundle and the failed rank's bundle
+becomes the next spare's. When
 the cluster has no room for the spare's bundle, the spare waits (it is not warm) and a
 failed rank is replaced by a fresh actor in its own bundle, as without a standby. A
 role whose ranks ask for no resources gets a spare without a bundle.
@@ -37,6 +38,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dlrover_core.master.launcher import kill_actor
+from dlrover_core.master.monitor import alive_nodes
 from dlrover_core.runtime.context import MASTER_NAMESPACE
 from dlrover_core.runtime.devices import actor_env
 from dlrover_core.runtime.host import LEASE_WAIT_S, remote_workload_host
@@ -79,6 +81,9 @@ class StandbyPool:
         #: role -> a bundle of the role's size that nothing runs in (a promoted spare
         #: left it, or a spare died there); the next spare goes there
         self.free_slots: dict[str, InstanceSlot] = {}
+        #: role -> nodes the role's new spares keep out of, besides the bad nodes (the
+        #: elastic manager's straggler nodes: ``ElasticManager.excluded`` is this dict)
+        self.kept_out: dict[str, set[str]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -125,7 +130,8 @@ class StandbyPool:
                 r.workload, self.launcher.worker_context(role, 0, 0))
             self.spares[role] = Spare(handle, handle.prepare.remote(), name, slot,
                                       handle.wait_stopped.remote(), gpu_less)
-            s.emit("standby_created", role=role, actor=name, gpu_less=gpu_less)
+            s.emit("standby_created", role=role, actor=name, gpu_less=gpu_less,
+                   kept_out=sorted(self.kept_out.get(role, set())))
         self._persist()
 
     def _no_free_gpu(self, role: str) -> bool:
@@ -136,13 +142,15 @@ class StandbyPool:
 
     def _new_slot(self, role: str) -> InstanceSlot | None:
         """A placement group of one bundle with the resources of one rank of ``role``
-        (``None`` when a rank asks for none)."""
+        (``None`` when a rank asks for none), kept off the bad nodes and the role's
+        :attr:`kept_out` nodes."""
         base = self.launcher.plan.slots[(role, 0)]
         bundle = {k: v for k, v in base.resources.items() if v}
         if not bundle:
             return None
         kwargs: dict[str, Any] = {}
-        bad = self.launcher.alive_bad_nodes()
+        bad = sorted(set(self.launcher.alive_bad_nodes())
+                     | (self.kept_out.get(role, set()) & alive_nodes()))
         if bad:
             kwargs["bundle_label_selector"] = [{"ray.io/node-id": f"!in({','.join(bad)})"}]
         pg = placement_group([bundle], strategy="STRICT_PACK", lifetime="detached",

@@ -125,17 +125,18 @@ def part_straggler(root: str) -> dict:
 
 def part_shrink(root: str) -> dict:
     """An elastic trainer (``nodes: "2:3"``, one rank per node, 3 ranks) with
-    ``straggler_action: shrink`` and flash checkpoints every 10 steps: rank 1 runs at
-    30% speed from step 30 until its process is gone. The master must drop rank 1's
-    node (2 ranks on the other two nodes, restored from the newest checkpoint) and
-    never grow back onto it, although its CPU is free again."""
+    ``straggler_action: shrink``, flash checkpoints every 10 steps and a standby: rank 1
+    runs at 30% speed from step 30 until its process is gone. The master must drop
+    rank 1's node (2 ranks on the other two nodes, restored from the newest checkpoint)
+    and never grow back onto it nor put the role's spare there, although its CPU is
+    free again."""
     job = load_spec({
         "name": "nh-shrink",
         "roles": {"trainer": {"workload": f"{W}:SyncSteps", "total": 3, "per_node": 1,
                               "nodes": "2:3", "backend": "ddp", "resources": {"cpu": 1}}},
         "checkpoint": {"saver": "flash", "every_steps": 10, "keep": 2,
                        "options": {"replicas": 1, "wait_timeout_s": 60}},
-        "failover": {"standby": False, "pg_timeout_s": 60},
+        "failover": {"standby": True, "pg_timeout_s": 60},
         "elastic": {"poll_interval_s": 1},
         "node_health": {"skip_node_check": True, "straggler_action": "shrink",
                         "straggler_window_s": 1.5, "straggler_windows": 3},
@@ -150,8 +151,11 @@ def part_shrink(root: str) -> dict:
             seen["pid"], seen["node"] = r1["pid"], r1["node_id"]
             seen["slowed_at"] = time.time()
             cycle.start()
-        elif "pid" in seen and r1.get("pid") != seen["pid"] and cycle.is_alive():
-            cycle.stop()
+        elif "pid" in seen and r1.get("pid") != seen["pid"]:
+            if cycle.is_alive():
+                cycle.stop()
+            # the spare may not go to the dropped node (the only free CPU there is)
+            seen.setdefault("spare_warm", []).append(st["standby"].get("trainer"))
 
     job_dir = os.path.join(root, "shrink")
     try:
@@ -160,7 +164,8 @@ def part_shrink(root: str) -> dict:
         if cycle.is_alive():
             cycle.stop()
     return {"job_dir": job_dir, "summary": summary, "slowed_pid": seen.get("pid"),
-            "slowed_node": seen.get("node"), "slowed_at": seen.get("slowed_at")}
+            "slowed_node": seen.get("node"), "slowed_at": seen.get("slowed_at"),
+            "spare_warm": seen.get("spare_warm", [])}
 
 
 def part_hang(root: str) -> dict:
