@@ -12,6 +12,11 @@ sha256 is quarantined (``step_<n>.corrupt``) and skipped with a warning; when
 committed steps exist but none loads, :class:`CheckpointLoadError` is raised (never
 ``None``: that would restart training from step 0). With a torch.distributed group,
 rank 0 picks the step and broadcasts it.
+
+``dir`` may be a URI (:mod:`dlrover_core.checkpoint.storage`): ``file:///path`` is the
+local path; another fsspec protocol stages each step in a local temporary folder,
+uploads it and commits it on the store (``RemoteSteps``), and a load downloads the
+step and verifies it as above before reading it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from typing import Any
 
 from dlrover_core.checkpoint.manifest import (
@@ -40,6 +46,7 @@ from dlrover_core.checkpoint.saver import (
     replace_dir,
     step_dir_name,
 )
+from dlrover_core.checkpoint.storage import RemoteSteps, local_path
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +63,46 @@ class DiskSaver(Saver):
         if dist is not None:
             dist.barrier()
 
+    def _remote(self) -> RemoteSteps | None:
+        """The store of a non-local ``dir`` URI; ``None`` for a local path."""
+        if local_path(self.config.dir) is not None:
+            return None
+        if getattr(self, "_store", None) is None:
+            self._store = RemoteSteps(self.config.dir)
+        return self._store
+
+    def committed_steps(self) -> list[int]:
+        store = self._remote()
+        if store is not None:
+            return store.committed_steps()
+        return committed_steps(str(local_path(self.config.dir)))
+
+    def _save_remote(self, store: RemoteSteps, step: int, state_dict: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self.context.rank == 0:
+            store.clear(store.tmp_name(step))
+        self._barrier()
+        stage = tempfile.mkdtemp(prefix=f"dlrover-{step_dir_name(step)}-")
+        try:  # every rank writes its own shards here, then uploads them
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(stage, sync_files=True),
+                     no_dist=_dist() is None)
+            store.upload(stage, store.tmp_name(step))
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        self._barrier()
+        if self.context.rank == 0:
+            store.commit(step, {"world_size": self.context.world_size, "format": "dcp"})
+            store.prune(self.config.keep, protect=step)
+        self._barrier()
+
     def save(self, step: int, state_dict: dict) -> None:
         import torch.distributed.checkpoint as dcp
 
-        directory = self.config.dir
+        store = self._remote()
+        if store is not None:
+            return self._save_remote(store, step, state_dict)
+        directory = str(local_path(self.config.dir))
         final = os.path.join(directory, step_dir_name(step))
         tmp = os.path.join(directory, "." + step_dir_name(step) + ".tmp")
         if self.context.rank == 0:
@@ -84,19 +127,27 @@ class DiskSaver(Saver):
     def _pick_step(self, step: int | None) -> tuple[int | None, dict[int, str]]:
         """(the newest step that verifies, or ``None``; the steps tried before and why
         each failed). A damaged step is quarantined."""
-        directory = self.config.dir
-        candidates = [step] if step is not None else committed_steps(directory)[::-1]
+        store = self._remote()
+        directory = str(local_path(self.config.dir)) if store is None else ""
+        candidates = [step] if step is not None else self.committed_steps()[::-1]
         tried: dict[int, str] = {}
         for s in candidates:
-            path = os.path.join(directory, step_dir_name(s))
+            scratch = tempfile.mkdtemp(prefix="dlrover-verify-") if store else ""
             try:
-                verify(path)
+                verify(store.download(s, scratch) if store else
+                       os.path.join(directory, step_dir_name(s)))
                 return s, tried
             except CorruptCheckpointError as exc:
                 log.warning("skipping checkpoint step %d: %s", s, exc)
                 tried[s] = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, DamagedStepError):
-                    quarantine(directory, s, str(exc))
+                    if store:
+                        store.quarantine(s)
+                    else:
+                        quarantine(directory, s, str(exc))
+            finally:
+                if scratch:
+                    shutil.rmtree(scratch, ignore_errors=True)
         return None, tried
 
     def load(self, state_dict: dict, step: int | None = None) -> int | None:
@@ -122,10 +173,16 @@ class DiskSaver(Saver):
             if tried:
                 raise CheckpointLoadError(self.config.dir, tried)
             return None
-        path = os.path.join(self.config.dir, step_dir_name(chosen))
         from torch.distributed.checkpoint.api import CheckpointException
 
+        store = self._remote()
+        scratch = tempfile.mkdtemp(prefix="dlrover-load-") if store else ""
         try:
+            if store:  # every rank reads the step from its own verified local copy
+                path = store.download(chosen, scratch)
+                verify(path)
+            else:
+                path = os.path.join(str(local_path(self.config.dir)), step_dir_name(chosen))
             dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path),
                      no_dist=dist is None)
         # the live state may be partly overwritten now (CheckpointException is a
@@ -133,5 +190,8 @@ class DiskSaver(Saver):
         except (Exception, CheckpointException) as exc:
             tried[chosen] = f"{type(exc).__name__}: {exc}"
             raise CheckpointLoadError(self.config.dir, tried) from exc
+        finally:
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
         self.last_load_source = "disk"
         return chosen
