@@ -316,6 +316,8 @@ class JobController:
                 ledger = self.shards.ledger()
                 self.summary.update(samples_lost=ledger["samples_lost"],
                                     samples_duplicated=ledger["samples_duplicated"],
+                                    samples_reread_after_rollback=ledger[
+                                        "samples_reread_after_rollback"],
                                     shards=ledger["roles"])
             if self.progress.tuning is not None:  # the config the job ended on
                 self.summary["tuning"] = self.progress.tuning.summary()

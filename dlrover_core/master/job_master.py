@@ -166,9 +166,15 @@ class JobMaster:
         """``rank`` of ``role`` trained ``spans`` in ``step`` (see ``ShardService.report``)."""
         self.controller.shards.get(role).report(generation, rank, step, spans)
 
-    def shards_restore(self, role: str, step: int) -> int:
-        """Roll the shard service of ``role`` back to ``step``; the new generation."""
+    def shards_restore(self, role: str, step: int) -> dict:
+        """Roll the shard service of ``role`` back to the reports of steps <= ``step``;
+        ``{"generation", "read"}`` (see ``ShardService.restore``)."""
         return self.controller.shards.get(role).restore(step)
+
+    def shards_restore_state(self, role: str, step: int, state: dict) -> dict:
+        """Roll the shard service of ``role`` back to the checkpoint's shard ``state`` of
+        ``step``; ``{"generation", "read"}`` (see ``ShardService.restore``)."""
+        return self.controller.shards.get(role).restore(step, state)
 
     def shards_ledger(self) -> dict:
         """``samples_lost``, ``samples_duplicated`` and per role the ledger."""
