@@ -10,15 +10,18 @@ and ``metrics.jsonl`` (times are seconds since ``job_started``).
   **checkpoints** (``checkpoint_saved``: step and the time the loop was blocked),
   **tuning** versions (``tuning_applied``, ``tuning_reverted``);
 - the **steps** rank 0 reported over time. A script role (``roles.R.command``, backend
-  ``torchrun``) reports none: a plain script has no channel to the master, so its rows'
-  attempts, with how each ended, are the whole record (``script_roles`` names them);
+  ``torchrun``) reports them when its script calls ``dlrover_core.script_api.report_step``
+  (and its checkpoints with ``report_checkpoint``, which ``FlashCheckpointer.save``
+  calls); a script that does not has no steps, and its rows' attempts, with how each
+  ended, are the whole record (``script_roles`` names the script roles);
 - the **goodput breakdown** of the wall time, in seconds: ``startup`` (job start to the
   first step), ``recovery`` (sum of recovery spans), ``checkpoint`` (sum of blocking
   save time), ``productive`` (goodput x wall time, goodput as in ``summary.json``:
   unique steps x median step time / wall time, after DLRover's goodput), and ``other``
   (the rest: steps redone after a restart, waits). A job whose script roles report no
-  steps has no goodput: its start-up ends at the first ``instance_started`` and the
-  scripts' run time is ``other`` (productive and redone work cannot be told apart).
+  steps (no ``report_step``) has no goodput: its start-up ends at the first
+  ``instance_started`` and the scripts' run time is ``other`` (productive and redone
+  work cannot be told apart).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 Three panels over the job's wall time (seconds since ``job_started``):
 
 1. the step rank 0 reported (a line), with tuning versions as vertical lines; a job
-   of script roles only reports no steps, and the panel says so;
+   of script roles only has steps when its scripts call
+   ``dlrover_core.script_api.report_step``; without them the panel says so;
 2. one row per role instance: a bar per attempt (shade by attempt number), a red
    ``X`` where it failed, a band per recovery coloured by its failover level (with its
    duration), and a thin band per checkpoint as long as the save blocked the loop; a
@@ -70,7 +71,8 @@ def draw_timeline(tl: Timeline, width_in: float = 12.0, dpi: int = 100) -> tuple
                       va="top", ha="right", fontsize=7, color=TUNING_COLOR)
     if not tl.steps and tl.script_roles:
         ax_s.text(0.5, 0.5, f"no steps: script role(s) {', '.join(tl.script_roles)} report "
-                  "none; their attempts below are labelled with how each ended",
+                  "none (a script reports with dlrover_core.script_api.report_step); their "
+                  "attempts below are labelled with how each ended",
                   transform=ax_s.transAxes, ha="center", va="center", fontsize=9,
                   color="#555555")
     ax_s.set_ylabel("step")

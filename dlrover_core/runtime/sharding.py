@@ -29,16 +29,12 @@ gives the script) and its batches from :class:`ShardBatchSampler` (a
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable, Iterator
 
-#: The environment a script role gives its script that :meth:`ShardSampler.for_script`
-#: needs (``dlrover_core/runtime/script.py``, ``WorkerContext.env``).
-SCRIPT_ENV = ("RAY_ADDRESS", "DLROVER_JOB", "DLROVER_ROLE", "RANK")
+# the JobMaster of a script role: found as every script API finds it (re-exported here)
+from dlrover_core.script_api import SCRIPT_ENV, NotInDlroverError, script_master
 
-
-class NotInDlroverError(RuntimeError):
-    """The shard service was asked for outside a dlrover job (no JobMaster to reach)."""
+__all__ = ["SCRIPT_ENV", "NotInDlroverError", "ShardBatchSampler", "ShardSampler"]
 
 
 class ShardSampler:
@@ -94,34 +90,17 @@ class ShardSampler:
                    seed: int = 0) -> ShardSampler:
         """:meth:`for_workload` for a script run as a script role: joins the job's Ray
         cluster (``ray.init(address=$RAY_ADDRESS)`` unless already joined) and finds the
-        JobMaster of ``$DLROVER_JOB``; role ``$DLROVER_ROLE``, rank ``$RANK``.
+        JobMaster of ``$DLROVER_JOB``; role ``$DLROVER_ROLE``, rank ``$RANK``
+        (:func:`dlrover_core.script_api.script_master`).
 
         Raises:
             NotInDlroverError: one of :data:`SCRIPT_ENV` is not set (not a script role),
-                naming the missing variables.
+                naming the missing variables, or the job has no JobMaster.
         """
-        missing = [k for k in SCRIPT_ENV if not os.environ.get(k)]
-        if missing:
-            raise NotInDlroverError(
-                f"ShardSampler.for_script: {', '.join(missing)} not set; the shard service "
-                "is the JobMaster's, reachable only from a dlrover script role (dlrover-run, "
-                "or roles.<role>.command); outside dlrover, use a DistributedSampler")
-        import ray
-
-        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
-        if not ray.is_initialized():
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False,
-                     logging_level="warning")
-        job = os.environ["DLROVER_JOB"]
-        try:
-            master = ray.get_actor(master_actor_name(job), namespace=MASTER_NAMESPACE)
-        except ValueError as e:
-            raise NotInDlroverError(f"ShardSampler.for_script: no JobMaster of job "
-                                    f"DLROVER_JOB={job!r} in the cluster ({e})") from None
-        return cls._over_master(master, os.environ["DLROVER_ROLE"], int(os.environ["RANK"]),
-                                batch_size, num_samples, files, batches_per_shard,
-                                num_epochs, shuffle, seed)
+        sm = script_master("ShardSampler.for_script",
+                           "outside dlrover, use a DistributedSampler")
+        return cls._over_master(sm.master, sm.role, sm.rank, batch_size, num_samples, files,
+                                batches_per_shard, num_epochs, shuffle, seed)
 
     @classmethod
     def _over_master(cls, master: Any, role: str, rank: int, batch_size: int,

@@ -1,0 +1,220 @@
+"""What a plain ``torchrun`` script run as a script role (``dlrover-run``,
+``roles.R.command``) may tell the JobMaster, without a workload class. Every call is
+optional: the script runs unchanged under plain ``torchrun``, where they do nothing.
+
+- :func:`report_step` ``(step, samples=None, **metrics)``: the step report a
+  workload's ``self.report(step, ...)`` sends, so ``metrics.jsonl``, the progress of
+  ``dlrover status``, the job's step and goodput in ``summary.json`` and the step panel
+  of ``dlrover timeline`` cover the script role. Non-blocking: rank 0 sends each report
+  at once (one fire-and-forget Ray call, no reply waited for); the other ranks coalesce
+  (:class:`dlrover_core.runtime.reporting.StepReporter`). The first call of a process
+  joins the job's Ray cluster and looks the JobMaster up (one blocking round trip).
+  Outside dlrover it is a no-op that warns once (``RuntimeWarning``) and returns
+  ``False``.
+- :func:`report_checkpoint` ``(step, seconds=0.0)``: the script saved a checkpoint of
+  ``step`` (what a workload's checkpointer reports): ``checkpoint_saved`` in the
+  events and the timeline, and the boundary an elastic role grows at
+  (:mod:`dlrover_core.master.elastic`). ``FlashCheckpointer.save`` calls it.
+  :func:`report_checkpoint_loaded` ``(step, source, path)``: the script restored
+  ``step`` (``checkpoint_loaded``). Both are silent no-ops outside dlrover.
+- :func:`script_master`: the JobMaster and this rank's identity, from the environment a
+  script role gives its script (:data:`SCRIPT_ENV`); ``ShardSampler.for_script`` uses it.
+
+Example (``train.py``, runs the same under ``torchrun``)::
+
+    from dlrover_core.script_api import report_step
+    for step in range(steps):
+        loss = train_step(batch)
+        report_step(step, samples=len(batch), loss=loss.item())
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+#: The environment a script role gives its script that :func:`script_master` needs
+#: (``dlrover_core/runtime/script.py``: ``WorkerContext.env`` and ``RAY_ADDRESS``).
+SCRIPT_ENV = ("RAY_ADDRESS", "DLROVER_JOB", "DLROVER_ROLE", "RANK")
+
+
+class NotInDlroverError(RuntimeError):
+    """A dlrover service was asked for outside a dlrover job (no JobMaster to reach)."""
+
+
+@dataclass(frozen=True)
+class ScriptMaster:
+    """The JobMaster of a script's job (a Ray actor handle) and who the script is:
+    ``job``, ``role``, ``rank`` (``$RANK``), ``world_size`` (``$WORLD_SIZE``, 1 when
+    unset) and ``attempt`` (the larger of ``$DLROVER_ATTEMPT``, the actor's restarts, and
+    ``$TORCHELASTIC_RESTART_COUNT``, the script's; 0 when unset)."""
+
+    master: Any
+    job: str
+    role: str
+    rank: int
+    world_size: int
+    attempt: int
+
+
+_lock = threading.Lock()
+_cached: dict[tuple[str, str, str], ScriptMaster] = {}
+
+
+def script_master(caller: str = "script_master",
+                  hint: str = "outside dlrover, leave the call out") -> ScriptMaster:
+    """The JobMaster of ``$DLROVER_JOB`` and this rank's identity: joins the job's Ray
+    cluster (``ray.init(address=$RAY_ADDRESS)`` unless already joined) and looks the
+    master actor up (once per process; later calls return the same object).
+
+    Args:
+        caller: names the API in the error; hint: what to do instead, in the error.
+    Raises:
+        NotInDlroverError: one of :data:`SCRIPT_ENV` is not set (naming the missing
+            variables), or the cluster has no JobMaster of ``$DLROVER_JOB``.
+        ValueError: ``$RANK`` is not an integer.
+    """
+    missing = [k for k in SCRIPT_ENV if not os.environ.get(k)]
+    if missing:
+        raise NotInDlroverError(
+            f"{caller}: {', '.join(missing)} not set; the JobMaster is reachable only from "
+            f"a dlrover script role (dlrover-run, or roles.<role>.command); {hint}")
+    env = os.environ
+    key = (env["RAY_ADDRESS"], env["DLROVER_JOB"], env["DLROVER_ROLE"])
+    with _lock:
+        if key in _cached:
+            return _cached[key]
+        import ray
+
+        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+        if not ray.is_initialized():
+            ray.init(address=env["RAY_ADDRESS"], log_to_driver=False,
+                     logging_level="warning")
+        job = env["DLROVER_JOB"]
+        try:
+            master = ray.get_actor(master_actor_name(job), namespace=MASTER_NAMESPACE)
+        except ValueError as e:
+            raise NotInDlroverError(f"{caller}: no JobMaster of job DLROVER_JOB={job!r} in "
+                                    f"the cluster ({e})") from None
+        found = _cached[key] = ScriptMaster(
+            master, job, env["DLROVER_ROLE"], _int_env("RANK", None),
+            _int_env("WORLD_SIZE", 1),
+            max(_int_env("DLROVER_ATTEMPT", 0), _int_env("TORCHELASTIC_RESTART_COUNT", 0)))
+        return found
+
+
+def _int_env(key: str, default: int | None) -> int:
+    v = os.environ.get(key)
+    if v is None and default is not None:
+        return default
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"environment variable {key}={v!r} is invalid; allowed: an "
+                         "integer") from None
+
+
+def in_dlrover() -> bool:
+    """Whether this process runs as a rank of a dlrover script role (every variable of
+    :data:`SCRIPT_ENV` is set); nothing is contacted."""
+    return all(os.environ.get(k) for k in SCRIPT_ENV)
+
+
+class _Steps:
+    """This process's step reporter (made at the first :func:`report_step`)."""
+
+    reporter: Any = None
+    warned = False
+    last_ts: float | None = None
+
+
+def report_step(step: int, samples: int | None = None, **metrics: float) -> bool:
+    """Report that optimizer ``step`` (an int >= 0) ended, with the ``samples`` this rank
+    trained in it (adds metrics ``samples`` and, from the second report on,
+    ``samples_per_s``: samples / s since this process's previous report) and scalar
+    ``metrics`` (``loss=...``). Rank 0's report moves the job's step and goes to
+    ``metrics.jsonl``; every rank's feeds hang detection. Non-blocking but for the
+    first call (see the module docstring). Returns ``True`` when the report went to a
+    JobMaster, ``False`` outside dlrover (a ``RuntimeWarning`` the first time).
+
+    Raises:
+        ValueError: ``step`` or ``samples`` is negative or not an integer.
+        TypeError: a metric is not a number.
+        NotInDlroverError: the environment is a script role's but its JobMaster is gone.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"report_step(step={step!r}): allowed: an integer >= 0")
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int)
+                                or samples < 0):
+        raise ValueError(f"report_step(samples={samples!r}): allowed: None or an integer >= 0")
+    clean: dict[str, float] = {}
+    for k, v in metrics.items():
+        try:
+            clean[k] = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"report_step({k}={v!r}): metrics must be numbers") from None
+    if not in_dlrover():
+        if not _Steps.warned:
+            _Steps.warned = True
+            missing = ", ".join(k for k in SCRIPT_ENV if not os.environ.get(k))
+            warnings.warn(f"dlrover_core.script_api.report_step: not in a dlrover script role "
+                          f"({missing} not set); step reports are dropped", RuntimeWarning,
+                          stacklevel=2)
+        return False
+    now = time.time()
+    if samples is not None:
+        clean["samples"] = float(samples)
+        if _Steps.last_ts is not None and now > _Steps.last_ts:
+            clean["samples_per_s"] = samples / (now - _Steps.last_ts)
+    _Steps.last_ts = now
+    if _Steps.reporter is None:
+        from dlrover_core.runtime.reporting import StepReporter, report_interval_s
+
+        sm = script_master("report_step")
+        _Steps.reporter = StepReporter(
+            lambda s, m, ts: sm.master.report.remote(sm.role, sm.rank, s, m, ts), sm.rank,
+            report_interval_s(max(1, sm.world_size)))
+    _Steps.reporter.report(step, clean, now)
+    return True
+
+
+def report_checkpoint(step: int, seconds: float = 0.0) -> bool:
+    """The script saved a checkpoint of ``step``; its loop was blocked ``seconds`` s
+    (only rank 0's report counts, as for workloads). Fire-and-forget. Returns ``False``
+    (silently: plain ``torchrun``) outside dlrover or when no JobMaster is found.
+
+    Raises:
+        ValueError: ``step`` is negative or not an integer.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"report_checkpoint(step={step!r}): allowed: an integer >= 0")
+    sm = _master_or_none()
+    if sm is None:
+        return False
+    sm.master.checkpoint_saved.remote(sm.role, sm.rank, step, float(seconds))
+    return True
+
+
+def report_checkpoint_loaded(step: int, source: str | None, path: str = "") -> bool:
+    """The script restored the checkpoint of ``step`` from ``source`` (``memory``,
+    ``disk``, ...; ``path``: the step's directory). Fire-and-forget; returns ``False``
+    outside dlrover, as :func:`report_checkpoint`."""
+    sm = _master_or_none()
+    if sm is None:
+        return False
+    sm.master.checkpoint_loaded.remote(sm.role, sm.rank, int(step), source, path, sm.attempt)
+    return True
+
+
+def _master_or_none() -> ScriptMaster | None:
+    if not in_dlrover():
+        return None
+    try:
+        return script_master()
+    except NotInDlroverError:
+        return None

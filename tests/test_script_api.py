@@ -1,0 +1,117 @@
+"""``dlrover_core.script_api`` from a plain torchrun script run as a script role (real
+local Ray, 2 ranks in a real gloo group): the script's ``report_step`` calls reach
+``metrics.jsonl``, the summary's step and goodput, and ``dlrover timeline`` (steps,
+goodput); its ``report_checkpoint`` calls are ``checkpoint_saved`` events. Outside
+dlrover the calls are no-ops (one warning for ``report_step``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+
+import pytest
+
+from dlrover_core import DLJobBuilder, script_api
+
+STEPS, EVERY = 12, 4
+
+SCRIPT = '''
+import os, time
+
+import torch
+import torch.distributed as dist
+
+from dlrover_core.script_api import report_checkpoint, report_step
+
+STEPS, EVERY = %d, %d
+
+
+def main():
+    dist.init_process_group("gloo")  # env:// from the role's torchrun variables
+    rank = dist.get_rank()
+    for step in range(STEPS):
+        t = torch.tensor([float(step + rank)])
+        dist.all_reduce(t)
+        time.sleep(0.05)
+        assert report_step(step, samples=8, loss=t.item()) is True
+        if rank == 0 and (step + 1) %% EVERY == 0:
+            assert report_checkpoint(step + 1, 0.01) is True
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+''' % (STEPS, EVERY)
+
+
+def _outside(monkeypatch) -> None:
+    for key in script_api.SCRIPT_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(script_api._Steps, "warned", False)
+
+
+def test_outside_dlrover_report_step_warns_once_and_does_nothing(monkeypatch):
+    _outside(monkeypatch)
+    monkeypatch.setenv("RANK", "0")  # plain torchrun: RANK set, no dlrover job
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert script_api.report_step(0, samples=4, loss=1.0) is False
+        assert script_api.report_step(1) is False
+    assert len(caught) == 1 and caught[0].category is RuntimeWarning
+    assert "RAY_ADDRESS, DLROVER_JOB, DLROVER_ROLE not set" in str(caught[0].message)
+    assert script_api.report_checkpoint(4) is False
+    assert script_api.report_checkpoint_loaded(4, "disk") is False
+    with pytest.raises(script_api.NotInDlroverError, match="report_step: RAY_ADDRESS"):
+        script_api.script_master("report_step")
+
+
+def test_bad_input_is_named(monkeypatch):
+    _outside(monkeypatch)
+    with pytest.raises(ValueError, match=r"step=-1.*integer >= 0"):
+        script_api.report_step(-1)
+    with pytest.raises(ValueError, match=r"samples=2.5"):
+        script_api.report_step(1, samples=2.5)
+    with pytest.raises(TypeError, match=r"loss='x'"):
+        script_api.report_step(1, loss="x")
+    with pytest.raises(ValueError, match=r"report_checkpoint\(step='3'\)"):
+        script_api.report_checkpoint("3")
+
+
+def test_shard_sampler_shares_the_master_lookup():
+    from dlrover_core.runtime import sharding
+
+    assert sharding.NotInDlroverError is script_api.NotInDlroverError
+    assert sharding.SCRIPT_ENV == script_api.SCRIPT_ENV
+
+
+def test_script_role_steps_reach_metrics_summary_and_timeline(ray_cluster, tmp_path,
+                                                               monkeypatch):
+    from dlrover_core.cli.job_files import JobFiles
+    from dlrover_core.cli.main import main
+    from dlrover_core.cli.timeline_model import build_timeline
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "steps_script.py").write_text(SCRIPT)
+    job_dir = str(tmp_path / "job")
+    job = (DLJobBuilder().name("script-steps").train("steps_script:main")
+           .nnodes(1).nproc_per_node(2).resource(cpu=0.5).build())
+    summary = job.submit(job_dir=job_dir)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["steps"] == STEPS and summary["last_step"] == STEPS - 1
+    assert summary["metrics"]["loss"] == 2 * (STEPS - 1) + 1  # rank 0's last all-reduce
+    assert summary["metrics"]["samples"] == 8.0 and summary["metrics"]["samples_per_s"] > 0
+    assert summary["goodput"] is not None and 0 < summary["goodput"] <= 1
+    assert summary["checkpoint_steps"] == {"trainer": STEPS}
+    files = JobFiles.read(job_dir)
+    assert [(s["role"], s["step"]) for s in files.steps] == [
+        ("trainer", k) for k in range(STEPS)]  # rank 0's reports, each once
+    saved = [e["step"] for e in files.all("checkpoint_saved")]
+    assert saved == list(range(EVERY, STEPS + 1, EVERY))
+    tl = build_timeline(files)
+    assert tl.script_roles == ["trainer"]
+    assert [s for _, s in tl.steps] == list(range(STEPS))
+    assert [c.step for c in tl.checkpoints] == saved
+    assert tl.goodput == summary["goodput"] and tl.breakdown["productive"] > 0
+    out = tmp_path / "timeline.json"
+    with open(out, "w") as f, contextlib.redirect_stdout(f):
+        assert main(["timeline", "script-steps", "--job-dir", job_dir, "--json"]) == 0
+    assert [s for _, s in json.loads(out.read_text())["steps"]] == list(range(STEPS))
