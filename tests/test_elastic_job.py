@@ -63,5 +63,6 @@ def test_sigkill_trains_each_sample_once_in_the_final_model(ray_cluster, job_dir
     assert summary["samples_lost"] == 0
     assert summary["samples_duplicated"] == 0
     assert ledger["samples_reread_after_rollback"] == reread
+    assert summary["samples_reread_after_rollback"] == reread
     assert ledger["samples_trained"] == ledger["samples_total"] == G * STEPS
     assert "world_sizes" not in summary  # no elastic role
