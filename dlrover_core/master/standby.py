@@ -149,8 +149,9 @@ class StandbyPool:
         if not bundle:
             return None
         kwargs: dict[str, Any] = {}
-        bad = sorted(set(self.launcher.alive_bad_nodes())
-                     | (self.kept_out.get(role, set()) & alive_nodes()))
+        kept = self.kept_out.get(role)
+        bad = sorted(set(self.launcher.alive_bad_nodes()) | (kept & alive_nodes() if kept
+                                                            else set()))
         if bad:
             kwargs["bundle_label_selector"] = [{"ray.io/node-id": f"!in({','.join(bad)})"}]
         pg = placement_group([bundle], strategy="STRICT_PACK", lifetime="detached",
