@@ -1,4 +1,4 @@
-"""Straggler benchmark: a 4-rank gloo job (``tests.node_health_workloads.SyncSteps``: a
+"""Straggler benchmark: a ``--ranks``-rank (default 4) gloo job (``tests.node_health_workloads.SyncSteps``: a
 timed matmul loop, then an ``all_reduce``), one rank slowed from outside to about
 ``--speed`` (default 40%) of its speed at step ``--slow-at`` by SIGSTOP/SIGCONT duty
 cycling, with ``node_health.straggler_action`` (``--action``): ``replace`` (default:
@@ -57,16 +57,16 @@ def throughput(steps: list[dict], t_from: float, t_to: float) -> float | None:
 
 
 def job_spec(args: argparse.Namespace) -> Any:
-    """The 4-rank job: one node of 4 ranks (``replace``, ``report``), or, for
-    ``shrink``, an elastic role of one rank on each of 4 nodes (``nodes:
-    "MIN_NODES:4"``, no standby: a shrink does not use it)."""
+    """The ``--ranks``-rank job (default 4): one node of that many ranks (``replace``,
+    ``report``), or, for ``shrink``, an elastic role of one rank on each of that many
+    nodes (``nodes: "MIN_NODES:RANKS"``, no standby: a shrink does not use it)."""
     from dlrover_core import load_spec
 
-    trainer = {"workload": "tests.node_health_workloads:SyncSteps", "total": 4,
-               "per_node": 4, "backend": "ddp", "resources": {"cpu": 1}}
+    trainer = {"workload": "tests.node_health_workloads:SyncSteps", "total": args.ranks,
+               "per_node": args.ranks, "backend": "ddp", "resources": {"cpu": 1}}
     failover = {}
     if args.action == "shrink":
-        trainer.update(per_node=1, nodes=f"{args.min_nodes}:4")
+        trainer.update(per_node=1, nodes=f"{args.min_nodes}:{args.ranks}")
         failover["standby"] = False
     return load_spec({
         "name": f"straggler-bench-{int(time.time() * 1000) % 10**8}",
@@ -143,12 +143,16 @@ def median(runs: list[dict], key: str) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=4,
+                   help="ranks of the job; on a machine with fewer cores than ranks + 1 a "
+                        "duty-cycled rank frees a core for the others and barely slows "
+                        "the step (2 cores: use --ranks 2)")
     p.add_argument("--steps", type=int, default=600, help="steps of a run (attempt 0)")
     p.add_argument("--steps-after", type=int, default=300,
                    help="steps after the straggler was replaced")
     p.add_argument("--work", type=int, default=300, help="matmuls per step")
     p.add_argument("--slow-at", type=int, default=50)
-    p.add_argument("--rank", type=int, default=2, help="the rank that is slowed")
+    p.add_argument("--rank", type=int, default=1, help="the rank that is slowed")
     p.add_argument("--speed", type=float, default=0.4)
     p.add_argument("--period-s", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=10)
@@ -156,7 +160,7 @@ def main() -> None:
                    help="node_health.straggler_action; shrink runs on a 4-node "
                         "cluster_utils cluster, one rank per node")
     p.add_argument("--min-nodes", type=int, default=2,
-                   help="shrink: the elastic role's MIN nodes, 1 to 3 (its MAX is 4)")
+                   help="shrink: the elastic role's MIN nodes, below --ranks (its MAX)")
     p.add_argument("--window-s", type=float, default=5.0)
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--factor", type=float, default=2.0)
@@ -171,10 +175,11 @@ def main() -> None:
     runs = []
     with contextlib.ExitStack() as stack:
         if args.action == "shrink":  # a node per rank: shrink drops the straggler's node
-            stack.enter_context(multinode_cluster(workers=4, cpus=1))
+            stack.enter_context(multinode_cluster(workers=args.ranks, cpus=1))
         else:
             temp_dir = tempfile.mkdtemp(prefix="dlsb", dir="/tmp")
-            init_ray(None, num_cpus=5, _temp_dir=temp_dir)  # 4 ranks and the warm standby
+            # the ranks and the warm standby
+            init_ray(None, num_cpus=args.ranks + 1, _temp_dir=temp_dir)
         for i in range(args.runs):
             runs.append(one_run(args, os.path.join(root, f"run{i}")))
             print(json.dumps(runs[-1]), file=sys.stderr)
@@ -184,6 +189,7 @@ def main() -> None:
                                         "recovered_ratio")}
     out["action"] = actions.pop() if len(actions) == 1 else sorted(map(str, actions))
     out["configured_action"] = args.action
+    out["ranks"] = args.ranks
     out["runs"] = runs
     print(json.dumps(out))
 
