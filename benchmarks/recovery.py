@@ -13,9 +13,37 @@ model, data, optimiser, checkpoint interval and kill). Recovery time is measured
 the kill to the first step record after it (the master's ``metrics.jsonl`` for ours,
 the workers' step log for Ray Train); steps redone = steps executed twice.
 
-The last line of output is one JSON object with ``ours_recovery_s``,
-``raytrain_recovery_s``, ``ratio`` (ours / Ray Train's), ``ours_steps_redone``,
-``raytrain_steps_redone``, and the same figures of the restart-every-rank path.
+``--runs N`` (default 3) runs each side N times (ours: both paths each time).
+
+Phases of ours (seconds, from the master's ``recovery_started`` / ``recovery_finished``
+events and the ``phases`` the latter carries; they add up to the run's recovery time):
+
+- ``detection_s``: kill -> ``recovery_started`` (the monitor sees the dead actor, the
+  failure is classified);
+- ``abort_s``: survivors abort their collectives and leave the failed run, the failed
+  ranks' actors are stopped (the master's ``survivors_s``);
+- ``replace_s``: the node-loss probe, a standby promoted or a replacement actor created,
+  the spare pool refilled (``replace_and_setup_s`` less the two below);
+- ``actors_started_s``: the replacements' node info and rank 0's rendezvous port;
+- ``setup_s``: every rank's ``setup()`` (process group, then the workload's setup,
+  which loads the checkpoint); ``setup_import_s``, ``setup_process_group_s`` and
+  ``setup_user_s`` are its parts, each the largest over the ranks (so they need not add
+  up to ``setup_s``; not added to the sum);
+- ``master_other_s``: the rest of ``recovery_started`` -> ``recovery_finished``
+  (choosing the action, a driver restart, state changes);
+- ``first_step_s``: ``recovery_finished`` -> the first step record (the ranks resume
+  their run and complete a step; it can be slightly negative when a step report races
+  the event).
+
+A recovery that the master did not run through one process/role restart (e.g. an elastic
+shrink) has only ``detection_s``, ``master_other_s`` and ``first_step_s``.
+
+The last line of output is one JSON object: ``ours_recovery_s`` (the faster path's median),
+``raytrain_recovery_s``, ``ratio`` (ours / Ray Train's, of the medians),
+``ours_steps_redone``, ``raytrain_steps_redone``, the same figures of both paths
+(``ours_in_place_*``, ``ours_restart_all_*``), ``spread`` (per figure ``{"median", "min",
+"max", "n"}``, ``n``: runs with a value), ``phases_s`` (per path, per phase the same
+spread) and ``runs`` (every run's figures, in order).
 """
 
 from __future__ import annotations
@@ -26,6 +54,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -97,21 +126,66 @@ def run_job(overrides: list[str], job_dir: str, kills: list[dict], poll_s: float
     return {"summary": summary, "kill_ts": kill_ts}
 
 
+#: Phases that add up to a recovery's seconds (see the module doc), in order.
+PHASES = ("detection_s", "abort_s", "replace_s", "actors_started_s", "setup_s",
+          "master_other_s", "first_step_s")
+#: Parts of ``setup_s`` (each the max over ranks; not summed): ours <- the master's key.
+SETUP_PARTS = {"setup_import_s": "import_s", "setup_process_group_s": "process_group_s",
+               "setup_user_s": "user_setup_s"}
+_RESTART_KEYS = ("survivors_s", "replace_and_setup_s", "actors_started_s", "setup_s")
+
+
+def recovery_phases(kill: float, started: dict, finished: dict | None,
+                    first_step: float) -> dict:
+    """Seconds of each phase of one recovery: ``kill`` (unix s of the SIGKILL), the
+    ``recovery_started`` and ``recovery_finished`` event records (``finished``: ``None``
+    when the first step came before any), ``first_step`` (unix s of the first step record
+    after ``started``). The :data:`PHASES` present sum to ``first_step - kill``; phases
+    the events do not give are ``None``."""
+    out: dict = {k: None for k in (*PHASES, *SETUP_PARTS)}
+    out["detection_s"] = round(started["ts"] - kill, 3)
+    if finished is None:
+        out["master_other_s"] = round(first_step - started["ts"], 3)
+        return out
+    p = finished.get("phases") or {}
+    inside = 0.0
+    if all(isinstance(p.get(k), (int, float)) for k in _RESTART_KEYS):
+        out["abort_s"] = p["survivors_s"]
+        out["actors_started_s"], out["setup_s"] = p["actors_started_s"], p["setup_s"]
+        out["replace_s"] = round(p["replace_and_setup_s"] - p["actors_started_s"]
+                                 - p["setup_s"], 3)
+        out.update({k: p.get(m) for k, m in SETUP_PARTS.items()})
+        inside = p["survivors_s"] + p["replace_and_setup_s"]
+    out["master_other_s"] = round(finished["ts"] - started["ts"] - inside, 3)
+    out["first_step_s"] = round(first_step - finished["ts"], 3)
+    return out
+
+
 def analyse(job_dir: str, kill_ts: list[float]) -> dict:
     steps = [r for r in read_jsonl(os.path.join(job_dir, "metrics.jsonl"))
              if r["event"] == "step" and r["role"] == "trainer"]
     counts = collections.Counter(r["step"] for r in steps)
     events = read_jsonl(os.path.join(job_dir, "events.jsonl"))
-    started = [e["ts"] for e in events if e["event"] == "recovery_started"]
-    recoveries = []
+    started = [e for e in events if e["event"] == "recovery_started"]
+    finished = [e for e in events if e["event"] == "recovery_finished"]
+    recoveries, phases = [], []
     for k in kill_ts:  # first step completed after the recovery this kill caused began
-        begun = [t for t in started if t >= k]
-        after = [r["ts"] for r in steps if begun and r["ts"] > begun[0]]
+        begun = [e for e in started if e["ts"] >= k]
+        after = [r["ts"] for r in steps if begun and r["ts"] > begun[0]["ts"]]
         if after:
             recoveries.append(after[0] - k)
-    rec = [e["seconds"] for e in events if e["event"] == "recovery_finished"]
+            done = [e for e in finished if begun[0]["ts"] <= e["ts"] <= after[0]]
+            phases.append(recovery_phases(k, begun[0], done[0] if done else None, after[0]))
+    rec = [e["seconds"] for e in finished]
     return {"recovery_s": recoveries, "steps_redone": sum(c - 1 for c in counts.values()),
-            "master_recovery_s": rec}
+            "master_recovery_s": rec, "phases_s": phases}
+
+
+def spread(vals: list) -> dict:
+    """``{"median", "min", "max", "n"}`` of the numbers in ``vals`` (``None`` s skipped)."""
+    xs = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return {"median": round(statistics.median(xs), 3) if xs else None,
+            "min": min(xs, default=None), "max": max(xs, default=None), "n": len(xs)}
 
 
 def run_ours(steps: int, kill_after_step: int, ckpt_every: int, in_place: bool,
@@ -126,9 +200,40 @@ def run_ours(steps: int, kill_after_step: int, ckpt_every: int, in_place: bool,
     a = analyse(job_dir, out["kill_ts"])
     shutil.rmtree(job_dir, ignore_errors=True)
     s = out["summary"] or {}
-    return {"recovery_s": a["recovery_s"][0] if a["recovery_s"] else None,
+    return {"recovery_s": round(a["recovery_s"][0], 3) if a["recovery_s"] else None,
             "steps_redone": a["steps_redone"], "master_recovery_s": a["master_recovery_s"],
+            "phases_s": a["phases_s"][0] if a["phases_s"] else None,
             "status": s.get("status"), "steps": s.get("steps"), "wall_s": s.get("wall_s")}
+
+
+def summarize(runs: list[dict], args: argparse.Namespace) -> dict:
+    """The output object (see the module doc) of ``runs``: each ``{"in_place",
+    "restart_all"}`` (:func:`run_ours`'s dicts) and ``"raytrain"`` (``run_raytrain``'s,
+    ``{}`` when skipped)."""
+    paths = {"ours_in_place": "in_place", "ours_restart_all": "restart_all",
+             "raytrain": "raytrain"}
+    sp = {f"{name}_{fig}": spread([r[key].get(fig) for r in runs])
+          for name, key in paths.items() for fig in ("recovery_s", "steps_redone")}
+    phases = {key: {ph: spread([(r[key].get("phases_s") or {}).get(ph) for r in runs])
+                    for ph in (*PHASES, *SETUP_PARTS)}
+              for key in ("in_place", "restart_all")}
+    med = {k: v["median"] for k, v in sp.items()}
+    best = min(("in_place", "restart_all"),
+               key=lambda k: med[f"ours_{k}_recovery_s"] or 1e9)
+    ours, rt = med[f"ours_{best}_recovery_s"], med["raytrain_recovery_s"]
+    return {
+        "ours_recovery_s": ours, "ours_path": best,
+        "ours_steps_redone": med[f"ours_{best}_steps_redone"],
+        **{k: v for k, v in med.items() if k.startswith("ours_")},
+        "raytrain_recovery_s": rt, "raytrain_steps_redone": med["raytrain_steps_redone"],
+        "raytrain_version": next((r["raytrain"].get("ray_train_version") for r in runs
+                                  if r["raytrain"]), None),
+        "ratio": round(ours / rt, 3) if ours and rt else None,
+        "steps": args.steps, "kill_after_step": args.kill_after_step,
+        "ckpt_every": args.ckpt_every, "model": "tiny" if args.tiny else "demo",
+        "saver": args.saver, "runs_n": len(runs), "spread": sp, "phases_s": phases,
+        "runs": runs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,44 +244,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--saver", default="disk")
     ap.add_argument("--skip-raytrain", action="store_true")
+    ap.add_argument("--runs", type=int, default=3, help="runs of each side (>= 1)")
     args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error(f"--runs={args.runs}; allowed: an integer >= 1")
     import ray
 
-    temp = start_ray()
-    in_place = run_ours(args.steps, args.kill_after_step, args.ckpt_every, True, args.tiny,
-                        args.saver)
-    print("ours (in place):", json.dumps(in_place), flush=True)
-    restart = run_ours(args.steps, args.kill_after_step, args.ckpt_every, False, args.tiny,
-                       args.saver)
-    print("ours (restart all ranks):", json.dumps(restart), flush=True)
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-    rt: dict = {}
-    if not args.skip_raytrain:
-        from raytrain_baseline import run_raytrain
+    runs = []
+    for i in range(args.runs):
+        temp = start_ray()
+        run: dict = {}
+        for key, in_place in (("in_place", True), ("restart_all", False)):
+            run[key] = run_ours(args.steps, args.kill_after_step, args.ckpt_every, in_place,
+                                args.tiny, args.saver)
+            print(f"run {i + 1}/{args.runs} ours ({key}):", json.dumps(run[key]), flush=True)
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+        run["raytrain"] = {}
+        if not args.skip_raytrain:
+            from raytrain_baseline import run_raytrain
 
-        rt = run_raytrain(steps=args.steps, kill_after_step=args.kill_after_step,
-                          ckpt_every=args.ckpt_every, model_size="tiny" if args.tiny else "demo")
-        print("ray train:", json.dumps(rt), flush=True)
-    best = min((in_place, restart), key=lambda r: r["recovery_s"] or 1e9)
-    result = {
-        "ours_recovery_s": round(best["recovery_s"], 3) if best["recovery_s"] else None,
-        "ours_path": "in_place" if best is in_place else "restart_all",
-        "ours_steps_redone": best["steps_redone"],
-        "ours_in_place_recovery_s": in_place["recovery_s"],
-        "ours_in_place_steps_redone": in_place["steps_redone"],
-        "ours_restart_all_recovery_s": restart["recovery_s"],
-        "ours_restart_all_steps_redone": restart["steps_redone"],
-        "raytrain_recovery_s": rt.get("recovery_s"),
-        "raytrain_steps_redone": rt.get("steps_redone"),
-        "raytrain_version": rt.get("ray_train_version"),
-        "ratio": (round(best["recovery_s"] / rt["recovery_s"], 3)
-                  if rt.get("recovery_s") and best["recovery_s"] else None),
-        "steps": args.steps, "kill_after_step": args.kill_after_step,
-        "ckpt_every": args.ckpt_every, "model": "tiny" if args.tiny else "demo",
-        "saver": args.saver,
-    }
-    print(json.dumps(result))
+            run["raytrain"] = run_raytrain(
+                steps=args.steps, kill_after_step=args.kill_after_step,
+                ckpt_every=args.ckpt_every, model_size="tiny" if args.tiny else "demo")
+            print(f"run {i + 1}/{args.runs} ray train:", json.dumps(run["raytrain"]),
+                  flush=True)
+        runs.append(run)
+    print(json.dumps(summarize(runs, args)))
     return 0
 
 
