@@ -33,7 +33,11 @@ role sets. Under plain ``torchrun`` call ``ray.init()`` first; without Ray it ra
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
+
+from dlrover_core.checkpoint.saver import step_dir_name
+from dlrover_core.script_api import report_checkpoint, report_checkpoint_loaded
 
 
 def _env_int(key: str, default: int | None = None) -> int:
@@ -115,16 +119,29 @@ class FlashCheckpointer:
     def save(self, step: int, state_dict: dict) -> None:
         """Copy ``state_dict`` into shared memory as ``step`` (blocking only for the
         copy) and return. Raises ``ValueError`` for a negative step, ``TypeError`` for
-        an unsupported value (see :meth:`.saver.FlashSaver.save`)."""
+        an unsupported value (see :meth:`.saver.FlashSaver.save`).
+
+        In a script role the saved step is then reported to the JobMaster as a
+        workload's checkpointer reports it (``checkpoint_saved``, with the copy time;
+        fire-and-forget, :func:`dlrover_core.script_api.report_checkpoint`): the
+        events and ``dlrover timeline`` show it, and an elastic role grows at it."""
+        t0 = time.perf_counter()
         self._saver.save(step, state_dict)
+        report_checkpoint(int(step), time.perf_counter() - t0)
 
     def load(self, state_dict: dict, step: int | None = None) -> int | None:
         """Fill ``state_dict``'s tensors in place with the newest step (or ``step``):
         from memory when every rank holds it, else from disk. Returns the step, or
         ``None`` when nothing was saved. Call it on every rank (the ranks agree on the
         step through the script's process group). Raises ``LayoutError`` /
-        ``CheckpointLoadError`` as :meth:`.saver.FlashSaver.load`."""
-        return self._saver.load(state_dict, step)
+        ``CheckpointLoadError`` as :meth:`.saver.FlashSaver.load`. In a script role a
+        loaded step is reported to the JobMaster (``checkpoint_loaded``, with
+        :attr:`last_load_source`)."""
+        loaded = self._saver.load(state_dict, step)
+        if loaded is not None:
+            report_checkpoint_loaded(loaded, self.last_load_source,
+                                     os.path.join(self.dir, step_dir_name(loaded)))
+        return loaded
 
     def committed_steps(self) -> list[int]:
         """Steps committed to :attr:`dir`, oldest first."""
