@@ -7,8 +7,9 @@ optional: the script runs unchanged under plain ``torchrun``, where they do noth
   ``dlrover status``, the job's step and goodput in ``summary.json`` and the step panel
   of ``dlrover timeline`` cover the script role. Non-blocking: rank 0 sends each report
   at once (one fire-and-forget Ray call, no reply waited for); the other ranks coalesce
-  (:class:`dlrover_core.runtime.reporting.StepReporter`). The first call of a process
-  joins the job's Ray cluster and looks the JobMaster up (one blocking round trip).
+  (:class:`dlrover_core.runtime.reporting.StepReporter`; their newest report is also sent
+  when the process exits). The first call of a process joins the job's Ray cluster and
+  looks the JobMaster up (one blocking round trip).
   Outside dlrover it is a no-op that warns once (``RuntimeWarning``) and returns
   ``False``.
 - :func:`report_checkpoint` ``(step, seconds=0.0)``: the script saved a checkpoint of
@@ -30,6 +31,7 @@ Example (``train.py``, runs the same under ``torchrun``)::
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -179,6 +181,9 @@ def report_step(step: int, samples: int | None = None, **metrics: float) -> bool
         _Steps.reporter = StepReporter(
             lambda s, m, ts: sm.master.report.remote(sm.role, sm.rank, s, m, ts), sm.rank,
             report_interval_s(max(1, sm.world_size)))
+        # the newest coalesced report of a rank > 0 still goes when the script ends
+        # (registered after ray.init's own exit handler, so it runs before Ray shuts down)
+        atexit.register(_Steps.reporter.close)
     _Steps.reporter.report(step, clean, now)
     return True
 
