@@ -78,6 +78,12 @@ class ToyActor(_Toy, ActorWorkload):
             w[TRACE_KEY] = Tracer(self.trace_path, "weights")
         return w
 
+    @torch.no_grad()
+    def perturb(self, seed: int) -> None:
+        """Random logits from ``seed + rank`` (for tests of the weight sync)."""
+        g = torch.Generator().manual_seed(seed + self.rank)
+        self.policy.logits.copy_(torch.randn(self.policy.logits.shape, generator=g))
+
     def evaluate(self):
         """Greedy accuracy over every (context, step)."""
         ctx = torch.arange(self.contexts)[:, None].expand(-1, self.steps)
@@ -132,6 +138,10 @@ class ToyRollout(_Toy, RolloutWorkload):
     def prompts(self) -> list[int]:
         """Every prompt id this rank was handed, in order (for tests)."""
         return list(self.seen_prompts)
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """A copy of this rank's policy weights (for tests of the weight sync)."""
+        return {k: v.clone() for k, v in self.policy.state_dict().items()}
 
 
 class ToyReference(_Toy, ReferenceWorkload):

@@ -46,6 +46,17 @@ def aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def push_weights(actor: Any, targets: list[Any]) -> list[list[int]]:
+    """The weight sync: ``actor.get_weights()`` on its rank 0 (a CPU state dict, put
+    into the object store once as the call's result), then ``set_weights`` of every rank
+    of each role group in ``targets``, which fetch it from that object store (the driver
+    only holds the reference). Blocks until every rank has loaded it; returns each
+    target's per-rank ``set_weights`` results (the rollouts' weights versions)."""
+    weights = actor.get_weights.options(blocking=False, target="RANK0")()
+    calls = [t.set_weights.options(blocking=False)(weights) for t in targets]
+    return [c.get() for c in calls]
+
+
 class PPOTrainer(BaseTrainer):
     """Runs the PPO (``ppo`` template) or GRPO (``grpo``) loop over the job's roles.
 
@@ -104,19 +115,13 @@ class PPOTrainer(BaseTrainer):
     # ------------------------------------------------------------------ weights
     def sync_weights(self, initial: bool = False) -> None:
         """Actor rank 0's weights to every rollout rank (and, first time, to the
-        reference when ``rl.sync_reference``), through the object store."""
+        reference when ``rl.sync_reference``): :func:`push_weights`."""
         need_rollout = self.has["rollout"]
         need_ref = initial and self.has["reference"] and self.rl.sync_reference
-        if not (need_rollout or need_ref):
-            return
-        weights = self.RG_ACTOR.get_weights.options(blocking=False, target="RANK0")()
-        calls = []
-        if need_rollout:
-            calls.append(self.RG_ROLLOUT.set_weights.options(blocking=False)(weights))
-        if need_ref:
-            calls.append(self.RG_REFERENCE.set_weights.options(blocking=False)(weights))
-        for c in calls:
-            c.get()
+        targets = ([self.RG_ROLLOUT] if need_rollout else []) + \
+            ([self.RG_REFERENCE] if need_ref else [])
+        if targets:
+            push_weights(self.RG_ACTOR, targets)
 
     # ------------------------------------------------------------------ one iteration
     def prompt_ids(self, iteration: int) -> list[int] | None:

@@ -42,9 +42,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Detached CPU copies of the model's parameters and buffers (what goes through the
-    object store to other roles)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
+    """The model's parameters and buffers on the CPU, detached (what goes through the
+    object store to other roles): tensors on a device are copied to the host; tensors
+    already on the CPU are the model's own (no copy: returning them from a Ray call
+    serializes them once into the object store, which is the copy the receivers read)."""
+    return {k: v.detach().to("cpu") for k, v in unwrap(model).state_dict().items()}
 
 
 class RLWorkload(BaseWorkload):
@@ -151,8 +153,9 @@ class ActorWorkload(RLWorkload):
 
     @trainer_invocation(target="RANK0")
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """CPU copies of the policy's state dict, for ``set_weights`` of the rollout
-        and reference roles (moved through the object store, never the driver)."""
+        """The policy's state dict on the CPU (:func:`cpu_state_dict`), for
+        ``set_weights`` of the rollout and reference roles (moved through the object
+        store, never the driver)."""
         return cpu_state_dict(self.policy)
 
     @trainer_invocation(target="RANK0")

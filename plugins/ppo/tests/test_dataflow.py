@@ -10,6 +10,7 @@ import torch
 
 from dlrover_core.runtime import DRef, RoleGroup
 from dlrover_core.testing import spawn_role
+from dlrover_plugin_ppo.trainer import push_weights
 
 CONFIG = {"rl_algorithm": "grpo", "rl": {"samples_per_prompt": 2},
           "toy": {"contexts": 5, "steps": 2}}
@@ -51,3 +52,26 @@ def test_weights_go_from_actor_rank0_to_every_rollout_rank(roles):
     batch = rollout.generate.options(blocking=False)(1, list(range(8)))
     got = actor.compute_advantages(batch)
     assert all(int(v) == versions[0] for a in got for v in a["weights_version"])
+
+
+def test_push_weights_delivers_actor_rank0_weights_exactly(roles):
+    """The sync path ``PPOTrainer.sync_weights`` runs: every rollout rank ends up with
+    actor rank 0's values, bit for bit (rank 1 holds other values, so a copy from the
+    wrong rank or a stale copy fails)."""
+    rollout, actor = roles
+    actor.perturb(11)
+    sent = actor.get_weights.options(target="RANK0")()
+    assert set(sent) == {"logits"}
+    per_rank = actor.get_weights()  # this group has no decorators: every rank answers
+    assert len(per_rank) == 2 and not torch.equal(per_rank[1]["logits"], sent["logits"])
+    before = rollout.policy_state()
+    assert not any(torch.equal(b["logits"], sent["logits"]) for b in before)
+    versions = push_weights(actor, [rollout])
+    assert len(versions) == 1 and len(versions[0]) == 4
+    assert len(set(versions[0])) == 1  # every rank loaded it once more
+    for got in rollout.policy_state():
+        assert torch.equal(got["logits"], sent["logits"])
+    actor.perturb(12)  # the actor trains on: the rollouts keep the values they loaded
+    assert not torch.equal(actor.get_weights.options(target="RANK0")()["logits"],
+                           sent["logits"])
+    assert all(torch.equal(g["logits"], sent["logits"]) for g in rollout.policy_state())
