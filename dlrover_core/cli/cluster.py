@@ -1,7 +1,7 @@
 """``dlrover cluster up|down|add|env|status``: a Ray cluster of several ``ray start``
 nodes on this machine (:mod:`dlrover_core.cli.local_cluster`).
 
-    dlrover cluster up [--nodes N] [--cpus-per-node C] [--head-cpus H] [--dir DIR]
+    dlrover cluster up [--nodes N] [--cpus-per-node C] [--head-cpus H] [--dir DIR] [--gcs-ft]
     dlrover cluster add [--cpus C] [--dir DIR]      one more worker node
     dlrover cluster env [--dir DIR]                 `export` lines for clients
     dlrover cluster status [--dir DIR] [--json]
@@ -34,7 +34,8 @@ def _exports(state: dict) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    state = lc.up(args.nodes, args.cpus_per_node, args.head_cpus, args.dir, args.token_file)
+    state = lc.up(args.nodes, args.cpus_per_node, args.head_cpus, args.dir, args.token_file,
+                  gcs_ft=args.gcs_ft)
     err.print(f"cluster up: head {state['address']}, {args.nodes} worker node(s) of "
               f"{args.cpus_per_node} CPU(s); state {state['dir']}", highlight=False)
     err.print("clients join with these variables (or `eval $(dlrover cluster env)`):")
@@ -99,6 +100,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="CPUs of the head node (default 0: it runs the JobMaster only)")
     u.add_argument("--token-file", default=None,
                    help="use this token file instead of a new one (mode 0600)")
+    u.add_argument("--gcs-ft", action="store_true",
+                   help="start a redis-server and the head with RAY_REDIS_ADDRESS (Ray's GCS "
+                        "fault tolerance; see docs/clusters.md for what survives)")
     common(u)
     u.set_defaults(func=_run(cmd_up))
     a = csub.add_parser("add", help="start one more worker node (ray start --address)")

@@ -207,9 +207,66 @@ def wait_for_nodes(state: dict, timeout_s: float = 120.0) -> dict:
         time.sleep(1.0)
 
 
+def _node_env(state: dict, head: bool = False) -> dict[str, str]:
+    """The environment of a node's ``ray start``: the token; for the head of a
+    ``gcs_ft`` cluster also ``RAY_REDIS_ADDRESS`` and a storage namespace of its own."""
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"])
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.pop("RAY_ADDRESS", None)
+    if head and state.get("redis"):
+        env["RAY_REDIS_ADDRESS"] = f"{HOST}:{state['redis']['port']}"
+        env["RAY_external_storage_namespace"] = os.path.basename(state["temp_root"])
+    return env
+
+
+def restart_head(state: dict, timeout_s: float = 120.0) -> dict:
+    """Lose the head at once (SIGKILL to its process group) and start a new head on the
+    same GCS port with the same Redis, its temp dir emptied first (else ``ray start``
+    takes the old GCS's address recorded there for a running one); wait until the
+    recorded nodes that still run are alive in its node table. Returns its record.
+
+    Raises:
+        ClusterError: the cluster was not started with ``gcs_ft``, or the new head or a
+            worker node did not come back within ``timeout_s`` seconds.
+    """
+    if not state.get("redis"):
+        raise ClusterError("restart_head needs a cluster started with --gcs-ft (without "
+                           "Redis the new head would know nothing of the old one)")
+    old = next(n for n in state["nodes"] if n["head"])
+    kill_node(state, old["name"])
+    deadline = time.time() + 30
+    while group_pids(old["pgid"]) and time.time() < deadline:
+        time.sleep(0.2)
+    shutil.rmtree(old["temp_dir"], ignore_errors=True)
+    head = _start_node(state["dir"], "head", _node_env(state, head=True), old["num_cpus"],
+                       head_port=old["ports"]["port"], temp_root=state["temp_root"])
+    state["nodes"] = [head] + [n for n in state["nodes"] if not n["head"]]
+    _write_state(state["dir"], state)
+    _wait_port(head["ports"]["port"], head, timeout_s)
+    wait_for_nodes(state, timeout_s)
+    return head
+
+
+def _start_redis(directory: str, timeout_s: float) -> dict:
+    """A ``redis-server`` for the GCS (in memory, no snapshots), its own process group."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise ClusterError("--gcs-ft needs redis-server on PATH (make setup installs it)")
+    port = free_port()
+    log_path = os.path.join(directory, "redis.log")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", HOST, "--save", "",
+                                 "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    redis = {"name": "redis", "pid": proc.pid, "pgid": proc.pid, "port": port,
+             "log": log_path}
+    _wait_port(port, redis, timeout_s)
+    return redis
+
+
 def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
        directory: str | None = None, token_path: str | None = None,
-       timeout_s: float = 120.0) -> dict:
+       timeout_s: float = 120.0, gcs_ft: bool = False) -> dict:
     """Start a head and ``nodes`` worker nodes; return the saved state.
 
     Args:
@@ -217,6 +274,8 @@ def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
         head_cpus: CPUs of the head (default 0: the head runs the JobMaster, no ranks).
         directory: the state directory (:func:`state_dir`).
         token_path: an existing token file to use instead of a new one.
+        gcs_ft: start a ``redis-server`` first and the head with ``RAY_REDIS_ADDRESS``
+            naming it (Ray's GCS fault tolerance: the GCS keeps its tables in Redis).
 
     Raises:
         ValueError: ``nodes`` < 0 or ``cpus_per_node`` < 1.
@@ -245,10 +304,11 @@ def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
         "dir": directory, "address": f"{HOST}:{head_port}",
         "token_path": os.path.abspath(token_path),
         "temp_root": tempfile.mkdtemp(prefix="dlrc-", dir="/tmp"), "nodes": []}
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"])
-    env.pop("RAY_AUTH_TOKEN", None)
-    env.pop("RAY_ADDRESS", None)
     try:
+        if gcs_ft:
+            state["redis"] = _start_redis(directory, timeout_s)
+            _write_state(directory, state)
+        env = _node_env(state, head=True)
         head = _start_node(directory, "head", env, head_cpus, head_port=head_port,
                            temp_root=state["temp_root"])
         state["nodes"].append(head)
@@ -269,14 +329,9 @@ def add_node(state: dict, num_cpus: int = 2, wait: bool = True,
     its arguments (e.g. ``["unshare", "--mount", "--propagation", "private"]``: a node
     with a mount namespace of its own), put before ``ray start``; it must keep the PID."""
     taken = {n["name"] for n in state["nodes"]}
-    i = 1
-    while f"worker-{i}" in taken:
-        i += 1
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"])
-    env.pop("RAY_AUTH_TOKEN", None)
-    env.pop("RAY_ADDRESS", None)
-    node = _start_node(state["dir"], f"worker-{i}", env, num_cpus, address=state["address"],
-                       temp_root=state["temp_root"], wrap=wrap)
+    i = next(k for k in range(1, len(taken) + 2) if f"worker-{k}" not in taken)
+    node = _start_node(state["dir"], f"worker-{i}", _node_env(state), num_cpus,
+                       address=state["address"], temp_root=state["temp_root"], wrap=wrap)
     state["nodes"].append(node)
     _write_state(state["dir"], state)
     if wait:
@@ -328,6 +383,8 @@ def down(directory: str | None = None, grace_s: float = 10.0, keep_temp: bool = 
         raise ClusterError(f"no cluster recorded in {directory} (no {STATE})")
     for node in sorted(state["nodes"], key=lambda n: n["head"]):
         _stop_node(node, grace_s)
+    if state.get("redis"):
+        _stop_node(state["redis"], grace_s)
     if not keep_temp:
         shutil.rmtree(state["temp_root"], ignore_errors=True)
     os.remove(os.path.join(directory, STATE))
