@@ -5,8 +5,9 @@
 # make gpu-check: on a CUDA machine, nanoGPT on cuda for 200 steps, the flash D2H figure and
 #             the gpu-marked tests, each with time reserved within 10 minutes, one JSON
 #             report (scripts/gpu_check.py); without CUDA it prints "no CUDA device", exits 0
-# make cluster-up NODES=2 [CPUS=2]: a head and NODES worker nodes, each its own `ray start`
-#             process on this machine (dlrover cluster up); prints the export lines for clients
+# make cluster-up NODES=2 [CPUS=2] [GCS_FT=1]: a head and NODES worker nodes, each its own
+#             `ray start` process on this machine (dlrover cluster up; GCS_FT=1: with a
+#             redis-server for Ray's GCS fault tolerance); prints the export lines for clients
 # make cluster-down: stop exactly those nodes (dlrover cluster down)
 # make dist:  a wheel and an sdist of the core and every plugin under dist/ (twine check)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -17,6 +18,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 NODES ?= 2
 CPUS ?= 2
+GCS_FT ?=
 # Debian packages the test suites need (the odl plugin's Redis Streams cases run a real redis-server)
 APT_PACKAGES := redis-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -46,7 +48,7 @@ test: setup
 	done
 
 cluster-up: setup
-	$(BIN)/dlrover cluster up --nodes $(NODES) --cpus-per-node $(CPUS)
+	$(BIN)/dlrover cluster up --nodes $(NODES) --cpus-per-node $(CPUS) $(if $(GCS_FT),--gcs-ft)
 
 cluster-down:
 	$(BIN)/dlrover cluster down
