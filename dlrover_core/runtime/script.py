@@ -2,14 +2,19 @@
 
 A role with ``command: "train.py --epochs 3"`` (or ``"pkg.mod:main --lr 1e-3"``, or
 ``"-m pkg.mod args"``) runs, in each rank's actor (an ordinary ``WorkloadHost`` whose
-workload is :class:`ScriptWorkload`), the command as a child process with the
-environment torchrun gives its workers (``torch/distributed/run.py`` and
+workload is :class:`ScriptWorkload`), the command in a child process (a runner of
+:mod:`.warm_script`: ``python -u`` that runs the command in itself as ``__main__``;
+a restart uses the spare runner started after the previous attempt, which has
+imported ``torch`` already) with the environment torchrun gives
+its workers (``torch/distributed/run.py`` and
 ``torch/distributed/elastic/agent/server/api.py``): ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
 ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``,
-``TORCHELASTIC_USE_AGENT_STORE=False`` (the script's ``init_process_group()`` makes its
-own store at ``MASTER_ADDR:MASTER_PORT``, rank 0 hosting it) and ``OMP_NUM_THREADS=1``
+``TORCHELASTIC_USE_AGENT_STORE`` (``False`` at the first start: the script's
+``init_process_group()`` makes its own store at ``MASTER_ADDR:MASTER_PORT``, rank 0
+hosting it; ``True`` after a restart, when rank 0's actor hosts it, see
+:class:`ScriptSession`) and ``OMP_NUM_THREADS=1``
 when several ranks share a node and it is not set (as torchrun does).
 
 The child inherits the actor's stdout and stderr, which the job's log capture already
@@ -27,16 +32,21 @@ actor when the actor is killed.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from dlrover_core.runtime import warm_script
 from dlrover_core.runtime.backend import BackendSession
 from dlrover_core.runtime.workload import BaseWorkload
 
@@ -51,15 +61,6 @@ CONFIG_KEY = "_dlrover_script"
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
-
-# run ``module:function`` as the script: argv[0] is the module, the rest its arguments;
-# an int it returns is the exit code (``sys.exit`` semantics)
-_FUNCTION_RUNNER = (
-    "import importlib, sys; m, f = sys.argv[1].split(':'); "
-    "sys.argv = [m] + sys.argv[2:]; "
-    "sys.exit(getattr(importlib.import_module(m), f)())"
-)
-
 
 class ScriptExitError(RuntimeError):
     """A script role's child process ended with a non-zero exit code or a signal.
@@ -84,15 +85,6 @@ class ScriptCommand:
     target: str
     args: tuple[str, ...]
 
-    def argv(self, python: str = sys.executable) -> list[str]:
-        """The child's command line: ``python -u <file> args``, ``python -u -m mod args``
-        or ``python -u -c <runner> mod:fn args``."""
-        if self.kind == "script":
-            return [python, "-u", self.target, *self.args]
-        if self.kind == "module":
-            return [python, "-u", "-m", self.target, *self.args]
-        return [python, "-u", "-c", _FUNCTION_RUNNER, self.target, *self.args]
-
 
 def parse_command(command: str) -> ScriptCommand:
     """Split ``command`` (shell words, ``shlex``) into a :class:`ScriptCommand`.
@@ -116,11 +108,23 @@ def parse_command(command: str) -> ScriptCommand:
     return ScriptCommand("script", head, rest)
 
 
+def agent_store(ctx: object) -> bool:
+    """Whether rank 0's actor hosts the rendezvous store of ``ctx``'s attempt
+    (:func:`.warm_script.host_store`): from the first restart on, unless
+    ``DLROVER_WARM_RESTART=0``. The same answer on every rank of the attempt.
+
+    Raises:
+        ValueError: ``DLROVER_WARM_RESTART`` is neither ``0`` nor ``1``.
+    """
+    return int(ctx.attempt) >= 1 and warm_script.spares_enabled()
+
+
 def torchrun_env(ctx: object, max_restarts: int) -> dict[str, str]:
     """The environment torchrun gives worker ``ctx.rank`` (strings), from a
     ``WorkerContext``: restart count = ``ctx.attempt`` (every rank of the group is
     restarted together, so all share it); run id = the job's name (``dlrover-run``
-    names the job after ``--rdzv-id`` when it is given)."""
+    names the job after ``--rdzv-id`` when it is given);
+    ``TORCHELASTIC_USE_AGENT_STORE`` = :func:`agent_store` (``"True"``/``"False"``)."""
     local_world = max(1, int(ctx.local_world_size))
     env = dict(ctx.env())
     env.update({
@@ -130,18 +134,9 @@ def torchrun_env(ctx: object, max_restarts: int) -> dict[str, str]:
         "TORCHELASTIC_RESTART_COUNT": str(ctx.attempt),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": ctx.job,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": str(agent_store(ctx)),
     })
     return env
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - not Linux: the teardown still kills the child
-        pass
 
 
 def describe_exit(returncode: int) -> str:
@@ -153,6 +148,27 @@ def describe_exit(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"signal {name} ({-returncode})"
     return f"exit code {returncode}"
+
+
+def wait_output_written(path: str, limit_s: float, poll_s: float = 0.01) -> None:
+    """Wait (at most ``limit_s`` s) until this process's captured output has reached
+    ``path``: the pipe behind file descriptor 1 (:mod:`.log_capture`) holds no unread
+    byte and the file's size stayed the same over one ``poll_s`` s poll."""
+    deadline = time.monotonic() + limit_s
+    last = -2
+    while time.monotonic() < deadline:
+        try:
+            unread = struct.unpack("i", fcntl.ioctl(1, termios.FIONREAD, b"\0" * 4))[0]
+        except OSError:  # not a pipe: nothing in flight
+            unread = 0
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            size = -1
+        if unread == 0 and size == last:
+            return
+        last = size
+        time.sleep(poll_s)
 
 
 class ScriptWorkload(BaseWorkload):
@@ -203,19 +219,27 @@ class ScriptWorkload(BaseWorkload):
         cfg = self._script_config()
         cmd = parse_command(cfg["command"])
         cwd = cfg.get("working_dir") or os.getcwd()
+        env = self.child_env()
+        spares = warm_script.spares_enabled()
+        shown = (["-m"] if cmd.kind == "module" else []) + [cmd.target, *cmd.args]
         sys.stdout.flush()
         sys.stderr.flush()
         with self._lock:
             if self._stopped:
                 raise ScriptExitError(f"{self.context.name}: stopped before its script "
                                       "started", -int(signal.SIGTERM), 0)
-            self._proc = subprocess.Popen(cmd.argv(), cwd=cwd, env=self.child_env(),
-                                          preexec_fn=_die_with_parent)
+            self._proc, how = warm_script.start(cmd, cwd, env, shown)
         proc = self._proc
-        shown = (["-m"] if cmd.kind == "module" else []) + [cmd.target, *cmd.args]
         print(f"[dlrover] {self.context.name}: started pid {proc.pid}: "
               f"{' '.join(shlex.quote(a) for a in shown)} (restart count "
-              f"{self.context.attempt})", flush=True)
+              f"{self.context.attempt}), interpreter: {how}", flush=True)
+        attempt = int(self.context.attempt)
+        if spares and attempt < int(env["TORCHELASTIC_MAX_RESTARTS"]):
+            nxt = dict(env, TORCHELASTIC_RESTART_COUNT=str(attempt + 1),
+                       DLROVER_ATTEMPT=str(attempt + 1))
+            warm_script.keep_spare(shown, cwd, nxt, idle=attempt > 0)
+        else:
+            warm_script.drop_spare()
         code = proc.wait()
         if code != 0:
             # no pid in the message: the classifier compares messages across restarts to
@@ -229,18 +253,19 @@ class ScriptWorkload(BaseWorkload):
     def last_error_line(self, settle_s: float = 0.3) -> str:
         """The last line of this attempt's log that names a Python exception
         (``RuntimeError: ... Connection closed by peer``), without torch's ``[rankN]:``
-        prefix, at most 300 characters; ``""`` when there is none or no log. Waits
-        ``settle_s`` s first so that the log capture has written the child's last output.
-        It lets the failure classifier see what the script died of (a broken collective
-        is a ``process`` failure)."""
+        prefix, at most 300 characters; ``""`` when there is none or no log. Waits up to
+        ``settle_s`` s first, until the log capture has written the child's last output
+        (:func:`wait_output_written`). It lets the failure classifier see what the script
+        died of (a broken collective is a ``process`` failure)."""
         from dlrover_core.runtime.log_capture import attempt_path
 
         ctx = self.context
         if not ctx.job_dir:
             return ""
-        time.sleep(settle_s)
+        path = attempt_path(ctx.job_dir, ctx.role, ctx.rank, ctx.attempt)
+        wait_output_written(path, settle_s)
         try:
-            with open(attempt_path(ctx.job_dir, ctx.role, ctx.rank, ctx.attempt), "rb") as f:
+            with open(path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 32768))
                 tail = f.read().decode("utf-8", "replace").splitlines()
@@ -274,6 +299,31 @@ class ScriptWorkload(BaseWorkload):
 
 
 class ScriptSession(BackendSession):
-    """The ``torchrun`` backend's worker half: nothing to set up, since the script calls
-    ``init_process_group()`` itself; the master still gives the role a rendezvous
-    address (``MASTER_ADDR``/``MASTER_PORT``) as for any role with a backend."""
+    """The ``torchrun`` backend's worker half. The script calls ``init_process_group()``
+    itself at the role's rendezvous address (``MASTER_ADDR``/``MASTER_PORT``, rank 0's
+    node and a free port there, new at every restart). Rank 0's session also hosts the
+    store there from the first restart on (:func:`agent_store`), and, when the rank may
+    be restarted, imports ``torch.distributed`` in the background at its first setup
+    for that.
+
+    Raises (``setup``):
+        RuntimeError: the store's port could not be bound.
+    """
+
+    _store: Any = None
+
+    def setup(self) -> None:
+        ctx = self.context
+        if int(ctx.rank) != 0 or not warm_script.spares_enabled():
+            return
+        if int((ctx.failover or {}).get("max_restarts", 0)) > int(ctx.attempt):
+            warm_script.import_torch_soon()
+        if agent_store(ctx):
+            try:
+                self._store = warm_script.host_store(ctx.master_addr, int(ctx.master_port),
+                                                     int(ctx.world_size))
+            except ImportError:  # no torch here: a script without torch.distributed
+                self._store = None
+
+    def teardown(self) -> None:
+        self._store = None  # stops the server
