@@ -54,6 +54,26 @@ log = logging.getLogger(__name__)
 GATHER_TIMEOUT_S = 60.0
 
 
+def _local_dir(location: str) -> str:
+    """``dir`` as a local path: a path, or a ``file://`` URI (an NFS-like mount).
+
+    Raises:
+        SpecError: another URI (the persisters commit by rename and O_EXCL locks on a
+            file system every node mounts; the disk saver takes other fsspec stores).
+    """
+    from dlrover_core.checkpoint.storage import local_path
+
+    try:
+        path = local_path(location)
+    except ValueError as exc:
+        raise SpecError("checkpoint.dir", location, "a path or file:///path", str(exc)) from None
+    if path is None:
+        raise SpecError("checkpoint.dir", location, "a path or file:///path",
+                        "the flash saver persists to a file system every node mounts; "
+                        "other fsspec stores work with checkpoint.saver=disk")
+    return path
+
+
 class FlashSaver(LoadingMixin, SlotsMixin, Saver):
     """The ``flash`` saver (see the module docstring).
 
@@ -65,7 +85,8 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
             to agree on the step at load; without one the ranks agree through a Ray
             actor, :mod:`.agreement`).
     Raises:
-        SpecError: a bad option or ``keep``, or ``options.shm_dir`` is not a directory.
+        SpecError: a bad option or ``keep``, ``options.shm_dir`` is not a directory,
+            or ``dir`` is a URI other than ``file://``.
     """
 
     def __init__(self, config: SaverConfig, context: SaverContext) -> None:
@@ -78,7 +99,7 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
             raise SpecError("checkpoint.options.shm_dir", self.opts.shm_dir,
                             "an existing tmpfs directory such as /dev/shm", "no such directory")
         self.job = config.job or "job"
-        self.dir = os.path.abspath(config.dir)
+        self.dir = os.path.abspath(_local_dir(config.dir))
         from dlrover_plugin_flashckpt.hygiene import record_shm_dir
 
         record_shm_dir(self.job, self.opts.shm_dir)  # for `dlrover delete` on this machine
