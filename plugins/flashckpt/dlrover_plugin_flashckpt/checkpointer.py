@@ -94,7 +94,7 @@ class FlashCheckpointer:
         role = os.environ.get("DLROVER_ROLE") or "trainer"
         _connect_ray()
         self._saver = FlashSaver(
-            SaverConfig(dir=os.path.abspath(dir), keep=keep, job=job, options=dict(options)),
+            SaverConfig(dir=dir, keep=keep, job=job, options=dict(options)),  # abspath there
             SaverContext(rank=rank, world_size=world_size, local_rank=local_rank, role=role,
                          distributed=True))
 
