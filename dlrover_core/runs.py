@@ -153,16 +153,23 @@ def begin_run(job_dir: str, run_id: str = "", fresh: bool = False,
 
     Returns the new run's paths (number N + 1; 1 in a new directory).
 
+    A ``checkpoint_dir`` URI of a remote protocol (not ``file://``) is left as it is:
+    with ``fresh`` its checkpoints are not moved (:func:`~dlrover_core.master.client.
+    submit` refuses that combination before the run starts).
+
     Raises:
         FileExistsError: ``run-<N>/`` already holds a file that would be moved there.
     """
+    from dlrover_core.checkpoint.storage import local_path
+
     job_dir = os.path.abspath(job_dir)
     os.makedirs(job_dir, exist_ok=True)
     previous = latest_run(job_dir)
     present = [f for f in RUN_FILES if os.path.exists(os.path.join(job_dir, f))]
-    ckpt = os.path.abspath(checkpoint_dir or os.path.join(job_dir, "ckpt"))
+    ckpt = local_path(checkpoint_dir or os.path.join(job_dir, "ckpt"))
+    ckpt = os.path.abspath(ckpt) if ckpt is not None else None
     # the folder stays (with the submit's lock file in it); what is in it moves
-    held = [n for n in (os.listdir(ckpt) if fresh and os.path.isdir(ckpt) else [])
+    held = [n for n in (os.listdir(ckpt) if fresh and ckpt and os.path.isdir(ckpt) else [])
             if n != LOCK_NAME]
     if present or held:
         archive = os.path.join(job_dir, f"{ARCHIVE_PREFIX}{previous or 0}")

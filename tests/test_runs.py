@@ -185,3 +185,37 @@ def test_status_during_start_up_says_starting():
     assert status_line(st) == "ng run 2 (/r/ng): starting (placing) elapsed 3 s"
     st.update(state="running", step=41, metrics={"loss": 1.5})
     assert status_line(st) == "ng run 2 (/r/ng): running step 41/60 elapsed 3 s restarts 0 loss=1.5"
+
+
+def test_a_checkpoint_uri_saves_to_the_store_resumes_and_refuses_fresh(ray_cluster, tmp_path,
+                                                                       capsys, monkeypatch):
+    """``checkpoint.dir`` as a URI of a non-local fsspec protocol (``local://``: fsspec's
+    local file system under its own scheme, which the savers treat as a remote store):
+    the steps are committed in the store (no folder named after the URI appears in the
+    current directory), the second run resumes from it, and ``--fresh`` is refused before
+    anything starts, naming the key and what is allowed."""
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    store = f"local://{tmp_path}/store"
+    spec = dict(SPEC, name="runs-uri-test",
+                checkpoint=dict(SPEC["checkpoint"], dir=store))
+    spec_file = str(tmp_path / "job.yaml")
+    with open(spec_file, "w") as f:
+        yaml.safe_dump(spec, f)
+    job_dir = str(tmp_path / "job")
+    code, summary, _ = _submit(capsys, spec_file, job_dir)
+    assert code == 0, summary["error"]
+    fs = fsspec.filesystem("local")
+    assert fs.exists(f"{tmp_path}/store/trainer/step_00000004/manifest.json")
+    assert not os.path.exists(tmp_path / "local:")
+    code, summary, _ = _submit(capsys, spec_file, job_dir, "config.max_steps=6")
+    assert code == 0, summary["error"]
+    assert summary["resumed_from"]["trainer"]["step"] == 4
+    assert summary["steps"] == 6
+    code = main(["submit", spec_file, "--job-dir", job_dir, "--no-progress", "--json",
+                 "--fresh"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"checkpoint.dir: '{store}' is invalid" in err and "--fresh" in err
+    assert fs.exists(f"{tmp_path}/store/trainer/step_00000004/manifest.json")  # untouched

@@ -155,31 +155,51 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
 
     Raises:
         DirInUseError: another run holds the job directory or the checkpoint folder.
+        SpecError: ``fresh`` with a ``checkpoint.dir`` URI of a remote protocol (its
+            checkpoints cannot be moved aside).
     """
     job_dir = os.path.abspath(job_dir or default_job_dir(spec.name))
+    ckpt = checkpoint_dir(spec, job_dir)
+    if fresh and "://" in ckpt:
+        from dlrover_core.spec.errors import SpecError
+
+        raise SpecError("checkpoint.dir", ckpt, "with --fresh, a local path or a file:// URI",
+                        "a fresh run cannot move the checkpoints of a remote store aside: "
+                        "clear that location and submit without --fresh")
     with run_locks(spec, job_dir) as locks:
         return _submit_locked(spec, address, job_dir, progress, verbose, fresh, working_dir,
                               wait, locks)
 
 
 def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
-    """The job's checkpoint folder: ``checkpoint.dir`` (relative to the current
-    directory) or ``<job_dir>/ckpt``."""
+    """The job's checkpoint folder: ``checkpoint.dir`` (a path relative to the current
+    directory, a ``file://`` URI: its absolute path) or ``<job_dir>/ckpt``; a URI of
+    another protocol (``s3://...``, any fsspec protocol) is returned as it is."""
+    from dlrover_core.checkpoint.storage import local_path
+
     ck = spec.get("checkpoint") or {}
-    return os.path.abspath(ck.get("dir") or os.path.join(job_dir, "ckpt"))
+    location = str(ck.get("dir") or os.path.join(job_dir, "ckpt"))
+    path = local_path(location)
+    return location if path is None else os.path.abspath(path)
 
 
 @contextmanager
 def run_locks(spec: DictConfig, job_dir: str) -> Iterator[list[DirLock]]:
     """Hold exclusive locks (:mod:`.dir_lock`) on ``job_dir`` and on the checkpoint
-    folder for the life of this run (yields them: :func:`hand_over_locks`).
+    folder for the life of this run (yields them: :func:`hand_over_locks`). A checkpoint
+    URI of a remote protocol is not locked (a lock file needs a local or NFS folder):
+    only the job directory is.
 
     Raises:
         DirInUseError: another run holds one of them (nothing was written there).
     """
-    with DirLock(job_dir, "job directory", spec.name) as jd, \
-            DirLock(checkpoint_dir(spec, job_dir), "checkpoint folder", spec.name) as ck:
-        yield [jd, ck]
+    ckpt = checkpoint_dir(spec, job_dir)
+    with DirLock(job_dir, "job directory", spec.name) as jd:
+        if "://" in ckpt:
+            yield [jd]
+            return
+        with DirLock(ckpt, "checkpoint folder", spec.name) as ck:
+            yield [jd, ck]
 
 
 def hand_over_locks(name: str, locks: list[DirLock]) -> dict | None:
