@@ -23,7 +23,9 @@ with ``steady_steps_per_s_ratio`` = dlrover-run's / torchrun's steady steps/s an
 group did not finish (the launcher exited non-zero after the kill) gives no
 ``recovery_s`` (its log is kept and named in ``per_run``) and counts in
 ``failed_runs``; medians are over the runs that gave a figure, a ratio is ``null``
-when a side has none. Goals (issue 22):
+when a side has none. Each dlrover-run entry of ``per_run`` has ``recovery_phases``:
+when the master saw the failure and when it told the scripts to start again (s after
+the SIGKILL), and the ``recovery_finished`` event's phases. Goals (issue 22):
 ratio of steady steps/s >= 0.97 and recovery ratio <= 0.5, medians of 3 runs.
 
     python benchmarks/torchrun_overhead.py --runs 3
@@ -149,9 +151,32 @@ def run_once(launcher: str, args: argparse.Namespace, work: Path) -> dict:
            "steady_steps_per_s": round((s1 - s0) / (tb - ta), 2),
            "recovery_s": round(after[0] - t_kill, 3) if after else None,
            "exit_code": code}
+    if launcher == "dlrover_run":
+        out["recovery_phases"] = _recovery_phases(d / "job" / "events.jsonl", t_kill)
     if code != 0:  # the restarted group did not finish: no recovery figure from this run
         out["recovery_s"] = None
         out["log"] = str(d / "launcher.log")
+    return out
+
+
+def _recovery_phases(events: Path, t_kill: float) -> dict:
+    """dlrover-run's recovery, from the job's events: ``failure_seen_s`` (the master's
+    ``recovering`` state) and ``restart_sent_s`` (``recovery_finished``: the scripts were
+    told to start) in seconds after the SIGKILL, and that event's ``phases``."""
+    out: dict = {}
+    if not events.exists():
+        return out
+    for line in events.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("event") == "job_state_changed" and ev.get("state") == "recovering" \
+                and "failure_seen_s" not in out:
+            out["failure_seen_s"] = round(ev["ts"] - t_kill, 3)
+        if ev.get("event") == "recovery_finished" and "restart_sent_s" not in out:
+            out["restart_sent_s"] = round(ev["ts"] - t_kill, 3)
+            out["phases"] = ev.get("phases", {})
     return out
 
 
