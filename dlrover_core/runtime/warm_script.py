@@ -238,9 +238,9 @@ def host_store(addr: str, port: int, world_size: int, timeout_s: float = 300.0) 
     waiting for them: the rendezvous store that a script role's rank 0 actor hosts from
     the first restart on, as torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE=
     True``: every rank's ``init_process_group()`` is a client, so no rank waits for
-    another's script to start the server, which costs a client up to about 0.5 s of
-    torch's connect back-off). The server
-    stops when the returned object is dropped. Waits for :func:`import_torch_soon`.
+    another's script to start the server, which cost a client 0.4-0.7 s of torch's
+    connect back-off in a test here). The server stops when the returned object is
+    dropped. Waits for :func:`import_torch_soon`.
 
     Raises:
         ImportError: torch is not installed.
