@@ -20,6 +20,8 @@ from dlrover_core.master.dir_lock import HANDOVER_S, DirLock, LockKeeper
 from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
 
 MASTER_MAX_RESTARTS = 3
+HEAD_RESOURCE = "node:__internal_head__"  # Ray puts it (1.0) on the head node only
+HEAD_RESOURCE_SHARE = 0.001  # what the master and the lock keeper ask of it
 
 
 class JobNotFound(LookupError):
@@ -102,22 +104,26 @@ def create_master(spec: DictConfig, job_dir: str, fresh: bool = False) -> Any:
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
         max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
-        scheduling_strategy=_master_node(),
+        **_master_placement(),
     ).remote(OmegaConf.to_container(spec, resolve=True), job_dir, fresh)
 
 
-def _master_node() -> Any:
-    """Where the JobMaster (and a detached job's lock keeper) runs: on the head, whose
-    loss ends the cluster anyway, by a hard affinity (Ray placed a 0-CPU actor with a
-    *soft* affinity to a head without CPUs on a worker node every time, and a worker's
-    loss then took the master with it); without a head in the table, this process's
-    node, softly."""
+def _master_placement() -> dict[str, Any]:
+    """Ray options placing the JobMaster (and a detached job's lock keeper): on the head,
+    by a sliver (0.001) of Ray's ``node:__internal_head__`` resource, which only the
+    current head has, so the master's restarts after a head restart (GCS fault
+    tolerance) go to the new head (a hard affinity to the head's node id could not be
+    met by a new head). Without a head in the table: a soft affinity to this process's
+    node (a 0-CPU actor with a soft affinity to a head without CPUs landed on a worker
+    node every time, and a worker's loss then took the master with it)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    head = head_node_id()
-    here = head or ray.get_runtime_context().get_node_id()
-    return NodeAffinitySchedulingStrategy(here, soft=head is None)
+    if head_node_id() is not None:
+        return {"resources": {HEAD_RESOURCE: HEAD_RESOURCE_SHARE},
+                "scheduling_strategy": "DEFAULT"}
+    here = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True)}
 
 
 def head_node_id() -> str | None:
@@ -128,7 +134,7 @@ def head_node_id() -> str | None:
     import ray
 
     return next((n["NodeID"] for n in ray.nodes()
-                 if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})),
+                 if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {})),
                 None)
 
 
@@ -219,7 +225,7 @@ def hand_over_locks(name: str, locks: list[DirLock]) -> dict | None:
         keeper = ray.remote(LockKeeper).options(
             name=f"dlrover-lock-keeper-{name}-{token[:8]}", namespace=MASTER_NAMESPACE,
             lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=4,
-            scheduling_strategy=_master_node(),
+            **_master_placement(),
         ).remote(name, master_actor_name(name), MASTER_NAMESPACE)
         ray.get(keeper.ready.remote(), timeout=HANDOVER_S)
         for lock in locks:
