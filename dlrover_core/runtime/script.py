@@ -326,4 +326,7 @@ class ScriptSession(BackendSession):
                 self._store = None
 
     def teardown(self) -> None:
-        self._store = None  # stops the server
+        """Keeps the store: rank 0's script may end while another rank's script still
+        talks to it (its ``destroy_process_group`` or exit), as torchrun's agent keeps
+        its store until every agent passed the exit barrier. The next attempt's
+        :meth:`setup` replaces it (a new port), and the actor's end stops it."""
