@@ -1,11 +1,10 @@
-"""``ShardSampler.for_workload`` over a real Ray actor: with a JobMaster that has
-``shards_restore_state`` the checkpoint's shard state decides the restore; with one that
-has only ``shards_restore`` (this version's ``JobMaster``) the restore goes by step.
+"""``ShardSampler.for_workload`` over a real Ray actor: the checkpoint's shard state
+decides the restore (``shards_restore_state``), so a step whose report never reached the
+master but is in the checkpoint is not read again.
 
-The actor stands in for the JobMaster's five shard methods (each forwards to a real
-``ShardService``, as ``dlrover_core/master/job_master.py`` does): the JobMaster of this
-version has no ``shards_restore_state``, and this test is what checks the sampler's
-side of it until it has."""
+The actor stands in for the JobMaster's shard methods (each forwards to a real
+``ShardService``, as ``dlrover_core/master/job_master.py`` does), so that the test can
+drop one report on its way; ``tests/test_elastic_job.py`` runs the real JobMaster."""
 
 from __future__ import annotations
 
@@ -32,19 +31,17 @@ class _Master:
     def shards_restore(self, role, step):
         return self.shards.get(role).restore(step)
 
+    def shards_restore_state(self, role, step, state):
+        return self.shards.get(role).restore(step, state)
+
     def ledger(self):
         return self.shards.ledger()
 
 
-class _StateMaster(_Master):
-    def shards_restore_state(self, role, step, state):
-        return self.shards.get(role).restore(step, state)
-
-
-def _restored_read(master_cls) -> dict:
+def _restored_read(with_state: bool) -> dict:
     from dlrover_core.runtime.sharding import ShardSampler
 
-    master = ray.remote(master_cls).remote()
+    master = ray.remote(_Master).remote()
     workload = types.SimpleNamespace(master_handle=master, role="trainer", rank=0)
     sm = ShardSampler.for_workload(workload, batch_size=4, num_samples=32,
                                    batches_per_shard=1)
@@ -60,7 +57,8 @@ def _restored_read(master_cls) -> dict:
     state = sm.state_dict()  # ...but the checkpoint of steps 0..3 holds it
     again = ShardSampler.for_workload(workload, batch_size=4, num_samples=32,
                                       batches_per_shard=1)
-    again.load_state_dict(state)
+    if with_state:
+        again.load_state_dict(state)
     again.restore(3)
     got = again.next_indices()
     ledger = ray.get(master.ledger.remote())
@@ -68,12 +66,12 @@ def _restored_read(master_cls) -> dict:
     return {"read": again._trained, "next": got, "ledger": ledger}
 
 
-def test_state_restore_through_the_master_and_the_fallback_by_step(ray_cluster):
-    with_state = _restored_read(_StateMaster)
+def test_state_restore_through_the_master_and_the_restore_by_step(ray_cluster):
+    with_state = _restored_read(True)
     assert with_state["read"] == {0: 4, 1: 8, 2: 12, 3: 16}
     assert with_state["next"] == [16, 17, 18, 19]
     assert with_state["ledger"]["samples_duplicated"] == 0
     assert with_state["ledger"]["samples_lost"] == 0
-    by_step = _restored_read(_Master)  # step 3's samples are read again
+    by_step = _restored_read(False)  # no checkpoint state: step 3's samples are read again
     assert by_step["read"] == {0: 4, 1: 8, 2: 12}
     assert by_step["next"] == [12, 13, 14, 15]

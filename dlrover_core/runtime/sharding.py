@@ -114,10 +114,9 @@ class ShardSampler:
         size = ray.get(master.shards_open.remote(role, config))
 
         def call(method: str, *args: Any) -> Any:
-            if method == "restore" and args[1] is not None and \
-                    hasattr(master, "shards_restore_state"):
+            if method == "restore" and args[1] is not None:  # the checkpoint's state
                 return ray.get(master.shards_restore_state.remote(role, *args))
-            if method == "restore":  # a master without the state restore: by step
+            if method == "restore":  # no checkpoint state: by step
                 return ray.get(master.shards_restore.remote(role, args[0]))
             fn = getattr(master, f"shards_{method}")
             if method == "report":
