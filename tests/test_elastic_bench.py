@@ -5,20 +5,14 @@ every run."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "elastic.py"
-
+from tests.script_files import load_script
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("elastic_bench", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/elastic.py", "elastic_bench")
 
 
 def test_resume_counts_only_steps_at_the_new_world_size(bench):

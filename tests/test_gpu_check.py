@@ -6,7 +6,6 @@ CPU one. The GPU parts themselves can only run on a machine with CUDA."""
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,16 +14,15 @@ import time
 
 import pytest
 
+from tests.script_files import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
 
 
 @pytest.fixture
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/gpu_check.py", "gpu_check")
 
 
 def test_without_cuda_it_says_so_and_exits_0():

@@ -5,20 +5,14 @@ every figure and phase over the runs."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "recovery.py"
-
+from tests.script_files import load_script
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("recovery_bench", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/recovery.py", "recovery_bench")
 
 
 def _finished(ts: float) -> dict:

@@ -4,21 +4,15 @@ allowed."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "weight_sync.py"
-
+from tests.script_files import load_script
 
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("dlrover_plugin_ppo")
-    spec = importlib.util.spec_from_file_location("weight_sync_bench", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/weight_sync.py", "weight_sync_bench")
 
 
 def test_model_holds_the_size_in_tensors_of_the_asked_size(bench):
