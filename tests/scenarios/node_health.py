@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from dlrover_core import DLJobBuilder, load_spec
 from dlrover_core.testing import multinode_cluster, run_job
@@ -94,12 +94,11 @@ def _check_once(root: str, raylets: dict[int, str], name: str) -> dict:
             "slowed_pids": sorted(cycle.seen)}
 
 
-def part_straggler(root: str) -> dict:
-    """Rank 1 runs at 30% speed from step 30 until it is replaced."""
-    # about 50 ms of compute a step: longer than the duty cycle's period
-    job = (base("nh-straggler", 400, steps_after_restart=20, work=300).skip_node_check()
-           .node_health(straggler_action="replace", straggler_window_s=1.5,
-                        straggler_windows=3).build())
+def _rank1_slowed(after_gone: Callable[[dict], None] | None = None) -> tuple:
+    """``(seen, watch, cycle)``: ``watch`` (a :func:`run_job` status callback) starts
+    ``cycle``, a 30% duty cycle of rank 1's process, at step 30 (``seen`` gets its
+    ``pid``, ``node`` and ``slowed_at``), stops it once rank 1 has another pid, and from
+    then on calls ``after_gone`` with each status."""
     seen: dict[str, Any] = {}
     cycle = DutyCycle(lambda: [seen["pid"]] if "pid" in seen else [], speed=0.3,
                       period_s=0.05)
@@ -110,9 +109,22 @@ def part_straggler(root: str) -> dict:
             seen["pid"], seen["node"] = r1["pid"], r1["node_id"]
             seen["slowed_at"] = time.time()
             cycle.start()
-        elif "pid" in seen and r1.get("pid") != seen["pid"] and cycle.is_alive():
-            cycle.stop()
+        elif "pid" in seen and r1.get("pid") != seen["pid"]:
+            if cycle.is_alive():
+                cycle.stop()
+            if after_gone is not None:
+                after_gone(st)
 
+    return seen, watch, cycle
+
+
+def part_straggler(root: str) -> dict:
+    """Rank 1 runs at 30% speed from step 30 until it is replaced."""
+    # about 50 ms of compute a step: longer than the duty cycle's period
+    job = (base("nh-straggler", 400, steps_after_restart=20, work=300).skip_node_check()
+           .node_health(straggler_action="replace", straggler_window_s=1.5,
+                        straggler_windows=3).build())
+    seen, watch, cycle = _rank1_slowed()
     job_dir = os.path.join(root, "straggler")
     try:
         summary = run_job(job.spec, job_dir, watch, timeout=150)
@@ -141,22 +153,11 @@ def part_shrink(root: str) -> dict:
         "node_health": {"skip_node_check": True, "straggler_action": "shrink",
                         "straggler_window_s": 1.5, "straggler_windows": 3},
         "config": {"steps": 200, "size": 128, "work": 300, "checkpoint": True}})
-    seen: dict[str, Any] = {}
-    cycle = DutyCycle(lambda: [seen["pid"]] if "pid" in seen else [], speed=0.3,
-                      period_s=0.05)
+    def spare_warm(st: dict) -> None:
+        # the spare may not go to the dropped node (the only free CPU there is)
+        seen.setdefault("spare_warm", []).append(st["standby"].get("trainer"))
 
-    def watch(st: dict) -> None:
-        r1 = st["instances"].get("trainer-1", {})
-        if "pid" not in seen and st["step"] >= 30 and r1.get("state") == "running":
-            seen["pid"], seen["node"] = r1["pid"], r1["node_id"]
-            seen["slowed_at"] = time.time()
-            cycle.start()
-        elif "pid" in seen and r1.get("pid") != seen["pid"]:
-            if cycle.is_alive():
-                cycle.stop()
-            # the spare may not go to the dropped node (the only free CPU there is)
-            seen.setdefault("spare_warm", []).append(st["standby"].get("trainer"))
-
+    seen, watch, cycle = _rank1_slowed(after_gone=spare_warm)
     job_dir = os.path.join(root, "shrink")
     try:
         summary = run_job(job, job_dir, watch, timeout=240)
