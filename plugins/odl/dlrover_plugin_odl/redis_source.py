@@ -156,6 +156,8 @@ class RedisStreamSource(StreamSourceBase):
                                   retry=Retry(NoBackoff(), 0))
         self.read_records = 0
         self.acked = 0
+        # the ids of an XACK sent and not answered (see _ack_upto)
+        self._ack_in_flight: tuple[str, list] | None = None
         self.reconnects = 0
         self.outage_s = 0.0
         # the id of the last entry handed out (or the seek position): the PEL up to
@@ -325,14 +327,27 @@ class RedisStreamSource(StreamSourceBase):
         return ReadResult(positions, records, False, k)
 
     def _ack_upto(self, position: str, consumer: str | None = None) -> int:
+        """``XACK`` the PEL of ``consumer`` up to ``position``; returns how many entries
+        this call acknowledged, including those of an earlier try whose ``XACK`` reached
+        the broker but whose reply was lost (connection error or timeout): they are no
+        longer pending, so the retry would not see them."""
+        consumer = consumer or self.consumer
         n = 0
+        if self._ack_in_flight is not None:
+            owner, sent = self._ack_in_flight
+            still = self.client.xpending_range(self.stream, self.group, min=sent[0],
+                                               max=sent[-1], count=len(sent),
+                                               consumername=owner)
+            n += len(set(sent) - {p["message_id"] for p in still})
+            self._ack_in_flight = None
         while True:
             pending = self.client.xpending_range(self.stream, self.group, min="-", max=position,
-                                                 count=1000,
-                                                 consumername=consumer or self.consumer)
+                                                 count=1000, consumername=consumer)
             ids = [p["message_id"] for p in pending]
             if ids:
+                self._ack_in_flight = (consumer, ids)
                 n += self.client.xack(self.stream, self.group, *ids)
+                self._ack_in_flight = None
             if len(ids) < 1000:
                 return n
 

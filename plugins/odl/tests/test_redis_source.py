@@ -3,6 +3,7 @@ stopped here on a free loopback port with its own data directory."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -135,6 +136,78 @@ def test_an_entry_delivered_but_not_handed_out_is_never_acked(server):
     pending = client.xpending_range("s5", "dlrover", "-", "+", 100)
     assert [p["message_id"].decode() for p in pending] == ids[20:]
     assert src.stats()["source_acked"] == 20
+
+
+class _DropOneReply:
+    """A TCP proxy in front of the broker that closes the client's connection instead
+    of passing on the reply to the first ``XACK``: the broker has acknowledged the
+    entries (and written its append-only file); the source never hears it."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.armed, self.dropped = True, 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            pending = threading.Event()   # an XACK went up; its reply is to be dropped
+            threading.Thread(target=self._up, args=(client, server, pending),
+                             daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, pending),
+                             daemon=True).start()
+
+    def _up(self, client, server, pending) -> None:
+        while data := _recv(client):
+            if self.armed and b"XACK" in data:
+                self.armed = False
+                pending.set()
+            server.sendall(data)
+
+    def _down(self, server, client, pending) -> None:
+        while data := _recv(server):
+            if pending.is_set():      # the XACK's reply: drop it and the connection
+                self.dropped += 1
+                for s in (client, server):
+                    s.close()
+                return
+            client.sendall(data)
+
+    def close(self) -> None:
+        self.lsock.close()
+
+
+def _recv(sock) -> bytes:
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+def test_acks_whose_reply_was_lost_are_counted_once(server):
+    client = server.client()
+    ids = produce(client, "s8", [{"id": i} for i in range(30)])
+    proxy = _DropOneReply(server.port)
+    try:
+        src = RedisStreamSource({"stream": "s8", "port": proxy.port, "socket_timeout_s": 2.0,
+                                 "reconnect_timeout_s": 30}, 0, 1, "t")
+        assert [rec["id"] for rec in src.read(30, 0.1).records] == list(range(30))
+        src.commit(ids[19])   # the XACK of 0-19 is applied; its reply is lost
+        assert proxy.dropped == 1 and src.stats()["broker_reconnects"] == 1
+        assert client.xpending("s8", "dlrover")["pending"] == 10
+        # the retry finds 0-19 no longer pending: they were acknowledged, once
+        assert src.stats()["source_acked"] == 20
+        src.commit(ids[29])
+        assert src.stats()["source_acked"] == 30
+        assert client.xpending("s8", "dlrover")["pending"] == 0
+    finally:
+        proxy.close()
 
 
 def test_broker_sigkilled_and_restarted_on_its_append_only_file_loses_nothing(tmp_path):
