@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,6 +91,44 @@ def test_uncaught_exception_exits_1(work):
     proc, _ = warm_script.start(parse_command("probe.py"), str(work),
                                 _env(work, PROBE_RAISE="1"), ["probe"])
     assert proc.wait(timeout=120) == 1
+
+
+ENDING = '''
+import atexit, os, sys, threading, time
+out = os.environ["PROBE_OUT"]
+log = open(out + ".log", "w")          # never closed: its buffer must still reach the file
+log.write("buffered line\\n")
+def late():
+    time.sleep(0.3)
+    with open(out + ".thread", "w") as f:
+        f.write("joined")
+threading.Thread(target=late).start()  # not a daemon: the process waits for it
+atexit.register(lambda: open(out + ".atexit", "w").write(
+    "ran after the thread: " + str(os.path.exists(out + ".thread"))))
+sys.exit("bye from the script")
+'''
+
+
+def test_the_runner_ends_like_the_interpreter_threads_atexit_files_exit_status(work):
+    """The runner skips the interpreter's teardown (``os._exit``) but keeps what a
+    script sees of its end: non-daemon threads joined, then ``atexit`` handlers, open
+    files flushed, ``sys.exit("...")`` printed to stderr with status 1."""
+    (work / "ending.py").write_text(ENDING)
+    parent, child = socket.socketpair()
+    with parent:
+        proc = subprocess.Popen([sys.executable, "-u", warm_script.RUNNER, str(child.fileno()),
+                                 "--no-preload", "--"], pass_fds=(child.fileno(),),
+                                stderr=subprocess.PIPE, text=True)
+        child.close()
+        parent.sendall(json.dumps({"env": _env(work), "cwd": str(work), "kind": "script",
+                                   "target": "ending.py", "args": []}).encode() + b"\n")
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    out = str(work / "out.json")
+    assert open(out + ".thread").read() == "joined"
+    assert open(out + ".atexit").read() == "ran after the thread: True"
+    assert open(out + ".log").read() == "buffered line\n"
+    assert "bye from the script" in err
 
 
 def test_spare_runs_the_next_attempt_with_its_environment(work):
