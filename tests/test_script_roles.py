@@ -171,10 +171,17 @@ def test_builder_runs_function_with_torchrun_env(ray_cluster, tmp_path, monkeypa
 @pytest.fixture(scope="module")
 def torchrun_result(tmp_path_factory) -> dict:
     """The example under plain torchrun, 2 ranks, uninterrupted (run once per module)."""
-    tmp = tmp_path_factory.mktemp("torchrun")
-    res = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2",
-                          *_train_args(tmp, "torchrun")], cwd=tmp, env=_env(),
-                         capture_output=True, text=True, timeout=300)
+    # torch 2.13's gloo aborts in interpreter teardown after a finished 2-rank script
+    # in about 1 run of 10 ("terminate called without an active exception"; our runner
+    # skips that teardown, see docs/torchrun.md): such a reference run is run again
+    for _ in range(3):
+        tmp = tmp_path_factory.mktemp("torchrun")
+        res = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2",
+                              *_train_args(tmp, "torchrun")], cwd=tmp, env=_env(),
+                             capture_output=True, text=True, timeout=300)
+        if res.returncode == 0 or "terminate called without an active exception" \
+                not in res.stderr:
+            break
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads((tmp / "torchrun.json").read_text())
 
