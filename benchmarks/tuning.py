@@ -1,7 +1,7 @@
 """Online tuning against the shipped default and a static grid, every run a real job.
 
-    .venv/bin/python benchmarks/tuning.py [--window-s 20] [--warmup-steps 5]
-        [--grid 2x16,4x8,4x16]
+    .venv/bin/python benchmarks/tuning.py [--window-s 120] [--warmup-steps 5]
+        [--grid 4x16,8x16,8x32]
 
 The job: ``examples/nanogpt/job_tuned.yaml`` (nanoGPT whose input pipeline reads every
 sample from simulated storage), 2 FSDP2 ranks on gloo. Every run is submitted to a
@@ -118,13 +118,13 @@ def run_job(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--window-s", type=float, default=20.0,
+    ap.add_argument("--window-s", type=float, default=120.0,
                     help="timed window of every run, seconds")
     ap.add_argument("--warmup-steps", type=int, default=5,
                     help="steps of every run before its window starts")
-    ap.add_argument("--grid", default="2x16,4x8,4x16",
+    ap.add_argument("--grid", default="4x16,8x16,8x32",
                     help="grid points <num_workers>x<micro_batch>, comma-separated")
-    ap.add_argument("--timeout-s", type=float, default=300.0,
+    ap.add_argument("--timeout-s", type=float, default=600.0,
                     help="give up on a run after this long")
     ap.add_argument("--set", action="append", default=[],
                     help="an extra key=value override for every run (e.g. a smaller model)")
