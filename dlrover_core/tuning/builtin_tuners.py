@@ -49,6 +49,7 @@ class DataloaderWorkersTuner(TunerBase):
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
         self.ceiling = int(self.options["max_num_workers"])
+        self._raised_from: int | None = None  # num_workers before the last proposal
 
     @classmethod
     def validate_options(cls, options: dict) -> None:
@@ -60,13 +61,17 @@ class DataloaderWorkersTuner(TunerBase):
         nw = current.dataloader.num_workers
         if window.data_wait_share <= self.options["data_wait_share"] or nw >= self.ceiling:
             return None
+        self._raised_from = nw
         return {"dataloader": {"num_workers": min(self.ceiling, max(1, nw * 2))}}
 
     def feedback(self, change: dict, accepted: bool, before: WindowSummary,
                  after: WindowSummary | None) -> None:
         n = int(change["dataloader"]["num_workers"])
-        if not accepted:  # the raise did not pay: stay below it (unless the guard retries it)
-            self.ceiling = min(self.ceiling, n - 1)
+        if not accepted:  # the raise did not pay: the search ends at the last kept value
+            # (unless the guard retries it); not n - 1, n - 2, ...: every trial costs a
+            # loader refill, and a step between two counts rarely shows at confidence
+            kept = self._raised_from
+            self.ceiling = min(self.ceiling, n - 1 if kept is None or kept >= n else kept)
         elif n > self.ceiling:  # a retry of a reverted raise paid this time: search on
             self.ceiling = int(self.options["max_num_workers"])
 
