@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -109,20 +108,16 @@ sys.exit("bye from the script")
 '''
 
 
-def test_the_runner_ends_like_the_interpreter_threads_atexit_files_exit_status(work):
+def test_the_runner_ends_like_the_interpreter_threads_atexit_files_exit_status(work, capfd):
     """The runner skips the interpreter's teardown (``os._exit``) but keeps what a
     script sees of its end: non-daemon threads joined, then ``atexit`` handlers, open
     files flushed, ``sys.exit("...")`` printed to stderr with status 1."""
     (work / "ending.py").write_text(ENDING)
-    parent, child = socket.socketpair()
-    with parent:
-        proc = subprocess.Popen([sys.executable, "-u", warm_script.RUNNER, str(child.fileno()),
-                                 "--no-preload", "--"], pass_fds=(child.fileno(),),
-                                stderr=subprocess.PIPE, text=True)
-        child.close()
-        parent.sendall(json.dumps({"env": _env(work), "cwd": str(work), "kind": "script",
-                                   "target": "ending.py", "args": []}).encode() + b"\n")
-        _, err = proc.communicate(timeout=120)
+    env = _env(work)
+    runner = warm_script.Runner(["ending"], str(work), env, preload=False)
+    proc = runner.go(env, str(work), "script", "ending.py", [])
+    proc.wait(timeout=120)
+    err = capfd.readouterr().err  # the runner writes to this process's stderr
     assert proc.returncode == 1, err
     out = str(work / "out.json")
     assert open(out + ".thread").read() == "joined"
