@@ -1,7 +1,7 @@
 """``make gpu-check``: what only a machine with a CUDA GPU can prove, in one command.
 
 Runs these parts, in this order, within :data:`BUDGET_S` (the issue's 10 minutes on one
-GPU), each under its own time limit:
+GPU; ``--budget-s`` sets another), each under its own time limit:
 
 1. the nanoGPT example (``examples/nanogpt/job.yaml``) on CUDA for 200 steps: one rank
    with ``resources.gpu=1`` (and a second when the node has two GPUs). It passes when
@@ -186,9 +186,11 @@ def _judge(p: dict, status: str, rc: int | None, out: str) -> None:
 
 
 def run_parts(parts: list[dict], out_dir: str, stamp: int,
-              clock: Callable[[], float] = time.monotonic) -> None:
-    """Run ``parts`` in order under the budget (:func:`part_timeout`), filling each
-    one's ``status``, ``rc``, ``seconds``, ``timeout_s`` and measurements."""
+              clock: Callable[[], float] = time.monotonic,
+              budget: float | None = None) -> None:
+    """Run ``parts`` in order under ``budget`` s (default :data:`BUDGET_S`;
+    :func:`part_timeout`), filling each one's ``status``, ``rc``, ``seconds``,
+    ``timeout_s`` and measurements."""
     started = clock()
     for i, p in enumerate(parts):
         if p.get("has_gpu_tests") is False:
@@ -196,7 +198,7 @@ def run_parts(parts: list[dict], out_dir: str, stamp: int,
             continue
         later = sum(RESERVE_S[q["part"]] for q in parts[i + 1:]
                     if q.get("has_gpu_tests") is not False)
-        timeout = part_timeout(clock() - started, LIMIT_S[p["part"]], later)
+        timeout = part_timeout(clock() - started, LIMIT_S[p["part"]], later, budget)
         p["timeout_s"] = round(timeout, 1)
         if timeout < MIN_RUN_S:
             p.update(status="not_run", rc=None, seconds=0.0)
@@ -210,8 +212,18 @@ def run_parts(parts: list[dict], out_dir: str, stamp: int,
               flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     import torch
+
+    ap = argparse.ArgumentParser(description="the checks only a CUDA GPU can run")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help=f"seconds for the whole check (default {BUDGET_S:.0f}); "
+                         "each part keeps its reserve within it")
+    args = ap.parse_args(argv)
+    if args.budget_s <= 0:
+        ap.error(f"--budget-s must be > 0, got {args.budget_s}")
 
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -223,8 +235,8 @@ def main() -> int:
     parts = _parts(min(2, torch.cuda.device_count()), out_dir, stamp)
     report: dict = {"device": torch.cuda.get_device_name(0),
                     "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-                    "started": stamp, "budget_s": BUDGET_S, "parts": parts}
-    run_parts(parts, out_dir, stamp)
+                    "started": stamp, "budget_s": args.budget_s, "parts": parts}
+    run_parts(parts, out_dir, stamp, budget=args.budget_s)
     report["seconds"] = round(time.monotonic() - t0, 1)
     for status in ("timed_out", "failed", "not_run"):
         report[status] = [p["title"] for p in parts if p["status"] == status]

@@ -109,3 +109,10 @@ def test_nanogpt_checks_need_200_steps_on_a_gpu_of_rays(gpu_check, tmp_path):
     short, _, _ = gpu_check.nanogpt_checks(_job_dir(tmp_path / "short", steps=120))
     assert [k for k, ok in short.items() if not ok] == ["200 steps"]
     assert not any(gpu_check.nanogpt_checks(str(tmp_path / "missing"))[0].values())
+
+
+def test_a_budget_that_is_not_positive_is_refused_before_anything_runs():
+    proc = subprocess.run([sys.executable, SCRIPT, "--budget-s", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "--budget-s must be > 0, got 0.0" in proc.stderr
