@@ -2,7 +2,7 @@
 fan-out of the same tensors, in one run on one local Ray cluster.
 
     .venv/bin/python benchmarks/weight_sync.py [--sizes-mib 64 256] [--workers 1 2]
-        [--repetitions 3] [--tensor-mib 16]
+        [--repetitions 3] [--tensor-mib 16] [--device cpu|cuda]
 
 The actor role (one rank, ``dlrover_plugin_ppo``'s ``ActorWorkload``) holds a float32
 model of ``--sizes-mib`` MiB in ``--tensor-mib`` MiB parameters; ``N`` rollout ranks
@@ -11,10 +11,16 @@ first fills the actor's parameters with new random values, then moves them once 
 way, in a shuffled order:
 
 - ``ours``: the plugin's sync, ``dlrover_plugin_ppo.trainer.push_weights`` (what
-  ``PPOTrainer.sync_weights`` runs: ``get_weights`` on actor rank 0, ``set_weights`` on
-  every rollout rank with the ``DRef``);
-- ``raw``: the actor ``ray.put`` s its state dict and returns the reference, every
-  rollout rank ``ray.get`` s it and copies each tensor into its model's parameters.
+  ``PPOTrainer.sync_weights`` runs: for a model on the GPU, ``share_weights`` on actor
+  rank 0 and ``set_weights_shared`` on every rollout rank, which map the actor's
+  tensors over CUDA IPC; for a CPU model, or the ranks that cannot map them,
+  ``get_weights`` on actor rank 0 and ``set_weights`` with the ``DRef``);
+- ``raw``: the actor ``ray.put`` s its state dict (copied to the host first when it is
+  on the GPU) and returns the reference, every rollout rank ``ray.get`` s it and copies
+  each tensor into its model's parameters.
+
+``--device cuda``: the actor and the rollout ranks share one GPU (each asks Ray for
+``1 / (1 + max(--workers))`` of it), as collocated roles do, and the models live on it.
 
 After each transfer every rollout rank's parameters are compared with the actor's (a
 BLAKE2b digest of the bytes); a mismatch raises ``AssertionError``. One untimed transfer
@@ -22,10 +28,11 @@ each way per configuration comes first. Throughput: ``size * N`` bytes delivered
 seconds from the call to the last rank's return, in GiB/s (2**30 bytes).
 
 The last stdout line is one JSON object: ``sizes_mib``, ``workers``, ``repetitions``,
-``tensor_mib``, ``verified`` (true: every transfer matched) and ``configs``, one per
-(size, N): ``mib``, ``n``, ``ours_gib_s`` and ``raw_gib_s`` (``{"median", "min",
-"max"}``), ``ratio`` (median ours / median raw) and each side's seconds per repetition.
-CPU only: the actors ask for no GPU.
+``tensor_mib``, ``device``, ``verified`` (true: every transfer matched) and ``configs``,
+one per (size, N): ``mib``, ``n``, ``ours_gib_s`` and ``raw_gib_s`` (``{"median",
+"min", "max"}``), ``ratio`` (median ours / median raw), each side's seconds per
+repetition, and ``ours_transport`` (how the rollouts said the weights arrived:
+``cuda_ipc`` or ``host``).
 """
 
 from __future__ import annotations
@@ -66,16 +73,16 @@ class _Model:
         torch.set_num_threads(1)
         self.policy = Blob(4, 4)
 
-    def build(self, nbytes: int, tensor_bytes: int) -> int:
-        """A fresh zero model; returns its bytes."""
-        self.policy = Blob(nbytes, tensor_bytes)
+    def build(self, nbytes: int, tensor_bytes: int, device: str = "cpu") -> int:
+        """A fresh zero model on ``device``; returns its bytes."""
+        self.policy = Blob(nbytes, tensor_bytes).to(device)
         return sum(p.numel() * p.element_size() for p in self.policy.parameters())
 
     def digest(self) -> str:
         """BLAKE2b of the parameters' bytes, in order."""
         h = hashlib.blake2b()
         for v in unwrap(self.policy).state_dict().values():
-            h.update(v.contiguous().numpy().tobytes())
+            h.update(v.contiguous().cpu().numpy().tobytes())
         return h.hexdigest()
 
 
@@ -89,11 +96,11 @@ class SyncActor(_Model, ActorWorkload):
         return self.digest()
 
     def put_raw(self) -> list:
-        """The raw side: one ``ray.put`` of the state dict (a list, so the reference is
-        passed on unresolved)."""
+        """The raw side: one ``ray.put`` of the state dict, on the host (a list, so the
+        reference is passed on unresolved)."""
         import ray
 
-        return [ray.put(unwrap(self.policy).state_dict())]
+        return [ray.put({k: v.to("cpu") for k, v in unwrap(self.policy).state_dict().items()})]
 
 
 class SyncRollout(_Model, RolloutWorkload):
@@ -105,7 +112,12 @@ class SyncRollout(_Model, RolloutWorkload):
         with torch.no_grad():
             for k, p in unwrap(self.policy).state_dict(keep_vars=True).items():
                 p.copy_(weights[k])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return len(weights)
+
+    def transport(self) -> str | None:
+        return self.weights_transport
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -133,14 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repetitions", type=positive(int, "--repetitions"), default=3)
     p.add_argument("--tensor-mib", type=positive(float, "--tensor-mib"), default=16.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device=cuda: torch sees no CUDA device here")
 
     import ray
 
     from dlrover_core.master.client import init_ray
     from dlrover_core.runtime import RoleGroup
     from dlrover_core.testing import spawn_role
-    from dlrover_plugin_ppo.trainer import push_weights
+    from dlrover_plugin_ppo.trainer import push_weights, shares_weights
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.chdir(root)  # the actors import benchmarks.weight_sync from the repository root
@@ -152,22 +167,26 @@ def main(argv: list[str] | None = None) -> int:
     seeds = iter(range(args.seed, args.seed + 10**9))
     configs = []
     try:
-        actor_h = spawn_role("actor", "benchmarks.weight_sync:SyncActor", 1)[0]
+        gpus = 1 / (1 + max(args.workers)) if args.device == "cuda" else 0
+        actor_h = spawn_role("actor", "benchmarks.weight_sync:SyncActor", 1,
+                             num_gpus=gpus)[0]
         rollout_h = spawn_role("rollout", "benchmarks.weight_sync:SyncRollout",
-                               max(args.workers))
+                               max(args.workers), num_gpus=gpus)
         actor = RoleGroup("actor", [actor_h])
         for mib in args.sizes_mib:
             nbytes = int(mib * 2**20) // 4 * 4
             tensor_bytes = int(args.tensor_mib * 2**20)
-            sizes = ray.get([h.call.remote("build", nbytes, tensor_bytes)
+            sizes = ray.get([h.call.remote("build", nbytes, tensor_bytes, args.device)
                              for h in [actor_h, *rollout_h]])
             assert set(sizes) == {nbytes}, sizes
             for n in args.workers:
                 hosts = rollout_h[:n]
                 rollout = RoleGroup("rollout", hosts)
 
+                share = shares_weights(actor)  # as PPOTrainer asks at its first sync
+
                 def ours() -> None:
-                    push_weights(actor, [rollout])
+                    push_weights(actor, [rollout], share=share)
 
                 def raw() -> None:
                     outer = actor_h.call.remote("put_raw")
@@ -175,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 sides = {"ours": ours, "raw": raw}
                 secs: dict[str, list[float]] = {k: [] for k in sides}
+                transports: set = set()
                 for rep in range(args.repetitions + 1):  # the first is untimed
                     order = list(sides)
                     rng.shuffle(order)
@@ -188,13 +208,17 @@ def main(argv: list[str] | None = None) -> int:
                             f"{side}, {mib:g} MiB to {n}: the rollouts' weights differ"
                         if rep:
                             secs[side].append(dt)
+                        if side == "ours":
+                            transports.update(ray.get([h.call.remote("transport")
+                                                       for h in hosts]))
                 gib = {k: [nbytes * n / 2**30 / s for s in v] for k, v in secs.items()}
                 cfg = {"mib": mib, "n": n, "ours_gib_s": spread(gib["ours"]),
                        "raw_gib_s": spread(gib["raw"]),
                        "ratio": round(statistics.median(gib["ours"])
                                       / statistics.median(gib["raw"]), 3),
                        "ours_s": [round(s, 4) for s in secs["ours"]],
-                       "raw_s": [round(s, 4) for s in secs["raw"]]}
+                       "raw_s": [round(s, 4) for s in secs["raw"]],
+                       "ours_transport": sorted(transports)}
                 print(f"{mib:g} MiB -> {n} rollout(s): {json.dumps(cfg)}", flush=True)
                 configs.append(cfg)
     finally:
@@ -202,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(temp_dir, ignore_errors=True)
     result: dict[str, Any] = {
         "sizes_mib": args.sizes_mib, "workers": args.workers,
-        "repetitions": args.repetitions, "tensor_mib": args.tensor_mib, "verified": True,
+        "repetitions": args.repetitions, "tensor_mib": args.tensor_mib,
+        "device": args.device, "verified": True,
         "configs": configs}
     print(json.dumps(result))
     return 0

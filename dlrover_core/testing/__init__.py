@@ -161,17 +161,18 @@ _add_repo_to_path()
 
 
 def spawn_role(role: str, workload: str, world_size: int, config: dict | None = None,
-               backend: str | None = None, job: str = "test") -> list:
+               backend: str | None = None, job: str = "test", num_gpus: float = 0) -> list:
     """Start ``world_size`` real ``WorkloadHost`` actors of ``workload`` outside a job and
-    run their ``setup()`` (with the role's rendezvous when ``backend`` is set).
-    Returns the handles in rank order; kill them with ``ray.kill``."""
+    run their ``setup()`` (with the role's rendezvous when ``backend`` is set). Each
+    actor asks Ray for ``num_gpus`` GPUs (a fraction shares one). Returns the handles in
+    rank order; kill them with ``ray.kill``."""
     import ray
 
     from dlrover_core.runtime.context import WorkerContext
     from dlrover_core.runtime.host import remote_workload_host
 
     cls = remote_workload_host()
-    handles = [cls.options(num_cpus=0).remote(workload, WorkerContext(
+    handles = [cls.options(num_cpus=0, num_gpus=num_gpus).remote(workload, WorkerContext(
         job=job, role=role, rank=r, world_size=world_size, local_rank=r,
         local_world_size=world_size, backend=backend, config=config or {},
         failover={"pg_timeout_s": 60})) for r in range(world_size)]

@@ -46,15 +46,47 @@ def aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def push_weights(actor: Any, targets: list[Any]) -> list[list[int]]:
-    """The weight sync: ``actor.get_weights()`` on its rank 0 (a CPU state dict, put
-    into the object store once as the call's result), then ``set_weights`` of every rank
-    of each role group in ``targets``, which fetch it from that object store (the driver
-    only holds the reference). Blocks until every rank has loaded it; returns each
-    target's per-rank ``set_weights`` results (the rollouts' weights versions)."""
+def shares_weights(actor: Any) -> bool:
+    """Whether :func:`push_weights` should offer CUDA IPC handles first: actor rank 0's
+    policy is on a CUDA device (``policy_device()``). Asked once per driver."""
+    return str(actor.policy_device.options(target="RANK0")()).startswith("cuda")
+
+
+def push_weights(actor: Any, targets: list[Any], share: bool = True) -> list[list[Any]]:
+    """The weight sync from actor rank 0 to every rank of each role group in
+    ``targets``. Blocks until every rank has loaded the weights; returns each target's
+    per-rank ``set_weights`` results (the rollouts' weights versions).
+
+    1. With ``share`` (the default): ``actor.share_weights()`` on rank 0 exports its
+       policy as CUDA IPC handles (``None`` for a CPU policy), and every target rank's
+       ``set_weights_shared`` maps them and copies GPU to GPU when it runs on the same
+       GPU (collocated roles); the others answer ``None``
+       (:mod:`dlrover_plugin_ppo.shared_weights`).
+    2. For the ranks that answered ``None`` (all of them for a CPU policy, or with
+       ``share=False``): ``actor.get_weights()`` on rank 0 (a CPU state dict, put into
+       the object store once as the call's result), then those ranks' ``set_weights``,
+       which fetch it from that object store (the driver only holds the reference).
+    """
+    results: list[list[Any]] = [[None] * t.world_size for t in targets]
+    if share:
+        shared = actor.share_weights.options(blocking=False, target="RANK0")()
+        calls = [t.set_weights_shared.options(blocking=False)(shared) for t in targets]
+        results = [c.get() for c in calls]
+    missing = [(i, r) for i, per_rank in enumerate(results)
+               for r, v in enumerate(per_rank) if v is None]
+    if not missing:
+        return results
     weights = actor.get_weights.options(blocking=False, target="RANK0")()
-    calls = [t.set_weights.options(blocking=False)(weights) for t in targets]
-    return [c.get() for c in calls]
+    whole = {i for i, t in enumerate(targets)
+             if sum(1 for j, _ in missing if j == i) == t.world_size}
+    calls = {i: targets[i].set_weights.options(blocking=False)(weights) for i in whole}
+    single = {(i, r): targets[i].handles[r].call.remote("set_weights", weights.refs[0])
+              for i, r in missing if i not in whole}
+    for i, c in calls.items():
+        results[i] = c.get()
+    for (i, r), v in zip(single, ray.get(list(single.values()))):
+        results[i][r] = v
+    return results
 
 
 class PPOTrainer(BaseTrainer):
@@ -83,6 +115,7 @@ class PPOTrainer(BaseTrainer):
         self.episodes = 0
         self.totals: dict[str, float] = {}
         self.start_it, self.final_before = 0, None
+        self._share_weights: bool | None = None  # shares_weights(), at the first sync
         state = self.load_state()  # a restarted driver resumes where it was
         if state is not None:
             self.start_it = state["it"] + 1
@@ -115,13 +148,16 @@ class PPOTrainer(BaseTrainer):
     # ------------------------------------------------------------------ weights
     def sync_weights(self, initial: bool = False) -> None:
         """Actor rank 0's weights to every rollout rank (and, first time, to the
-        reference when ``rl.sync_reference``): :func:`push_weights`."""
+        reference when ``rl.sync_reference``): :func:`push_weights`, offering CUDA IPC
+        handles first when the actor's policy is on a GPU (:func:`shares_weights`)."""
         need_rollout = self.has["rollout"]
         need_ref = initial and self.has["reference"] and self.rl.sync_reference
         targets = ([self.RG_ROLLOUT] if need_rollout else []) + \
             ([self.RG_REFERENCE] if need_ref else [])
         if targets:
-            push_weights(self.RG_ACTOR, targets)
+            if self._share_weights is None:
+                self._share_weights = shares_weights(self.RG_ACTOR)
+            push_weights(self.RG_ACTOR, targets, share=self._share_weights)
 
     # ------------------------------------------------------------------ one iteration
     def prompt_ids(self, iteration: int) -> list[int] | None:

@@ -31,6 +31,7 @@ from dlrover_core import BaseWorkload, trainer_invocation
 from dlrover_plugin_ppo import algo
 from dlrover_plugin_ppo.config import RLConfig
 from dlrover_plugin_ppo.experience import as_batch, check_batch, compute_advantages, minibatches
+from dlrover_plugin_ppo.shared_weights import SharedWeights
 
 #: Seed offsets per role, so that ranks of different roles never share a stream.
 _ROLE_SEED = {"actor": 0, "rollout": 1000, "reference": 2000, "reward": 3000, "critic": 4000}
@@ -61,6 +62,30 @@ class RLWorkload(BaseWorkload):
             algorithm = str(self.config.get("rl_algorithm", "ppo"))
             self._rl = RLConfig.from_config(self.config, algorithm)
         return self._rl
+
+    #: how the last weights arrived: ``"cuda_ipc"`` (:meth:`set_weights_shared`),
+    #: ``"host"`` (``set_weights`` called with a state dict) or ``None`` (none yet)
+    weights_transport: str | None = None
+
+    def set_weights_shared(self, shared: SharedWeights | list | None) -> Any:
+        """Load weights shared over CUDA IPC: map the actor's tensors
+        (:meth:`SharedWeights.open`), hand them to ``set_weights`` (which copies them
+        into this rank's policy, device to device), wait for the copies, drop the
+        mappings. Returns what ``set_weights`` returned, or ``None`` when ``shared`` is
+        ``None`` or cannot be opened here (another node or GPU): the driver then sends
+        the host copy to ``set_weights``."""
+        if isinstance(shared, list):  # a DRef consumed whole: one result per actor rank
+            shared = shared[0]
+        if shared is None or not shared.openable():
+            return None
+        views = shared.open()
+        try:
+            out = self.set_weights(views)  # type: ignore[attr-defined]
+            torch.cuda.synchronize(shared.device_index)
+        finally:
+            del views
+        self.weights_transport = "cuda_ipc"
+        return out
 
     def init_torch(self, seed: int | None = None, threads: int | None = None) -> int:
         """Set torch's intra-op threads (``config.torch_threads``, default 1: roles
@@ -159,6 +184,22 @@ class ActorWorkload(RLWorkload):
         return cpu_state_dict(self.policy)
 
     @trainer_invocation(target="RANK0")
+    def policy_device(self) -> str:
+        """Where the policy's first parameter lives (``"cpu"``, ``"cuda:0"``; ``"cpu"``
+        without parameters): the driver offers shared weights only for ``cuda``."""
+        p = next(iter(unwrap(self.policy).parameters()), None)
+        return "cpu" if p is None else str(p.device)
+
+    @trainer_invocation(target="RANK0")
+    def share_weights(self) -> SharedWeights | None:
+        """The policy's state dict as CUDA IPC handles (:class:`SharedWeights`), for
+        ``set_weights_shared`` of ranks on the same GPU; ``None`` when the policy is not
+        on one CUDA device (then the sync uses :meth:`get_weights`). A subclass whose
+        ``get_weights`` sends something other than the policy's state dict overrides
+        this too, or returns ``None``."""
+        return SharedWeights.export(unwrap(self.policy).state_dict())
+
+    @trainer_invocation(target="RANK0")
     def evaluate(self) -> dict[str, float]:
         """Held-out evaluation for ``rl.evaluate`` (scalars). Default: nothing."""
         return {}
@@ -185,6 +226,7 @@ class RolloutWorkload(RLWorkload):
             weights = weights[0]
         unwrap(self.policy).load_state_dict(weights)
         self.weights_version += 1
+        self.weights_transport = "host"
         return self.weights_version
 
     def stats(self) -> dict[str, Any]:
@@ -215,6 +257,7 @@ class ReferenceWorkload(RLWorkload):
         unwrap(self.policy).load_state_dict(weights)
         for p in self.policy.parameters():
             p.requires_grad_(False)
+        self.weights_transport = "host"
         return 1
 
 

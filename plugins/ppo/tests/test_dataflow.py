@@ -10,7 +10,7 @@ import torch
 
 from dlrover_core.runtime import DRef, RoleGroup
 from dlrover_core.testing import spawn_role
-from dlrover_plugin_ppo.trainer import push_weights
+from dlrover_plugin_ppo.trainer import push_weights, shares_weights
 
 CONFIG = {"rl_algorithm": "grpo", "rl": {"samples_per_prompt": 2},
           "toy": {"contexts": 5, "steps": 2}}
@@ -75,3 +75,70 @@ def test_push_weights_delivers_actor_rank0_weights_exactly(roles):
     assert not torch.equal(actor.get_weights.options(target="RANK0")()["logits"],
                            sent["logits"])
     assert all(torch.equal(g["logits"], sent["logits"]) for g in rollout.policy_state())
+
+
+W = "plugins.ppo.tests.weight_workloads"
+
+
+def test_ranks_that_cannot_map_the_shared_weights_get_the_host_copy(ray_cluster):
+    """``push_weights`` first offers the actor's shared weights (CUDA IPC handles on a
+    GPU; this CPU machine has none, so the test actor sends a CPU state dict in their
+    place); rollout rank 0 takes them, rank 1 answers ``None`` as a rank on another GPU
+    does, and only rank 1 is then sent ``get_weights``' host copy. Both end with actor
+    rank 0's values, each loaded once."""
+    actor_h = spawn_role("actor", f"{W}:SharingActor", 1, CONFIG)
+    rollout_h = spawn_role("rollout", f"{W}:HalfSharedRollout", 2, CONFIG)
+    try:
+        actor, rollout = RoleGroup("actor", actor_h), RoleGroup("rollout", rollout_h)
+        assert not shares_weights(actor)  # a CPU policy: PPOTrainer would not offer it
+        actor.perturb(21)
+        sent = actor.get_weights.options(target="RANK0")()
+        assert push_weights(actor, [rollout]) == [[1, 1]]
+        assert rollout.transport() == ["cuda_ipc", "host"]
+        assert all(torch.equal(g["logits"], sent["logits"]) for g in rollout.policy_state())
+        # without sharing, every rank gets the host copy
+        actor.perturb(22)
+        sent = actor.get_weights.options(target="RANK0")()
+        assert push_weights(actor, [rollout], share=False) == [[2, 2]]
+        assert rollout.transport() == ["host", "host"]
+        assert all(torch.equal(g["logits"], sent["logits"]) for g in rollout.policy_state())
+    finally:
+        for h in actor_h + rollout_h:
+            ray.kill(h)
+
+
+def test_a_cpu_policy_is_not_shared():
+    from dlrover_plugin_ppo.shared_weights import SharedWeights
+
+    assert SharedWeights.export({"w": torch.zeros(3)}) is None
+    assert SharedWeights.export({}) is None
+    # handles from another node are never opened here
+    assert not SharedWeights({}, "another-node", "GPU-x", 0, 0).openable()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_collocated_rollouts_load_the_weights_over_cuda_ipc(ray_cluster):
+    """Actor and two rollout ranks on one GPU (a third of it each): the rollouts map the
+    actor's tensors over CUDA IPC and copy them on the GPU; after the actor changes its
+    weights the rollouts keep the copies they made; ``share=False`` sends the host copy."""
+    actor_h = spawn_role("actor", f"{W}:CudaActor", 1, CONFIG, num_gpus=1 / 3)
+    rollout_h = spawn_role("rollout", f"{W}:CudaRollout", 2, CONFIG, num_gpus=1 / 3)
+    try:
+        actor, rollout = RoleGroup("actor", actor_h), RoleGroup("rollout", rollout_h)
+        assert shares_weights(actor)
+        actor.perturb(31)
+        want = actor.digest()[0]
+        assert rollout.digest() != [want, want]
+        assert push_weights(actor, [rollout]) == [[1, 1]]
+        assert rollout.transport() == ["cuda_ipc", "cuda_ipc"]
+        assert rollout.digest() == [want, want]
+        actor.perturb(32)
+        assert actor.digest()[0] != want and rollout.digest() == [want, want]
+        want = actor.digest()[0]
+        assert push_weights(actor, [rollout], share=False) == [[2, 2]]
+        assert rollout.transport() == ["host", "host"]
+        assert rollout.digest() == [want, want]
+    finally:
+        for h in actor_h + rollout_h:
+            ray.kill(h)
