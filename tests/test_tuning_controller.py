@@ -269,3 +269,34 @@ def test_a_third_party_tuner_from_an_entry_point(fake_dist):
         assert ctl.current()["dataloader"]["pin_memory"] is True
     finally:
         reset_plugin_manager(None)
+
+
+@pytest.mark.parametrize("workers,accum,window,warmup", [
+    (0, 16, 4, 1),   # no loader workers: interval_steps and warmup_steps as set
+    (1, 16, 4, 1),
+    (4, 2, 4, 2),    # a wave (4 micro-batches) is 2 steps: 4 steps hold 2 whole waves
+    (8, 1, 8, 8),    # a wave is 8 steps: the window grows to one wave, the warm-up too
+    (6, 4, 6, 2),    # waves of 6 micro-batches line up with steps every 3 steps
+    (4, 3, 4, 2),    # every 4 steps (12 micro-batches = 3 waves)
+])
+def test_windows_hold_whole_loader_waves_and_the_warmup_covers_a_refill(
+        workers, accum, window, warmup):
+    ctl = controller([])
+    ctl.config = ctl.config.updated({"dataloader": {"num_workers": workers},
+                                     "optimizer": {"grad_accum_steps": accum}})
+    assert (ctl.window_steps(), ctl.effective_warmup_steps()) == (window, warmup)
+
+
+def test_a_window_under_8_workers_is_measured_after_the_first_wave_and_spans_one():
+    """8 loader workers, one micro-batch per step: the first 8 reports after the switch
+    are the refill and are skipped; the window closes after 8 more, not after
+    interval_steps (4)."""
+    ctl = controller([], tuners=[("micro_batch", MicroBatchTuner({"max_micro_batch": 4}))])
+    ctl.config = ctl.config.updated({"dataloader": {"num_workers": 8},
+                                     "optimizer": {"grad_accum_steps": 1}})
+    cfg = ctl.current()
+    for step in range(15):
+        ctl.on_report("trainer", 0, step, model_step(cfg))
+    assert ctl.windows == [] and len(ctl._window) == 7   # steps 8..14
+    ctl.on_report("trainer", 0, 15, model_step(cfg))
+    assert [(w.first_step, w.last_step) for w in ctl.windows] == [(8, 15)]
