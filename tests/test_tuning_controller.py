@@ -13,6 +13,7 @@ import pytest
 from dlrover_core import SpecError, load_spec
 from dlrover_core.master.context import JobContext
 from dlrover_core.plugins.manager import PluginManager, reset_plugin_manager
+from dlrover_core.tuning import waves
 from dlrover_core.tuning.builtin_tuners import DataloaderWorkersTuner, MicroBatchTuner
 from dlrover_core.tuning.controller import TuningController
 from dlrover_core.tuning.guard import Guard
@@ -284,7 +285,8 @@ def test_windows_hold_whole_loader_waves_and_the_warmup_covers_a_refill(
     ctl = controller([])
     ctl.config = ctl.config.updated({"dataloader": {"num_workers": workers},
                                      "optimizer": {"grad_accum_steps": accum}})
-    assert (ctl.window_steps(), ctl.effective_warmup_steps()) == (window, warmup)
+    assert (waves.window_steps(ctl.interval_steps, ctl.config),
+            waves.warmup_steps(ctl.warmup_steps, ctl.config)) == (window, warmup)
 
 
 def test_a_window_under_8_workers_is_measured_after_the_first_wave_and_spans_one():

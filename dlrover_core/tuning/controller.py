@@ -14,8 +14,7 @@ The loop, per tuned role::
          merged (tuning.tuners order wins on a shared key)
       -> version N+1                                    event tuning_proposed
       -> ranks report steps under N+1                   event tuning_applied
-      -> warmup_steps skipped (at least the loader's first wave), then guard.windows
-         windows measured (interval_steps each, rounded up to whole loader waves)
+      -> warmup_steps skipped, guard.windows windows measured (whole loader waves)
       -> guard (Welch's t-test of the window rates, see guard.py):
                 kept (its windows are the new baseline)  event tuning_accepted
                 or reverted to N's settings as N+2      event tuning_reverted
@@ -31,8 +30,7 @@ or its data-wait share by more than that, absolute), and then at most
 and previous config, phase, measured windows, baseline, history, rejected settings,
 memory ceiling, each tuner's state) is written to the job's store (``JobContext``,
 key ``tuning``) at every change, so a restarted master continues from the current
-version. It never raises into the master: a tuner's exception becomes a
-``tuning_tuner_failed`` event.
+version. It never raises into the master (a tuner's exception: ``tuning_tuner_failed``).
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
+from dlrover_core.tuning import waves
 from dlrover_core.tuning.config import TuningConfig
 from dlrover_core.tuning.controller_state import STORE_KEY, ControllerState
 from dlrover_core.tuning.guard import Guard
@@ -195,45 +194,15 @@ class TuningController(ControllerState):
                 self.emit("tuning_applied", version=self.config.version, step=step,
                           config=self.config.to_dict())
             self._persist()
-        if step < self.applied_step + self.effective_warmup_steps():
+        if step < self.applied_step + waves.warmup_steps(self.warmup_steps, self.config):
             return
         if mem is not None:
             self._memory[0] = max(self._memory.get(0, 0.0), float(mem))
         if "memory_capacity_bytes" in metrics:
             self._capacity[0] = float(metrics["memory_capacity_bytes"])
         self._window.append((step, dict(metrics)))
-        if len(self._window) >= self.window_steps():
+        if len(self._window) >= waves.window_steps(self.interval_steps, self.config):
             self._close_window()
-
-    # ------------------------------------------------------------------ loader waves
-    def _wave_steps(self) -> int:
-        """Optimizer steps per loader wave under the current config: 1 without loader
-        workers. ``num_workers`` workers start together after each switch and each
-        builds a whole micro-batch, so batches arrive in waves of ``num_workers`` and
-        a whole number of waves spans ``num_workers / gcd(num_workers,
-        grad_accum_steps)`` steps (``grad_accum_steps`` micro-batches per step)."""
-        import math
-
-        assert self.config is not None
-        workers = int(self.config.dataloader.num_workers)
-        accum = max(1, int(self.config.optimizer.grad_accum_steps))
-        return workers // math.gcd(workers, accum) if workers > 1 else 1
-
-    def window_steps(self) -> int:
-        """Steps per measurement window under the current config: ``interval_steps``
-        rounded up to whole loader waves (:meth:`_wave_steps`), so that a window never
-        holds a different share of the waves' stalls than the next one."""
-        wave = self._wave_steps()
-        return -(-self.interval_steps // wave) * wave
-
-    def effective_warmup_steps(self) -> int:
-        """Steps skipped after a switch: ``warmup_steps``, and at least the steps that
-        consume the loader's first wave (its refill: the new workers start and each
-        reads a whole micro-batch), ``ceil(num_workers / grad_accum_steps)``."""
-        assert self.config is not None
-        workers = int(self.config.dataloader.num_workers)
-        accum = max(1, int(self.config.optimizer.grad_accum_steps))
-        return max(self.warmup_steps, -(-workers // accum) if workers > 1 else 0)
 
     # ------------------------------------------------------------------ the loop
     def _reset_window(self) -> None:
