@@ -1,16 +1,20 @@
 """Throughput of an ``odl`` stream against the same prequential loop in one process.
 
-    .venv/bin/python benchmarks/odl_stream.py [--records 20000] [--runs 3]
+    .venv/bin/python benchmarks/odl_stream.py [--records 0] [--runs 3]
 
 Records: the first ``--records`` of the Shuttle stream (``examples/odl_shuttle``,
-river's bundled copy, time order). Per run, in this order on one local Ray cluster:
+river's bundled copy, time order; 0, the default: all 49,097). Per run, in this
+order on one local Ray cluster:
 
 - ``single_process``: a plain loop here: read 64 records, preprocess (signed log),
-  score, one Adam step; the same model, batch and learning rate as the job.
+  score, one Adam step; the same model, batch and learning rate as the job (the
+  records are in memory before the clock starts; no checkpoint, no eval).
 - ``odl``: the ``examples/odl_shuttle/job.yaml`` job (source, 2 preprocess workers,
-  trainer, eval, disk checkpoint every 50 steps, a published version every 50 steps)
-  streaming the same records; its ``records_per_s`` (records trained / seconds of the
-  driver's loop, actor start excluded), and ``job_wall_s`` (the whole job).
+  trainer, eval; chunks of ``chunk_batches`` batches of 64; a disk checkpoint and a
+  published version every 50 steps) streaming the same records; its
+  ``records_per_s`` (records trained / seconds of the driver's loop: actor start
+  and the source's opening excluded, every checkpoint and publish included), and
+  ``job_wall_s`` (the whole job).
 
 The last line is one JSON object: medians and (min, max) over the runs, and
 ``ratio`` = odl / single_process records/s per run (median and spread). The machine
@@ -62,7 +66,7 @@ def spread(values: list[float]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--records", type=int, default=20000)
+    p.add_argument("--records", type=int, default=0, help="0: the whole stream")
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
 
@@ -104,7 +108,10 @@ def main() -> int:
 
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
-    out = {"benchmark": "odl_stream", "records": args.records, "runs": len(runs),
+    odl = raw.config.odl
+    out = {"benchmark": "odl_stream", "records": len(records), "runs": len(runs),
+           "batch_size": int(odl.batch_size), "chunk_batches": int(odl.get("chunk_batches", 1)),
+           "checkpoint_every_steps": int(raw.checkpoint.every_steps),
            "odl_records_per_s": spread([r["odl_records_per_s"] for r in runs]),
            "single_process_records_per_s": spread([r["single_process_records_per_s"]
                                                    for r in runs]),

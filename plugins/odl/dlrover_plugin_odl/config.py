@@ -9,7 +9,8 @@ Example (YAML)::
     config:
       odl:
         source: {kind: replay, options: {records: examples.odl_shuttle.data:shuttle_records}}
-        batch_size: 64        # records per chunk (one source read)
+        batch_size: 64        # records per optimizer step (test, then train)
+        chunk_batches: 32     # batches per chunk (one source read: 2048 records)
         buffer: 4             # chunks between source and trainer, at most
         publish_every: 50     # trainer steps between published model versions
 """
@@ -38,22 +39,28 @@ class ODLConfig:
     """Settings of a streaming job (all optional).
 
     Stream:
-        source: :class:`SourceConfig`. batch_size: records per chunk, the unit the
-            source reads and a preprocess instance transforms; each trainer rank
-            trains one chunk per step. buffer: chunks held between the source and
-            the trainer at most (being read, being preprocessed, or waiting), so at
-            most ``buffer * batch_size`` records are in flight: a slow trainer slows
+        source: :class:`SourceConfig`. batch_size: records per optimizer step
+            (each is scored, then trained on: prequential). chunk_batches: batches per
+            chunk (default 1); a chunk, up to ``chunk_batches * batch_size`` records
+            of one partition, is the unit the source reads, a preprocess instance
+            transforms and a trainer rank takes in one call, running one optimizer
+            step per ``batch_size`` records of it in order: the learning is that of
+            ``batch_size``, the Ray calls per record are ``chunk_batches`` times
+            fewer. buffer: chunks held between the source and the trainer at most
+            (being read, being preprocessed, or waiting), so at most ``buffer *
+            chunk_batches * batch_size`` records are in flight: a slow trainer slows
             the source (backpressure). read_timeout_s: how long one read waits for
-            records before returning fewer (or none). train_depth: trainer steps sent
-            ahead (the trainer runs them in order; the driver prepares the next step
-            while one trains); 1: wait for each step.
+            records before returning fewer (or none). train_depth: trainer calls
+            (one chunk per rank each) sent ahead (the trainer runs them in order; the
+            driver prepares the next while one trains); 1: wait for each.
     Ending (the first that holds; all 0 with an endless source: run until stopped):
         max_records: records trained. max_time_s: seconds of streaming.
         idle_timeout_s: seconds without a new record (an idle broker).
     Delivery and models:
         publish_every: trainer steps between published model versions (0: only at
-            the end), written to ``<job dir>/published``. report_every: driver steps
-            between metric reports. window: records in the sliding prequential
+            the end), written to ``<job dir>/published`` after the trainer call in
+            which a multiple of it is reached. report_every: trainer steps between
+            metric reports (likewise at the end of a call). window: records in the sliding prequential
             accuracy. log_record_ids (default true): every source instance appends
             the records it hands out, and every trainer rank the ids it trained, to
             logs under ``<job dir>/odl/``, from which the driver counts ``lost`` and
@@ -63,6 +70,7 @@ class ODLConfig:
 
     source: SourceConfig = field(default_factory=SourceConfig)
     batch_size: int = 64
+    chunk_batches: int = 1
     buffer: int = 4
     read_timeout_s: float = 1.0
     train_depth: int = 2
@@ -125,7 +133,8 @@ class ODLConfig:
 
     def check(self) -> None:
         """Range checks. Raises ``SpecError``."""
-        for k in ("batch_size", "buffer", "report_every", "window", "train_depth"):
+        for k in ("batch_size", "chunk_batches", "buffer", "report_every", "window",
+                  "train_depth"):
             if getattr(self, k) < 1:
                 raise SpecError(f"config.odl.{k}", getattr(self, k), "an integer >= 1")
         for k in ("max_records", "publish_every"):
@@ -136,6 +145,11 @@ class ODLConfig:
                 raise SpecError(f"config.odl.{k}", getattr(self, k), "seconds >= 0 (0: off)")
         if self.read_timeout_s <= 0:
             raise SpecError("config.odl.read_timeout_s", self.read_timeout_s, "seconds > 0")
+
+    @property
+    def chunk_size(self) -> int:
+        """Records per chunk at most: ``batch_size * chunk_batches``."""
+        return self.batch_size * self.chunk_batches
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

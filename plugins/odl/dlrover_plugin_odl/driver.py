@@ -1,19 +1,23 @@
 """The driver of ``odl`` jobs: streams chunks source -> preprocess -> trainer (+ eval).
 
-Per chunk (``config.odl.batch_size`` records of one partition)::
+Per chunk (up to ``config.odl.batch_size * chunk_batches`` records of one partition)::
 
-    meta  = source[p].read(batch_size)         # records stay in the object store
+    meta  = source[p].read(chunk_size)         # records stay in the object store
     batch = preprocess[j].process(meta.data)   # worker-to-worker; j round-robin
-    trainer[r].train_step(step, batch, ...)    # one chunk per trainer rank per step
+    trainer[r].train_step(step, batch, ..., steps)  # one chunk per trainer rank per call
     eval[k].score(batch)                       # optional, newest published model
+
+A trainer call runs ``steps`` optimizer steps, one per ``batch_size`` records: the
+most batches any rank's chunk of the call has (:meth:`OnlineTrainerWorkload.
+train_step`); ``step`` counts optimizer steps.
 
 Backpressure: at most ``config.odl.buffer`` chunks are between the source and the
 trainer (read, in preprocessing, waiting, or in a trainer step not yet finished);
 the driver asks a source for the next chunk only when one has been trained, so a
-slow trainer slows the source and at most ``buffer * batch_size`` records are in
+slow trainer slows the source and at most ``buffer * chunk_size`` records are in
 flight. Chunks of one partition are read, and trained, in order. Up to
-``train_depth`` steps are sent to the trainer ahead (it runs them in order), so the
-next step is ready when one finishes.
+``train_depth`` calls are sent to the trainer ahead (it runs them in order), so the
+next is ready when one finishes.
 
 Delivery (at-least-once): the trainer checkpoints its progress with the stream
 offsets (partition -> position of the last trained record) in the same commit as
@@ -59,7 +63,8 @@ class ODLTrainer(BaseTrainer):
     ``baseline_no_change_accuracy``, ``baseline_majority_accuracy`` (see
     :mod:`dlrover_plugin_odl.prequential`; kept by the trainer with its checkpoint,
     so a restart of the driver or the trainer does not reset them),
-    ``window_accuracy`` (over the last ``window`` records of this driver attempt),
+    ``window_accuracy`` (over the latest trainer calls of this driver attempt that
+    hold at least ``window`` records: whole chunks),
     ``records_per_s`` (records trained by this driver attempt / its seconds),
     ``loss``, ``buffered_records`` (records the sources have read minus records
     trained, from the sources' own counters: the backpressure bound),
@@ -111,7 +116,7 @@ class ODLTrainer(BaseTrainer):
             self._next_partition = (p + 1) % n
             if p in exhausted:
                 continue
-            fifo.append(_Chunk(p, self.sources[p].call.remote("read", self.odl.batch_size)))
+            fifo.append(_Chunk(p, self.sources[p].call.remote("read", self.odl.chunk_size)))
 
     def _resolve(self, c: _Chunk, exhausted: set) -> None:
         """Fetch the chunk's metadata (blocking) and start its preprocessing."""
@@ -216,9 +221,10 @@ class ODLTrainer(BaseTrainer):
         start_records, max_in_flight = self.records, 0
         self._src_base = self._source_stats().get("source_read_records", 0.0)
         self._training_chunks = 0
-        # steps sent to the trainer and not yet finished, oldest first: the trainer
+        # calls sent to the trainer and not yet finished, oldest first: the trainer
         # runs them in order; the driver prepares the next while one trains
-        training: collections.deque[tuple[list[_Chunk], list, dict, int]] = collections.deque()
+        training: collections.deque[tuple[list[_Chunk], list, dict, int, int]] = \
+            collections.deque()
         issued_offsets, next_step = dict(self.offsets), self.step
         self._issued_records = self.records
         metrics: dict[str, float] = {}
@@ -242,12 +248,18 @@ class ODLTrainer(BaseTrainer):
                 for c in chunks:
                     issued_offsets[c.meta["key"]] = c.meta["last"]
                 self._issued_records += sum(c.meta["n"] for c in chunks)
+                size = self.odl.batch_size
+                steps = max(1, max(-(-c.meta["n"] // size) for c in chunks))
+                # a rank without a chunk this call gets rank 0's as its shadow (it
+                # joins the DDP collectives on it with a zero gradient)
                 calls = [h.call.remote("train_step", next_step,
                                        chunks[r].batch if r < len(chunks) else None,
-                                       issued_offsets, self._issued_records)
+                                       issued_offsets, self._issued_records, steps,
+                                       None if r < len(chunks) else chunks[0].batch)
                          for r, h in enumerate(self.trainers)]
-                next_step += 1
-                training.append((chunks, calls, issued_offsets, self._issued_records))
+                next_step += steps
+                training.append((chunks, calls, issued_offsets, self._issued_records,
+                                 steps))
                 if self.evals:
                     self._score(chunks)
                 self._resolve_ready(fifo, exhausted)  # overlap preprocessing with training
@@ -257,10 +269,11 @@ class ODLTrainer(BaseTrainer):
                 if reason is not None:
                     break
                 continue
-            done_chunks, calls, offsets, records = training.popleft()
+            done_chunks, calls, offsets, records, steps = training.popleft()
             results = ray.get(calls)
             self._training_chunks -= len(done_chunks)
-            self.step += 1
+            before = self.step
+            self.step += steps
             self.offsets, self.records = offsets, records
             n = sum(r["n"] for r in results)
             c_ok = sum(r["correct"] for r in results)
@@ -271,7 +284,7 @@ class ODLTrainer(BaseTrainer):
                 a, b = window.popleft()
                 win_n, win_c = win_n - a, win_c - b
             self._commit(results[0]["committed"])
-            if self.step % self.odl.report_every == 0:
+            if self.step // self.odl.report_every > before // self.odl.report_every:
                 metrics = self._metrics(results, start_records,
                                         len(fifo) + self._training_chunks, max_in_flight,
                                         win_n, win_c)

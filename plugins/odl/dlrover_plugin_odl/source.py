@@ -133,7 +133,7 @@ class ReplaySource(StreamSourceBase):
     at position ``i``, so a stream read by several source instances keeps its
     global order within each partition. Records without an ``id`` get ``id = i``.
     ``seek(p)`` rebuilds the iterable and skips records up to ``p`` (replays are
-    deterministic by contract).
+    deterministic by contract); it reads the first record after ``p`` ahead.
     """
 
     def __init__(self, options: dict, partition: int, num_partitions: int, job: str = "") -> None:
@@ -158,10 +158,14 @@ class ReplaySource(StreamSourceBase):
                 yield i, rec
 
     def seek(self, position: Any | None) -> None:
+        """Rebuild the iterable and skip up to ``position``, then take its next record
+        now: the records function's own start (loading a file, the skipping) happens
+        here, when the driver opens the stream, not in the first read."""
         it = self._records()
         if position is not None:
             it = itertools.dropwhile(lambda pr: pr[0] <= int(position), it)
-        self._it = it
+        first = next(it, None)
+        self._it = it if first is None else itertools.chain([first], it)
 
     def read(self, max_records: int, timeout_s: float) -> ReadResult:
         assert self._it is not None

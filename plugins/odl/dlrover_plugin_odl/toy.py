@@ -48,17 +48,19 @@ def toy_model(features: int) -> torch.nn.Module:
 
 
 class ToyTrainer(OnlineTrainerWorkload):
-    """``config.toy.features`` (4) inputs; ``config.toy.step_sleep_s`` makes each step
-    slower (a slow trainer, for backpressure)."""
+    """``config.toy.features`` (4) inputs; ``config.toy.step_sleep_s`` makes each
+    trainer call slower by that many seconds per step (a slow trainer, for
+    backpressure)."""
 
     def build_model(self) -> torch.nn.Module:
         return toy_model(int(self.config.get("toy", {}).get("features", 4)))
 
-    def train_step(self, step: int, chunk: dict | None, offsets: dict, records: int) -> dict:
+    def train_step(self, step: int, chunk: dict | None, offsets: dict, records: int,
+                   steps: int = 1, shadow: dict | None = None) -> dict:
         delay = float(self.config.get("toy", {}).get("step_sleep_s", 0.0))
         if delay:
-            time.sleep(delay)
-        return super().train_step(step, chunk, offsets, records)
+            time.sleep(delay * steps)
+        return super().train_step(step, chunk, offsets, records, steps, shadow)
 
 
 class ToyEval(EvalWorkload):

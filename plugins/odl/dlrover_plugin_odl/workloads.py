@@ -13,8 +13,9 @@ trainer     ``build_model()``; optionally                  ``resume_state``, ``t
 eval        ``build_model()``; optionally ``predict``       ``score``
 ==========  =============================================  ==============================
 
-A *chunk* is what one source read returns: up to ``config.odl.batch_size`` records
-of one partition. A batch is a dict of tensors with dim 0 = records (``x``:
+A *chunk* is what one source read returns: up to ``config.odl.batch_size *
+config.odl.chunk_batches`` records of one partition; the trainer runs one optimizer
+step per ``batch_size`` of them. A batch is a dict of tensors with dim 0 = records (``x``:
 float32 ``[N, features]``, ``y``: int64 ``[N]`` by default).
 
 The trainer is prequential (test-then-train, Gama et al., 2013): each chunk is
@@ -37,41 +38,15 @@ from dlrover_core import BaseWorkload
 from dlrover_plugin_odl import ledger
 from dlrover_plugin_odl.config import ODLConfig
 from dlrover_plugin_odl.prequential import PrequentialStats
+from dlrover_plugin_odl.steps import batch_slice, prequential_step
+
+__all__ = ["EvalWorkload", "OnlineTrainerWorkload", "PreprocessWorkload", "SourceWorkload",
+           "batch_slice", "prequential_step", "unwrap"]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside a ``DistributedDataParallel`` wrapper (or the model itself)."""
     return getattr(model, "module", model)
-
-
-def prequential_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    batch: dict | None, predict: Any, loss: Any) -> tuple[torch.Tensor, Any]:
-    """One prequential step: predict ``batch`` with ``model.eval()`` and no gradient
-    (dropout off, batch norm on its running statistics), then one optimizer step of
-    ``loss(model, batch)`` with ``model.train()``. ``batch`` ``None`` (an empty
-    chunk) still runs a zero loss through backward, so a DDP all-reduce is joined.
-
-    Args:
-        predict: ``(model, batch) -> labels`` int64 ``[N]``. loss: ``(model, batch)
-            -> scalar tensor``.
-    Returns:
-        ``(predictions [N] int64, or an empty tensor, loss tensor)``; the model is
-        left in train mode.
-    """
-    predictions = torch.zeros(0, dtype=torch.int64)
-    if batch is not None:
-        model.eval()
-        with torch.no_grad():
-            predictions = predict(model, batch)
-    model.train()
-    if batch is not None:
-        value = loss(model, batch)
-    else:
-        value = sum(p.sum() for p in model.parameters()) * 0.0
-    optimizer.zero_grad(set_to_none=True)
-    value.backward()
-    optimizer.step()
-    return predictions, value
 
 
 # ---------------------------------------------------------------------------- source
@@ -214,6 +189,7 @@ class OnlineTrainerWorkload(BaseWorkload):
         self.restored_step = loaded
         self._awaiting: dict[int, dict] = {}   # saved step -> offsets, until committed
         self._committed_step = loaded if loaded is not None else -1
+        self._call_step = int(self.progress["step"])   # the last train_step's step
         # kept open while the workload lives; closed by finish()
         self._id_log = ledger.open_log(self.job_dir, ledger.TRAINED, self.rank) \
             if self.odl.log_record_ids else None
@@ -244,35 +220,64 @@ class OnlineTrainerWorkload(BaseWorkload):
         self._committed_step = step
         return {"step": step, "offsets": offsets}
 
-    def train_step(self, step: int, chunk: dict | None, offsets: dict, records: int) -> dict:
-        """Score ``chunk`` with the current model, then train on it (one optimizer
-        step; an empty chunk still joins the gradient all-reduce).
+    def train_step(self, step: int, chunk: dict | None, offsets: dict, records: int,
+                   steps: int = 1, shadow: dict | None = None) -> dict:
+        """Run ``steps`` prequential optimizer steps on ``chunk``, batch ``i`` being its
+        records ``[i * batch_size, (i + 1) * batch_size)``: each batch is scored with
+        the current model, then trained on. A rank whose chunk has fewer batches than
+        ``steps`` (or no chunk: then the driver passes another rank's as ``shadow``)
+        runs the rest on its first batch (or ``shadow``'s) with the loss times 0, so
+        it joins each step's DDP collectives with a zero gradient
+        (:func:`prequential_step`).
 
-        Before training, the state after ``step`` steps is checkpointed when
-        ``checkpoint.every_steps`` divides ``step``. Afterwards the progress is
-        ``step + 1`` with the stream ``offsets`` and ``records`` (global totals) the
-        driver passes.
+        Before training, the state after ``step`` steps is checkpointed when a
+        multiple of ``checkpoint.every_steps`` lies in ``(previous call's step,
+        step]`` (with one step per call: when it divides ``step``). Afterwards the
+        progress is ``step + steps`` with the stream ``offsets`` and ``records``
+        (global totals) the driver passes; a model is published when a multiple of
+        ``config.odl.publish_every`` lies in ``(step, step + steps]``.
 
         Returns:
             ``{"n", "correct", "loss", "prequential", "committed"}``: records of
-            this rank's chunk, prequentially correct ones in the whole step (rank 0;
-            0 on the others), the loss, :meth:`PrequentialStats.metrics` after this
-            step (rank 0; ``None`` on the others), and ``{"step", "offsets"}`` of a
-            checkpoint committed since the last call (or ``None``).
+            this rank's chunk, prequentially correct ones in the whole call (rank 0;
+            0 on the others), the mean loss of its batches, :meth:`PrequentialStats.
+            metrics` after this call (rank 0; ``None`` on the others), and ``{"step",
+            "offsets"}`` of a checkpoint committed since the last call (or ``None``).
         Raises:
             RuntimeError: the driver and the trainer disagree on the step.
+            ValueError: ``steps`` is fewer than the chunk's batches.
         """
         if step != self.progress["step"]:
             raise RuntimeError(f"train_step({step}) but the trainer is at step "
                                f"{self.progress['step']}: driver and trainer are out of sync")
-        if step > 0 and self.checkpointer.every_steps and step % self.checkpointer.every_steps == 0:
-            self._save(step)
         n = int(chunk["n"]) if chunk else 0
-        batch = chunk["batch"] if n else None
-        predictions, loss = prequential_step(self.model, self.optimizer, batch, self.predict,
-                                            self.loss)
-        # every rank adds every rank's chunk, in rank order (the stream order of a step)
-        pairs = [(batch["y"].tolist(), predictions.tolist()) if n else ([], [])]
+        size = self.odl.batch_size
+        if -(-n // size) > steps:
+            raise ValueError(f"train_step(steps={steps}) for a chunk of {n} records: "
+                             f"{-(-n // size)} batches of config.odl.batch_size={size}")
+        every = self.checkpointer.every_steps
+        if step > 0 and every and step // every > self._call_step // every:
+            self._save(step)
+        self._call_step = step
+        predicted, losses = [], []
+        if n:
+            spare = batch_slice(chunk["batch"], 0, min(n, size), n)
+        elif shadow is not None and int(shadow["n"]):
+            spare = batch_slice(shadow["batch"], 0, min(int(shadow["n"]), size),
+                                int(shadow["n"]))
+        else:
+            spare = None
+        for i in range(steps):
+            batch = batch_slice(chunk["batch"], i * size, min(n, (i + 1) * size), n) \
+                if i * size < n else None
+            predictions, loss = prequential_step(self.model, self.optimizer, batch,
+                                                self.predict, self.loss, spare)
+            if batch is not None:
+                predicted.append(predictions)
+                losses.append(loss.detach())
+        # every rank adds every rank's chunk, in rank order (the stream order of a call)
+        pairs = [(chunk["batch"]["y"].tolist(), torch.cat(predicted).tolist())
+                 if n else ([], [])]
         if self.context.backend:
             import torch.distributed as dist
 
@@ -281,17 +286,18 @@ class OnlineTrainerWorkload(BaseWorkload):
                 dist.all_gather_object(gathered, pairs[0])
                 pairs = gathered
         before = self.stats.correct
-        for labels, predicted in pairs:
-            self.stats.update(labels, predicted)
+        for labels, predicted_labels in pairs:
+            self.stats.update(labels, predicted_labels)
         correct = self.stats.correct - before
         if self._id_log is not None and n:
             ledger.write_trained(self._id_log, chunk["ids"])
-        self.progress = {"step": step + 1, "records": int(records), "offsets": dict(offsets),
-                         "prequential": self.stats.state()}
-        if self.rank == 0 and self.odl.publish_every and (step + 1) % self.odl.publish_every == 0:
+        self.progress = {"step": step + steps, "records": int(records),
+                         "offsets": dict(offsets), "prequential": self.stats.state()}
+        publish = self.odl.publish_every
+        if self.rank == 0 and publish and (step + steps) // publish > step // publish:
             self._publish()
         return {"n": n, "correct": correct if self.rank == 0 else 0,
-                "loss": float(loss.detach()) if n else float("nan"),
+                "loss": float(torch.stack(losses).mean()) if losses else float("nan"),
                 "prequential": self.stats.metrics() if self.rank == 0 else None,
                 "committed": self._newly_committed()}
 

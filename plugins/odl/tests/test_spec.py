@@ -67,6 +67,7 @@ def test_each_role_scales_on_its_own(plugin_manager):
     ({"config__odl__source": {"kind": "redis", "options": {"stream": "s", "port": 70000}}},
      "config.odl.source.options.port", "a TCP port"),
     ({"config__odl__batch_size": 0}, "config.odl.batch_size", "an integer >= 1"),
+    ({"config__odl__chunk_batches": 0}, "config.odl.chunk_batches", "an integer >= 1"),
     ({"config__odl__buffer": "big"}, "config.odl.buffer", "an integer"),
     ({"config__odl__bufer": 3}, "config.odl.bufer", "one of batch_size, buffer"),
     ({"checkpoint__every_steps": 0}, "checkpoint.every_steps",
