@@ -21,8 +21,11 @@ For each state size (float32 tensors, 16 of them per state), in one run:
   has one first save); ``flash_save_unreserved_gib_s``: the first save of a saver
   that reserved nothing; ``reserve_s``: the background reservation (median);
 - ``replica_gib_s`` / ``replica_lag_s``: ``replicas: 1``, the persister's copy of a
-  save into the peer node's memory (this machine runs two raylets), and the time from
-  the save's return until the replica is complete;
+  save into the peer node's memory (this machine runs two raylets) over its TCP
+  connection (``replica_transport: tcp``, the default), and the time from the save's
+  return until the replica is complete; ``replica_over_memcpy``: ``replica_gib_s`` /
+  ``memcpy_gib_s``; ``replica_ray_gib_s`` / ``replica_ray_lag_s``: the same through
+  Ray's object store (``replica_transport: ray``), the path before the TCP one;
 - ``restore_other_world_size_s``: a state saved by 2 ranks (``Shard(0)`` DTensors,
   gloo, Ray actors) loaded into 1 rank from memory; ``restore_same_world_size_s``: the
   same state saved by 1 rank, loaded by 1.
@@ -285,20 +288,23 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     return out
 
 
-def bench_replica(size_mib: int, work: str, repeat: int, job: str) -> dict:
+def bench_replica(size_mib: int, work: str, repeat: int, job: str,
+                  transport: str = "tcp") -> dict:
     """``replica_gib_s``: the persister's copy of one save into the peer node's memory
-    (``replicas: 1``; Ray object store, object transfer between the two raylets of this
-    machine, copy into the peer's buffer), median of ``repeat`` saves after a first one
-    that laid out the peer's buffers; ``replica_lag_s``: from the save's return to the
-    replica being complete."""
+    (``replicas: 1``; ``transport`` tcp: one connection between the two persisters, into
+    the peer's buffer; ray: Ray object store, object transfer between the two raylets of
+    this machine, copy into the peer's buffer), median of ``repeat`` saves after a first
+    one that laid out the peer's buffers; ``replica_lag_s``: from the save's return to
+    the replica being complete."""
     import ray
 
     from dlrover_plugin_flashckpt.persister import get_persister
 
     state = make_state(size_mib)
     gib = nbytes(state) / GIB
-    ckpt = os.path.join(work, f"replica{size_mib}")
-    saver = flash_saver(job, ckpt, replicas=1, persist_every_steps=10**9)
+    ckpt = os.path.join(work, f"replica{size_mib}{transport}")
+    saver = flash_saver(job, ckpt, replicas=1, persist_every_steps=10**9,
+                        replica_transport=transport)
     persister = get_persister(job)
     seconds, lags = [], []
     for step in range(1, repeat + 2):
@@ -314,6 +320,9 @@ def bench_replica(size_mib: int, work: str, repeat: int, job: str) -> dict:
             time.sleep(0.005)
         else:
             raise TimeoutError(f"no replica of step {step} within 600 s")
+        if hist[0]["transport"] != transport:
+            raise RuntimeError(f"replica of step {step} went through {hist[0]['transport']}, "
+                               f"not {transport}: see the persister's log")
         if step > 1:
             seconds.append(hist[0]["seconds"])
             lags.append(time.perf_counter() - t0)
@@ -598,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             r = bench_cpu(size, work, args.repeat, job)
             r.update(bench_replica(size, work, max(args.repeat, 3), job))
+            r["replica_over_memcpy"] = r["replica_gib_s"] / r["memcpy_gib_s"]
+            ray_path = bench_replica(size, work, max(args.repeat, 3), job, "ray")
+            r["replica_ray_gib_s"] = ray_path["replica_gib_s"]
+            r["replica_ray_lag_s"] = ray_path["replica_lag_s"]
             r.update(bench_reshard(size, work, job))
             results.append(r)
             print(f"{size:5d} MiB  memcpy {r['memcpy_gib_s']:6.2f} GiB/s | flash save "
@@ -606,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"torch.save+fsync {r['torch_save_fsync_gib_s']:5.2f} | dcp "
                   f"{r['dcp_save_gib_s']:5.2f} | load memory {r['load_memory_gib_s']:6.2f} | "
                   f"torch.load disk {r['torch_load_gib_s']:5.2f} (page cache "
-                  f"{r['torch_load_warm_gib_s']:.2f}) | replica {r['replica_gib_s']:.2f} | "
+                  f"{r['torch_load_warm_gib_s']:.2f}) | replica {r['replica_gib_s']:.2f} (ray "
+                  f"{r['replica_ray_gib_s']:.2f}) | "
                   f"restore 2->1 ranks {r['restore_other_world_size_s']:.3f} s (1->1 "
                   f"{r['restore_same_world_size_s']:.3f} s)", file=sys.stderr, flush=True)
         if torch.cuda.is_available():

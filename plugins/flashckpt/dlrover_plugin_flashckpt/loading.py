@@ -28,7 +28,7 @@ from dlrover_plugin_flashckpt import layout, shm, storage
 from dlrover_plugin_flashckpt.meta import unpack_meta
 from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, step_meta
 from dlrover_plugin_flashckpt.relayout import RelayoutMixin
-from dlrover_plugin_flashckpt.replica import ReplicaLoadingMixin
+from dlrover_plugin_flashckpt.replica_loading import ReplicaLoadingMixin
 
 log = logging.getLogger("dlrover_plugin_flashckpt.saver")
 

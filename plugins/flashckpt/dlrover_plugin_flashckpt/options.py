@@ -8,6 +8,7 @@ from typing import Any
 from dlrover_core.spec.errors import SpecError
 
 VERIFY_MODES = ("header", "data")
+REPLICA_TRANSPORTS = ("tcp", "ray")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class FlashOptions:
         replicas: copies of each node's newest saves kept in other nodes' memory (0 or
             1): after a save, the node's persister copies it asynchronously to the next
             node of the ring, so losing a node loses no saved step (:mod:`.replica`).
+        replica_transport: how a replica travels: ``tcp`` (default: one connection
+            from the source node's persister, received straight into the peer's
+            buffer; when it cannot connect, Ray's object store for that peer from
+            then on) or ``ray`` (always Ray's object store: nodes whose ephemeral ports
+            are closed to each other) (:mod:`.replica_stream`).
     """
 
     persist_every_steps: int = 1
@@ -47,6 +53,7 @@ class FlashOptions:
     wait_timeout_s: float = 600.0
     reserve_mib: float = 0.0
     replicas: int = 0
+    replica_transport: str = "tcp"
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> FlashOptions:
@@ -91,6 +98,12 @@ class FlashOptions:
                 raise SpecError("checkpoint.options.shm_dir", v, "an absolute directory path "
                                 "on a tmpfs, e.g. /dev/shm")
             out["shm_dir"] = v
+        if "replica_transport" in options:
+            v = options["replica_transport"]
+            if v not in REPLICA_TRANSPORTS:
+                raise SpecError("checkpoint.options.replica_transport", v,
+                                " or ".join(REPLICA_TRANSPORTS))
+            out["replica_transport"] = v
         if "verify_memory" in options:
             v = options["verify_memory"]
             if v not in VERIFY_MODES:

@@ -42,6 +42,7 @@ class Registration:
     run_id: str = ""
     shm_dir: str = "/dev/shm"
     replicas: int = 0
+    replica_transport: str = "tcp"
     extra: dict = field(default_factory=dict)
 
 

@@ -12,12 +12,15 @@ named ``dlrflash-<job>-<dir digest>-r<rank>-p<k>-n<holder node>``, two per sourc
 rank (one is written while the other keeps the previous step), READY with the step,
 the meta block and its crc32. Imports no torch.
 
-Transfer: the source persister maps its slot, puts the data area into the Ray object
-store (one copy), checks that the slot's sequence number did not move meanwhile (a
-save overwrote it: the replica is dropped), and calls the holder's persister, which
-receives the bytes through Ray's object transfer and copies them into its buffer.
-A trainer reads a replica on its own node by path, and one on another node through
-the holder's persister (:func:`read_replica` returns the bytes as a Ray object).
+Transfer: the source persister maps its slot and sends its data area over one TCP
+connection to the holder's persister, which receives it straight into its buffer
+(:mod:`.replica_stream`); when the slot's sequence number moved meanwhile (a save
+overwrote it) the replica is dropped, never marked READY. When the TCP path fails
+(no connection: a firewall between the nodes), the source puts the data area into
+the Ray object store instead and the holder copies it out after Ray's object
+transfer (``transport`` in :meth:`ReplicaMixin.replica_status`'s history says which).
+A trainer reads a replica by path on its own node, else through the holder's
+persister (:meth:`read_replica`, a Ray object; :mod:`.replica_loading`).
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ import traceback
 import zlib
 from typing import Any, Callable, Iterator
 
-from dlrover_plugin_flashckpt import layout, shm
-from dlrover_plugin_flashckpt.handles import alive_nodes, persisters_of
+from dlrover_plugin_flashckpt import shm
+from dlrover_plugin_flashckpt.handles import alive_nodes
 from dlrover_plugin_flashckpt.persisting import POLL_S
-from dlrover_plugin_flashckpt.reader import ShardReader, TornRead
+from dlrover_plugin_flashckpt.replica_stream import StreamError, send_over_tcp
 
 log = logging.getLogger("dlrover_plugin_flashckpt.persister")
 
@@ -63,21 +66,30 @@ def peer_of(node_id: str, alive: list[str]) -> str | None:
     return ring[(ring.index(node_id) + 1) % len(ring)]
 
 
-def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dict) -> str:
+def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dict,
+          fill: Callable[[memoryview], bool] | None = None) -> str | None:
     """Write one replica on the holder: ``info`` (``dir``, ``rank``, ``world_size``,
     ``step``, ``meta`` bytes, ``data_len``) and ``data`` (a buffer of ``data_len``
-    bytes). Takes the replica buffer of this rank that does not hold the newest step,
-    grows it when too small. Returns its name.
+    bytes), or, with ``fill``, what ``fill(dst)`` writes into the buffer's data area
+    ``dst`` (``data_len`` bytes; it returns False when what it wrote is torn: the
+    buffer is then left EMPTY). Takes the replica buffer of this rank that does not
+    hold the newest step, grows it when too small. Returns its name (``None``: torn).
 
     Raises:
         ShmSpaceError: too little shared memory on the holder.
         ValueError: ``data`` is not ``data_len`` bytes.
+        Whatever ``fill`` raises (the buffer is left WRITING: never listed).
     """
-    view = memoryview(data).cast("B")
     n, meta = int(info["data_len"]), bytes(info["meta"])
-    if len(view) != n:
-        raise ValueError(f"replica of rank {info['rank']} step {info['step']}: {len(view)} "
-                         f"bytes received, {n} expected")
+    if fill is None:
+        view = memoryview(data).cast("B")
+        if len(view) != n:
+            raise ValueError(f"replica of rank {info['rank']} step {info['step']}: "
+                             f"{len(view)} bytes received, {n} expected")
+
+        def fill(dst: memoryview) -> bool:
+            dst[:] = view
+            return True
     paths = [os.path.join(shm_dir, replica_name(job, info["dir"], info["rank"], k, holder))
              for k in range(REPLICA_SLOTS)]
     segs = [shm.Segment.attach(p) for p in paths]
@@ -101,7 +113,17 @@ def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dic
             h.state, h.seq = shm.WRITING, h.seq + 1
             h.writer_pid, h.writer_start = shm.my_identity()
             seg.write_header(h)
-        seg.mm[h.data_offset:h.data_offset + n] = view
+        whole = memoryview(seg.mm)
+        try:
+            ok = fill(whole[h.data_offset:h.data_offset + n])
+        finally:
+            whole.release()
+        if not ok:
+            with seg.locked():
+                h = seg.read_header()
+                h.state, h.step = shm.EMPTY, -1
+                seg.write_header(h)
+            return None
         seg.write_meta(meta)
         with seg.locked():
             h = seg.read_header()
@@ -237,19 +259,42 @@ class ReplicaMixin:
                              f"buffer of this job (names start {shm.job_prefix(self.job)!r})")
         return path
 
+    def _replica_ident(self, info: dict) -> dict:
+        """The identity of a replica buffer for ``info``.
+
+        Raises:
+            ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's."""
+        self._allowed_dir(info.get("dir"))
+        self._allowed_shm_dir(info.get("shm_dir", "/dev/shm"))
+        return {"job": self.job, "role": info.get("role", ""), "rank": info["rank"],
+                "world_size": info["world_size"], "dir": info["dir"], "session": self.session,
+                "run_id": info.get("run_id", ""), "replica_of": info.get("source", "")}
+
     def store_replica(self, info: dict, data: Any) -> str:
         """Hold a replica of another node's save (called by that node's persister;
         ``data`` arrives through Ray's object transfer). Returns the buffer name.
 
         Raises:
             ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's."""
-        self._allowed_dir(info.get("dir"))
-        self._allowed_shm_dir(info.get("shm_dir", "/dev/shm"))
-        ident = {"job": self.job, "role": info.get("role", ""), "rank": info["rank"],
-                 "world_size": info["world_size"], "dir": info["dir"], "session": self.session,
-                 "run_id": info.get("run_id", ""), "replica_of": info.get("source", "")}
+        ident = self._replica_ident(info)
         return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
-                             data, ident)
+                     data, ident)  # type: ignore[return-value]
+
+    def pull_replica(self, info: dict, addr: tuple[str, int], token: bytes) -> str | None:
+        """Hold a replica of another node's save, received over TCP from that node's
+        persister listening at ``addr`` (:mod:`.replica_stream`) straight into the
+        buffer. Returns the buffer name, or ``None`` when the source's slot changed
+        while it was sent (the buffer is left EMPTY).
+
+        Raises:
+            ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's.
+            replica_stream.StreamError: the connection failed or ended early."""
+        from dlrover_plugin_flashckpt.replica_stream import receive
+
+        ident = self._replica_ident(info)
+        where = (str(addr[0]), int(addr[1]))
+        return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info, None,
+                     ident, fill=lambda dst: receive(where, bytes(token), dst))
 
     def replicas(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
         """Replicas of ``directory`` held on this node: ``{"node_id", "held": [{"name",
@@ -317,84 +362,38 @@ class ReplicaMixin:
         import numpy as np
 
         meta = seg.meta_bytes(h)
-        ref = ray.put(np.frombuffer(seg.mm, dtype=np.uint8, count=h.data_len,
-                                    offset=h.data_offset))
-        again = seg.read_header()
-        if again.seq != h.seq or not shm.holds_step(again):
-            log.info("flash replica of %s rank %d step %d dropped: overwritten while copied",
-                     r.role, r.rank, h.step)
-            return True  # the newer save is replicated next
         info = {"dir": r.dir, "role": r.role, "rank": r.rank, "world_size": r.world_size,
                 "step": h.step, "meta": meta, "data_len": h.data_len, "saved_at": h.saved_at,
                 "run_id": r.run_id, "shm_dir": r.shm_dir, "source": self.node_id}
         holder = self._peer(peer)
-        name = ray.get(holder.store_replica.remote(info, ref), timeout=600)
-        del ref
+        ray_only = self.__dict__.setdefault("_ray_only_peers", set())  # TCP failed once
+        transport = "tcp" if r.replica_transport == "tcp" and peer not in ray_only else "ray"
+        if transport == "tcp":
+            try:
+                name = send_over_tcp(holder, info, seg, h)
+            except StreamError as exc:
+                log.warning("flash replica of %s rank %d step %d over TCP to node %s failed "
+                            "(%s); through Ray's object store, for this peer from now on",
+                            r.role, r.rank, h.step, peer[:12], exc)
+                ray_only.add(peer)
+                transport = "ray"
+        if transport == "ray":
+            ref = ray.put(np.frombuffer(seg.mm, dtype=np.uint8, count=h.data_len,
+                                        offset=h.data_offset))
+            again = seg.read_header()
+            name = (ray.get(holder.store_replica.remote(info, ref), timeout=600)
+                    if again.seq == h.seq and shm.holds_step(again) else None)
+            del ref
+        if name is None:
+            log.info("flash replica of %s rank %d step %d dropped: overwritten while copied",
+                     r.role, r.rank, h.step)
+            return True  # the newer save is replicated next
         with self._lock:
             self._replicated[(r.role, r.rank)] = (h.step, h.seq)
             self.replica_history.append({"role": r.role, "rank": r.rank, "step": h.step,
                                          "peer": peer, "name": name, "bytes": h.data_len,
+                                         "transport": transport,
                                          "seconds": round(time.monotonic() - t0, 4),
                                          "done_at": time.time()})
             del self.replica_history[:-50]
         return True
-
-
-class ReplicaLoadingMixin:
-    """The replica part of a load, for :class:`.saver.FlashSaver` (which provides the
-    rank and :meth:`_restore_from`): list the replicas of this rank's saves held by any
-    node's persister, and restore one (by path on this node, else through its holder)."""
-
-    # provided by FlashSaver
-    rank: int
-    world_size: int
-    job: str
-    dir: str
-    opts: Any
-
-    def _replica_steps(self) -> dict[int, dict]:
-        """step -> replica of this rank's save held by some node's persister
-        (``{"path", "node_id", "handle"}``), newest copy per step."""
-        import ray
-
-        out: dict[int, dict] = {}
-        try:
-            handles = persisters_of(self.job)
-            answers = ray.get([h.replicas.remote(self.dir, self.opts.shm_dir)
-                               for h in handles.values()], timeout=60)
-        except Exception as exc:  # noqa: BLE001 - no replica then
-            log.warning("could not list the flash replicas: %s", exc)
-            return out
-        for handle, a in zip(handles.values(), answers):
-            for r in a["held"]:
-                if r["rank"] == self.rank and r["world_size"] == self.world_size:
-                    out.setdefault(r["step"], {"path": r["path"], "node_id": a["node_id"],
-                                               "handle": handle})
-        return out
-
-    def _load_replica(self, state_dict: dict, step: int, rep: dict) -> None:
-        """Restore ``step`` from a replica in a peer's memory: by path when it is held
-        on this node, else through the holder's persister (a Ray object)."""
-        import ray
-
-        where = f"flash replica of rank {self.rank} step {step} on node {rep['node_id'][:12]}"
-        if rep["node_id"] == ray.get_runtime_context().get_node_id():
-            seg, h, meta = open_step(rep["path"], step)
-            try:
-                with ShardReader(rep["path"], h.data_offset) as rd:
-                    self._restore_from(state_dict, meta, step, where,
-                                       lambda e, dst: rd.submit(dst, e.offset))
-                    rd.drain()
-                if seg.read_header().seq != h.seq:
-                    raise TornRead(f"{where} was overwritten while it was read")
-            finally:
-                seg.close()
-            return
-        got = ray.get(rep["handle"].read_replica.remote(rep["path"], step), timeout=600)
-        data = got["data"]
-        import warnings
-
-        with warnings.catch_warnings():  # a read-only buffer, only read from
-            warnings.simplefilter("ignore", UserWarning)
-            self._restore_from(state_dict, got["meta"], step, where,
-                               lambda e, dst: dst.copy_(layout.tensor_view(data, 0, e)))

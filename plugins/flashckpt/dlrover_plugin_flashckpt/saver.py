@@ -211,7 +211,8 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
                 "dir": self.dir, "keep": self.config.keep, "slots": list(self.paths),
                 "persist_every_steps": self.opts.persist_every_steps,
                 "throttle_mib_s": self.opts.throttle_mib_s, "run_id": self._run_id or "",
-                "shm_dir": self.opts.shm_dir, "replicas": self.opts.replicas}
+                "shm_dir": self.opts.shm_dir, "replicas": self.opts.replicas,
+                "replica_transport": self.opts.replica_transport}
 
     def persister(self) -> Any:
         """The node's persister actor handle (found or created, and ready).

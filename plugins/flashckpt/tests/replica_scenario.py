@@ -29,7 +29,7 @@ from dlrover_plugin_flashckpt.persister import NAMESPACE, finish_job, persister_
 from dlrover_plugin_flashckpt.testing_workloads import SaverRank
 
 
-def main(work: str) -> None:
+def main(work: str, transport: str = "tcp") -> None:
     temp_dir = tempfile.mkdtemp(prefix="dlrep", dir="/tmp")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "temp_dir": temp_dir, "include_dashboard": False})
@@ -39,7 +39,8 @@ def main(work: str) -> None:
     init_ray(cluster.address)
     job = f"flashrep-{uuid.uuid4().hex[:6]}"
     ckpt = os.path.join(work, "ckpt")
-    options = {"replicas": 1, "persist_every_steps": 2, "wait_timeout_s": 120}
+    options = {"replicas": 1, "persist_every_steps": 2, "wait_timeout_s": 120,
+               "replica_transport": transport}
     actor = ray.remote(SaverRank)
     out: dict = {"job": job, "node_a": node_a.node_id, "node_b": node_b.node_id}
     try:
@@ -59,7 +60,7 @@ def main(work: str) -> None:
             if {(0, 3), (1, 3)} <= done:
                 break
             time.sleep(0.2)
-        out["replicas"] = [{k: h[k] for k in ("rank", "step", "peer", "bytes")}
+        out["replicas"] = [{k: h[k] for k in ("rank", "step", "peer", "bytes", "transport")}
                            for h in hist]
         out["committed_before"] = committed_steps(ckpt)
         cluster.remove_node(node_a)
@@ -98,4 +99,4 @@ def main(work: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -17,14 +17,17 @@ SCENARIO = os.path.join(os.path.dirname(__file__), "replica_scenario.py")
 
 
 @pytest.mark.slow
-def test_node_loss_restores_the_newest_saved_step_from_the_peer_replica(tmp_path):
-    run = subprocess.run([sys.executable, SCENARIO, str(tmp_path)], capture_output=True,
-                         text=True, timeout=540)
+@pytest.mark.parametrize("transport", ["tcp", "ray"])
+def test_node_loss_restores_the_newest_saved_step_from_the_peer_replica(tmp_path, transport):
+    run = subprocess.run([sys.executable, SCENARIO, str(tmp_path), transport],
+                         capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(run.stdout.strip().splitlines()[-1])
     assert res["saved_on"] == [res["node_a"]] * 2
     assert {(r["rank"], r["step"]) for r in res["replicas"]} >= {(0, 3), (1, 3)}
     assert all(r["peer"] != res["node_a"] for r in res["replicas"])
+    # tcp: sent over one connection into the peer's buffer; ray: the object store
+    assert {r["transport"] for r in res["replicas"]} == {transport}
     assert res["committed_before"][-1] == 2  # the disk is one save behind
     assert res["removed_buffers"] >= 2
     assert all(n not in (res["node_a"], res["node_b"]) for n in res["restored_on"])

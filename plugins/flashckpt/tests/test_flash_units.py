@@ -32,6 +32,7 @@ def test_options_defaults_and_values():
     ({"verify_memory": "all"}, "checkpoint.options.verify_memory", "header or data"),
     ({"shm_dir": "shm"}, "checkpoint.options.shm_dir", "absolute"),
     ({"throttle_mib_s": -1}, "checkpoint.options.throttle_mib_s", ">= 0"),
+    ({"replica_transport": "udp"}, "checkpoint.options.replica_transport", "tcp or ray"),
 ])
 def test_bad_options_name_key_value_and_allowed(options, key, allowed):
     with pytest.raises(SpecError) as e:

@@ -1,0 +1,176 @@
+"""Replica bytes over one TCP connection: from the source node's slot straight into
+the holder's replica buffer (``checkpoint.options.replicas``, :mod:`.replica`).
+
+The Ray object path copies a save three times (into the source's object store, the
+object transfer between the raylets, out of the holder's store into its buffer)
+and moves it in the object manager's chunks; this one sends the slot's mapped
+pages with ``sendall`` and the holder ``recv_into``\\ s its mapped buffer, so the
+bytes cross the kernel once each way (the way a parameter server or NCCL's socket
+transport moves tensors between hosts; across machines the NIC bounds it).
+
+Protocol (one connection per replica; the source listens, the holder connects, so
+only the source's port needs to be reachable):
+
+1. the source binds an ephemeral port on its node's IP and asks the holder's
+   persister to :meth:`pull <.replica.ReplicaMixin.pull_replica>` from it, with a
+   16-byte random token;
+2. the holder connects and sends the token; the source compares it (a connection
+   with another token is closed, the source keeps waiting until its deadline);
+3. the source sends the ``data_len`` bytes of its slot, then one verdict byte:
+   ``1`` when the slot's sequence number did not move while it was sent, ``0``
+   when a save overwrote it meanwhile (the holder then leaves the buffer not
+   READY: a torn replica is never listed or loaded).
+
+Imports no torch; Ray only in :func:`send_over_tcp`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import time
+from typing import Any, Callable
+
+TOKEN_BYTES = 16
+#: bytes per ``recv_into`` at most
+RECV_CHUNK = 16 << 20
+#: socket buffer sizes asked for (the kernel may cap them)
+SOCKET_BUFFER = 8 << 20
+#: seconds the holder tries to connect before the source falls back to Ray
+CONNECT_TIMEOUT_S = 10.0
+
+
+class StreamError(RuntimeError):
+    """The replica stream failed (no connection, a short read, a bad token)."""
+
+
+def new_token() -> bytes:
+    return os.urandom(TOKEN_BYTES)
+
+
+def listen(host: str) -> socket.socket:
+    """A listening TCP socket on ``host``, an ephemeral port."""
+    srv = socket.create_server((host, 0), backlog=4)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    return srv
+
+
+def send(srv: socket.socket, token: bytes, data: memoryview, verdict: Callable[[], bool],
+         timeout_s: float = 60.0, gave_up: Callable[[], bool] = lambda: False) -> bool:
+    """Serve one replica on the listening ``srv``: accept the holder's connection
+    (closing any that sends another token), send ``data``, then the verdict byte of
+    ``verdict()`` (called after the last byte). Returns the verdict.
+
+    ``gave_up()`` is polled while waiting for the connection (the holder's call
+    failed: stop waiting).
+
+    Raises:
+        StreamError: no connection with the token within ``timeout_s`` s, or the
+            connection broke.
+    """
+    deadline = time.monotonic() + timeout_s
+    srv.settimeout(0.2)
+    while True:
+        if time.monotonic() > deadline or gave_up():
+            raise StreamError(f"no holder connected with the token within {timeout_s} s")
+        try:
+            conn, _ = srv.accept()
+        except socket.timeout:
+            continue
+        conn.settimeout(timeout_s)
+        try:
+            got = _recv_exact(conn, TOKEN_BYTES)
+        except (OSError, StreamError):
+            conn.close()
+            continue
+        if not hmac.compare_digest(got, token):
+            conn.close()
+            continue
+        break
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        conn.sendall(data)
+        ok = bool(verdict())
+        conn.sendall(b"\x01" if ok else b"\x00")
+        return ok
+    except OSError as exc:
+        raise StreamError(f"replica stream broke after connecting: {exc}") from exc
+    finally:
+        conn.close()
+
+
+def receive(addr: tuple[str, int], token: bytes, dst: memoryview,
+            timeout_s: float = 60.0) -> bool:
+    """Connect to the source at ``addr`` (within :data:`CONNECT_TIMEOUT_S`), send
+    ``token``, receive ``len(dst)`` bytes into ``dst`` (in place, no other copy; each
+    ``recv`` waits ``timeout_s`` at most) and the verdict byte. Returns the verdict
+    (``False``: the source's slot changed while it was sent; ``dst`` is torn).
+
+    Raises:
+        StreamError: the connection failed or ended early.
+    """
+    try:
+        conn = socket.create_connection(addr, timeout=min(CONNECT_TIMEOUT_S, timeout_s))
+    except OSError as exc:
+        raise StreamError(f"could not connect to the replica source {addr}: {exc}") from exc
+    try:
+        conn.settimeout(timeout_s)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        conn.sendall(token)
+        n, off = len(dst), 0
+        while off < n:
+            got = conn.recv_into(dst[off:off + RECV_CHUNK])
+            if not got:
+                raise StreamError(f"replica stream from {addr} ended after {off} of {n} bytes")
+            off += got
+        return _recv_exact(conn, 1) == b"\x01"
+    except OSError as exc:
+        raise StreamError(f"replica stream from {addr} broke: {exc}") from exc
+    finally:
+        conn.close()
+
+
+def send_over_tcp(holder: Any, info: dict, seg: Any, h: Any) -> str | None:
+    """Send the data of the slot ``seg`` (a :class:`.shm.Segment`, header ``h``) to the
+    ``holder`` persister actor (its ``pull_replica``) over one TCP connection. Returns the holder's buffer name, or ``None``
+    when a save overwrote the slot while it was sent.
+
+    Raises:
+        StreamError: no connection, or it broke (the caller falls back to Ray)."""
+    import ray
+
+    from dlrover_plugin_flashckpt.shm import holds_step
+
+    srv = listen(ray.util.get_node_ip_address())
+    token = new_token()
+    try:
+        fut = holder.pull_replica.remote(info, srv.getsockname()[:2], token)
+
+        def unchanged() -> bool:
+            again = seg.read_header()
+            return again.seq == h.seq and holds_step(again)
+
+        whole = memoryview(seg.mm)
+        try:
+            send(srv, token, whole[h.data_offset:h.data_offset + h.data_len],
+                                unchanged, gave_up=lambda: bool(ray.wait([fut], timeout=0)[0]))
+        finally:
+            whole.release()
+        try:
+            return ray.get(fut, timeout=600)
+        except Exception as exc:  # noqa: BLE001 - the holder's side failed: fall back
+            raise StreamError(f"the holder failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        srv.close()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, off = memoryview(buf), 0
+    while off < n:
+        got = conn.recv_into(view[off:])
+        if not got:
+            raise StreamError(f"connection closed after {off} of {n} bytes")
+        off += got
+    return bytes(buf)
