@@ -295,11 +295,15 @@ def bench_replica(size_mib: int, work: str, repeat: int, job: str,
     the peer's buffer; ray: Ray object store, object transfer between the two raylets of
     this machine, copy into the peer's buffer), median of ``repeat`` saves after a first
     one that laid out the peer's buffers; ``replica_lag_s``: from the save's return to
-    the replica being complete."""
+    the replica being complete. Runs as a job of its own (``<job>-r<size><transport>``)
+    whose buffers, slots and replicas, are removed at the end, so that the next size
+    and transport have the memory."""
     import ray
 
-    from dlrover_plugin_flashckpt.persister import get_persister
+    from dlrover_plugin_flashckpt import shm
+    from dlrover_plugin_flashckpt.persister import finish_job, get_persister
 
+    job = f"{job}-r{size_mib}{transport}"
     state = make_state(size_mib)
     gib = nbytes(state) / GIB
     ckpt = os.path.join(work, f"replica{size_mib}{transport}")
@@ -327,6 +331,9 @@ def bench_replica(size_mib: int, work: str, repeat: int, job: str,
             seconds.append(hist[0]["seconds"])
             lags.append(time.perf_counter() - t0)
     saver.close()
+    finish_job(job, timeout=60)   # the persisters stop and unmap the buffers
+    for path in shm.list_segments("/dev/shm", shm.job_prefix(job)):
+        os.unlink(path)           # not committed (never persisted): finish_job keeps them
     shutil.rmtree(ckpt, ignore_errors=True)
     return {"replica_gib_s": gib / statistics.median(seconds),
             "replica_lag_s": statistics.median(lags)}
