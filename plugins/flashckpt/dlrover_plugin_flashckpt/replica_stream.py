@@ -133,8 +133,9 @@ def receive(addr: tuple[str, int], token: bytes, dst: memoryview,
 
 def send_over_tcp(holder: Any, info: dict, seg: Any, h: Any) -> str | None:
     """Send the data of the slot ``seg`` (a :class:`.shm.Segment`, header ``h``) to the
-    ``holder`` persister actor (its ``pull_replica``) over one TCP connection. Returns the holder's buffer name, or ``None``
-    when a save overwrote the slot while it was sent.
+    ``holder`` persister actor (its ``pull_replica``) over one TCP connection.
+    Returns the holder's buffer name, or ``None`` when a save overwrote the slot
+    while it was sent.
 
     Raises:
         StreamError: no connection, or it broke (the caller falls back to Ray)."""

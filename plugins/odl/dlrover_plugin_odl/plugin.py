@@ -91,7 +91,7 @@ def apply_odl(spec: Any) -> None:
     if odl.buffer < trainer.total:
         raise SpecError("config.odl.buffer", odl.buffer,
                         f"at least roles.trainer.total={trainer.total}",
-                        "each trainer rank takes one chunk per step")
+                        "each trainer rank takes one chunk per trainer call")
     if trainer.total > 1 and not trainer.backend:
         raise SpecError("roles.trainer.backend", trainer.backend,
                         "a backend such as ddp when roles.trainer.total > 1",

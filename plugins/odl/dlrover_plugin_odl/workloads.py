@@ -18,7 +18,7 @@ config.odl.chunk_batches`` records of one partition; the trainer runs one optimi
 step per ``batch_size`` of them. A batch is a dict of tensors with dim 0 = records (``x``:
 float32 ``[N, features]``, ``y``: int64 ``[N]`` by default).
 
-The trainer is prequential (test-then-train, Gama et al., 2013): each chunk is
+The trainer is prequential (test-then-train, Gama et al., 2013): each batch is
 scored by the current model, in eval mode, before the model trains on it, in
 train mode (:func:`prequential_step`); the counters, the baselines and the kappas
 are :class:`~dlrover_plugin_odl.prequential.PrequentialStats`.
