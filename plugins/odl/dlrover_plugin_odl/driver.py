@@ -89,7 +89,8 @@ class ODLTrainer(BaseTrainer):
         self.evals = list(groups["eval"].handles) if "eval" in groups else []
         if self.odl.buffer < len(self.trainers):
             raise ValueError(f"config.odl.buffer={self.odl.buffer} is smaller than the "
-                             f"{len(self.trainers)} trainer ranks: a trainer call needs one chunk per rank")
+                             f"{len(self.trainers)} trainer ranks: a trainer call needs "
+                             "one chunk per rank")
         progress = ray.get(self.trainers[0].call.remote("resume_state"))
         self.step = int(progress["step"])
         self.records = int(progress["records"])
