@@ -62,9 +62,10 @@ class ODLConfig:
             which a multiple of it is reached. report_every: trainer steps between
             metric reports (likewise at the end of a call). window: records in the
             sliding prequential accuracy (whole trainer calls). log_record_ids
-            (default true): every source instance appends the records it hands out, and every trainer rank the ids it trained, to
-            logs under ``<job dir>/odl/``, from which the driver counts ``lost`` and
-            ``duplicated`` records at the end (:mod:`dlrover_plugin_odl.ledger`; one
+            (default true): every source instance appends the records it hands out,
+            and every trainer rank the ids it trained, to logs under ``<job
+            dir>/odl/``, from which the driver counts ``lost`` and ``duplicated``
+            records at the end (:mod:`dlrover_plugin_odl.ledger`; one
             short line per record and stage: turn it off for an endless stream).
     """
 
