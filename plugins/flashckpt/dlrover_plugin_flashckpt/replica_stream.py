@@ -154,8 +154,8 @@ def send_over_tcp(holder: Any, info: dict, seg: Any, h: Any) -> str | None:
 
         whole = memoryview(seg.mm)
         try:
-            send(srv, token, whole[h.data_offset:h.data_offset + h.data_len],
-                                unchanged, gave_up=lambda: bool(ray.wait([fut], timeout=0)[0]))
+            send(srv, token, whole[h.data_offset:h.data_offset + h.data_len], unchanged,
+                 gave_up=lambda: bool(ray.wait([fut], timeout=0)[0]))
         finally:
             whole.release()
         try:
