@@ -74,6 +74,7 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         self.removed_stale = self._sweep(shm_dir)
         #: (role, rank) -> (step, seq) of the last save replicated to the peer
         self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
+        self._ray_only_peers: set[str] = set()   # peers the TCP replica path failed for
         #: finished replications: role, rank, step, peer, bytes, seconds
         self.replica_history: list[dict] = []
         self._repl_wake = threading.Event()

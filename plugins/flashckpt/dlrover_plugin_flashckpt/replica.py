@@ -238,6 +238,7 @@ class ReplicaMixin:
     _repl_wake: threading.Event
     _regs: dict[tuple[str, int], Any]
     _replicated: dict[tuple[str, int], tuple[int, int]]
+    _ray_only_peers: set[str]
     replica_history: list[dict]
     # and the methods _peer, _allowed_shm_dir, _allowed_dir (FlashPersister),
     # _rank_steps and _error (PersistMixin)
@@ -366,8 +367,8 @@ class ReplicaMixin:
                 "step": h.step, "meta": meta, "data_len": h.data_len, "saved_at": h.saved_at,
                 "run_id": r.run_id, "shm_dir": r.shm_dir, "source": self.node_id}
         holder = self._peer(peer)
-        ray_only = self.__dict__.setdefault("_ray_only_peers", set())  # TCP failed once
-        transport = "tcp" if r.replica_transport == "tcp" and peer not in ray_only else "ray"
+        transport = ("tcp" if r.replica_transport == "tcp" and peer not in self._ray_only_peers
+                     else "ray")
         if transport == "tcp":
             try:
                 name = send_over_tcp(holder, info, seg, h)
@@ -375,7 +376,7 @@ class ReplicaMixin:
                 log.warning("flash replica of %s rank %d step %d over TCP to node %s failed "
                             "(%s); through Ray's object store, for this peer from now on",
                             r.role, r.rank, h.step, peer[:12], exc)
-                ray_only.add(peer)
+                self._ray_only_peers.add(peer)
                 transport = "ray"
         if transport == "ray":
             ref = ray.put(np.frombuffer(seg.mm, dtype=np.uint8, count=h.data_len,

@@ -88,8 +88,7 @@ def send(srv: socket.socket, token: bytes, data: memoryview, verdict: Callable[[
             conn.close()
             continue
         break
-    try:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    try:  # the connection has the listening socket's send buffer size
         conn.sendall(data)
         ok = bool(verdict())
         conn.sendall(b"\x01" if ok else b"\x00")

@@ -252,21 +252,21 @@ class OnlineTrainerWorkload(BaseWorkload):
                                f"{self.progress['step']}: driver and trainer are out of sync")
         n = int(chunk["n"]) if chunk else 0
         size = self.odl.batch_size
-        if -(-n // size) > steps:
+        own = -(-n // size)   # this rank's batches
+        if own > steps:
             raise ValueError(f"train_step(steps={steps}) for a chunk of {n} records: "
-                             f"{-(-n // size)} batches of config.odl.batch_size={size}")
+                             f"{own} batches of config.odl.batch_size={size}")
         every = self.checkpointer.every_steps
         if step > 0 and every and step // every > self._call_step // every:
             self._save(step)
         self._call_step = step
         predicted, losses = [], []
-        if n:
+        spare = None   # the batch of the steps past this rank's own (DDP ranks only)
+        if own < steps and n:
             spare = batch_slice(chunk["batch"], 0, min(n, size), n)
-        elif shadow is not None and int(shadow["n"]):
+        elif own < steps and shadow is not None and int(shadow["n"]):
             spare = batch_slice(shadow["batch"], 0, min(int(shadow["n"]), size),
                                 int(shadow["n"]))
-        else:
-            spare = None
         for i in range(steps):
             batch = batch_slice(chunk["batch"], i * size, min(n, (i + 1) * size), n) \
                 if i * size < n else None
