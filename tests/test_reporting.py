@@ -20,6 +20,7 @@ class Sink:
     def __call__(self, step, metrics, ts):
         with self.lock:
             self.sent.append((step, metrics, ts))
+            return f"ref-{step}"  # what master.report.remote returns: a handle to wait on
 
 
 def test_rank0_sends_every_report():
@@ -56,8 +57,10 @@ def test_close_flushes_the_pending_step():
     r.report(0, {}, ts=1.0)
     r.report(1, {}, ts=2.0)
     assert [x[0] for x in sink.sent] == [0]
+    assert r.last_sent == "ref-0"
     r.close()
     assert [x[0] for x in sink.sent] == [0, 1]
+    assert r.last_sent == "ref-1"  # the host waits on it before its run returns
     r.close()  # idempotent
     assert len(sink.sent) == 2
 

@@ -178,6 +178,13 @@ class WorkloadHost(HostBase):
         return self._run_guarded(w.run, self.context.role, self.context.rank,
                                  lambda: w._last_step)
 
+    def _last_report(self) -> Any:
+        reporter = getattr(self.workload, "_reporter", None)
+        if reporter is None:
+            return None
+        reporter.flush()  # a coalescing rank's newest step goes now, not an interval later
+        return reporter.last_sent
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``workload.<method>(*args, **kwargs)``; ``DRef`` arguments are fetched here.
 
@@ -257,6 +264,9 @@ class DriverHost(HostBase):
     def run(self) -> Any:
         t = self.trainer
         return self._run_guarded(t.fit, "driver", 0, lambda: t._last_step)
+
+    def _last_report(self) -> Any:
+        return getattr(self.trainer, "_last_report", None)
 
     @ray.method(concurrency_group="monitor")
     def shutdown(self) -> None:

@@ -21,6 +21,10 @@ import ray
 from dlrover_core.runtime import attempt_log
 from dlrover_core.runtime.errors import WorkloadError
 
+#: Longest wait (s) at the end of a run for the master to take the last step report (a
+#: master that is restarting then asks for ``progress()`` instead).
+REPORT_DRAIN_S = 5.0
+
 
 def _qualname(exc: BaseException) -> str:
     t = type(exc)
@@ -161,10 +165,28 @@ class HostBase:
                 self._run_done.set()
                 raise
         attempt_log.ended(step_of())
+        self._reports_delivered()
         self._busy = None
         self._run_outcome = (True, result)
         self._run_done.set()
         return result
+
+    def _last_report(self) -> Any:
+        """The ObjectRef of this instance's newest ``master.report`` call, or ``None``."""
+        return None
+
+    def _reports_delivered(self, timeout_s: float = REPORT_DRAIN_S) -> None:
+        """Wait (at most ``timeout_s``) until the master has taken the newest step report.
+
+        Reports are fire-and-forget calls in the master's ``report`` concurrency group,
+        and the end of a run reaches the master on another path: without this wait the
+        master could write the summary before the last step's metrics arrived."""
+        try:
+            ref = self._last_report()
+            if isinstance(ref, ray.ObjectRef):
+                ray.wait([ref], timeout=timeout_s, fetch_local=False)
+        except Exception:  # noqa: BLE001 - the run succeeded; a lost report is not its error
+            traceback.print_exc()
 
     @ray.method(concurrency_group="monitor")
     def wait_run(self, timeout: float | None = None) -> dict:

@@ -71,6 +71,9 @@ class StepReporter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.sent = 0
+        #: what the newest ``send`` returned (in a worker: the ObjectRef of the master's
+        #: ``report`` call, which a host waits on before its run returns)
+        self.last_sent: Any = None
 
     def report(self, step: int, metrics: dict, ts: float | None = None) -> None:
         """Record that ``step`` ended (``ts``: unix s, default now) with ``metrics``."""
@@ -104,7 +107,7 @@ class StepReporter:
     def _deliver(self, step: int, metrics: dict, ts: float) -> None:
         self._sent_step = step
         self.sent += 1
-        self._send(step, metrics, ts)
+        self.last_sent = self._send(step, metrics, ts)
 
 
 def _pump(ref: weakref.ref) -> None:

@@ -93,6 +93,7 @@ class BaseTrainer:
         self._config = OmegaConf.create(config if config is not None else (context.config or {}))
         self._last_step = -1
         self._master: Any = None
+        self._last_report: Any = None  # ObjectRef of the newest master.report call
         for role, group in context.role_groups.items():
             setattr(self, f"RG_{role.upper()}", group)
 
@@ -177,5 +178,5 @@ class BaseTrainer:
         if self._master is None:
             self._master = ray.get_actor(master_actor_name(self._context.job),
                                          namespace=MASTER_NAMESPACE)
-        self._master.report.remote("driver", 0, int(step),
-                                   {k: float(v) for k, v in metrics.items()}, time.time())
+        self._last_report = self._master.report.remote(
+            "driver", 0, int(step), {k: float(v) for k, v in metrics.items()}, time.time())
