@@ -136,10 +136,13 @@ class RelayoutMixin:
                 if m.get("rank") != r or m.get("step") != step:
                     raise CorruptCheckpointError(f"{path}: holds rank {m.get('rank')} step "
                                                  f"{m.get('step')}, expected rank {r} step {step}")
-                sources.append(RankSource(r, m, lambda e, off, dst, rd=rd:
-                                          rd.read_into(dst, e.offset + off)))
+                sources.append(RankSource(
+                    r, m, lambda e, off, dst, rd=rd: rd.read_into(dst, e.offset + off),
+                    lambda e, off, dst, rd=rd: rd.submit(dst, e.offset + off)))
             restore_resharded(state_dict, sources, self.rank,
                               f"step {step} of world size {len(paths)} ({where})")
+            for rd in readers:  # every overlap's read, all started above
+                rd.drain()
             for seg, seq in checks:
                 h2 = seg.read_header()
                 if h2.seq != seq or not shm.holds_step(h2):

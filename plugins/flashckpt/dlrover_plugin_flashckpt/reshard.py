@@ -58,11 +58,20 @@ class RankSource:
         rank: the saved rank. meta: its unpacked meta block (``table``, ``skeleton``).
         read: ``read(entry, byte_offset, dst)`` fills the contiguous CPU tensor ``dst``
             with the entry's bytes from ``byte_offset`` on.
+        submit: like ``read``, but may return before ``dst`` is filled (reads of every
+            overlap then run at once, in the reader's threads); the caller of
+            :func:`restore_resharded` waits for them. ``None``: ``read``.
     """
 
     rank: int
     meta: dict
     read: Callable[[TensorEntry, int, "torch.Tensor"], None]
+    submit: Callable[[TensorEntry, int, "torch.Tensor"], None] | None = None
+
+    def fill(self, e: TensorEntry, offset: int, dst: torch.Tensor) -> None:
+        """Start filling ``dst``, a tensor of the live state nothing reads before the
+        restore ends (``submit`` when given, else ``read``)."""
+        (self.submit or self.read)(e, offset, dst)
 
     def whole(self, e: TensorEntry) -> torch.Tensor:
         import torch
@@ -106,7 +115,7 @@ def _copy_boxes(dst: torch.Tensor, dst_off: tuple[int, ...], shape: tuple[int, .
         part = dst.narrow(0, lo[0] - dst_off[0], hi[0] - lo[0])
         if rows_whole and part.is_contiguous():
             row = math.prod(e.shape[1:]) * part.element_size()
-            src.read(e, (lo[0] - soff[0]) * row, part)
+            src.fill(e, (lo[0] - soff[0]) * row, part)
             continue
         whole = src.whole(e)
         sl_src = tuple(slice(lw - o, h - o) for lw, h, o in zip(lo, hi, soff))
@@ -153,7 +162,8 @@ def _union(into: Any, other: Any, rank: int) -> Any:
 def restore_resharded(template: Any, sources: list[RankSource], rank: int, where: str) -> Any:
     """Load the save of ``len(sources)`` ranks into ``template`` (the live state of
     rank ``rank`` of this world size, which may differ from the saved one, or of the
-    same world size in another layout) in place; returns the root.
+    same world size in another layout) in place; returns the root. Reads started with
+    a source's ``submit`` may still run: the caller waits for them before using it.
 
     Each live tensor is filled from the saved shards of its path that overlap it (from
     whichever saved ranks hold that path: pipeline stages hold different layers), or,
@@ -209,7 +219,7 @@ def restore_resharded(template: Any, sources: list[RankSource], rank: int, where
                                   f"{src.rank} but {layout.dtype_name(dst.dtype)} in the live "
                                   "state")
             if tuple(dst.shape) == e.shape:
-                src.read(e, 0, dst)
+                src.fill(e, 0, dst)
             elif layout.is_dtensor(live) and gshape == e.shape:  # a shard of the whole
                 _copy_boxes(dst, off, gshape, [(src, e)], where)
             else:

@@ -364,3 +364,33 @@ def test_reshard_places_saved_shards_into_another_world_size():
     # a saved shard missing: the live tensor is not covered
     with pytest.raises(layout.LayoutError, match="are not all ranks"):
         restore_resharded(live, sources[1:], 0, "test")
+
+
+def test_shard_region_is_torchs_local_shape_and_global_offset():
+    """layout.shard_region against torch's own ``_compute_local_shape_and_global_offset``
+    (plain data, no process group) at every coordinate of 1-D and 2-D meshes, even and
+    uneven splits, empty shards, nested shards of one dim; a ``_StridedShard`` is left
+    to torch (``None``)."""
+    from itertools import product
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layouts = {(3,): [[Shard(0)], [Replicate()], [Shard(1)]],
+               (2, 3): [[Shard(0), Shard(0)], [Shard(0), Shard(1)], [Shard(1), Shard(0)],
+                        [Replicate(), Shard(0)], [Shard(1), Partial()]]}
+    shapes = [(7, 5), (2, 9), (1, 1), (12, 4), (0, 3)]
+    checked = 0
+    for mesh_shape, placement_sets in layouts.items():
+        for placements, shape in product(placement_sets, shapes):
+            for coord in product(*(range(n) for n in mesh_shape)):
+                want = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord),
+                                                              placements)
+                got = layout.shard_region(shape, mesh_shape, list(coord), placements)
+                assert got == (tuple(want[0]), tuple(int(o) for o in want[1])), \
+                    (mesh_shape, placements, shape, coord, got, want)
+                checked += 1
+    assert checked == 5 * (3 * 3 + 5 * 6)
+    strided = [_StridedShard(0, split_factor=2), Shard(0)]
+    assert layout.shard_region((8, 2), (2, 2), [0, 1], strided) is None
