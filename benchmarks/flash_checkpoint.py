@@ -12,6 +12,10 @@ For each state size (float32 tensors, 16 of them per state), in one run:
   ``sync_files=True``;
 - ``load_memory_gib_s``: ``FlashSaver.load`` into a preallocated state by a fresh
   saver (new mappings, as a restarted process has), header checks included;
+  ``load_over_memcpy`` its ratio to ``memcpy_gib_s``; ``pread_shm_gib_s``: bare
+  ``os.preadv`` calls (32 MiB each, over the reader's threads) of the same bytes from a
+  ``/dev/shm`` file into the preallocated state: the kernel's copy out of shared memory,
+  the bound of a load that does not map the buffer (``load_over_pread_shm``);
 - ``torch_load_gib_s``: ``torch.load`` of the ``torch.save`` file after its pages were
   dropped from the page cache (``posix_fadvise(DONTNEED)``), i.e. from the disk;
   ``torch_load_warm_gib_s`` is the same from the page cache;
@@ -28,7 +32,8 @@ For each state size (float32 tensors, 16 of them per state), in one run:
   Ray's object store (``replica_transport: ray``), the path before the TCP one;
 - ``restore_other_world_size_s``: a state saved by 2 ranks (``Shard(0)`` DTensors,
   gloo, Ray actors) loaded into 1 rank from memory; ``restore_same_world_size_s``: the
-  same state saved by 1 rank, loaded by 1.
+  same state saved by 1 rank, loaded by 1 (each the median of ``--repeat`` loads, at
+  least 3, by new actors); ``restore_other_over_same``: their ratio.
 
 Each figure is the median of ``--repeat`` runs (at least 5 for the in-memory ones,
 which are interleaved: one memcpy, one save, one load per round). With a CUDA GPU the state is also
@@ -48,6 +53,7 @@ a plain ``tensor.to("cpu", non_blocking=True)`` of the same tensors into pinned 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -196,6 +202,29 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
         while fresh:
             fresh.pop().close()
 
+    # the kernel's copy out of shared memory without mapping it, as a load reads: the
+    # same bytes in a /dev/shm file, os.preadv of 32 MiB per call over the reader's threads
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dlrover_plugin_flashckpt.reader import CHUNK, _threads
+
+    bound_path = f"/dev/shm/flashbench-pread-{os.getpid()}-{size_mib}"
+    with open(bound_path, "wb") as f:
+        for v in state["model"].values():
+            f.write(memoryview(v.numpy()).cast("B"))
+    bound_fd = os.open(bound_path, os.O_RDONLY)
+    pool = ThreadPoolExecutor(_threads())
+
+    def pread_shm() -> None:
+        parts, pos = [], 0
+        for v in dst["model"].values():
+            n = v.numel() * v.element_size()
+            parts += [(v.data_ptr() + o, min(CHUNK, n - o), pos + o) for o in range(0, n, CHUNK)]
+            pos += n
+        for f in [pool.submit(lambda a, n, o: os.preadv(
+                bound_fd, [(ctypes.c_char * n).from_address(a)], o), *p) for p in parts]:
+            assert f.result() > 0
+
     memcpy()  # fault the destination in
     # the first save of a saver that reserved nothing: it lays out its buffer itself
     # (one slot, so that the figure is one allocation)
@@ -238,9 +267,11 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     saver.wait()
     flash_load()
     unmap()
-    times: dict[str, list[float]] = {"memcpy": [], "save": [], "load": []}
+    times: dict[str, list[float]] = {"memcpy": [], "save": [], "load": [], "pread": []}
+    pread_shm()
     for _ in range(max(repeat, 5)):
         times["memcpy"].append(median_s(memcpy, 1))
+        times["pread"].append(median_s(pread_shm, 1))
         times["save"].append(median_s(flash_save, 1))
         saver.wait()  # untimed: the persister's write would compete for the cores
         times["load"].append(median_s(flash_load, 1))
@@ -251,6 +282,12 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     out["first_over_steady"] = first / statistics.median(times["save"])
     out["save_over_memcpy"] = out["flash_save_gib_s"] / out["memcpy_gib_s"]
     out["load_memory_gib_s"] = gib / statistics.median(times["load"])
+    out["pread_shm_gib_s"] = gib / statistics.median(times["pread"])
+    out["load_over_memcpy"] = out["load_memory_gib_s"] / out["memcpy_gib_s"]
+    out["load_over_pread_shm"] = out["load_memory_gib_s"] / out["pread_shm_gib_s"]
+    pool.shutdown()
+    os.close(bound_fd)
+    os.unlink(bound_path)
     assert torch.equal(template["model"]["layer0.weight"], state["model"]["layer0.weight"])
     del template, dst
     saver.close()
@@ -385,10 +422,11 @@ class ReshardRank:
                 "exact": bool(torch.equal(got, want))}
 
 
-def bench_reshard(size_mib: int, work: str, job: str) -> dict:
+def bench_reshard(size_mib: int, work: str, job: str, repeat: int) -> dict:
     """``restore_other_world_size_s``: a state saved by 2 ranks (``Shard(0)``
     DTensors, gloo) loaded into 1 rank from shared memory (and, for comparison, the
-    load of the same state saved by 1 rank: ``restore_same_world_size_s``)."""
+    load of the same state saved by 1 rank: ``restore_same_world_size_s``); each the
+    median of ``repeat`` loads by new actors; ``restore_other_over_same`` their ratio."""
     import socket
 
     import ray
@@ -403,25 +441,31 @@ def bench_reshard(size_mib: int, work: str, job: str) -> dict:
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0)(ReshardRank).options(scheduling_strategy=here)
     ckpt = os.path.join(work, f"reshard{size_mib}")
-    out: dict[str, Any] = {}
     p = port()
     two = [actor.remote(r, 2, p, size_mib, job, ckpt) for r in range(2)]
     ray.get([a.save.remote(1) for a in two])
     for a in two:
         ray.kill(a)
-    one = actor.remote(0, 1, port(), size_mib, job, ckpt)
-    got = ray.get(one.load.remote())
-    assert got["step"] == 1 and got["source"] == "memory-resharded" and got["exact"], got
-    out["restore_other_world_size_s"] = got["seconds"]
-    ray.get(one.save.remote(2))  # the same state saved by one rank, loaded again
-    ray.kill(one)
-    again = actor.remote(0, 1, port(), size_mib, job, ckpt)
-    got = ray.get(again.load.remote())
-    assert got["step"] == 2 and got["source"] == "memory" and got["exact"], got
-    out["restore_same_world_size_s"] = got["seconds"]
-    ray.kill(again)
+
+    def loads(step: int, source: str) -> list[float]:
+        """Seconds of ``repeat`` loads, each by a new 1-rank actor (a restarted trainer)."""
+        seconds = []
+        for _ in range(repeat):
+            one = actor.remote(0, 1, port(), size_mib, job, ckpt)
+            got = ray.get(one.load.remote())
+            assert got["step"] == step and got["source"] == source and got["exact"], got
+            seconds.append(got["seconds"])
+            if step == 1 and len(seconds) == repeat:  # the same state saved by one rank
+                ray.get(one.save.remote(2))
+            ray.kill(one)
+        return seconds
+
+    other = loads(1, "memory-resharded")
+    same = loads(2, "memory")
     shutil.rmtree(ckpt, ignore_errors=True)
-    return out
+    return {"restore_other_world_size_s": statistics.median(other),
+            "restore_same_world_size_s": statistics.median(same),
+            "restore_other_over_same": statistics.median(other) / statistics.median(same)}
 
 
 def bench_gpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
@@ -618,13 +662,14 @@ def main(argv: list[str] | None = None) -> int:
             ray_path = bench_replica(size, work, max(args.repeat, 3), job, "ray")
             r["replica_ray_gib_s"] = ray_path["replica_gib_s"]
             r["replica_ray_lag_s"] = ray_path["replica_lag_s"]
-            r.update(bench_reshard(size, work, job))
+            r.update(bench_reshard(size, work, job, max(args.repeat, 3)))
             results.append(r)
             print(f"{size:5d} MiB  memcpy {r['memcpy_gib_s']:6.2f} GiB/s | flash save "
                   f"{r['flash_save_gib_s']:6.2f} (first {r['flash_save_first_gib_s']:.2f}, "
                   f"unreserved {r['flash_save_unreserved_gib_s']:.2f}) | "
                   f"torch.save+fsync {r['torch_save_fsync_gib_s']:5.2f} | dcp "
-                  f"{r['dcp_save_gib_s']:5.2f} | load memory {r['load_memory_gib_s']:6.2f} | "
+                  f"{r['dcp_save_gib_s']:5.2f} | load memory {r['load_memory_gib_s']:6.2f} (pread "
+                  f"{r['pread_shm_gib_s']:.2f}) | "
                   f"torch.load disk {r['torch_load_gib_s']:5.2f} (page cache "
                   f"{r['torch_load_warm_gib_s']:.2f}) | replica {r['replica_gib_s']:.2f} (ray "
                   f"{r['replica_ray_gib_s']:.2f}) | "
