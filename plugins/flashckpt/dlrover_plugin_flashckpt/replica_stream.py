@@ -109,13 +109,20 @@ def receive(addr: tuple[str, int], token: bytes, dst: memoryview,
     Raises:
         StreamError: the connection failed or ended early.
     """
+    conn = None
     try:
-        conn = socket.create_connection(addr, timeout=min(CONNECT_TIMEOUT_S, timeout_s))
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(*addr, type=socket.SOCK_STREAM)[0]
+        conn = socket.socket(family, kind, proto)
+        # before connect: the window scale is agreed in the handshake (tcp(7))
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        conn.settimeout(min(CONNECT_TIMEOUT_S, timeout_s))
+        conn.connect(sockaddr)
     except OSError as exc:
+        if conn is not None:
+            conn.close()
         raise StreamError(f"could not connect to the replica source {addr}: {exc}") from exc
     try:
         conn.settimeout(timeout_s)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         conn.sendall(token)
         n, off = len(dst), 0
         while off < n:
