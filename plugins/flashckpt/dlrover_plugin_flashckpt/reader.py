@@ -77,6 +77,7 @@ class ShardReader:
         self.fd = os.open(path, os.O_RDONLY)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list = []
+        self._cuda_devices: set = set()  # devices with copies still in flight (drain waits)
 
     def close(self) -> None:
         try:
@@ -108,8 +109,10 @@ class ShardReader:
             done += n
 
     def read_into(self, dst: torch.Tensor, offset: int) -> None:
-        """Fill ``dst`` (a CPU tensor) with the bytes at data offset ``offset``; a
-        non-contiguous ``dst`` is filled through a temporary contiguous copy.
+        """Fill ``dst`` with the bytes at data offset ``offset``: a CPU tensor in place;
+        a contiguous CUDA tensor through pinned host chunks (:meth:`_read_to_cuda`:
+        the copies may still run when this returns; :meth:`drain` waits for them);
+        another tensor through a temporary contiguous CPU copy.
 
         Raises:
             OSError: the file is shorter than the range.
@@ -118,6 +121,9 @@ class ShardReader:
 
         nbytes = dst.numel() * dst.element_size()
         if nbytes == 0:
+            return
+        if dst.device.type == "cuda" and dst.is_contiguous():
+            self._read_to_cuda(dst, offset, nbytes)
             return
         if dst.device.type != "cpu" or not dst.is_contiguous():
             tmp = torch.empty(dst.shape, dtype=dst.dtype)
@@ -133,6 +139,33 @@ class ShardReader:
         parts = [(address + o, min(CHUNK, nbytes - o), offset + o) for o in range(0, nbytes, CHUNK)]
         for f in [self._pool.submit(self._read_exact, *p) for p in parts]:
             f.result()
+
+    def _read_to_cuda(self, dst: torch.Tensor, offset: int, nbytes: int) -> None:
+        """Read ``CHUNK``-byte pieces into pinned host memory (torch's caching host
+        allocator, which reuses a block once the copy from it has ended), a few at a
+        time over the reader's threads, and copy each to its place in ``dst`` with
+        ``copy_(non_blocking=True)`` on the current stream: a DMA from pinned memory,
+        where a copy from pageable memory would first fault in a temporary tensor and
+        then copy synchronously."""
+        import torch
+
+        flat = dst.view(-1).view(torch.uint8)
+        starts = list(range(0, nbytes, CHUNK))
+        width = _threads()
+        for i in range(0, len(starts), width):
+            batch = [(o, min(CHUNK, nbytes - o)) for o in starts[i:i + width]]
+            hosts = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _, n in batch]
+            reads = [(h.data_ptr(), n, offset + o) for (o, n), h in zip(batch, hosts)]
+            if len(reads) == 1:
+                self._read_exact(*reads[0])
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="flash-read")
+                for f in [self._pool.submit(self._read_exact, *r) for r in reads]:
+                    f.result()
+            for (o, n), h in zip(batch, hosts):
+                flat[o:o + n].copy_(h, non_blocking=True)
+        self._cuda_devices.add(dst.device)
 
     def submit(self, dst: torch.Tensor, offset: int) -> None:
         """:meth:`read_into` in the reader's threads when ``dst`` is large (the call
@@ -150,7 +183,8 @@ class ShardReader:
                                                    min(CHUNK, nbytes - o), offset + o))
 
     def drain(self) -> None:
-        """Wait for the reads :meth:`submit` started; raises the first error."""
+        """Wait for the reads :meth:`submit` started and the copies to CUDA tensors;
+        raises the first error."""
         pending, self._pending = self._pending, []
         err = None
         for f in pending:
@@ -158,6 +192,12 @@ class ShardReader:
                 f.result()
             except BaseException as exc:  # noqa: BLE001 - wait for all, raise the first
                 err = err or exc
+        devices, self._cuda_devices = self._cuda_devices, set()
+        if devices:
+            import torch
+
+            for device in devices:  # the host-to-device copies of _read_to_cuda
+                torch.cuda.synchronize(device)
         if err is not None:
             raise err
 
