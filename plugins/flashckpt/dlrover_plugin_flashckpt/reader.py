@@ -134,10 +134,22 @@ class ShardReader:
         if nbytes < PARALLEL_MIN or _threads() == 1:
             self._read_exact(address, nbytes, offset)
             return
+        self._read_parts([(address + o, min(CHUNK, nbytes - o), offset + o)
+                          for o in range(0, nbytes, CHUNK)])
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The reader's threads (started at the first parallel read)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="flash-read")
-        parts = [(address + o, min(CHUNK, nbytes - o), offset + o) for o in range(0, nbytes, CHUNK)]
-        for f in [self._pool.submit(self._read_exact, *p) for p in parts]:
+        return self._pool
+
+    def _read_parts(self, parts: list[tuple[int, int, int]]) -> None:
+        """:meth:`_read_exact` of each ``(address, nbytes, offset)``, over the reader's
+        threads when there are several; returns once all are read."""
+        if len(parts) == 1:
+            self._read_exact(*parts[0])
+            return
+        for f in [self._executor().submit(self._read_exact, *p) for p in parts]:
             f.result()
 
     def _read_to_cuda(self, dst: torch.Tensor, offset: int, nbytes: int) -> None:
@@ -155,14 +167,8 @@ class ShardReader:
         for i in range(0, len(starts), width):
             batch = [(o, min(CHUNK, nbytes - o)) for o in starts[i:i + width]]
             hosts = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _, n in batch]
-            reads = [(h.data_ptr(), n, offset + o) for (o, n), h in zip(batch, hosts)]
-            if len(reads) == 1:
-                self._read_exact(*reads[0])
-            else:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="flash-read")
-                for f in [self._pool.submit(self._read_exact, *r) for r in reads]:
-                    f.result()
+            self._read_parts([(h.data_ptr(), n, offset + o)
+                              for (o, n), h in zip(batch, hosts)])
             for (o, n), h in zip(batch, hosts):
                 flat[o:o + n].copy_(h, non_blocking=True)
         self._cuda_devices.add(dst.device)
@@ -175,12 +181,10 @@ class ShardReader:
                 or not dst.is_contiguous()):
             self.read_into(dst, offset)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="flash-read")
         address = dst.data_ptr()
         for o in range(0, nbytes, CHUNK):
-            self._pending.append(self._pool.submit(self._read_exact, address + o,
-                                                   min(CHUNK, nbytes - o), offset + o))
+            self._pending.append(self._executor().submit(self._read_exact, address + o,
+                                                         min(CHUNK, nbytes - o), offset + o))
 
     def drain(self) -> None:
         """Wait for the reads :meth:`submit` started and the copies to CUDA tensors;
