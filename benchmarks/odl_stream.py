@@ -10,8 +10,9 @@ order on one local Ray cluster:
   score, one Adam step; the same model, batch and learning rate as the job (the
   records are in memory before the clock starts; no checkpoint, no eval).
 - ``odl``: the ``examples/odl_shuttle/job.yaml`` job (source, 2 preprocess workers,
-  trainer, eval; chunks of ``chunk_batches`` batches of 64; a disk checkpoint and a
-  published version every 50 steps) streaming the same records; its
+  trainer, eval; chunks of ``chunk_batches`` batches of 64; a disk checkpoint
+  (``async_save``: committed in the background) and a published version every 50
+  steps) streaming the same records; its
   ``records_per_s`` (records trained / seconds of the driver's loop: actor start
   and the source's opening excluded, every checkpoint and publish included), and
   ``job_wall_s`` (the whole job).

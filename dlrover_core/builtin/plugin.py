@@ -36,9 +36,18 @@ def dlrover_backends() -> list[Backend]:
                                 "the script makes its own process group")]
 
 
+def validate_disk_options(options: dict) -> None:
+    """``checkpoint.options`` of the ``disk`` saver (:func:`dlrover_core.checkpoint.disk.
+    validate_options`; imported when a spec is checked, not when plugins load)."""
+    from dlrover_core.checkpoint.disk import validate_options
+
+    validate_options(options)
+
+
 @hookimpl
 def dlrover_checkpoint_savers() -> list[CheckpointSaver]:
     return [CheckpointSaver(name="disk", saver="dlrover_core.checkpoint.disk:DiskSaver",
+                            validate_options=validate_disk_options,
                             description="torch.distributed.checkpoint to a directory, "
                                         "atomic commit with a checksummed manifest")]
 

@@ -136,5 +136,9 @@ class Checkpointer:
     def wait(self) -> None:
         self.saver.wait()
 
+    def drain(self) -> None:
+        """:meth:`Saver.drain`: the host calls it when ``run()`` returns."""
+        self.saver.drain()
+
     def close(self) -> None:
         self.saver.close()

@@ -17,6 +17,14 @@ rank 0 picks the step and broadcasts it.
 local path; another fsspec protocol stages each step in a local temporary folder,
 uploads it and commits it on the store (``RemoteSteps``), and a load downloads the
 step and verifies it as above before reading it.
+
+``checkpoint.options.async_save: true`` (default false): :meth:`DiskSaver.save` returns
+once the state dict is copied to host memory (torch's ``dcp.async_save`` and its
+default stager); the files, the manifest and the commit above are written by a
+background thread, over a gloo group of its own (so they never interleave with the
+training's collectives). One save is in flight at a time: the next ``save``,
+``load``, ``wait`` and ``close`` first wait for it and raise what it raised. A crash
+before the commit leaves the committed steps as they were.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import logging
 import os
 import shutil
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from dlrover_core.checkpoint.manifest import (
@@ -57,11 +66,37 @@ def _dist() -> Any:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+def validate_options(options: dict) -> None:
+    """Check ``checkpoint.options`` of the ``disk`` saver.
+
+    Raises:
+        ValueError: a key other than ``async_save``, or an ``async_save`` that is not a
+            bool.
+    """
+    unknown = sorted(set(options) - {"async_save"})
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; allowed: async_save (true or false)")
+    value = options.get("async_save", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"async_save={value!r}; allowed: true or false")
+
+
 class DiskSaver(Saver):
-    def _barrier(self) -> None:
+    """See the module docstring. Raises ``ValueError`` (:func:`validate_options`) for
+    bad ``config.options``."""
+
+    def __init__(self, config: Any, context: Any) -> None:
+        super().__init__(config, context)
+        validate_options(dict(config.options or {}))
+        self.async_save = bool((config.options or {}).get("async_save", False))
+        self._pending: Future | None = None   # the background save in flight
+        self._pool: ThreadPoolExecutor | None = None
+        self._group: Any = None               # the background thread's gloo group
+
+    def _barrier(self, group: Any = None) -> None:
         dist = _dist()
         if dist is not None:
-            dist.barrier()
+            dist.barrier(group=group)
 
     def _remote(self) -> RemoteSteps | None:
         """The store of a non-local ``dir`` URI; ``None`` for a local path."""
@@ -97,32 +132,147 @@ class DiskSaver(Saver):
         self._barrier()
 
     def save(self, step: int, state_dict: dict) -> None:
+        """Write and commit ``step`` (blocking), or, with ``async_save``, copy
+        ``state_dict`` to host memory and commit it in the background.
+
+        Raises:
+            Exception: what the previous background save raised (``async_save``).
+        """
         import torch.distributed.checkpoint as dcp
 
+        self.wait()
         store = self._remote()
-        if store is not None:
+        if store is not None and not self.async_save:
             return self._save_remote(store, step, state_dict)
+        if store is not None:
+            if self.context.rank == 0:
+                store.clear(store.tmp_name(step))
+            self._barrier()
+            stage = tempfile.mkdtemp(prefix=f"dlrover-{step_dir_name(step)}-")
+            return self._save_async(step, state_dict, stage, store)
         directory = str(local_path(self.config.dir))
-        final = os.path.join(directory, step_dir_name(step))
         tmp = os.path.join(directory, "." + step_dir_name(step) + ".tmp")
         if self.context.rank == 0:
             os.makedirs(directory, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         self._barrier()
+        if self.async_save:
+            return self._save_async(step, state_dict, tmp, None)
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         dcp.save(state_dict, storage_writer=writer, no_dist=_dist() is None)
-        if self.context.rank == 0:
-            manifest = build_manifest(tmp, step, {"world_size": self.context.world_size,
-                                                  "format": "dcp"})
-            atomic_write_json(os.path.join(tmp, MANIFEST), manifest)
-            fsync_dir(tmp)
-            old = replace_dir(tmp, final)  # the old step_<n> stays whole until the swap
-            if old:
-                shutil.rmtree(old, ignore_errors=True)
-            atomic_write_text(os.path.join(directory, "latest"), f"{step}\n")
-            prune(directory, self.config.keep, protect=step)
+        self._commit_local(step, tmp)
         self._barrier()
+
+    def _commit_local(self, step: int, tmp: str) -> None:
+        """Rank 0: manifest, swap ``tmp`` in as ``step_<n>``, ``latest``, prune."""
+        if self.context.rank != 0:
+            return
+        directory = str(local_path(self.config.dir))
+        manifest = build_manifest(tmp, step, {"world_size": self.context.world_size,
+                                              "format": "dcp"})
+        atomic_write_json(os.path.join(tmp, MANIFEST), manifest)
+        fsync_dir(tmp)
+        # the old step_<n> stays whole until the swap
+        old = replace_dir(tmp, os.path.join(directory, step_dir_name(step)))
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        atomic_write_text(os.path.join(directory, "latest"), f"{step}\n")
+        prune(directory, self.config.keep, protect=step)
+
+    # ------------------------------------------------------------------ async_save
+    def _save_async(self, step: int, state_dict: dict, path: str,
+                    store: RemoteSteps | None) -> None:
+        """Stage ``state_dict`` (``dcp.async_save``: a host copy, then the files are
+        written by its thread) and commit it from this saver's thread."""
+        import torch.distributed.checkpoint as dcp
+
+        dist = _dist()
+        if dist is not None and self._group is None:
+            # every rank saves at the same step, so every rank creates it here, in order
+            self._group = dist.new_group(backend="gloo")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlrover-disk-save")
+        written = dcp.async_save(state_dict,
+                                 storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                                 process_group=self._group, no_dist=dist is None)
+        self._pending = self._pool.submit(self._finish_async, step, written, path, store)
+
+    def _finish_async(self, step: int, written: Future, path: str,
+                      store: RemoteSteps | None) -> None:
+        """The background half of a save: wait for this rank's files (and upload them),
+        agree on the saver's group that every rank wrote, commit on rank 0, and end
+        with a barrier there, so that a rank's :meth:`wait` returns once the step is
+        committed. Every rank makes the same collective calls whatever failed.
+
+        Raises:
+            Exception: this rank's write or upload, or rank 0's commit, failed.
+            RuntimeError: another rank's write failed (the step is not committed).
+        """
+        error: BaseException | None = None
+        try:
+            written.result()
+            if store is not None:
+                store.upload(path, store.tmp_name(step))
+        except BaseException as exc:  # reported after the collectives below
+            error = exc
+        finally:
+            if store is not None:
+                shutil.rmtree(path, ignore_errors=True)
+        every_rank_wrote = self._all_ok(error is None)
+        if every_rank_wrote and self.context.rank == 0:
+            try:
+                if store is not None:
+                    store.commit(step, {"world_size": self.context.world_size,
+                                        "format": "dcp"})
+                    store.prune(self.config.keep, protect=step)
+                else:
+                    self._commit_local(step, path)
+            except BaseException as exc:
+                error = exc
+        elif store is None and self.context.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # every rank is done with it
+        self._barrier(self._group)
+        if error is not None:
+            raise error
+        if not every_rank_wrote:
+            raise RuntimeError(f"checkpoint step {step} was not committed: another rank's "
+                               "write failed")
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Whether ``ok`` on every rank of the saver's group (``ok`` without a group)."""
+        dist = _dist()
+        if dist is None:
+            return ok
+        import torch
+
+        failed = torch.tensor([0 if ok else 1])
+        dist.all_reduce(failed, group=self._group)
+        return int(failed.item()) == 0
+
+    def wait(self) -> None:
+        """Block until the save in flight (``async_save``) is committed.
+
+        Raises:
+            Exception: what the background save raised (raised once; the step is not
+                committed).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def drain(self) -> None:
+        """The save in flight is committed by this process's thread: :meth:`wait`."""
+        self.wait()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def _pick_step(self, step: int | None) -> tuple[int | None, dict[int, str]]:
         """(the newest step that verifies, or ``None``; the steps tried before and why
@@ -160,6 +310,7 @@ class DiskSaver(Saver):
         """
         import torch.distributed.checkpoint as dcp
 
+        self.wait()
         dist = _dist()
         picked: tuple[int | None, dict[int, str]] = (None, {})
         if self.context.rank == 0 or dist is None:

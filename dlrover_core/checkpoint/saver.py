@@ -95,6 +95,11 @@ class Saver(ABC):
     def wait(self) -> None:
         """Block until every save started so far is committed."""
 
+    def drain(self) -> None:
+        """Called when a run returns: block until every save whose commit needs this
+        process alive (a background thread of it) is committed, and raise what it
+        raised. Default: nothing (a saver that commits elsewhere, or synchronously)."""
+
     def close(self) -> None:
         """Release resources (threads, buffers)."""
 

@@ -178,6 +178,11 @@ class WorkloadHost(HostBase):
         return self._run_guarded(w.run, self.context.role, self.context.rank,
                                  lambda: w._last_step)
 
+    def _saves_committed(self) -> None:
+        checkpointer = getattr(self.workload, "_checkpointer", None)
+        if checkpointer is not None:
+            checkpointer.drain()
+
     def _last_report(self) -> Any:
         reporter = getattr(self.workload, "_reporter", None)
         if reporter is None:

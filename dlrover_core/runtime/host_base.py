@@ -155,6 +155,7 @@ class HostBase:
         self._busy = ("run", time.time(), threading.get_ident())
         try:
             result = fn()
+            self._saves_committed()
         except BaseException as exc:  # noqa: BLE001
             attempt_log.ended(step_of(), exc)
             self._busy = None
@@ -174,6 +175,11 @@ class HostBase:
     def _last_report(self) -> Any:
         """The ObjectRef of this instance's newest ``master.report`` call, or ``None``."""
         return None
+
+    def _saves_committed(self) -> None:
+        """Before a run counts as done: checkpoints still being committed by a thread of
+        this process (``Saver.drain``) are committed, so the last step is never dropped
+        when the actor is stopped; a failed one fails the run."""
 
     def _reports_delivered(self, timeout_s: float = REPORT_DRAIN_S) -> None:
         """Wait (at most ``timeout_s``) until the master has taken the newest step report.
