@@ -69,7 +69,9 @@ class ODLTrainer(BaseTrainer):
     ``loss``, ``buffered_records`` (records the sources have read minus records
     trained, from the sources' own counters: the backpressure bound),
     ``in_flight_chunks``, ``max_in_flight_chunks``, ``source_read_records`` and the
-    sources' other counters (``broker_reconnects``...), ``committed_step``,
+    sources' other counters (``broker_reconnects``...; these and
+    ``buffered_records`` as of the previous report, when the driver asked the
+    sources without waiting; the last report's as of the end), ``committed_step``,
     ``published_version``; with an ``eval`` role ``eval_accuracy``, ``eval_records``,
     ``eval_version``. The last report also has ``steps``,
     ``stop_reason_end_of_stream`` (1.0 or 0.0) and, with ``config.odl.log_record_ids``
@@ -199,12 +201,23 @@ class ODLTrainer(BaseTrainer):
         self._eval["unscored"] += out["unscored"]
         self._eval["version"] = max(self._eval["version"], out["version"])
 
-    def _source_stats(self) -> dict[str, float]:
+    def _source_stats(self, refs: list | None = None) -> dict[str, float]:
+        """The sources' counters summed (``refs``: of ``stats`` calls already sent)."""
         totals: dict[str, float] = {}
-        for st in ray.get([h.call.remote("stats") for h in self.sources]):
+        for st in ray.get(refs or [h.call.remote("stats") for h in self.sources]):
             for k, v in st.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         return totals
+
+    def _source_stats_sent_before(self) -> tuple[dict[str, float], int]:
+        """The sources' counters as of the previous report, when they were asked for
+        (so a report does not wait for a source in the middle of a read), and the
+        records trained then; the first time, fetched now."""
+        sent, self._stats_sent = self._stats_sent, (
+            [h.call.remote("stats") for h in self.sources], self.records)
+        if sent is None:
+            return self._source_stats(), self.records
+        return self._source_stats(sent[0]), sent[1]
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -221,6 +234,7 @@ class ODLTrainer(BaseTrainer):
         win_n = win_c = 0
         start_records, max_in_flight = self.records, 0
         self._src_base = self._source_stats().get("source_read_records", 0.0)
+        self._stats_sent: tuple[list, int] | None = None
         self._training_chunks = 0
         # calls sent to the trainer and not yet finished, oldest first: the trainer
         # runs them in order; the driver prepares the next while one trains
@@ -297,6 +311,7 @@ class ODLTrainer(BaseTrainer):
         self.published = outs[0]["published"] if outs[0]["published"] is not None else -1
         while self._eval_refs:
             self._eval_add(ray.get(self._eval_refs.popleft()))
+        self._stats_sent = None   # the last report: the sources' counters now
         metrics = self._metrics([], start_records, len(fifo), max_in_flight, win_n, win_c)
         metrics["stop_reason_end_of_stream"] = float(reason == "end_of_stream")
         metrics["steps"] = float(self.step)
@@ -312,7 +327,7 @@ class ODLTrainer(BaseTrainer):
                  max_in_flight: int, win_n: int, win_c: int) -> dict[str, float]:
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         losses = [r["loss"] for r in results if r["n"]]
-        src = self._source_stats()
+        src, trained = self._source_stats_sent_before()
         m: dict[str, float] = {
             "records": float(self.records),
             **self.prequential,
@@ -326,7 +341,7 @@ class ODLTrainer(BaseTrainer):
         }
         if "source_read_records" in src:
             read = src["source_read_records"] - self._src_base
-            m["buffered_records"] = read - (self.records - start_records)
+            m["buffered_records"] = read - (trained - start_records)
         if losses:
             m["loss"] = sum(losses) / len(losses)
         if self.evals:

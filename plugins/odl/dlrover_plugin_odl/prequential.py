@@ -27,6 +27,7 @@ perfect). The counters are plain integers (:meth:`PrequentialStats.state` /
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,18 +63,30 @@ class PrequentialStats:
         labels, predictions = [int(v) for v in labels], [int(v) for v in predictions]
         if len(labels) != len(predictions):
             raise ValueError(f"{len(labels)} labels but {len(predictions)} predictions")
-        for y, p in zip(labels, predictions):
-            if self.label_counts:
-                top = max(self.label_counts.values())
-                majority = min(int(k) for k, c in self.label_counts.items() if c == top)
-                self.majority_correct += int(majority == y)
-            if self.last_label is not None:
-                self.no_change_correct += int(self.last_label == y)
-            self.correct += int(p == y)
-            self.records += 1
-            self.label_counts[str(y)] = self.label_counts.get(str(y), 0) + 1
-            self.prediction_counts[str(p)] = self.prediction_counts.get(str(p), 0) + 1
-            self.last_label = y
+        if not labels:
+            return
+        self.correct += sum(p == y for p, y in zip(predictions, labels))
+        previous = [self.last_label, *labels[:-1]]
+        self.no_change_correct += sum(a == y for a, y in zip(previous, labels))
+        # the majority label before each record, kept up to date in O(1) per record
+        # (a tie goes to the smallest label, as in the module docstring)
+        counts = {int(k): c for k, c in self.label_counts.items()}
+        top = max(counts.values(), default=0)
+        majority = min((k for k, c in counts.items() if c == top), default=None)
+        hits = 0
+        for y in labels:
+            if majority is not None:
+                hits += majority == y
+            c = counts.get(y, 0) + 1
+            counts[y] = c
+            if c > top or (c == top and y < majority):
+                top, majority = c, y
+        self.majority_correct += hits
+        self.records += len(labels)
+        self.last_label = labels[-1]
+        self.label_counts = {str(k): c for k, c in counts.items()}
+        for p, c in collections.Counter(predictions).items():
+            self.prediction_counts[str(p)] = self.prediction_counts.get(str(p), 0) + c
 
     # ------------------------------------------------------------------ figures
     def accuracy(self) -> float:

@@ -60,6 +60,41 @@ def test_chunks_give_the_same_counters_as_one_pass_and_survive_json():
     assert chunked == whole
 
 
+def _one_record_at_a_time(labels, predictions):
+    """The counters by their definitions, record by record (the reference)."""
+    seen, out = {}, {"correct": 0, "no_change": 0, "majority": 0}
+    last = None
+    for y, p in zip(labels, predictions):
+        if seen:
+            top = max(seen.values())
+            out["majority"] += min(k for k, c in seen.items() if c == top) == y
+        out["no_change"] += last == y
+        out["correct"] += p == y
+        seen[y] = seen.get(y, 0) + 1
+        last = y
+    return out
+
+
+def test_counters_equal_the_record_by_record_definitions_on_random_streams():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n, classes = 1 + trial * 7, 1 + trial % 5   # ties are frequent with few records
+        labels = torch.randint(classes, (n,), generator=gen).tolist()
+        predictions = torch.randint(classes, (n,), generator=gen).tolist()
+        stats = PrequentialStats()
+        cut = n // 3
+        stats.update(labels[:cut], predictions[:cut])
+        stats = PrequentialStats.from_state(json.loads(json.dumps(stats.state())))
+        stats.update(labels[cut:], predictions[cut:])
+        want = _one_record_at_a_time(labels, predictions)
+        assert (stats.correct, stats.no_change_correct, stats.majority_correct) == (
+            want["correct"], want["no_change"], want["majority"]), trial
+        assert stats.records == n and stats.last_label == labels[-1]
+        assert stats.label_counts == {str(k): labels.count(k) for k in set(labels)}
+        assert stats.prediction_counts == {str(k): predictions.count(k)
+                                           for k in set(predictions)}
+
+
 def test_undefined_kappas_are_nan_and_bad_input_is_refused():
     s = PrequentialStats()
     s.update([1, 1, 1], [1, 1, 1])     # chance agreement is 1: kappa undefined
