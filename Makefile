@@ -1,7 +1,9 @@
 # make setup: Debian packages the tests need, then .venv with torch==2.13.0 (first),
 #             the core and every plugin (editable, with its `test` extra)
 # make demo:  the nanoGPT pre-training job on the Python reference manual
-# make test:  every test suite, core and each plugin
+# make test:  every test suite, core and each plugin, in two lanes at once
+#             (scripts/run_tests.sh: the core's slow tests and LANE1_PLUGINS in one, the
+#             core's other tests and the other plugins in the other)
 # make gpu-check: on a CUDA machine, nanoGPT on cuda for 200 steps, the flash D2H figure and
 #             the gpu-marked tests, each with time reserved within 10 minutes, one JSON
 #             report (scripts/gpu_check.py); without CUDA it prints "no CUDA device", exits 0
@@ -16,6 +18,8 @@ BIN := $(VENV)/bin
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# the plugins that run beside the core's slow tests (about half of the suites' time each)
+LANE1_PLUGINS ?= odl ppo sft
 NODES ?= 2
 CPUS ?= 2
 GCS_FT ?=
@@ -41,11 +45,7 @@ demo: setup
 	$(BIN)/dlrover submit examples/nanogpt/job.yaml
 
 test: setup
-	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
-	@set -e; for p in $(PLUGINS); do \
-	  echo "== $$p"; \
-	  $(BIN)/python -m pytest -q $${p}tests --rootdir $$p -c $${p}pyproject.toml $(PYTEST_ARGS); \
-	done
+	scripts/run_tests.sh $(BIN)/python "$(PLUGINS)" "$(LANE1_PLUGINS)" $(PYTEST_ARGS)
 
 cluster-up: setup
 	$(BIN)/dlrover cluster up --nodes $(NODES) --cpus-per-node $(CPUS) $(if $(GCS_FT),--gcs-ft)

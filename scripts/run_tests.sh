@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `make test`: every test suite (the core's and each plugin's), in two lanes that run at
+# the same time. Run one after another, the suites leave a 2-core machine about 40 % idle
+# (they mostly wait for processes, Ray actors and clusters to start), so two lanes take
+# about two thirds of the time. Every suite runs, even after one failed; the exit status
+# is 1 when any failed.
+#
+#   scripts/run_tests.sh PYTHON "PLUGIN_DIRS" "LANE1_PLUGINS" [PYTEST_ARGS...]
+#
+# lane 1: the core's tests marked `slow`, then the plugins named in LANE1_PLUGINS;
+# lane 2: the core's other tests, then every other plugin (a new plugin goes here).
+# Each suite's output goes to a log, printed whole when its lane ends, with a line per
+# suite as it starts and ends.
+set -uo pipefail
+py=$1
+plugins=$2
+lane1_names=" $3 "
+shift 3
+logs=$(mktemp -d "${TMPDIR:-/tmp}/dlrover-test-logs.XXXXXX")
+failed="$logs/failed"
+: >"$failed"
+
+run_suite() {  # run_suite NAME LOG pytest-args...: one suite, its result line on stdout
+  local name=$1 log=$2
+  shift 2
+  local t0=$SECONDS
+  echo "== $name: started"
+  "$py" -m pytest -q "$@" >"$log" 2>&1
+  local rc=$?
+  # rc 5: no test collected (a filter that leaves nothing is not a failure)
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+    echo "$name" >>"$failed"
+  fi
+  echo "== $name: exit $rc after $((SECONDS - t0)) s: $(tail -n 1 "$log")"
+}
+
+lane() {  # lane N: its suites one after another, then their logs
+  local n=$1 p name
+  if [ "$n" = 1 ]; then
+    run_suite "core (slow)" "$logs/1-core.log" tests -m slow "${@:2}"
+  else
+    run_suite "core" "$logs/2-core.log" tests -m "not slow" "${@:2}"
+  fi
+  for p in $plugins; do
+    name=$(basename "$p")
+    case "$lane1_names" in
+      *" $name "*) [ "$n" = 1 ] || continue ;;
+      *) [ "$n" = 2 ] || continue ;;
+    esac
+    run_suite "$p" "$logs/$n-$name.log" "${p}tests" --rootdir "$p" -c "${p}pyproject.toml" \
+      "${@:2}"
+  done
+}
+
+lane 1 "$@" &
+lane1_pid=$!
+lane 2 "$@"
+wait "$lane1_pid"
+for log in "$logs"/*.log; do
+  echo "================ $(basename "$log" .log)"
+  cat "$log"
+done
+if [ -s "$failed" ]; then
+  echo "FAILED suites:" $(cat "$failed")
+  rm -rf "$logs"
+  exit 1
+fi
+echo "every suite passed"
+rm -rf "$logs"
