@@ -8,8 +8,11 @@ optional: the script runs unchanged under plain ``torchrun``, where they do noth
   of ``dlrover timeline`` cover the script role. Non-blocking: rank 0 sends each report
   at once (one fire-and-forget Ray call, no reply waited for); the other ranks coalesce
   (:class:`dlrover_core.runtime.reporting.StepReporter`; their newest report is also sent
-  when the process exits). The first call of a process joins the job's Ray cluster and
-  looks the JobMaster up (one blocking round trip).
+  when the process exits, and at least every quarter of ``failover.hang_timeout_s``).
+  With ``failover.hang_timeout_s`` > 0 a rank that has reported a step in its
+  attempt and then reports none for that long is a hang (restart of the role); a
+  rank that never reports is not watched. The first call of a process joins the
+  job's Ray cluster and looks the JobMaster up (one blocking round trip).
   Outside dlrover it is a no-op that warns once (``RuntimeWarning``) and returns
   ``False``.
 - :func:`report_checkpoint` ``(step, seconds=0.0)``: the script saved a checkpoint of
@@ -178,9 +181,10 @@ def report_step(step: int, samples: int | None = None, **metrics: float) -> bool
         from dlrover_core.runtime.reporting import StepReporter, report_interval_s
 
         sm = script_master("report_step")
+        hang_s = float(os.environ.get("DLROVER_HANG_TIMEOUT_S") or 0.0)
         _Steps.reporter = StepReporter(
             lambda s, m, ts: sm.master.report.remote(sm.role, sm.rank, s, m, ts), sm.rank,
-            report_interval_s(max(1, sm.world_size)))
+            report_interval_s(max(1, sm.world_size), hang_s))
         # the newest coalesced report of a rank > 0 still goes when the script ends
         # (registered after ray.init's own exit handler, so it runs before Ray shuts down)
         atexit.register(_Steps.reporter.close)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import warnings
 
 import pytest
@@ -115,3 +116,73 @@ def test_script_role_steps_reach_metrics_summary_and_timeline(ray_cluster, tmp_p
     with open(out, "w") as f, contextlib.redirect_stdout(f):
         assert main(["timeline", "script-steps", "--job-dir", job_dir, "--json"]) == 0
     assert [s for _, s in json.loads(out.read_text())["steps"]] == list(range(STEPS))
+
+
+HANGS_ONCE = '''
+import os, time
+
+import torch
+import torch.distributed as dist
+
+from dlrover_core.script_api import report_step
+
+MARK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hung-once")
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for step in range(8):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        report_step(step, samples=4)
+        time.sleep(0.1)
+        if step == 3 and rank == 1 and not os.path.exists(MARK):
+            open(MARK, "w").close()
+            time.sleep(3600)   # hangs after its step-3 report, in the first attempt only
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+'''
+
+SILENT = '''
+import time
+
+
+def main():
+    time.sleep(%g)   # reports no step, for three hang timeouts
+    return 0
+'''
+
+
+def test_a_script_that_reported_steps_and_stops_is_a_hang_a_silent_one_is_not(
+        ray_cluster, tmp_path, monkeypatch):
+    """``failover.hang_timeout_s`` with a script role: a rank that reported steps and
+    then went quiet is a hang (the role restarts and the job succeeds); a plain script
+    that reports nothing for three timeouts is left alone."""
+    from dlrover_core.master.events import read_events
+
+    monkeypatch.chdir(tmp_path)
+    hang_s = 3.0
+    (tmp_path / "hangs_once.py").write_text(HANGS_ONCE)
+    (tmp_path / "silent.py").write_text(SILENT % (3 * hang_s))
+
+    def run(name: str, command: str) -> tuple[dict, list[dict]]:
+        job_dir = str(tmp_path / name)
+        job = (DLJobBuilder().name(name).train(command).nnodes(1).nproc_per_node(2)
+               .resource(cpu=0.5).failover(hang_timeout_s=hang_s, max_restarts=2).build())
+        summary = job.submit(job_dir=job_dir)
+        return summary, read_events(os.path.join(job_dir, "events.jsonl"))
+
+    summary, events = run("script-hang", "hangs_once:main")
+    assert summary["status"] == "succeeded", summary["error"]
+    failed = [e for e in events if e["event"] == "instance_failed"]
+    assert [e["kind"] for e in failed] == ["hang"], failed
+    assert "no step report for" in failed[0]["message"]
+    assert summary["restarts"]["total"] == 1 and summary["steps"] == 8
+    assert (tmp_path / "hung-once").exists()
+
+    summary, events = run("script-silent", "silent:main")
+    assert summary["status"] == "succeeded", summary["error"]
+    assert not [e for e in events if e["event"] == "instance_failed"]
+    assert summary["restarts"]["total"] == 0

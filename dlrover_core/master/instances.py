@@ -57,6 +57,9 @@ class Instance:
     state: InstanceState = InstanceState.PENDING
     last_step: int = -1
     last_report_ts: float = 0.0
+    #: a step report arrived since this attempt's setup (a script role's rank is
+    #: watched for hangs only from its first report: a plain script reports none)
+    reported: bool = False
     #: unix s (the worker's clock) when ``last_step`` ended, as its report said
     last_step_ts: float = 0.0
     generation: int = 0
@@ -172,6 +175,7 @@ class InstanceTable:
         if inst is not None:
             inst.last_step = step
             inst.last_report_ts = time.time()
+            inst.reported = True
             self._progress_dirty.add(inst.key)
         return inst
 

@@ -260,6 +260,7 @@ class Launcher:
                                    default=0.0)
         for (inst, _), res in zip(setups, results):
             inst.last_report_ts = time.time()
+            inst.reported = False
             s.instances.set_state(inst, InstanceState.RUNNING)
             s.invocations.setdefault(inst.role, res.get("invocations", {}))
             s.emit("instance_started", role=inst.role, rank=inst.rank, pid=inst.pid,

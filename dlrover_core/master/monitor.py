@@ -206,7 +206,9 @@ class Monitor:
         every quarter of it (and every second at most):
 
         - a role without a driver (SPMD ``run()``): an instance without a step report
-          for the timeout. All ranks of a collective stop together, so the blame goes
+          for the timeout (a script role's rank only once it has reported a step in
+          its attempt: a plain script reports none). All ranks of a collective stop
+          together, so the blame goes
           by :meth:`blame`: the silent rank that is not waiting inside torch (a
           collective, backward) for its peers, else the one whose progress stopped
           first (lowest last step, then earliest step end);
@@ -227,6 +229,8 @@ class Monitor:
         quiet_since = max(s.failover.last_recovery_end, s.started_at)
         by_role: dict[str, list[Instance]] = {}
         for inst in running:
+            if not inst.reported and self._is_script_role(inst.role):
+                continue
             by_role.setdefault(inst.role, []).append(inst)
         for insts in by_role.values():
             silent = {i.key: now - max(i.last_report_ts, quiet_since) for i in insts}
@@ -242,6 +246,12 @@ class Monitor:
                 message=f"no step report for {silent[inst.key]:.1f} s "
                         f"(hang_timeout_s={hang_s:g}); {why}{self._stacks(inst, suspects)}"))
         return None
+
+    def _is_script_role(self, role: str) -> bool:
+        from dlrover_core.runtime.script import SCRIPT_BACKEND
+
+        r = self.scope.spec.roles.get(role)
+        return r is not None and r.backend == SCRIPT_BACKEND
 
     def _stacks(self, inst: Instance, suspects: list[Instance]) -> str:
         """Capture the suspects' stacks (``master.stacks``); the text that names the

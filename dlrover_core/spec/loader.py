@@ -224,8 +224,7 @@ def _apply_script_roles(spec: DictConfig) -> None:
     Raises:
         SpecError: a role with both ``workload`` and ``command``, an empty or
             unparsable command, a missing file, module or function, a ``working_dir``
-            that is not a directory, a ``backend`` other than ``torchrun``, or
-            ``failover.hang_timeout_s`` > 0 (a script reports no steps).
+            that is not a directory, or a ``backend`` other than ``torchrun``.
     """
     import importlib
     import importlib.util
@@ -285,10 +284,6 @@ def _apply_script_roles(spec: DictConfig) -> None:
             raise SpecError(f"{k}.backend", r.backend,
                             f"none or {SCRIPT_BACKEND!r} in a script role",
                             "the script sets up its own process group")
-        if spec.failover.hang_timeout_s:
-            raise SpecError("failover.hang_timeout_s", spec.failover.hang_timeout_s,
-                            f"0 in a job with a script role ({k})",
-                            "a plain script reports no steps, so every rank would look hung")
         r.backend = SCRIPT_BACKEND
         r.workload = SCRIPT_WORKLOAD
         r.working_dir = wd
