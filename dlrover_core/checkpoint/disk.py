@@ -112,13 +112,25 @@ class DiskSaver(Saver):
             return store.committed_steps()
         return committed_steps(str(local_path(self.config.dir)))
 
-    def _save_remote(self, store: RemoteSteps, step: int, state_dict: dict) -> None:
-        import torch.distributed.checkpoint as dcp
-
+    def _stage_remote(self, store: RemoteSteps, step: int) -> str:
+        """Rank 0 clears the store's temporary copy of ``step``; after a barrier, a local
+        folder for this rank's shards (removed once they are uploaded)."""
         if self.context.rank == 0:
             store.clear(store.tmp_name(step))
         self._barrier()
-        stage = tempfile.mkdtemp(prefix=f"dlrover-{step_dir_name(step)}-")
+        return tempfile.mkdtemp(prefix=f"dlrover-{step_dir_name(step)}-")
+
+    def _commit_remote(self, store: RemoteSteps, step: int) -> None:
+        """Rank 0: commit the uploaded ``step`` on the store and prune it to ``keep``."""
+        if self.context.rank != 0:
+            return
+        store.commit(step, {"world_size": self.context.world_size, "format": "dcp"})
+        store.prune(self.config.keep, protect=step)
+
+    def _save_remote(self, store: RemoteSteps, step: int, state_dict: dict,
+                     stage: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
         try:  # every rank writes its own shards here, then uploads them
             dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(stage, sync_files=True),
                      no_dist=_dist() is None)
@@ -126,9 +138,7 @@ class DiskSaver(Saver):
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         self._barrier()
-        if self.context.rank == 0:
-            store.commit(step, {"world_size": self.context.world_size, "format": "dcp"})
-            store.prune(self.config.keep, protect=step)
+        self._commit_remote(store, step)
         self._barrier()
 
     def save(self, step: int, state_dict: dict) -> None:
@@ -142,14 +152,11 @@ class DiskSaver(Saver):
 
         self.wait()
         store = self._remote()
-        if store is not None and not self.async_save:
-            return self._save_remote(store, step, state_dict)
         if store is not None:
-            if self.context.rank == 0:
-                store.clear(store.tmp_name(step))
-            self._barrier()
-            stage = tempfile.mkdtemp(prefix=f"dlrover-{step_dir_name(step)}-")
-            return self._save_async(step, state_dict, stage, store)
+            stage = self._stage_remote(store, step)
+            if self.async_save:
+                return self._save_async(step, state_dict, stage, store)
+            return self._save_remote(store, step, state_dict, stage)
         directory = str(local_path(self.config.dir))
         tmp = os.path.join(directory, "." + step_dir_name(step) + ".tmp")
         if self.context.rank == 0:
@@ -223,9 +230,7 @@ class DiskSaver(Saver):
         if every_rank_wrote and self.context.rank == 0:
             try:
                 if store is not None:
-                    store.commit(step, {"world_size": self.context.world_size,
-                                        "format": "dcp"})
-                    store.prune(self.config.keep, protect=step)
+                    self._commit_remote(store, step)
                 else:
                     self._commit_local(step, path)
             except BaseException as exc:

@@ -21,6 +21,7 @@ from dlrover_core.master.instances import DRIVER, Instance, InstanceState
 from dlrover_core.master.raylet_probe import first_gone
 from dlrover_core.plugins.records import Failure, FailureKind
 from dlrover_core.runtime.errors import WorkloadError
+from dlrover_core.runtime.script import SCRIPT_BACKEND
 
 if TYPE_CHECKING:
     from dlrover_core.master.scope import JobScope
@@ -248,8 +249,6 @@ class Monitor:
         return None
 
     def _is_script_role(self, role: str) -> bool:
-        from dlrover_core.runtime.script import SCRIPT_BACKEND
-
         r = self.scope.spec.roles.get(role)
         return r is not None and r.backend == SCRIPT_BACKEND
 

@@ -78,9 +78,11 @@ class WorkerContext:
             **({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
                if self.master_addr else {}),
             # a script's step reports (dlrover_core.script_api) come at least this often
-            **({"DLROVER_HANG_TIMEOUT_S": f"{self._hang_timeout_s():g}"}
-               if self._hang_timeout_s() > 0 else {}),
+            **({"DLROVER_HANG_TIMEOUT_S": f"{self.hang_timeout_s:g}"}
+               if self.hang_timeout_s > 0 else {}),
         }
 
-    def _hang_timeout_s(self) -> float:
+    @property
+    def hang_timeout_s(self) -> float:
+        """``failover.hang_timeout_s`` of the job, in s (0: hang detection off)."""
         return float((self.failover or {}).get("hang_timeout_s") or 0.0)

@@ -270,10 +270,9 @@ class BaseWorkload:
             from dlrover_core.runtime.reporting import StepReporter, report_interval_s
 
             role, rank = self.role, self.rank
-            hang_s = float((self._context.failover or {}).get("hang_timeout_s") or 0.0)
             reporter = self._reporter = StepReporter(
                 lambda step, m, ts: master.report.remote(role, rank, step, m, ts), rank,
-                report_interval_s(self.world_size, hang_s))
+                report_interval_s(self.world_size, self._context.hang_timeout_s))
         return reporter
 
     def teardown(self) -> None:

@@ -62,6 +62,11 @@ def _threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def _chunks(address: int, nbytes: int, offset: int) -> list[tuple[int, int, int]]:
+    """``(address, nbytes, offset)`` of each ``CHUNK``-byte piece of a read."""
+    return [(address + o, min(CHUNK, nbytes - o), offset + o) for o in range(0, nbytes, CHUNK)]
+
+
 class ShardReader:
     """Reads byte ranges of one open file (a flash buffer or a rank's data file).
 
@@ -134,8 +139,7 @@ class ShardReader:
         if nbytes < PARALLEL_MIN or _threads() == 1:
             self._read_exact(address, nbytes, offset)
             return
-        self._read_parts([(address + o, min(CHUNK, nbytes - o), offset + o)
-                          for o in range(0, nbytes, CHUNK)])
+        self._read_parts(_chunks(address, nbytes, offset))
 
     def _executor(self) -> ThreadPoolExecutor:
         """The reader's threads (started at the first parallel read)."""
@@ -181,10 +185,8 @@ class ShardReader:
                 or not dst.is_contiguous()):
             self.read_into(dst, offset)
             return
-        address = dst.data_ptr()
-        for o in range(0, nbytes, CHUNK):
-            self._pending.append(self._executor().submit(self._read_exact, address + o,
-                                                         min(CHUNK, nbytes - o), offset + o))
+        self._pending += [self._executor().submit(self._read_exact, *part)
+                          for part in _chunks(dst.data_ptr(), nbytes, offset)]
 
     def drain(self) -> None:
         """Wait for the reads :meth:`submit` started and the copies to CUDA tensors;

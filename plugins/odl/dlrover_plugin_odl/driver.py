@@ -311,8 +311,8 @@ class ODLTrainer(BaseTrainer):
         self.published = outs[0]["published"] if outs[0]["published"] is not None else -1
         while self._eval_refs:
             self._eval_add(ray.get(self._eval_refs.popleft()))
-        self._stats_sent = None   # the last report: the sources' counters now
-        metrics = self._metrics([], start_records, len(fifo), max_in_flight, win_n, win_c)
+        metrics = self._metrics([], start_records, len(fifo), max_in_flight, win_n, win_c,
+                                final=True)
         metrics["stop_reason_end_of_stream"] = float(reason == "end_of_stream")
         metrics["steps"] = float(self.step)
         if self.odl.log_record_ids and self.job_dir:
@@ -324,10 +324,13 @@ class ODLTrainer(BaseTrainer):
         return metrics
 
     def _metrics(self, results: list[dict], start_records: int, in_flight: int,
-                 max_in_flight: int, win_n: int, win_c: int) -> dict[str, float]:
+                 max_in_flight: int, win_n: int, win_c: int,
+                 final: bool = False) -> dict[str, float]:
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         losses = [r["loss"] for r in results if r["n"]]
-        src, trained = self._source_stats_sent_before()
+        # the last report: the sources' counters now
+        src, trained = ((self._source_stats(), self.records) if final
+                        else self._source_stats_sent_before())
         m: dict[str, float] = {
             "records": float(self.records),
             **self.prequential,
