@@ -181,3 +181,111 @@ def test_parallelism_switches_refuse_what_the_model_lacks():
     assert apply_parallelism(ParallelismSettings(activation_checkpointing=True), model, ac) \
         == {"activation_checkpointing": True}
     assert apply_parallelism(ParallelismSettings(activation_checkpointing=True), model, ac) == {}
+
+
+class CountedIds(Dataset):
+    """Sample i is ``{"x": [i], "y": [-i]}``; every read of i is counted in shared memory
+    (the loader's worker processes are forked, so they write the same array)."""
+
+    def __init__(self, n: int, sleep_s: float = 0.0) -> None:
+        import multiprocessing
+
+        self.n, self.sleep_s = n, sleep_s
+        self.reads = multiprocessing.get_context("fork").Array("i", n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        with self.reads.get_lock():
+            self.reads[i] += 1
+        time.sleep(self.sleep_s)
+        return {"x": torch.tensor([i]), "y": torch.tensor([-i])}
+
+
+@pytest.mark.parametrize("change", [{"num_workers": 4}, {"batch_size": 8},
+                                    {"batch_size": 2, "num_workers": 1}])
+def test_a_change_serves_the_batches_already_loaded(change):
+    """Before the handover, a change dropped the batches the workers had loaded and read
+    them again: every sample must be read once, served once, in batches of the size in
+    force, and the first batches after the change come from the old workers."""
+    n = 108  # 12 served before the change, then 96: whole batches of 2, 4 and 8
+    data = CountedIds(n, sleep_s=0.002)
+    loader = ElasticDataLoader(data, batch_size=4, num_workers=2, seed=5,
+                               multiprocessing_context="fork")
+    seen = [ids_of(loader.next_batch()["x"]) for _ in range(3)]
+    time.sleep(0.3)  # the 2 workers load their prefetch_factor * 2 = 4 batches ahead
+    loader.reconfigure(**change)
+    assert loader.handed_over == 16  # 4 loaded batches of 4, whole batches of 8 too
+    size = change.get("batch_size", 4)
+    while loader.position < 60:  # before the next epoch's workers start reading
+        b = loader.next_batch()
+        assert ids_of(b["y"]) == [-i for i in ids_of(b["x"])]
+        seen.append(ids_of(b["x"]))
+    flat = sum(seen, [])
+    assert len(set(flat)) == len(flat) == 60
+    assert max(data.reads) == 1, "a loaded sample was dropped and read again"
+    assert all(data.reads[i] == 1 for i in flat)
+    while loader.position < len(loader):
+        seen.append(ids_of(loader.next_batch()["x"]))
+    assert [len(s) for s in seen[3:]] == [size] * ((n - 12) // size)
+    assert sorted(sum(seen, [])) == list(range(n))
+    loader.close()
+
+
+def test_a_handover_keeps_whole_batches_and_reloads_the_rest():
+    """Batches that do not re-cut into whole batches of both sizes, and batches that are
+    not tensors, are loaded again by the new iterator: none lost, none repeated."""
+    n = 200  # the new iterator's first 6 batches of 16 end well before the epoch
+    data = CountedIds(n, sleep_s=0.002)
+    loader = ElasticDataLoader(data, batch_size=4, num_workers=3, seed=1,
+                               multiprocessing_context="fork")
+    seen = [ids_of(loader.next_batch()["x"])]
+    time.sleep(0.3)  # 3 workers keep prefetch_factor * 3 = 6 batches of 4 loaded ahead
+    loader.reconfigure(batch_size=16)  # one whole batch of 16 out of those 24 samples
+    assert loader.handed_over == 16
+    seen += [ids_of(loader.next_batch()["x"]) for _ in range(2)]
+    reread = [i for i in range(n) if data.reads[i] == 2]
+    assert len(reread) == 8 and max(data.reads) == 2  # the 2 batches that were not kept
+    assert set(reread) <= set(seen[2])  # the new iterator's first batch
+    while loader.position < len(loader):
+        seen.append(ids_of(loader.next_batch()["x"]))
+    assert sorted(sum(seen, [])) == list(range(n))
+    assert [len(s) for s in seen[1:]] == [16] * 12 + [4]
+
+    plain = ElasticDataLoader(Ids(20), batch_size=4, num_workers=2, seed=1,
+                              collate_fn=lambda xs: [int(x) for x in xs])
+    got = [plain.next_batch()]
+    time.sleep(0.3)
+    plain.reconfigure(batch_size=2)  # a list of ints cannot be re-cut
+    assert plain.handed_over == 0
+    plain.reconfigure(batch_size=2, num_workers=1)
+    got += list(plain.epoch_iter())
+    assert sorted(sum(got, [])) == list(range(20))
+
+
+def test_the_next_epoch_is_loading_before_the_current_one_ends():
+    """The next epoch's workers start once the current epoch's last batch was
+    dispatched, so its first batches are read before they are asked for; each sample is
+    still read once per epoch, and a change of settings drops them (read again)."""
+    n = 40
+    data = CountedIds(n, sleep_s=0.002)
+    loader = ElasticDataLoader(data, batch_size=4, num_workers=2, shuffle=False,
+                               multiprocessing_context="fork")
+    first = sum((ids_of(b["x"]) for b in loader.epoch_iter()), [])
+    assert first == list(range(n)) and loader.epoch == 0
+    time.sleep(0.3)
+    assert data.reads[0] == 2 and data.reads[n - 1] == 1  # epoch 1 read ahead
+    second = sum((ids_of(b["x"]) for b in loader.epoch_iter()), [])
+    assert second == list(range(n)) and loader.epoch == 1
+    # epoch 2's first 4 batches are read ahead; no sample was read twice in an epoch
+    assert list(data.reads[16:]) == [2] * (n - 16) and max(data.reads) == 3
+    time.sleep(0.3)
+    assert data.reads[0] == 3  # epoch 2 read ahead, then dropped by a change
+    loader.reconfigure(batch_size=8)
+    third = sum((ids_of(b["x"]) for b in loader.epoch_iter()), [])
+    time.sleep(0.3)
+    assert third == list(range(n)) and data.reads[n - 1] == 3
+    # sample 0: epochs 0 and 1, the dropped read-ahead, epoch 2, epoch 3's read-ahead
+    assert data.reads[0] == 5
+    loader.close()

@@ -6,9 +6,12 @@ How the position is kept: every epoch has one permutation of the dataset's indic
 (seeded by ``(seed, epoch)``, the same on every rank). The ranks consume it in
 lock-step: rank ``r`` of ``W`` takes positions ``r, r+W, r+2W, ...`` of what is left,
 so after each rank consumed ``k`` samples the first ``k*W`` entries of the
-permutation are done (``global_position``). A change of settings drops the current
-``DataLoader`` iterator (batches it had prefetched were never handed out, so they are
-not counted) and a new one starts at the position. A different ``world_size`` after a
+permutation are done (``global_position``). A change of settings stops the current
+``DataLoader`` iterator from taking more indices; the batches it had already dispatched
+to its workers are served first (re-cut to a new ``batch_size``: ``handover.py``) while
+a new iterator starts after them. Once an iterator has dispatched the last batch of
+its epoch, the next epoch's iterator starts, so that its workers load while the tail
+is served instead of after it. A different ``world_size`` after a
 restart re-deals the rest of the epoch over the new ranks. Every rank must change
 ``batch_size`` at the same step boundary (the tuning session guarantees it), and the
 tail of an epoch that does not divide by ``world_size`` is skipped (as
@@ -17,26 +20,15 @@ tail of an epoch that does not divide by ``world_size`` is skipped (as
 
 from __future__ import annotations
 
+from math import lcm
 from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from dlrover_core.tuning.handover import Handover, IndexBatches, splittable
 
 if TYPE_CHECKING:
     from dlrover_core.tuning.metrics import StepTimer
 
 STATE_VERSION = 1
-
-
-class _IndexBatches:
-    """Batch sampler over a fixed list of indices (what one loader iterator serves)."""
-
-    def __init__(self, indices: list[int], batch_size: int) -> None:
-        self.indices, self.batch_size = indices, batch_size
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for i in range(0, len(self.indices), self.batch_size):
-            yield self.indices[i:i + self.batch_size]
-
-    def __len__(self) -> int:
-        return -(-len(self.indices) // self.batch_size)
 
 
 class ElasticDataLoader:
@@ -88,7 +80,13 @@ class ElasticDataLoader:
         self._offset = 0         # samples of this rank's shard handed out
         self._shard: list[int] | None = None
         self._it: Iterator | None = None
+        self._sampler: IndexBatches | None = None
         self._served = 0         # shard position the current iterator started at
+        self._splittable: bool | None = None  # the current iterator's first batch
+        self._handover: Handover | None = None
+        # the next epoch's (shard, iterator, sampler, stop), started ahead
+        self._pending: tuple[list[int], Iterator, IndexBatches, int] | None = None
+        self.handed_over = 0     # samples served from an old iterator after a change
         self.rebuilds = 0        # iterators created (1 + one per change / epoch)
 
     # ------------------------------------------------------------------ position
@@ -106,20 +104,22 @@ class ElasticDataLoader:
         """Samples per rank per epoch (after the tail that does not divide by world_size)."""
         return len(self.dataset) // self.world_size
 
-    def _permutation(self) -> list[int]:
+    def _shard_for(self, epoch: int, base: int) -> list[int]:
+        """This rank's indices of ``epoch``'s permutation from ``base`` on."""
         import torch
 
         n = len(self.dataset)
-        if not self.shuffle:
-            return list(range(n))
-        g = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + self.epoch)
-        return torch.randperm(n, generator=g).tolist()
+        if self.shuffle:
+            g = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + epoch)
+            rest = torch.randperm(n, generator=g).tolist()[base:]
+        else:
+            rest = list(range(base, n))
+        usable = len(rest) - len(rest) % self.world_size
+        return rest[:usable][self.rank::self.world_size]
 
     def _ensure_shard(self) -> list[int]:
         if self._shard is None:
-            rest = self._permutation()[self._base:]
-            usable = len(rest) - len(rest) % self.world_size
-            self._shard = rest[:usable][self.rank::self.world_size]
+            self._shard = self._shard_for(self.epoch, self._base)
         return self._shard
 
     def position_marker(self) -> tuple[int, int, int]:
@@ -132,7 +132,7 @@ class ElasticDataLoader:
         start): the batches handed out since are served again, so a step that was
         rolled back (out of memory) skips no sample. Drops the current iterator."""
         epoch, base, offset = marker
-        self._drop_iterator()
+        self._drop_all()
         if epoch != self.epoch or base != self._base:
             self._shard = None
         self.epoch, self._base, self._offset = int(epoch), int(base), int(offset)
@@ -142,8 +142,13 @@ class ElasticDataLoader:
                     pin_memory: bool | None = None) -> bool:
         """Change settings from the next batch on. Returns ``True`` when anything changed.
 
-        Batches the old iterator prefetched are dropped, not skipped: they are loaded
-        again by the new one. Call it on every rank at the same step boundary.
+        The batches the old iterator had dispatched to its workers are served first (a
+        :class:`~dlrover_core.tuning.handover.Handover`), and a new iterator starts after
+        them at once, so its workers load while they are served. With a new
+        ``batch_size`` they are re-cut to it when the batches are tensors
+        (:func:`~dlrover_core.tuning.handover.splittable`) and as many as make whole
+        batches of both sizes; the rest is loaded again by the new iterator, never
+        skipped. Call it on every rank at the same step boundary.
 
         Raises:
             ValueError: ``batch_size < 1`` or ``num_workers < 0``.
@@ -154,21 +159,75 @@ class ElasticDataLoader:
         _check_settings(new[0], new[1])
         if new == (self.batch_size, self.num_workers, self.pin_memory):
             return False
+        old_batch_size = self.batch_size
         self.batch_size, self.num_workers, self.pin_memory = new
-        self._drop_iterator()
+        self._drop_next_epoch()  # started with the old settings
+        self._hand_over(old_batch_size)
         return True
 
+    def _hand_over(self, old_batch_size: int) -> None:
+        it, sampler = self._it, self._sampler
+        if it is None or sampler is None or self._handover is not None:
+            self._drop_iterator()  # a change during a handover: reload from the position
+            return
+        sampler.limit = sampler.dispatched
+        loaded = min(self._served + sampler.dispatched * old_batch_size,
+                     self._stop_at) - self._offset
+        if old_batch_size != self.batch_size:
+            whole = loaded - loaded % old_batch_size if self._splittable else 0
+            loaded = whole - whole % lcm(old_batch_size, self.batch_size)
+        self._it = None
+        if loaded <= 0:
+            self._shutdown(it)
+            return
+        self._handover = Handover(it, old_batch_size, self.batch_size, loaded)
+        self.handed_over += loaded
+        start = self._offset + loaded
+        if self._remaining(start) > 0:
+            self._it = self._new_iterator(start)
+
     def _drop_iterator(self) -> None:
-        it, self._it = self._it, None
+        it, self._it, self._sampler = self._it, None, None
+        self._shutdown(it)
+        handover, self._handover = self._handover, None
+        if handover is not None:
+            handover.close()
+
+    def _drop_all(self) -> None:
+        self._drop_iterator()
+        self._drop_next_epoch()
+
+    def _drop_next_epoch(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._shutdown(pending[1])
+
+    @staticmethod
+    def _shutdown(it: Iterator | None) -> None:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
 
-    def _new_iterator(self) -> Iterator:
+    def _new_iterator(self, start: int | None = None) -> Iterator:
+        start = self._offset if start is None else start
+        it, self._sampler, self._stop_at = self._make_iterator(self._ensure_shard(), start)
+        self._served, self._splittable = start, None
+        return it
+
+    def _start_next_epoch(self) -> None:
+        """Start the next epoch's iterator once the current one dispatched its last
+        batch (its workers then load while the current epoch's tail is served)."""
+        sampler = self._sampler
+        if (self._pending is None and self.num_workers > 0 and sampler is not None
+                and sampler.dispatched >= len(sampler)):
+            shard = self._shard_for(self.epoch + 1, 0)
+            self._pending = (shard, *self._make_iterator(shard, 0))
+
+    def _make_iterator(self, shard: list[int],
+                       start: int) -> tuple[Iterator, IndexBatches, int]:
         from torch.utils.data import DataLoader
 
-        shard = self._ensure_shard()
-        rest = shard[self._offset:]
+        rest = shard[start:]
         if self.drop_last:
             rest = rest[:len(rest) - len(rest) % self.batch_size]
         kwargs: dict[str, Any] = {}
@@ -178,13 +237,12 @@ class ElasticDataLoader:
             if self.multiprocessing_context is not None:
                 kwargs["multiprocessing_context"] = self.multiprocessing_context
             kwargs["timeout"] = self.timeout
-        loader = DataLoader(self.dataset, batch_sampler=_IndexBatches(rest, self.batch_size),
+        sampler = IndexBatches(rest, self.batch_size)
+        loader = DataLoader(self.dataset, batch_sampler=sampler,
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
                             collate_fn=self.collate_fn, **kwargs)
-        self._served = self._offset
-        self._stop_at = self._offset + len(rest)
         self.rebuilds += 1
-        return iter(loader)
+        return iter(loader), sampler, start + len(rest)
 
     # ------------------------------------------------------------------ iteration
     def prefetch_depth(self) -> int | None:
@@ -213,6 +271,12 @@ class ElasticDataLoader:
     def _next(self) -> Any:
         if self.shards is not None:
             return self._next_from_shards()
+        if self._handover is not None:
+            batch, n = self._handover.next()
+            self._offset += n
+            if self._handover.remaining <= 0:
+                self._handover = None
+            return batch
         for _ in range(2):
             if self._it is None:
                 if self._remaining() <= 0:
@@ -226,6 +290,9 @@ class ElasticDataLoader:
                 self._next_epoch()
                 continue
             self._offset = min(self._offset + self.batch_size, self._stop_at)
+            if self._splittable is None:
+                self._splittable = splittable(batch)
+            self._start_next_epoch()
             return batch
         raise RuntimeError("the dataset yields no batch (is batch_size larger than an "
                            "epoch with drop_last=True?)")
@@ -240,11 +307,17 @@ class ElasticDataLoader:
         return (self.collate_fn or default_collate)([self.dataset[i] for i in idx])
 
     def _next_epoch(self) -> None:
+        """Roll over (the current iterator already dropped), onto the next epoch's
+        iterator where one was started."""
         self.epoch += 1
         self._base, self._offset, self._shard = 0, 0, None
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._shard, self._it, self._sampler, self._stop_at = pending
+            self._served, self._splittable = 0, None
 
-    def _remaining(self) -> int:
-        remaining = len(self._ensure_shard()) - self._offset
+    def _remaining(self, start: int | None = None) -> int:
+        remaining = len(self._ensure_shard()) - (self._offset if start is None else start)
         if self.drop_last:
             remaining -= remaining % self.batch_size
         return remaining
@@ -287,7 +360,7 @@ class ElasticDataLoader:
         pos = int(state["global_position"])
         if not 0 <= pos <= len(self.dataset):
             raise ValueError(f"loader state global_position={pos} is outside 0..{len(self.dataset)}")
-        self._drop_iterator()
+        self._drop_all()
         self.epoch = int(state["epoch"])
         self._base, self._offset, self._shard = pos, 0, None
         if self.shards is not None and "shards" in state:
@@ -298,11 +371,11 @@ class ElasticDataLoader:
 
     def close(self) -> None:
         """Stop the loader worker processes (a new iterator starts on the next batch)."""
-        self._drop_iterator()
+        self._drop_all()
 
     def __del__(self) -> None:
         try:
-            self._drop_iterator()
+            self._drop_all()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

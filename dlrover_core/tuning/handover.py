@@ -1,0 +1,148 @@
+"""Serving a loader iterator's already-dispatched batches across a settings change.
+
+When ``ElasticDataLoader.reconfigure`` changes ``num_workers`` or ``batch_size``, the
+old ``DataLoader`` iterator has batches loaded or being loaded by its workers. Dropping
+them (what a rebuilt ``DataLoader`` does) makes the next steps wait for the new workers
+to start and read a whole wave of batches: on an input-bound job a stall of one or two
+seconds at every switch, measured in the tuned benchmark's step records. A
+:class:`Handover` instead serves those batches first, re-cut to the new ``batch_size``
+when it changed, while the new iterator's workers start and load what follows.
+
+Re-cutting concatenates and slices along dim 0, so it needs a batch made of tensors
+(possibly nested in tuples, lists or dicts, as ``default_collate`` builds them) whose
+dim-0 sizes agree; :func:`splittable` says whether a batch is one. Otherwise only a
+change that keeps ``batch_size`` is handed over.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+
+class IndexBatches:
+    """Batch sampler over a fixed list of indices (what one loader iterator serves).
+    ``dispatched`` counts the batches handed to the loader (its workers load them
+    ahead); none after ``limit``."""
+
+    def __init__(self, indices: list[int], batch_size: int) -> None:
+        self.indices, self.batch_size = indices, batch_size
+        self.dispatched, self.limit = 0, len(self)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i in range(0, len(self.indices), self.batch_size):
+            if self.dispatched >= self.limit:
+                return
+            self.dispatched += 1
+            yield self.indices[i:i + self.batch_size]
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+
+def splittable(batch: Any) -> bool:
+    """Whether ``batch`` is tensors (in tuples, lists or dicts) with one dim-0 size."""
+    sizes: set[int] = set()
+
+    def walk(x: Any) -> bool:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 0:
+                return False
+            sizes.add(int(x.shape[0]))
+            return True
+        if isinstance(x, dict):
+            return bool(x) and all(walk(v) for v in x.values())
+        if isinstance(x, (tuple, list)):
+            return bool(x) and all(walk(v) for v in x)
+        return False
+
+    return walk(batch) and len(sizes) == 1
+
+
+def _rebuild(like: Any, parts: Any) -> Any:
+    if isinstance(like, dict):
+        return type(like)(parts)
+    if isinstance(like, tuple) and hasattr(like, "_fields"):  # a namedtuple
+        return type(like)(*parts)
+    return type(like)(parts)
+
+
+def _cat(batches: list[Any]) -> Any:
+    import torch
+
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches, dim=0)
+    if isinstance(first, dict):
+        return _rebuild(first, {k: _cat([b[k] for b in batches]) for k in first})
+    return _rebuild(first, [_cat([b[i] for b in batches]) for i in range(len(first))])
+
+
+def _narrow(batch: Any, start: int, length: int) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch[start:start + length]
+    if isinstance(batch, dict):
+        return _rebuild(batch, {k: _narrow(v, start, length) for k, v in batch.items()})
+    return _rebuild(batch, [_narrow(v, start, length) for v in batch])
+
+
+class Handover:
+    """The first ``samples`` samples an old iterator was asked for, served as batches of
+    ``batch_size`` (the old batches themselves when their size is ``batch_size``).
+
+    Args:
+        it: the old ``DataLoader`` iterator; no more indices may be dispatched to it.
+        old_batch_size: samples per batch it yields (the last one may hold fewer only
+            when ``old_batch_size == batch_size``).
+        batch_size: samples per batch to serve.
+        samples: how many to serve: a multiple of both sizes when they differ.
+    """
+
+    def __init__(self, it: Iterator, old_batch_size: int, batch_size: int,
+                 samples: int) -> None:
+        self._it: Iterator | None = it
+        self.old_batch_size, self.batch_size = old_batch_size, batch_size
+        self.remaining = samples
+        self._pieces: list[tuple[Any, int, int]] = []  # (batch, start, length)
+
+    def next(self) -> tuple[Any, int]:
+        """``(batch, samples in it)``; the old iterator is shut down after the last."""
+        if self.old_batch_size == self.batch_size:
+            batch = next(self._it)  # type: ignore[arg-type]
+            n = min(self.batch_size, self.remaining)
+        else:
+            n = self.batch_size
+            while sum(p[2] for p in self._pieces) < n:
+                self._pieces.append((next(self._it), 0, self.old_batch_size))  # type: ignore
+            batch = self._take(n)
+        self.remaining -= n
+        if self.remaining <= 0:
+            self.close()
+        return batch, n
+
+    def _take(self, n: int) -> Any:
+        parts, need = [], n
+        while need:
+            b, start, length = self._pieces[0]
+            used = min(need, length)
+            parts.append(b if (start, used) == (0, self.old_batch_size)
+                         else _narrow(b, start, used))
+            need -= used
+            if used == length:
+                self._pieces.pop(0)
+            else:
+                self._pieces[0] = (b, start + used, length - used)
+        return parts[0] if len(parts) == 1 else _cat(parts)
+
+    def close(self) -> None:
+        """Stop the old iterator's workers, in the background: joining a worker waits
+        for the batch it is loading, which nobody needs."""
+        it, self._it, self._pieces = self._it, None, []
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            threading.Thread(target=shutdown, name="dlrover-loader-handover",
+                             daemon=True).start()
