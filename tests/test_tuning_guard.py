@@ -16,7 +16,7 @@ import pytest
 
 from dlrover_core.tuning.controller import TuningController
 from dlrover_core.tuning.guard import Guard, welch_greater
-from dlrover_core.tuning.tuner import TunerBase
+from dlrover_core.tuning.tuner import TunerBase, WindowSummary
 
 SAMPLES = 64
 CHANGE = {"dataloader": {"num_workers": 1}}
@@ -129,3 +129,55 @@ def test_welch_statistics_match_scipy_and_degenerate_samples_are_decided():
         welch_greater([1.0], [1.0, 2.0])
     with pytest.raises(ValueError, match="tuning.guard.confidence: 1.2 is invalid"):
         Guard(confidence=1.2)
+
+
+def _windows(rates: list[float]) -> WindowSummary:
+    return WindowSummary(version=1, steps=4 * len(rates), first_step=0,
+                         last_step=4 * len(rates) - 1,
+                         samples_per_s=sum(rates) / len(rates), step_s=0.4,
+                         data_wait_s=0.0, compute_s=0.4, optimizer_s=0.0,
+                         data_wait_share=0.0, memory_bytes=0.0, memory_capacity_bytes=0.0,
+                         prefetch_depth=-1.0, world_size=2, window_rates=tuple(rates))
+
+
+def test_an_undecided_trial_is_measured_to_max_windows_and_judged_again():
+    """The windows of a tuned run (docs/tuning.md): a micro-batch trial 10 % faster
+    whose second window held an epoch's refill. One look reverts it; with
+    max_windows=6 it is measured on, and kept at the second look, each look at half
+    the level (p <= 0.05 for 90 % confidence)."""
+    before = _windows([131.8, 133.1, 138.4])
+    first = _windows([152.3, 136.2, 156.1])
+    assert not Guard(min_gain=0.05).judge(before, first).keep
+    g = Guard(min_gain=0.05, max_windows=6)
+    v = g.judge(before, first)
+    assert (v.keep, v.more) == (False, True) and "not yet shown" in v.reason
+    assert g.windows_to_judge(True, 3) == 3 and g.windows_to_judge(True, 4) == 6
+    assert g.windows_to_judge(False, 4) == 3
+    v = g.judge(before, _windows([152.3, 136.2, 156.1, 151.0, 153.5, 152.0]))
+    assert v.keep and not v.more
+    p = welch_greater([152.3, 136.2, 156.1, 151.0, 153.5, 152.0],
+                      [1.05 * r for r in (131.8, 133.1, 138.4)]).p
+    assert 0.01 < p <= 0.05
+    # slower on the point estimate: reverted at the first look, not measured on
+    v = g.judge(before, _windows([136.0, 139.0, 141.0]))
+    assert (v.keep, v.more) == (False, False)
+    # still short of it at max_windows: reverted
+    v = g.judge(before, _windows([152.3, 130.2, 156.1, 131.0, 150.5, 133.0]))
+    assert (v.keep, v.more) == (False, False)
+    # p = 0.08 passes a single look at 90 %, not one of two looks
+    a, b = [148.0, 136.0, 160.0], [128.0, 133.0, 138.0]
+    assert 0.05 < welch_greater(a, b).p <= 0.1
+    assert Guard().judge(_windows(b), _windows(a)).keep
+    assert Guard(max_windows=6).judge(_windows(b), _windows(a)).more
+    with pytest.raises(ValueError, match="max_windows: 3 is invalid"):
+        Guard(max_windows=3)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_an_equal_change_measured_longer_is_still_not_kept(seed):
+    ctl, events, workers = run(NoisyJob(1.0, seed=seed), 400, guard=Guard(max_windows=6))
+    assert kinds(events) == ["tuning_proposed", "tuning_reverted"]
+    rev = [e for e in events if e["event"] == "tuning_reverted"][0]
+    extended = [e for e in events if e["event"] == "tuning_extended"]
+    assert len(rev["after"]["window_rates"]) == (6 if extended else 3)
+    assert workers[-1] == 0

@@ -114,7 +114,8 @@ def test_reverted_changes_and_a_master_restart_keep_the_version(ray_cluster, job
     # the revert pending); no retry of the reverted raise (max_retries=0): this test is
     # about the revert surviving the restart
     s = spec("tune-revert", 80, job_dir, "tuning.guard.memory_limit_bytes=1",
-             "tuning.guard.max_retries=0", "tuning.tuners=[dataloader_workers]")
+             "tuning.guard.max_retries=0", "tuning.tuners=[dataloader_workers]",
+             "tuning.options.dataloader_workers.max_num_workers=1")  # one raise: 0 -> 1
     seen = {}
 
     def reverted(d: str) -> bool:

@@ -141,9 +141,12 @@ class TuningGuardSpec:
     may be tried again, ``retry_shift``: once the baseline's samples/s moved by more
     than this (relative) or its data-wait share by more than this (absolute);
     ``memory_limit_bytes``: per-rank memory limit in bytes (0: the capacity the ranks
-    report); ``memory_headroom``: fraction of that capacity kept free."""
+    report); ``memory_headroom``: fraction of that capacity kept free; ``max_windows``:
+    a trial that shows a gain short of the confidence is measured on up to this many
+    windows and judged again (0: judged once)."""
 
     windows: int = 3
+    max_windows: int = 0
     confidence: float = 0.9
     min_gain: float = 0.0
     max_retries: int = 1

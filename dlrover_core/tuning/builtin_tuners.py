@@ -1,8 +1,10 @@
 """The core's tuners, registered through ``dlrover_tuners`` like any plugin's.
 
-- ``dataloader_workers``: raise ``dataloader.num_workers`` (0 -> 1 -> 2 -> 4 -> ...)
-  while the data wait is more than ``data_wait_share`` of the step, up to
-  ``max_num_workers``; a reverted raise ends the search at the last kept value.
+- ``dataloader_workers``: while the data wait is more than ``data_wait_share`` of the
+  wall time, raise ``dataloader.num_workers`` to what the measured wait implies plus
+  ``headroom`` (:meth:`DataloaderWorkersTuner.workers_needed`), up to
+  ``max_num_workers``. A reverted raise lowers the ceiling to one below it; a second
+  reverted raise from the same count ends the search there.
 - ``micro_batch``: double ``dataloader.batch_size`` and halve
   ``optimizer.grad_accum_steps`` (the global batch stays) while throughput rises by at
   least ``min_gain`` per doubling and the predicted memory peak stays below the
@@ -28,6 +30,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dlrover_core.tuning.config import TuningConfig
@@ -44,42 +47,66 @@ def _check_range(options: dict, key: str, low: float, high: float | None = None)
 
 
 class DataloaderWorkersTuner(TunerBase):
-    defaults = {"max_num_workers": 8, "data_wait_share": 0.1}
+    defaults = {"max_num_workers": 8, "data_wait_share": 0.1, "headroom": 0.5}
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
         self.ceiling = int(self.options["max_num_workers"])
         self._raised_from: int | None = None  # num_workers before the last proposal
+        self._reverted_from: int | None = None  # the count the last reverted raise left
 
     @classmethod
     def validate_options(cls, options: dict) -> None:
         super().validate_options(options)
         _check_range(options, "max_num_workers", 0, 256)
         _check_range(options, "data_wait_share", 0.0, 1.0)
+        _check_range(options, "headroom", 0.0, 10.0)
+
+    def workers_needed(self, window: WindowSummary, num_workers: int) -> int:
+        """Loader workers that deliver what the rest of the step consumes, with
+        ``headroom``: with ``n >= 1`` workers and a data-wait share ``w`` of the wall
+        time, the loader delivers a step's batches in the whole step time ``T`` while
+        the rest of the step takes ``(1 - w) T``, so ``n / (1 - w)`` workers keep up;
+        loading in the main process (``n = 0``), the reads ``w T`` overlap a compute of
+        ``(1 - w) T`` with ``w / (1 - w)`` workers. Times ``1 + headroom``, rounded up:
+        a loader that only just keeps up stalls whenever its workers' batches arrive
+        together, and a later larger micro-batch computes faster. At least
+        ``num_workers + 1``."""
+        w = min(window.data_wait_share, 0.95)
+        need = (num_workers if num_workers > 0 else w) / (1.0 - w)
+        return max(num_workers + 1, math.ceil(need * (1.0 + self.options["headroom"])))
 
     def propose(self, window: WindowSummary, current: TuningConfig) -> dict | None:
         nw = current.dataloader.num_workers
         if window.data_wait_share <= self.options["data_wait_share"] or nw >= self.ceiling:
             return None
         self._raised_from = nw
-        return {"dataloader": {"num_workers": min(self.ceiling, max(1, nw * 2))}}
+        return {"dataloader": {"num_workers": min(self.ceiling,
+                                                  self.workers_needed(window, nw))}}
 
     def feedback(self, change: dict, accepted: bool, before: WindowSummary,
                  after: WindowSummary | None) -> None:
         n = int(change["dataloader"]["num_workers"])
-        if not accepted:  # the raise did not pay: the search ends at the last kept value
-            # (unless the guard retries it); not n - 1, n - 2, ...: every trial costs a
-            # loader refill, and a step between two counts rarely shows at confidence
+        if not accepted:  # the raise did not pay (unless the guard retries it): the
+            # ceiling goes below it, and a second revert from the same count ends the
+            # search there: every trial costs a switch, and a step between two counts
+            # rarely shows at confidence
             kept = self._raised_from
-            self.ceiling = min(self.ceiling, n - 1 if kept is None or kept >= n else kept)
+            if kept is None or kept >= n:
+                self.ceiling = min(self.ceiling, n - 1)
+            else:
+                again = self._reverted_from == kept
+                self.ceiling = min(self.ceiling, kept if again else n - 1)
+                self._reverted_from = kept
         elif n > self.ceiling:  # a retry of a reverted raise paid this time: search on
             self.ceiling = int(self.options["max_num_workers"])
 
     def state_dict(self) -> dict:
-        return {"ceiling": self.ceiling}
+        return {"ceiling": self.ceiling, "reverted_from": self._reverted_from}
 
     def load_state_dict(self, state: dict) -> None:
         self.ceiling = int(state.get("ceiling", self.ceiling))
+        self._reverted_from = state.get("reverted_from", self._reverted_from)
 
 
 class MicroBatchTuner(TunerBase):

@@ -15,7 +15,8 @@ The loop, per tuned role::
       -> version N+1                                    event tuning_proposed
       -> ranks report steps under N+1                   event tuning_applied
       -> warmup_steps skipped, guard.windows windows measured (whole loader waves)
-      -> guard (Welch's t-test of the window rates, see guard.py):
+      -> guard (Welch's t-test of the window rates, see guard.py): undecided with
+                guard.max_windows set: measured on to it  event tuning_extended
                 kept (its windows are the new baseline)  event tuning_accepted
                 or reverted to N's settings as N+2      event tuning_reverted
                 (and a fresh baseline is measured)
@@ -45,16 +46,12 @@ from dlrover_core.tuning.config import TuningConfig
 from dlrover_core.tuning.controller_state import STORE_KEY, ControllerState
 from dlrover_core.tuning.guard import Guard
 from dlrover_core.tuning.lr_scaling import scaled_learning_rate
-from dlrover_core.tuning.proposals import ask_tuners
+from dlrover_core.tuning.proposals import ask_tuners, pick_retry
 from dlrover_core.tuning.tuner import TunerBase, WindowSummary
 
 log = logging.getLogger(__name__)
 
 __all__ = ["STORE_KEY", "TuningController"]
-
-
-def _no_emit(event: str, **fields: Any) -> None:
-    """Events go nowhere (a controller outside a JobMaster)."""
 
 
 class TuningController(ControllerState):
@@ -93,7 +90,8 @@ class TuningController(ControllerState):
         self.lr_scaling = lr_scaling
         self.one_change_per_round = one_change_per_round
         self._turn = 0  # with one_change_per_round: the tuner asked first next round
-        self.store, self.emit = store, emit or _no_emit
+        self.store = store
+        self.emit = emit or (lambda event, **fields: None)  # outside a JobMaster
         self.config: TuningConfig | None = None
         self.previous: TuningConfig | None = None
         self.phase = "baseline"          # baseline | trial
@@ -214,13 +212,21 @@ class TuningController(ControllerState):
             self.config.version, self._window, self._memory, self._capacity,
             self.world_size))
         self._reset_window()
-        if len(self.windows) < self.guard.windows:
+        if len(self.windows) < self.guard.windows_to_judge(self.phase == "trial",
+                                                           len(self.windows)):
             self._persist()
             return
         window = WindowSummary.merge(self.windows)
-        self.windows = []
+        verdict = None
         if self.phase == "trial" and self.baseline is not None:
             verdict = self.guard.judge(self.baseline, window)
+            if verdict.more:
+                self.emit("tuning_extended", version=self.config.version,
+                          reason=verdict.reason, windows=self.guard.max_windows)
+                self._persist()
+                return
+        self.windows = []
+        if verdict is not None:
             figures = {"before": self.baseline.as_dict(), "after": window.as_dict()}
             for name, t in self.tuners:
                 if name in self.trial_changes:
@@ -374,23 +380,11 @@ class TuningController(ControllerState):
         """Try a reverted change again when the conditions moved since its revert and
         it has retries left (see the module docstring). Returns whether it did."""
         assert self.config is not None
-        for rec in self.rejected:
-            if rec["retries"] >= self.guard.max_retries or not rec.get("baseline"):
-                continue
-            if not self.guard.conditions_changed(WindowSummary.from_dict(rec["baseline"]),
-                                                 window):
-                continue
-            new = self.config.updated({s: {k: v[1] for k, v in kv.items()}
-                                       for s, kv in rec["change"].items()},
-                                      version=self.config.version + 1)
-            if new.same_settings(self.config) or self._over_ceiling(new):
-                continue  # nothing left to change, or known not to fit in memory
-            rec["retries"] += 1
-            by_tuner = {n: {s: {k: v[1] for k, v in kv.items()}
-                            for s, kv in rec["change"].items()} for n in rec["tuners"]}
-            self._publish(new, by_tuner, window, "retry")
-            return True
-        return False
+        picked = pick_retry(self.rejected, self.guard, self.config, window,
+                            self._over_ceiling)
+        if picked is not None:
+            self._publish(*picked, window, "retry")
+        return picked is not None
 
     def _mark(self, version: int, status: str, window: WindowSummary | None) -> None:
         for h in self.history:

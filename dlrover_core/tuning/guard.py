@@ -18,6 +18,14 @@ change whose memory peak crossed the limit (``memory_limit_bytes``, or, when tha
 0, the smallest capacity a rank reported minus ``memory_headroom`` of it) is reverted
 whatever its speed.
 
+With ``max_windows`` set, a trial that is faster on the point estimate but not at the
+confidence is not reverted at once: it is measured until it has ``max_windows``
+windows and tested again (against the same baseline). Two looks at the data would
+double the chance of keeping a change that gains nothing, so each look tests at half
+the level, ``p <= (1 - confidence) / 2`` (Bonferroni's correction for two tests; a
+group-sequential design, Pocock 1977, "Group sequential methods in the design and
+analysis of clinical trials", Biometrika 64, spends it the same way over equal looks).
+
 The test itself is scipy's (``scipy.stats.ttest_ind``, ``equal_var=False``).
 """
 
@@ -66,15 +74,20 @@ def welch_greater(a: list[float], b: list[float]) -> WelchResult:
 
 @dataclass(frozen=True)
 class GuardVerdict:
+    """``keep``: the trial earned its gain; ``more``: undecided, measure it up to
+    ``max_windows`` windows and judge again; ``reason``: the figures, for the event."""
+
     keep: bool
     reason: str
+    more: bool = False
 
 
 @dataclass(frozen=True)
 class Guard:
     """``confidence``: the confidence (0.5..1) at which a trial must be faster to be
     kept; ``min_gain``: the relative gain it must show (0.0: any gain); ``windows``:
-    windows measured per configuration (>= 2); ``max_retries``: how often a reverted
+    windows measured per configuration (>= 2); ``max_windows``: windows of a trial at
+    its second look (0: one look; else > ``windows``); ``max_retries``: how often a reverted
     change may be tried again; ``retry_shift``: how far the conditions must have moved
     since its revert before that (relative change of the baseline's samples/s, or
     absolute change of its data-wait share); ``memory_limit_bytes``: per-rank memory
@@ -84,6 +97,7 @@ class Guard:
     confidence: float = 0.9
     min_gain: float = 0.0
     windows: int = 3
+    max_windows: int = 0
     max_retries: int = 1
     retry_shift: float = 0.25
     memory_limit_bytes: int = 0
@@ -95,6 +109,9 @@ class Guard:
                 ("min_gain", 0.0 <= self.min_gain < 10.0, "a number in [0, 10)"),
                 ("windows", isinstance(self.windows, int) and self.windows >= 2,
                  "an integer >= 2"),
+                ("max_windows", isinstance(self.max_windows, int) and (
+                    self.max_windows == 0 or self.max_windows > self.windows),
+                 f"0 or an integer > windows ({self.windows})"),
                 ("max_retries", isinstance(self.max_retries, int) and self.max_retries >= 0,
                  "an integer >= 0"),
                 ("retry_shift", self.retry_shift > 0, "a number > 0"),
@@ -112,9 +129,15 @@ class Guard:
             return window.memory_capacity_bytes * (1.0 - self.memory_headroom)
         return 0.0
 
+    def windows_to_judge(self, trial: bool, measured: int) -> int:
+        """Windows to measure before the next verdict: ``windows``, or for a trial the
+        first look left undecided (it holds more) ``max_windows``."""
+        return self.max_windows if trial and measured > self.windows else self.windows
+
     def judge(self, before: WindowSummary, after: WindowSummary) -> GuardVerdict:
         """Keep ``after`` (the trial's windows) over ``before`` (the windows of the
-        config before it)? See the module docstring.
+        config before it), revert it, or (``more``) measure it further? See the module
+        docstring.
 
         Raises:
             ValueError: either summary has fewer than 2 window rates.
@@ -129,8 +152,15 @@ class Guard:
                    f"({len(before.window_rates)} and {len(after.window_rates)} windows; "
                    f"Welch t={res.t:.2f}, df={res.df:.1f}, one-sided p={res.p:.3f})")
         gain = f"a gain over {self.min_gain:.0%}" if self.min_gain else "a gain"
-        if res.p <= 1.0 - self.confidence:
+        two_looks = self.max_windows > self.windows
+        level = (1.0 - self.confidence) / (2 if two_looks else 1)
+        if res.p <= level:
             return GuardVerdict(True, f"{gain} at {self.confidence:.0%} confidence: {figures}")
+        if two_looks and len(after.window_rates) < self.max_windows and \
+                statistics.fmean(after.window_rates) > bar * statistics.fmean(
+                    before.window_rates):
+            return GuardVerdict(False, f"{gain} not yet shown at {self.confidence:.0%} "
+                                       f"confidence: {figures}", more=True)
         return GuardVerdict(False, f"no {gain[2:]} shown at {self.confidence:.0%} "
                                    f"confidence: {figures}")
 

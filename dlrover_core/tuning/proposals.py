@@ -3,7 +3,7 @@ them (used by :class:`~dlrover_core.tuning.controller.TuningController`)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from dlrover_core.tuning.config import TuningConfig
 from dlrover_core.tuning.tuner import TunerBase, WindowSummary
@@ -59,3 +59,26 @@ def ask_tuners(tuners: list[tuple[str, TunerBase]], window: WindowSummary,
         by_tuner[name] = change
         turn = (idx + 1) % len(tuners)
     return merged, by_tuner, turn
+
+
+def pick_retry(rejected: list[dict], guard: Any, config: TuningConfig,
+               window: WindowSummary, over_ceiling: Callable[[TuningConfig], bool],
+               ) -> tuple[TuningConfig, dict[str, dict]] | None:
+    """The first reverted change (``rejected``: the controller's records ``{"settings",
+    "change", "tuners", "baseline", "retries"}``) with retries left under
+    ``guard.max_retries`` whose conditions moved since its revert
+    (``guard.conditions_changed`` between its baseline and ``window``) and that still
+    changes ``config`` within the memory ceiling: ``(the new config, each tuner's
+    change)``, its ``retries`` counted; ``None`` when there is none."""
+    for rec in rejected:
+        if rec["retries"] >= guard.max_retries or not rec.get("baseline"):
+            continue
+        if not guard.conditions_changed(WindowSummary.from_dict(rec["baseline"]), window):
+            continue
+        change = {s: {k: v[1] for k, v in kv.items()} for s, kv in rec["change"].items()}
+        new = config.updated(change, version=config.version + 1)
+        if new.same_settings(config) or over_ceiling(new):
+            continue  # nothing left to change, or known not to fit in memory
+        rec["retries"] += 1
+        return new, {n: {s: dict(kv) for s, kv in change.items()} for n in rec["tuners"]}
+    return None
