@@ -289,3 +289,22 @@ def test_the_next_epoch_is_loading_before_the_current_one_ends():
     # sample 0: epochs 0 and 1, the dropped read-ahead, epoch 2, epoch 3's read-ahead
     assert data.reads[0] == 5
     loader.close()
+
+
+def test_a_change_at_the_end_of_an_epoch_starts_the_next_one_with_the_new_settings():
+    n = 40
+    data = CountedIds(n, sleep_s=0.002)
+    loader = ElasticDataLoader(data, batch_size=4, num_workers=2, shuffle=False,
+                               multiprocessing_context="fork")
+    first = [ids_of(loader.next_batch()["x"]) for _ in range(8)]
+    time.sleep(0.3)  # the last 2 batches loaded; epoch 1's first batches too
+    loader.reconfigure(batch_size=8)  # drops epoch 1's read-ahead (batches of 4)
+    assert loader.handed_over == 8  # the epoch's last 2 batches, as one of 8
+    time.sleep(0.3)
+    assert data.reads[0] == 3  # epoch 1 read ahead again, in batches of 8
+    first.append(ids_of(loader.next_batch()["x"]))
+    assert sum(first, []) == list(range(n)) and len(first[-1]) == 8
+    second = [ids_of(b["x"]) for b in loader.epoch_iter()]
+    assert sum(second, []) == list(range(n)) and {len(b) for b in second} == {8}
+    assert loader.epoch == 1 and data.reads[n - 1] == 2
+    loader.close()

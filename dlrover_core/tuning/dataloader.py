@@ -185,6 +185,9 @@ class ElasticDataLoader:
         start = self._offset + loaded
         if self._remaining(start) > 0:
             self._it = self._new_iterator(start)
+        elif self.num_workers > 0:  # the handover ends the epoch: the next one loads
+            shard = self._shard_for(self.epoch + 1, 0)
+            self._pending = (shard, *self._make_iterator(shard, 0))
 
     def _drop_iterator(self) -> None:
         it, self._it, self._sampler = self._it, None, None
