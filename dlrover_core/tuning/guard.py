@@ -22,9 +22,11 @@ With ``max_windows`` set, a trial that is faster on the point estimate but not a
 confidence is not reverted at once: it is measured until it has ``max_windows``
 windows and tested again (against the same baseline). Two looks at the data would
 double the chance of keeping a change that gains nothing, so each look tests at half
-the level, ``p <= (1 - confidence) / 2`` (Bonferroni's correction for two tests; a
-group-sequential design, Pocock 1977, "Group sequential methods in the design and
-analysis of clinical trials", Biometrika 64, spends it the same way over equal looks).
+the level, ``p <= (1 - confidence) / 2`` (Bonferroni's correction for two tests, a
+bound on the chance of a false keep over both looks; Pocock's group-sequential design,
+"Group sequential methods in the design and analysis of clinical trials", Biometrika
+64, 1977, also tests every look at one level, slightly above this one because the
+looks share data).
 
 The test itself is scipy's (``scipy.stats.ttest_ind``, ``equal_var=False``).
 """
