@@ -308,3 +308,17 @@ def test_a_change_at_the_end_of_an_epoch_starts_the_next_one_with_the_new_settin
     assert sum(second, []) == list(range(n)) and {len(b) for b in second} == {8}
     assert loader.epoch == 1 and data.reads[n - 1] == 2
     loader.close()
+
+
+def test_only_known_containers_of_tensors_are_re_cut():
+    import collections
+
+    from dlrover_core.tuning.handover import splittable
+
+    pair = collections.namedtuple("Pair", "x y")
+    t = torch.zeros(4, 3)
+    assert splittable((t, t)) and splittable([t, {"a": t}]) and splittable(pair(t, t))
+    assert splittable(collections.OrderedDict(a=t))
+    assert not splittable((t, torch.zeros(2)))  # two batch sizes
+    assert not splittable((t, 3)) and not splittable(torch.tensor(1.0))
+    assert not splittable(collections.defaultdict(list, a=t))  # its constructor differs

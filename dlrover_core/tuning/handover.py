@@ -41,20 +41,24 @@ class IndexBatches:
 
 
 def splittable(batch: Any) -> bool:
-    """Whether ``batch`` is tensors (in tuples, lists or dicts) with one dim-0 size."""
+    """Whether ``batch`` is tensors with one dim-0 size, possibly nested in plain
+    tuples, namedtuples, lists, dicts or OrderedDicts (other containers, whose
+    constructors may take other arguments, are not re-cut)."""
+    import collections
+
+    import torch
+
     sizes: set[int] = set()
 
     def walk(x: Any) -> bool:
-        import torch
-
         if isinstance(x, torch.Tensor):
             if x.dim() == 0:
                 return False
             sizes.add(int(x.shape[0]))
             return True
-        if isinstance(x, dict):
+        if type(x) in (dict, collections.OrderedDict):
             return bool(x) and all(walk(v) for v in x.values())
-        if isinstance(x, (tuple, list)):
+        if type(x) in (tuple, list) or (isinstance(x, tuple) and hasattr(x, "_fields")):
             return bool(x) and all(walk(v) for v in x)
         return False
 
