@@ -23,7 +23,7 @@ from __future__ import annotations
 from math import lcm
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from dlrover_core.tuning.handover import Handover, IndexBatches, splittable
+from dlrover_core.tuning.handover import Handover, IndexBatches, shut_down, splittable
 
 if TYPE_CHECKING:
     from dlrover_core.tuning.metrics import StepTimer
@@ -178,20 +178,19 @@ class ElasticDataLoader:
             loaded = whole - whole % lcm(old_batch_size, self.batch_size)
         self._it = None
         if loaded <= 0:
-            self._shutdown(it)
+            shut_down(it)
             return
         self._handover = Handover(it, old_batch_size, self.batch_size, loaded)
         self.handed_over += loaded
         start = self._offset + loaded
         if self._remaining(start) > 0:
             self._it = self._new_iterator(start)
-        elif self.num_workers > 0:  # the handover ends the epoch: the next one loads
-            shard = self._shard_for(self.epoch + 1, 0)
-            self._pending = (shard, *self._make_iterator(shard, 0))
+        else:  # the handover ends the epoch: the next one loads meanwhile
+            self._open_next_epoch()
 
     def _drop_iterator(self) -> None:
         it, self._it, self._sampler = self._it, None, None
-        self._shutdown(it)
+        shut_down(it)
         handover, self._handover = self._handover, None
         if handover is not None:
             handover.close()
@@ -203,13 +202,7 @@ class ElasticDataLoader:
     def _drop_next_epoch(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._shutdown(pending[1])
-
-    @staticmethod
-    def _shutdown(it: Iterator | None) -> None:
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+            shut_down(pending[1])
 
     def _new_iterator(self, start: int | None = None) -> Iterator:
         start = self._offset if start is None else start
@@ -221,8 +214,13 @@ class ElasticDataLoader:
         """Start the next epoch's iterator once the current one dispatched its last
         batch (its workers then load while the current epoch's tail is served)."""
         sampler = self._sampler
-        if (self._pending is None and self.num_workers > 0 and sampler is not None
-                and sampler.dispatched >= len(sampler)):
+        if sampler is not None and sampler.dispatched >= len(sampler):
+            self._open_next_epoch()
+
+    def _open_next_epoch(self) -> None:
+        """The next epoch's iterator, with the current settings (once; only with loader
+        worker processes, which load ahead)."""
+        if self._pending is None and self.num_workers > 0:
             shard = self._shard_for(self.epoch + 1, 0)
             self._pending = (shard, *self._make_iterator(shard, 0))
 

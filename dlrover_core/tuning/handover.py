@@ -65,6 +65,19 @@ def splittable(batch: Any) -> bool:
     return walk(batch) and len(sizes) == 1
 
 
+def shut_down(it: Any, background: bool = False) -> None:
+    """Stop a ``DataLoader`` iterator's worker processes (nothing for one without
+    workers); ``background``: in a daemon thread, since joining a worker waits for the
+    batch it is loading."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is None:
+        return
+    if background:
+        threading.Thread(target=shutdown, name="dlrover-loader-handover", daemon=True).start()
+    else:
+        shutdown()
+
+
 def _rebuild(like: Any, parts: Any) -> Any:
     if isinstance(like, dict):
         return type(like)(parts)
@@ -143,10 +156,7 @@ class Handover:
         return parts[0] if len(parts) == 1 else _cat(parts)
 
     def close(self) -> None:
-        """Stop the old iterator's workers, in the background: joining a worker waits
-        for the batch it is loading, which nobody needs."""
+        """Stop the old iterator's workers, in the background: the batches they may
+        still be loading are not needed."""
         it, self._it, self._pieces = self._it, None, []
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            threading.Thread(target=shutdown, name="dlrover-loader-handover",
-                             daemon=True).start()
+        shut_down(it, background=True)

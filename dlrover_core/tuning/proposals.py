@@ -3,10 +3,13 @@ them (used by :class:`~dlrover_core.tuning.controller.TuningController`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from dlrover_core.tuning.config import TuningConfig
 from dlrover_core.tuning.tuner import TunerBase, WindowSummary
+
+if TYPE_CHECKING:
+    from dlrover_core.tuning.guard import Guard
 
 
 def ask_tuners(tuners: list[tuple[str, TunerBase]], window: WindowSummary,
@@ -61,7 +64,7 @@ def ask_tuners(tuners: list[tuple[str, TunerBase]], window: WindowSummary,
     return merged, by_tuner, turn
 
 
-def pick_retry(rejected: list[dict], guard: Any, config: TuningConfig,
+def pick_retry(rejected: list[dict], guard: Guard, config: TuningConfig,
                window: WindowSummary, over_ceiling: Callable[[TuningConfig], bool],
                ) -> tuple[TuningConfig, dict[str, dict]] | None:
     """The first reverted change (``rejected``: the controller's records ``{"settings",
