@@ -347,3 +347,26 @@ def test_a_window_under_8_workers_is_measured_after_the_first_wave_and_spans_one
     assert ctl.windows == [] and len(ctl._window) == 7   # steps 8..14
     ctl.on_report("trainer", 0, 15, model_step(cfg))
     assert [(w.first_step, w.last_step) for w in ctl.windows] == [(8, 15)]
+
+
+def test_the_steps_of_a_loader_transition_are_not_measured():
+    """A trial's first window starts after the steps that report ``loader_refill`` (the
+    old workers' batches and the new workers' first wave), not only after warmup_steps:
+    those steps show the switch's one-time cost, not the new settings' rate."""
+    events: list = []
+    ctl = controller(events)
+    applied: dict[int, int] = {}
+    step = 0
+    while not any(e["event"] in ("tuning_accepted", "tuning_reverted") for e in events):
+        cfg = ctl.current()
+        applied.setdefault(cfg["version"], step)
+        m = model_step(cfg)
+        if cfg["version"] > 0 and step < applied[cfg["version"]] + 6:
+            m["loader_refill"] = 1.0
+        for rank in (1, 0):
+            ctl.on_report("trainer", rank, step, m)
+        step += 1
+        assert step < 500
+    judged = next(e for e in events if e["event"] in ("tuning_accepted", "tuning_reverted"))
+    assert judged["after"]["first_step"] == applied[1] + 6
+    assert judged["before"]["first_step"] < applied[1]

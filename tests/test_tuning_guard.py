@@ -159,8 +159,12 @@ def test_an_undecided_trial_is_measured_to_max_windows_and_judged_again():
                       [1.05 * r for r in (131.8, 133.1, 138.4)]).p
     assert 0.01 < p <= 0.05
     # slower on the point estimate: reverted at the first look, not measured on
-    v = g.judge(before, _windows([136.0, 139.0, 141.0]))
+    v = g.judge(before, _windows([128.0, 131.0, 135.0]))
     assert (v.keep, v.more) == (False, False)
+    # faster, but by less than min_gain on the point estimate: measured on all the same
+    # (in 3 noisy windows a real gain of min_gain or more can show as less)
+    v = g.judge(before, _windows([136.0, 139.0, 141.0]))
+    assert (v.keep, v.more) == (False, True)
     # still short of it at max_windows: reverted
     v = g.judge(before, _windows([152.3, 130.2, 156.1, 131.0, 150.5, 133.0]))
     assert (v.keep, v.more) == (False, False)

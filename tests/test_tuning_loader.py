@@ -322,3 +322,31 @@ def test_only_known_containers_of_tensors_are_re_cut():
     assert not splittable((t, torch.zeros(2)))  # two batch sizes
     assert not splittable((t, 3)) and not splittable(torch.tensor(1.0))
     assert not splittable(collections.defaultdict(list, a=t))  # its constructor differs
+
+
+def test_the_steps_of_a_change_s_transition_report_loader_refill():
+    """After a change, the steps served by the old workers' batches and by the new
+    workers' first wave carry ``loader_refill`` (the tuning controller does not measure
+    them); the steps before the change and after the first wave do not."""
+    n = 108
+    data = CountedIds(n, sleep_s=0.002)
+    loader = ElasticDataLoader(data, batch_size=4, num_workers=2, seed=5,
+                               multiprocessing_context="fork")
+    timer = StepTimer()
+
+    def step() -> float:
+        loader.next_batch(timer)
+        return timer.end_step(samples=loader.batch_size).get("loader_refill", 0.0)
+
+    before = [step() for _ in range(3)]
+    time.sleep(0.3)  # the 2 workers load 4 batches of 4 ahead
+    loader.reconfigure(batch_size=8)
+    assert loader.handed_over == 16  # two batches of 8
+    after = [step() for _ in range(8)]
+    # 2 handed-over batches, then the new iterator's first wave of 2 (one per worker)
+    assert before == [0.0] * 3 and after == [1.0] * 4 + [0.0] * 4
+    time.sleep(0.3)
+    loader.reconfigure(num_workers=3)  # 4 batches of 8 handed over, then a wave of 3
+    assert loader.handed_over == 16 + 32
+    assert [step() for _ in range(8)] == [1.0] * 7 + [0.0]
+    loader.close()

@@ -14,7 +14,9 @@ The loop, per tuned role::
          merged (tuning.tuners order wins on a shared key)
       -> version N+1                                    event tuning_proposed
       -> ranks report steps under N+1                   event tuning_applied
-      -> warmup_steps skipped, guard.windows windows measured (whole loader waves)
+      -> warmup_steps skipped, and after them the steps that report loader_refill
+         (the change's transition in an ElasticDataLoader: metrics.py),
+         guard.windows windows measured (whole loader waves)
       -> guard (Welch's t-test of the window rates, see guard.py): undecided with
                 guard.max_windows set: measured on to it  event tuning_extended
                 kept (its windows are the new baseline)  event tuning_accepted
@@ -194,6 +196,8 @@ class TuningController(ControllerState):
             self._persist()
         if step < self.applied_step + waves.warmup_steps(self.warmup_steps, self.config):
             return
+        if metrics.get("loader_refill") and not self._window and not self.windows:
+            return  # still the transition: handed-over batches or the first wave
         if mem is not None:
             self._memory[0] = max(self._memory.get(0, 0.0), float(mem))
         if "memory_capacity_bytes" in metrics:

@@ -87,6 +87,7 @@ class ElasticDataLoader:
         # the next epoch's (shard, iterator, sampler, stop), started ahead
         self._pending: tuple[list[int], Iterator, IndexBatches, int] | None = None
         self.handed_over = 0     # samples served from an old iterator after a change
+        self._first_wave = 0     # batches of the new workers' first wave still to serve
         self.rebuilds = 0        # iterators created (1 + one per change / epoch)
 
     # ------------------------------------------------------------------ position
@@ -133,6 +134,7 @@ class ElasticDataLoader:
         rolled back (out of memory) skips no sample. Drops the current iterator."""
         epoch, base, offset = marker
         self._drop_all()
+        self._first_wave = self.num_workers  # a new iterator: its first wave
         if epoch != self.epoch or base != self._base:
             self._shard = None
         self.epoch, self._base, self._offset = int(epoch), int(base), int(offset)
@@ -142,13 +144,12 @@ class ElasticDataLoader:
                     pin_memory: bool | None = None) -> bool:
         """Change settings from the next batch on. Returns ``True`` when anything changed.
 
-        The batches the old iterator had dispatched to its workers are served first (a
-        :class:`~dlrover_core.tuning.handover.Handover`), and a new iterator starts after
-        them at once, so its workers load while they are served. With a new
-        ``batch_size`` they are re-cut to it when the batches are tensors
-        (:func:`~dlrover_core.tuning.handover.splittable`) and as many as make whole
-        batches of both sizes; the rest is loaded again by the new iterator, never
-        skipped. Call it on every rank at the same step boundary.
+        The batches the old iterator had dispatched are served first (a
+        :class:`~dlrover_core.tuning.handover.Handover`) while a new iterator, started
+        after them at once, loads. With a new ``batch_size`` they are re-cut to it when
+        they are tensors (:func:`~dlrover_core.tuning.handover.splittable`) and make whole
+        batches of both sizes; the rest is loaded again, never skipped. Call it on every
+        rank at the same step boundary.
 
         Raises:
             ValueError: ``batch_size < 1`` or ``num_workers < 0``.
@@ -163,7 +164,16 @@ class ElasticDataLoader:
         self.batch_size, self.num_workers, self.pin_memory = new
         self._drop_next_epoch()  # started with the old settings
         self._hand_over(old_batch_size)
+        self._first_wave = self.num_workers
         return True
+
+    @property
+    def refilling(self) -> bool:
+        """Whether the next batch is part of a change's one-time transition: handed over
+        by the old iterator, or one of the first ``num_workers`` batches of the new one
+        (its workers start together). The tuning controller does not measure the steps
+        that take them (``loader_refill`` in :mod:`dlrover_core.tuning.metrics`)."""
+        return self._handover is not None or self._first_wave > 0
 
     def _hand_over(self, old_batch_size: int) -> None:
         it, sampler = self._it, self._sampler
@@ -265,8 +275,9 @@ class ElasticDataLoader:
         recorded."""
         if timer is None:
             return self._next()
-        timer.note_prefetch_depth(self.prefetch_depth())
-        with timer.phase("data"):
+        with timer.phase("data"):  # starts the step first when it is its first phase
+            timer.note_prefetch_depth(self.prefetch_depth())
+            timer.note_refill(self.refilling)
             return self._next()
 
     def _next(self) -> Any:
@@ -291,6 +302,7 @@ class ElasticDataLoader:
                 self._next_epoch()
                 continue
             self._offset = min(self._offset + self.batch_size, self._stop_at)
+            self._first_wave = max(0, self._first_wave - 1)
             if self._splittable is None:
                 self._splittable = splittable(batch)
             self._start_next_epoch()

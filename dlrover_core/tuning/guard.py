@@ -18,8 +18,9 @@ change whose memory peak crossed the limit (``memory_limit_bytes``, or, when tha
 0, the smallest capacity a rank reported minus ``memory_headroom`` of it) is reverted
 whatever its speed.
 
-With ``max_windows`` set, a trial that is faster on the point estimate but not at the
-confidence is not reverted at once: it is measured until it has ``max_windows``
+With ``max_windows`` set, a trial that is faster on the point estimate (its mean window
+rate above the baseline's, by any margin) but not shown at the confidence is not
+reverted at once: it is measured until it has ``max_windows``
 windows and tested again (against the same baseline). Two looks at the data would
 double the chance of keeping a change that gains nothing, so each look tests at half
 the level, ``p <= (1 - confidence) / 2`` (Bonferroni's correction for two tests, a
@@ -159,8 +160,7 @@ class Guard:
         if res.p <= level:
             return GuardVerdict(True, f"{gain} at {self.confidence:.0%} confidence: {figures}")
         if two_looks and len(after.window_rates) < self.max_windows and \
-                statistics.fmean(after.window_rates) > bar * statistics.fmean(
-                    before.window_rates):
+                statistics.fmean(after.window_rates) > statistics.fmean(before.window_rates):
             return GuardVerdict(False, f"{gain} not yet shown at {self.confidence:.0%} "
                                        f"confidence: {figures}", more=True)
         return GuardVerdict(False, f"no {gain[2:]} shown at {self.confidence:.0%} "

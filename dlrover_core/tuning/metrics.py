@@ -34,7 +34,9 @@ step, its peak statistics reset at step start, when CUDA is in use),
 ``memory_capacity_bytes`` (what this rank may use: the CUDA device's memory, else the
 node's RAM (or cgroup limit) divided by ``local_world_size``) and ``prefetch_depth``
 (batches ready in the loader's queue when the step asked for one, from
-:class:`~dlrover_core.tuning.dataloader.ElasticDataLoader`).
+:class:`~dlrover_core.tuning.dataloader.ElasticDataLoader`), and ``loader_refill``
+(``1.0``, only on a step that took a batch of a change's transition:
+:attr:`ElasticDataLoader.refilling <dlrover_core.tuning.dataloader.ElasticDataLoader.refilling>`).
 
 Units: seconds, bytes, samples/s. Timing uses ``time.perf_counter``; on a GPU the
 phases are synchronised with ``torch.cuda.synchronize`` only when ``cuda_sync=True``
@@ -55,11 +57,11 @@ PHASES = ("data", "compute", "optimizer")
 _PHASE_KEYS = {"data": "data_wait_s", "compute": "compute_s", "optimizer": "optimizer_s"}
 
 #: The metric names :meth:`StepTimer.end_step` reports (``cuda_max_allocated_bytes`` and
-#: ``prefetch_depth`` only when known).
+#: ``prefetch_depth`` only when known, ``loader_refill`` only when set).
 METRIC_NAMES = ("data_wait_s", "compute_s", "optimizer_s", "other_s", "step_s",
                 "samples", "interval_s", "samples_per_s", "peak_rss_bytes",
                 "cuda_max_allocated_bytes",
-                "memory_capacity_bytes", "prefetch_depth")
+                "memory_capacity_bytes", "prefetch_depth", "loader_refill")
 
 
 def reset_peak_rss() -> bool:
@@ -152,6 +154,7 @@ class StepTimer:
         self._t0: float | None = None
         self._acc = dict.fromkeys(PHASES, 0.0)
         self._prefetch: list[int] = []
+        self._refill = False
         self.last: dict[str, float] = {}
 
     def start_step(self) -> None:
@@ -163,6 +166,7 @@ class StepTimer:
         self._t0 = time.perf_counter()
         self._acc = dict.fromkeys(PHASES, 0.0)
         self._prefetch = []
+        self._refill = False
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -197,6 +201,12 @@ class StepTimer:
         self._t0 = None
         self._acc = dict.fromkeys(PHASES, 0.0)
         self._prefetch = []
+        self._refill = False
+
+    def note_refill(self, refilling: bool) -> None:
+        """Record whether a batch of this step belonged to a loader change's transition
+        (reported as ``loader_refill``)."""
+        self._refill = self._refill or bool(refilling)
 
     def note_prefetch_depth(self, depth: int | None) -> None:
         """Record the loader's ready-batch count seen when a batch was requested."""
@@ -236,6 +246,8 @@ class StepTimer:
         out["memory_capacity_bytes"] = float(self._capacity)
         if self._prefetch:
             out["prefetch_depth"] = sum(self._prefetch) / len(self._prefetch)
+        if self._refill:
+            out["loader_refill"] = 1.0
         self._t0 = None
         self.last = out
         return out
