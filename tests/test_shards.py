@@ -123,6 +123,9 @@ def test_elastic_dataloader_reads_through_the_shard_service():
     again.shards.restore(0)
     with pytest.raises(StopIteration):  # the state says every sample is trained
         again.next_batch()
+    # shards are read in the main process: a change has no transition to skip
+    again.reconfigure(batch_size=2, num_workers=2)
+    assert not again.refilling
 
 
 def test_checkpointed_shard_state_rewinds_even_when_a_report_never_arrived():

@@ -173,7 +173,7 @@ class ElasticDataLoader:
         by the old iterator, or one of the first ``num_workers`` batches of the new one
         (its workers start together). The tuning controller does not measure the steps
         that take them (``loader_refill`` in :mod:`dlrover_core.tuning.metrics`)."""
-        return self._handover is not None or self._first_wave > 0
+        return self.shards is None and (self._handover is not None or self._first_wave > 0)
 
     def _hand_over(self, old_batch_size: int) -> None:
         it, sampler = self._it, self._sampler
