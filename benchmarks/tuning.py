@@ -1,7 +1,7 @@
 """Online tuning against the shipped default and a static grid, every run a real job.
 
-    .venv/bin/python benchmarks/tuning.py [--window-s 120] [--warmup-steps 5]
-        [--grid 4x16,8x16,8x32]
+    .venv/bin/python benchmarks/tuning.py [--window-s 240] [--warmup-steps 5]
+        [--grid 4x16,8x16,8x32] [--shorter-windows-s 120]
 
 The job: ``examples/nanogpt/job_tuned.yaml`` (nanoGPT whose input pipeline reads every
 sample from simulated storage), 2 FSDP2 ranks on gloo. Every run is submitted to a
@@ -25,6 +25,11 @@ twice); ``seconds`` is ``--window-s`` for every run. Throughput is ``samples /
 seconds``: samples over wall time, data waits included (``method``:
 ``samples_over_wall``). The job is stopped once its window is over; evaluation is off
 (``config.eval_every`` beyond the run) so that every run measures training alone.
+
+A tuned run pays for its trials once, so its figure depends on the window's length: the
+same runs are also measured over each ``--shorter-windows-s`` window (a prefix of the
+timed window: the same start, fewer seconds), reported under ``shorter_windows`` with
+their own ratios.
 
 Every run is reported; none is selected or re-run. ``tuned_vs_grid_best`` is the tuned
 run's samples over the most samples of a grid point; ``tuned_vs_default`` over the
@@ -81,7 +86,8 @@ def window(records: list[dict], warmup_steps: int, seconds: float) -> tuple[floa
 
 
 def run_job(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
-    """Submit one job, stop it after its timed window; its figures and summary."""
+    """Submit one job, stop it after its timed window; its figures and summary
+    (``shorter``: the samples of each of ``args.shorter_windows_s``, if given)."""
     import ray
 
     from dlrover_core import load_spec
@@ -113,13 +119,24 @@ def run_job(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
                            f"{args.window_s} s window was over; see {job_dir}")
     log(f"{name}: {samples:.0f} samples in {args.window_s} s "
         f"({samples / args.window_s:.1f} samples/s), job dir {job_dir}")
-    return {"samples": int(samples), "seconds": args.window_s, "summary": on_disk}
+    records = step_records(job_dir)
+    shorter = {s: int(window(records, args.warmup_steps, s)[0])
+               for s in getattr(args, "shorter_windows_s", [])}
+    return {"samples": int(samples), "seconds": args.window_s, "summary": on_disk,
+            "shorter": shorter}
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--window-s", type=float, default=120.0,
+    ap.add_argument("--window-s", type=float, default=240.0,
                     help="timed window of every run, seconds")
+    ap.add_argument("--shorter-windows-s", default="120",
+                    help="comma-separated windows (s, each under --window-s) over which "
+                         "the same runs are also measured, from the same start")
     ap.add_argument("--warmup-steps", type=int, default=5,
                     help="steps of every run before its window starts")
     ap.add_argument("--grid", default="4x16,8x16,8x32",
@@ -129,6 +146,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[],
                     help="an extra key=value override for every run (e.g. a smaller model)")
     args = ap.parse_args()
+    args.shorter_windows_s = [float(x) for x in filter(None, args.shorter_windows_s.split(","))]
+    for s in args.shorter_windows_s:
+        if not 0 < s < args.window_s:
+            raise SystemExit(f"--shorter-windows-s: {s} is invalid; allowed: seconds in "
+                             f"(0, --window-s = {args.window_s})")
     os.chdir(ROOT)  # the workers import examples.* from here
 
     import ray
@@ -157,7 +179,8 @@ def main() -> None:
         for i, p in enumerate(points):
             r = run_job(f"bench-grid{i}-{stamp}",
                         [*args.set, *(f"config.{k}={v}" for k, v in p.items())], args)
-            grid.append({"config": p, "samples": r["samples"], "seconds": r["seconds"]})
+            grid.append({"config": p, "samples": r["samples"], "seconds": r["seconds"],
+                         "shorter": r["shorter"]})
         tuned = run_job(f"bench-tuned-{stamp}", [*args.set, "tuning.enabled=true"], args)
     finally:
         if started_here:
@@ -165,6 +188,16 @@ def main() -> None:
     t = tuned["summary"].get("tuning") or {}
     final = t.get("config") or {}
     best = max((g["samples"] for g in grid), default=0)
+    shorter = []
+    for s in args.shorter_windows_s:
+        best_s = max((g["shorter"][s] for g in grid), default=0)
+        shorter.append({"seconds": s, "default": default["shorter"][s],
+                        "grid": [g["shorter"][s] for g in grid],
+                        "tuned": tuned["shorter"][s],
+                        "tuned_vs_grid_best": ratio(tuned["shorter"][s], best_s),
+                        "tuned_vs_default": ratio(tuned["shorter"][s], default["shorter"][s])})
+    for g in grid:
+        del g["shorter"]
     out = {
         "method": "samples_over_wall",
         "default": {"samples": default["samples"], "seconds": default["seconds"]},
@@ -177,9 +210,9 @@ def main() -> None:
                       "micro_batch": final.get("dataloader", {}).get("batch_size"),
                       "grad_accum_steps": final.get("optimizer", {}).get("grad_accum_steps"),
                       "learning_rate": final.get("optimizer", {}).get("learning_rate")}},
-        "tuned_vs_grid_best": round(tuned["samples"] / best, 3) if best else None,
-        "tuned_vs_default": (round(tuned["samples"] / default["samples"], 3)
-                             if default["samples"] else None),
+        "tuned_vs_grid_best": ratio(tuned["samples"], best),
+        "tuned_vs_default": ratio(tuned["samples"], default["samples"]),
+        "shorter_windows": shorter,
     }
     log(f"wall time of the benchmark: {time.time() - t_start:.1f} s; tuning of the tuned "
         f"run: {t.get('proposed')} proposed, {t.get('accepted')} kept, "

@@ -244,12 +244,16 @@ def _load(*overrides: str):
     ("tuning.guard.windows=1", "tuning.guard.windows: 1 is invalid; allowed: an integer >= 2"),
     ("tuning.guard.max_windows=2", "tuning.guard.max_windows: 2 is invalid; allowed: 0 (one "
      "look) or an integer > tuning.guard.windows"),
+    ("tuning.guard.max_windows=0 tuning.guard.select_by_mean=true",
+     "tuning.guard.select_by_mean: True is invalid; allowed: false, or true with "
+     "tuning.guard.max_windows set"),
+    ("tuning.guard.select_by_mean=maybe", "tuning.guard.select_by_mean: 'maybe' is invalid"),
     ("tuning.role=critic", "tuning.role: 'critic' is invalid; allowed: a role of the job: trainer"),
     ("tuning.speed=1", "tuning.speed: 'speed' is invalid (unknown key"),
 ])
 def test_spec_errors_name_the_key(override, message):
     with pytest.raises(SpecError) as e:
-        _load(override)
+        _load(*override.split())
     assert message in str(e.value)
 
 
@@ -259,6 +263,7 @@ def test_valid_tuning_spec_and_controller_from_it():
     assert [n for n, _ in ctl.tuners] == ["dataloader_workers", "micro_batch"]
     assert ctl.tuners[0][1].options["max_num_workers"] == 8 and ctl.interval_steps == 5
     assert ctl.role == "trainer" and ctl.world_size == 2 and ctl.lr_scaling == "sqrt"
+    assert (ctl.guard.max_windows, ctl.guard.select_by_mean) == (6, True)
     off = load_spec("examples/nanogpt/job_tuned.yaml")
     assert TuningController.from_spec(off, PluginManager()) is None
 

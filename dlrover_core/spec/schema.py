@@ -143,10 +143,13 @@ class TuningGuardSpec:
     ``memory_limit_bytes``: per-rank memory limit in bytes (0: the capacity the ranks
     report); ``memory_headroom``: fraction of that capacity kept free; ``max_windows``:
     a trial that shows a gain short of the confidence is measured on up to this many
-    windows and judged again (0: judged once)."""
+    windows and judged again (0: judged once); ``select_by_mean``: a trial still undecided
+    at that second look is kept when its mean rate beats the baseline's by ``min_gain``
+    (the faster one is selected; needs ``max_windows``)."""
 
     windows: int = 3
     max_windows: int = 0
+    select_by_mean: bool = False
     confidence: float = 0.9
     min_gain: float = 0.0
     max_retries: int = 1

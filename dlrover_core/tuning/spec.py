@@ -63,6 +63,9 @@ def validate_tuning(spec: Any, plugin_manager: Any) -> None:
             ("windows", g.windows >= 2, "an integer >= 2 (the t-test needs two windows)"),
             ("max_windows", g.max_windows == 0 or g.max_windows > g.windows,
              f"0 (one look) or an integer > tuning.guard.windows ({g.windows})"),
+            ("select_by_mean", g.select_by_mean in (False, True) and (
+                not g.select_by_mean or g.max_windows > 0),
+             "false, or true with tuning.guard.max_windows set (the second look selects)"),
             ("confidence", 0.5 <= g.confidence < 1, "a number in [0.5, 1)"),
             ("min_gain", 0 <= g.min_gain < 10, "a number in [0, 10)"),
             ("max_retries", g.max_retries >= 0, "an integer >= 0"),
@@ -141,6 +144,7 @@ def controller_arguments(spec: Any, plugin_manager: Any) -> dict | None:
                 interval_steps=int(t.interval_steps), warmup_steps=int(t.warmup_steps),
                 guard=Guard(confidence=float(g.confidence), min_gain=float(g.min_gain),
                             windows=int(g.windows), max_windows=int(g.max_windows),
+                            select_by_mean=bool(g.select_by_mean),
                             max_retries=int(g.max_retries),
                             retry_shift=float(g.retry_shift),
                             memory_limit_bytes=int(g.memory_limit_bytes),
