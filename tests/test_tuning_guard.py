@@ -222,7 +222,7 @@ def _keep_rate(speed: float, guard: Guard, seeds: int = 60) -> float:
 def test_select_by_mean_trades_false_keeps_for_the_small_gains_the_test_misses():
     """The rates docs/tuning.md quotes, over 60 seeds of the 3x-noise job (10-step
     windows, 3 per configuration, up to 6 for a trial, min_gain 2 %): selection keeps
-    most 10 %-faster changes the test reverts, about a third of the changes that gain
+    most 10 %-faster changes the test reverts, two in five of the changes that gain
     nothing (which cost nothing), and almost no 10 %-slower one."""
     test = Guard(min_gain=0.02, max_windows=6)
     select = Guard(min_gain=0.02, max_windows=6, select_by_mean=True)

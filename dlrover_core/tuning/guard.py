@@ -37,8 +37,9 @@ looks (selection of the larger sample mean: Bechhofer, "A single-sample multiple
 decision procedure for ranking means of normal populations with known variances",
 Ann. Math. Statist. 25, 1954). This trades the bound on false keeps for throughput:
 between two configurations whose difference the windows cannot show, picking the one
-measured faster costs at most that difference, while reverting every such trial gives
-up the small gains the noise hides. ``tests/test_tuning_guard.py`` measures both
+measured faster costs their difference only when it is the wrong one, and a difference
+the windows cannot show is a small one, while reverting every such trial gives up the
+small gains the noise hides. ``tests/test_tuning_guard.py`` measures both
 rates: how often an equal change, a 10 % slower one and a 10 % faster one are kept.
 
 The test itself is scipy's (``scipy.stats.ttest_ind``, ``equal_var=False``).
