@@ -99,10 +99,11 @@ def run_job(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
     master = create_master(spec, job_dir)
     ray.get(master.start.remote())
     started = time.time()
-    samples, complete, summary = 0.0, False, None
+    samples, complete, summary, records = 0.0, False, None, []
     while time.time() - started < args.timeout_s:
         time.sleep(0.5)
-        samples, complete = window(step_records(job_dir), args.warmup_steps, args.window_s)
+        records = step_records(job_dir)
+        samples, complete = window(records, args.warmup_steps, args.window_s)
         status = ray.get(master.status.remote(), timeout=60)
         if complete or status["summary"] is not None:
             summary = status["summary"]
@@ -119,7 +120,7 @@ def run_job(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
                            f"{args.window_s} s window was over; see {job_dir}")
     log(f"{name}: {samples:.0f} samples in {args.window_s} s "
         f"({samples / args.window_s:.1f} samples/s), job dir {job_dir}")
-    records = step_records(job_dir)
+    # every shorter window is a prefix of the complete one: the records read then hold it
     shorter = {s: int(window(records, args.warmup_steps, s)[0])
                for s in getattr(args, "shorter_windows_s", [])}
     return {"samples": int(samples), "seconds": args.window_s, "summary": on_disk,
