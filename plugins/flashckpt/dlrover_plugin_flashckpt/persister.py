@@ -66,6 +66,8 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         self._segs: dict[str, shm.Segment] = {}
         self._retired: list[shm.Segment] = []
         self._forced: dict[str, set[int]] = {}
+        #: checkpoint directories this persister is committing a step to now
+        self._committing: set[str] = set()
         self.current: dict | None = None
         self.history: list[dict] = []
         self.errors: list[str] = []
@@ -196,9 +198,10 @@ class FlashPersister(ReplicaMixin, PersistMixin):
               wait: bool = True, reg: dict | None = None) -> int | None:
         """Persist ``step`` (default: the newest step every local rank of ``role``
         holds) even when it is not due; with ``wait``, block until it (or a newer step)
-        is committed and return the newest committed step. ``reg``: the caller's
-        registration (calls of a threaded actor may run out of order, so a ``saved``
-        sent just before may not have run yet).
+        is committed (renamed, ``latest`` moved, and older steps pruned to ``keep`` when
+        this node's persister commits it) and return the newest committed step.
+        ``reg``: the caller's registration (calls of a threaded actor may run out of
+        order, so a ``saved`` sent just before may not have run yet).
 
         Raises:
             TimeoutError: not committed within ``timeout`` s (the message says which
@@ -224,7 +227,10 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         while True:
             newest = storage.newest_committed(directory)
             latest = storage.latest_step(directory)  # moved forward right after the rename
-            if newest is not None and newest >= step and latest is not None and latest >= step:
+            with self._lock:
+                committing = directory in self._committing
+            if newest is not None and newest >= step and latest is not None and \
+                    latest >= step and not committing:
                 return newest
             if time.monotonic() > deadline:
                 tmp = storage.tmp_dir(directory, step)

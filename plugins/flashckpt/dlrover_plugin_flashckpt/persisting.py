@@ -68,6 +68,7 @@ class PersistMixin:
     _segs: dict[str, shm.Segment]
     _retired: list[shm.Segment]
     _forced: dict[str, set[int]]
+    _committing: set[str]
     current: dict | None
     history: list[dict]
     errors: list[str]
@@ -308,11 +309,16 @@ class PersistMixin:
                 self.current = None
         committed = False
         if len(results) == len(claims):
+            with self._lock:  # a flush waits for the rename, ``latest`` and the prune
+                self._committing.add(first.dir)
             try:
                 committed = storage.try_commit(first.dir, step, first.world_size, first.keep,
                                                attempt=attempts[0])
             except Exception as exc:  # noqa: BLE001
                 self._error(f"committing {role} step {step} failed: {type(exc).__name__}: {exc}")
+            finally:
+                with self._lock:
+                    self._committing.discard(first.dir)
         with self._lock:
             if committed:
                 self._forced.get(role, set()).discard(step)
