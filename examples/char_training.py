@@ -41,7 +41,23 @@ def maybe_fault(workload: Any, step: int) -> None:
     """Test hook: ``config.fault`` = {"rank": r, "step": s, "kind": raise|kill|hang,
     "attempt": a} injects a real fault in rank ``r`` at step ``s``, in restart attempt
     ``a`` only (default 0; ``any``: every attempt, a deterministic bug): ``raise`` a
-    ``RuntimeError``, ``kill`` the process (SIGKILL) or ``hang`` (sleep an hour)."""
+    ``RuntimeError``, ``kill`` the process (SIGKILL) or ``hang`` (sleep an hour).
+
+    ``config.pause`` = {"step": s, "until": path, "timeout_s": t} holds every rank
+    before step ``s`` until the file ``path`` exists (a test lets the job go on once
+    it has done what it waited for), polling every 0.2 s.
+
+    Raises:
+        TimeoutError: ``path`` did not appear within ``timeout_s`` (default 600) s.
+    """
+    p = workload.config.get("pause")
+    if p and int(p.step) == step:
+        limit = float(p.get("timeout_s", 600))
+        deadline = time.monotonic() + limit
+        while not os.path.exists(str(p.until)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"config.pause: {p.until} did not appear within {limit:g} s")
+            time.sleep(0.2)
     f = workload.config.get("fault")
     if not f or int(f.rank) != workload.rank or int(f.step) != step:
         return

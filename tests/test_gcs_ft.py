@@ -26,9 +26,11 @@ from dlrover_core.master.events import read_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DLROVER = [sys.executable, "-m", "dlrover_core.cli.main"]
-# the tiny model takes 0.03-0.07 s a step here, a head restart about 7 s and the
-# master's restart a few more: with 1500 steps the ranks still train when it is back
-STEPS = 1500
+# the ranks hold before step PAUSE_AT (config.pause) until the test has seen the
+# restarted master re-attach to them, then train on to STEPS: the restarted master
+# records steps PAUSE_AT..STEPS-1 however long the head restart took
+STEPS = 60
+PAUSE_AT = 20
 TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
         "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
         "config.warmup_steps=2", "checkpoint.every_steps=20", "placement=spread",
@@ -109,13 +111,15 @@ def test_job_survives_a_head_restart(tmp_path):
     re-attaches to its run and the job succeeds with a summary."""
     d = str(tmp_path / "cluster")
     job_dir = str(tmp_path / "job")
+    go = str(tmp_path / "go")
     state = lc.up(nodes=1, cpus_per_node=2, directory=d, gcs_ft=True)
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(lc.client_env(state))
         out = subprocess.run(
             [*DLROVER, "submit", "examples/nanogpt/job.yaml", "name=gcsft", *TINY,
-             f"config.max_steps={STEPS}", "--job-dir", job_dir, "--no-progress",
+             f"config.max_steps={STEPS}", f"+config.pause={{step: {PAUSE_AT}, until: '{go}'}}",
+             "--job-dir", job_dir, "--no-progress",
              "--no-wait", "--address", state["address"]],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -123,6 +127,11 @@ def test_job_survives_a_head_restart(tmp_path):
         old_head = next(x for x in state["nodes"] if x["head"])
         new_head = lc.restart_head(state)
         assert new_head["node_id"] != old_head["node_id"]
+        _wait("master_reattached", lambda: any(
+            e["event"] == "master_reattached"
+            for e in read_events(os.path.join(job_dir, "events.jsonl"))), 420)
+        assert read_summary(job_dir) is None and max(_steps(job_dir)) < PAUSE_AT
+        open(go, "w").close()
         _wait("summary.json", lambda: read_summary(job_dir) is not None, 420)
         summary = read_summary(job_dir)
         events = read_events(os.path.join(job_dir, "events.jsonl"))
@@ -137,7 +146,7 @@ def test_job_survives_a_head_restart(tmp_path):
         # was down are lost)
         after = [r["step"] for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
                  if r.get("event") == "step" and r["ts"] >= restarted[0]["ts"]]
-        assert after and after[-1] == STEPS - 1, after[-5:]
+        assert after and after[0] <= PAUSE_AT and after[-1] == STEPS - 1, after
         status = subprocess.run([*DLROVER, "status", "gcsft", "--address", state["address"]],
                                 cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=180)
