@@ -61,13 +61,16 @@ def test_a_custom_shm_dir_is_where_the_job_is_swept_and_cleaned(ray_cluster, tmp
 
         s.save(1, {"w": torch.ones(256)})
         s.save(2, {"w": torch.full((256,), 2.0)})  # not due: persisted by the job's end
+        assert s.last_save["step"] == 2 and s.skipped == [], (s.last_save, s.skipped)
         ours = sorted(os.listdir(custom))
         assert ours and all(n.startswith(shm.job_prefix(name)) for n in ours)
         s.close()
         summary: dict = {}
-        plugin.dlrover_job_finished(name, summary, lambda ev, **kw: None, {
+        events: list = []
+        plugin.dlrover_job_finished(name, summary, lambda ev, **kw: events.append((ev, kw)), {
             "checkpoint": {"saver": "flash", "options": {"shm_dir": str(custom)}}})
-        assert "checkpoint_not_persisted" not in summary and s.committed_steps() == [2]
+        assert "checkpoint_not_persisted" not in summary and s.committed_steps() == [2], \
+            (summary, events)
         assert os.listdir(custom) == [] and os.path.exists(decoy)
 
         # a buffer the job's end could not remove (its node's persister was gone)
