@@ -26,11 +26,13 @@ from dlrover_core.master.events import read_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DLROVER = [sys.executable, "-m", "dlrover_core.cli.main"]
-# the ranks hold before step PAUSE_AT (config.pause) until the test has seen the
-# restarted master re-attach to them, then train on to STEPS: the restarted master
-# records steps PAUSE_AT..STEPS-1 however long the head restart took
-STEPS = 60
-PAUSE_AT = 20
+# the tiny model takes 0.03-0.07 s a step here and a head restart about 7 s: the ranks
+# train through the restart (steps 5 to PAUSE_AT, 4-10 s), then hold before step
+# PAUSE_AT (config.pause) until the test has seen the restarted master re-attach to
+# them, and train on to STEPS: the restarted master records steps up to STEPS - 1
+# however long the master's restart took
+STEPS = 200
+PAUSE_AT = 150
 TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
         "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
         "config.warmup_steps=2", "checkpoint.every_steps=20", "placement=spread",
