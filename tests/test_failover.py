@@ -97,7 +97,11 @@ def test_sigkill_worker_process(ray_cluster, job_dir):
 
 
 def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):
-    master = start(spec("ft-standby", 400), job_dir)
+    # the ranks hold before step 20 (config.pause) while a standby dies and is replaced,
+    # then train on: rank 1 is killed mid-run, with 70-80 steps left
+    go = os.path.join(job_dir, "go")
+    master = start(spec("ft-standby", 100, f"+config.pause={{step: 20, until: '{go}'}}"),
+                   job_dir)
     ctx = JobContext(os.path.join(job_dir, "context.sqlite"))
 
     def warm_spare(other_than: str = "") -> str:
@@ -116,10 +120,13 @@ def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):
     second = warm_spare(other_than=first)
     died = events(job_dir, "standby_died")
     assert [e["actor"] for e in died] == [first]
-    st = ray.get(master.status.remote())
+    assert ray.get(master.status.remote())["step"] < 20  # held: the job cannot end early
+    open(go, "w").close()
+    st = wait_step(master, 22)
+    assert not st["summary"], st["summary"]
     os.kill(st["instances"]["trainer-1"]["pid"], signal.SIGKILL)
     summary = finish(master)
-    assert_recovered(summary, job_dir, steps=400)
+    assert_recovered(summary, job_dir, steps=100)
     rec = events(job_dir, "recovery_finished")[0]
     assert rec["phases"]["standby_used"] is True
     started = events(job_dir, "instance_started")

@@ -2,8 +2,8 @@
 (``num_gpus=1``: a Ray resource only; this machine has no GPU, so the workload, the
 nanoGPT example on FSDP2, computes on the CPU: CUDA is not available in the process).
 A one-rank job asks for that GPU; its spare cannot get one, so it warms up without it.
-Rank 0 is SIGKILLed once the spare is warm; the spare is promoted and takes the rank's
-GPU. Run as ``python -m tests.scenarios.gpu_standby JOB_DIR``; prints one JSON line:
+The rank holds before step 20 (``config.pause``) until the spare is warm, trains on
+and is SIGKILLed two steps later; the spare is promoted and takes the rank's GPU. Run as ``python -m tests.scenarios.gpu_standby JOB_DIR``; prints one JSON line:
 the summary, the killed pid and the job's events."""
 
 from __future__ import annotations
@@ -26,19 +26,27 @@ SPEC = ["name=gpu-standby", "roles.trainer.total=1", "roles.trainer.per_node=1",
         "roles.trainer.resources.gpu=1", "failover.standby=true",
         "config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
         "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
-        "config.warmup_steps=2", "checkpoint.every_steps=4", "config.max_steps=300",
-        "config.eval_every=300", "failover.pg_timeout_s=30"]
+        "config.warmup_steps=2", "checkpoint.every_steps=4", "config.max_steps=100",
+        "config.eval_every=100", "failover.pg_timeout_s=30"]
+#: the rank holds before this step (config.pause) until its spare is warm
+PAUSE_AT = 20
 
 
 def main(job_dir: str) -> None:
     temp_dir = start_test_ray(num_cpus=4, num_gpus=1)
     try:
-        master = create_master(load_spec("examples/nanogpt/job.yaml", SPEC), job_dir)
+        go = os.path.join(job_dir, "go")
+        pause = f"+config.pause={{step: {PAUSE_AT}, until: '{go}'}}"
+        master = create_master(load_spec("examples/nanogpt/job.yaml", [*SPEC, pause]),
+                               job_dir)
         ray.get(master.start.remote())
         st = poll_status(master, lambda st: st["summary"] or (
             st["standby"].get("trainer") and st["step"] >= 5), timeout=180)
+        open(go, "w").close()  # the spare is warm: train on, and be killed mid-run
+        st = poll_status(master, lambda st: st["summary"] or st["step"] >= PAUSE_AT + 2,
+                         timeout=120)
         if st["summary"]:
-            raise RuntimeError(f"the job ended before its spare was warm: {st}")
+            raise RuntimeError(f"the job ended before its rank was killed: {st}")
         killed = st["instances"]["trainer-0"]["pid"]
         os.kill(killed, signal.SIGKILL)
         summary = poll_status(master, lambda st: st["summary"], 240)["summary"]
