@@ -206,14 +206,14 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     # same bytes in a /dev/shm file, os.preadv of 32 MiB per call over the reader's threads
     from concurrent.futures import ThreadPoolExecutor
 
-    from dlrover_plugin_flashckpt.reader import CHUNK, _threads
+    from dlrover_plugin_flashckpt.reader import CHUNK, reader_threads
 
     bound_path = f"/dev/shm/flashbench-pread-{os.getpid()}-{size_mib}"
     with open(bound_path, "wb") as f:
         for v in state["model"].values():
             f.write(memoryview(v.numpy()).cast("B"))
     bound_fd = os.open(bound_path, os.O_RDONLY)
-    pool = ThreadPoolExecutor(_threads())
+    pool = ThreadPoolExecutor(reader_threads())
 
     def pread_shm() -> None:
         parts, pos = [], 0

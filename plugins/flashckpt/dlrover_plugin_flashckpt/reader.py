@@ -58,8 +58,15 @@ def step_meta(seg: shm.Segment, step: int, where: str) -> tuple[shm.Header, byte
 
 
 @functools.cache
-def _threads() -> int:
+def reader_threads() -> int:
+    """Threads a load reads in: the cores, at most 4."""
     return max(1, min(4, os.cpu_count() or 1))
+
+
+def read_pool() -> ThreadPoolExecutor:
+    """A new pool of :func:`reader_threads` threads, to share between the readers of one
+    load (``ShardReader(..., pool=...)``); the caller shuts it down."""
+    return ThreadPoolExecutor(reader_threads(), thread_name_prefix="flash-read")
 
 
 def _chunks(address: int, nbytes: int, offset: int) -> list[tuple[int, int, int]]:
@@ -71,16 +78,21 @@ class ShardReader:
     """Reads byte ranges of one open file (a flash buffer or a rank's data file).
 
     Args:
-        path: the file. base: byte offset of the data area in it.
+        path: the file. base: byte offset of the data area in it. pool: the threads to
+            read in, shared with the other readers of one load (a reshard reads several
+            ranks' buffers at once: one pool keeps it at :func:`reader_threads`
+            threads); the caller shuts it down. ``None``: the reader starts its own at
+            its first parallel read and shuts it down at :meth:`close`.
     Raises:
         OSError: the file cannot be opened.
     """
 
-    def __init__(self, path: str, base: int = 0) -> None:
+    def __init__(self, path: str, base: int = 0, pool: ThreadPoolExecutor | None = None) -> None:
         self.path = path
         self.base = base
         self.fd = os.open(path, os.O_RDONLY)
-        self._pool: ThreadPoolExecutor | None = None
+        self._own_pool = pool is None
+        self._pool: ThreadPoolExecutor | None = pool
         self._pending: list = []
         self._cuda_devices: set = set()  # devices with copies still in flight (drain waits)
 
@@ -89,9 +101,9 @@ class ShardReader:
             self.drain()
         except BaseException:  # noqa: BLE001 - closing after an error already raised
             pass
-        if self._pool is not None:
+        if self._pool is not None and self._own_pool:
             self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool = None
         try:
             os.close(self.fd)
         except OSError:
@@ -136,7 +148,7 @@ class ShardReader:
             dst.copy_(tmp)
             return
         address = dst.data_ptr()
-        if nbytes < PARALLEL_MIN or _threads() == 1:
+        if nbytes < PARALLEL_MIN or reader_threads() == 1:
             self._read_exact(address, nbytes, offset)
             return
         self._read_parts(_chunks(address, nbytes, offset))
@@ -144,7 +156,7 @@ class ShardReader:
     def _executor(self) -> ThreadPoolExecutor:
         """The reader's threads (started at the first parallel read)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(_threads(), thread_name_prefix="flash-read")
+            self._pool = read_pool()
         return self._pool
 
     def _read_parts(self, parts: list[tuple[int, int, int]]) -> None:
@@ -167,7 +179,7 @@ class ShardReader:
 
         flat = dst.view(-1).view(torch.uint8)
         starts = list(range(0, nbytes, CHUNK))
-        width = _threads()
+        width = reader_threads()
         for i in range(0, len(starts), width):
             batch = [(o, min(CHUNK, nbytes - o)) for o in starts[i:i + width]]
             hosts = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _, n in batch]
@@ -181,7 +193,7 @@ class ShardReader:
         """:meth:`read_into` in the reader's threads when ``dst`` is large (the call
         returns at once; :meth:`drain` waits), inline when it is small."""
         nbytes = dst.numel() * dst.element_size()
-        if (nbytes < INLINE_MAX or _threads() == 1 or dst.device.type != "cpu"
+        if (nbytes < INLINE_MAX or reader_threads() == 1 or dst.device.type != "cpu"
                 or not dst.is_contiguous()):
             self.read_into(dst, offset)
             return

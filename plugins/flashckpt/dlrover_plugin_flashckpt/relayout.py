@@ -15,7 +15,7 @@ from dlrover_core.checkpoint.manifest import CorruptCheckpointError
 from dlrover_core.checkpoint.saver import step_dir_name
 from dlrover_plugin_flashckpt import layout, shm, storage
 from dlrover_plugin_flashckpt.meta import unpack_meta
-from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, step_meta
+from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, read_pool, step_meta
 from dlrover_plugin_flashckpt.replica import folder_buffers, parse_replica
 from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
 
@@ -116,6 +116,7 @@ class RelayoutMixin:
         saved rank) into this rank of another world size (:mod:`.reshard`)."""
         readers: list[ShardReader] = []
         checks: list[tuple[shm.Segment, int]] = []
+        pool = read_pool()  # every saved rank's reads in one pool of reader_threads()
         try:
             sources = []
             for r, path in sorted(paths.items()):
@@ -125,12 +126,12 @@ class RelayoutMixin:
                         raise TornRead(f"flash buffer {path} disappeared")
                     h, meta = step_meta(seg, step, f"flash buffer {seg.name}")
                     checks.append((seg, h.seq))
-                    rd = ShardReader(path, h.data_offset)
+                    rd = ShardReader(path, h.data_offset, pool)
                 else:
                     data_name, meta_name = storage.rank_files(r)
                     with open(os.path.join(os.path.dirname(path), meta_name), "rb") as f:
                         meta = f.read()
-                    rd = ShardReader(path)
+                    rd = ShardReader(path, pool=pool)
                 readers.append(rd)
                 m = unpack_meta(meta)
                 if m.get("rank") != r or m.get("step") != step:
@@ -150,5 +151,6 @@ class RelayoutMixin:
         finally:
             for rd in readers:
                 rd.close()
+            pool.shutdown(wait=True)
             for seg, _ in checks:
                 seg.close()
