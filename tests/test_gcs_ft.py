@@ -148,7 +148,7 @@ def test_job_survives_a_head_restart(tmp_path):
         # was down are lost)
         after = [r["step"] for r in read_events(os.path.join(job_dir, "metrics.jsonl"))
                  if r.get("event") == "step" and r["ts"] >= restarted[0]["ts"]]
-        assert after and after[0] <= PAUSE_AT and after[-1] == STEPS - 1, after
+        assert after and after[-1] == STEPS - 1, after[-5:]
         status = subprocess.run([*DLROVER, "status", "gcsft", "--address", state["address"]],
                                 cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=180)

@@ -3,8 +3,9 @@
 nanoGPT example on FSDP2, computes on the CPU: CUDA is not available in the process).
 A one-rank job asks for that GPU; its spare cannot get one, so it warms up without it.
 The rank holds before step 20 (``config.pause``) until the spare is warm, trains on
-and is SIGKILLed two steps later; the spare is promoted and takes the rank's GPU. Run as ``python -m tests.scenarios.gpu_standby JOB_DIR``; prints one JSON line:
-the summary, the killed pid and the job's events."""
+and is SIGKILLed two steps later; the spare is promoted and takes the rank's GPU. Run
+as ``python -m tests.scenarios.gpu_standby JOB_DIR``; prints one JSON line: the
+summary, the killed pid and the job's events."""
 
 from __future__ import annotations
 
