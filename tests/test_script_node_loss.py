@@ -43,20 +43,24 @@ def _events(job_dir: str, name: str) -> list[dict]:
     return [e for e in read_events(os.path.join(job_dir, "events.jsonl")) if e["event"] == name]
 
 
+def _failures_seen(job_dir: str) -> list[tuple]:
+    """What the master saw and decided about failures (shown when a job did not succeed:
+    a re-placement once found too few CPUs; which nodes had failed, at which level)."""
+    path = os.path.join(job_dir, "events.jsonl")
+    return [(e["event"], e.get("rank"), e.get("kind"), e.get("level"), e.get("node_id"),
+             str(e.get("message", ""))[:160])
+            for e in (read_events(path) if os.path.exists(path) else [])
+            if e["event"] in ("instance_failed", "failure_classified", "recovery_started",
+                              "node_check", "node_check_kept")]
+
+
 def _check_node_loss_recorded(res: dict, job_dir: str) -> tuple[dict, int]:
     """The summary and events record the loss of rank 1's node; returns the summary and
     the number of restarts (1, or more when a survivor's broken collective reached the
     master before the node's loss did)."""
     summary = res["summary"]
-    # on failure, what the master saw and decided (a re-placement that found too few
-    # CPUs once: which nodes had failed, at which level)
-    path = os.path.join(job_dir, "events.jsonl")
-    seen = [(e["event"], e.get("rank"), e.get("kind"), e.get("level"), e.get("node_id"),
-             str(e.get("message", ""))[:160])
-            for e in (read_events(path) if os.path.exists(path) else [])
-            if e["event"] in ("instance_failed", "failure_classified", "recovery_started",
-                              "node_check", "node_check_kept")]
-    assert summary is not None and summary["status"] == "succeeded", (summary, seen)
+    assert summary is not None and summary["status"] == "succeeded", (
+        summary, _failures_seen(job_dir))
     removed = res["removed"]
     assert removed and res["ranks_at_removal"]["trainer-1"] == removed
     assert summary["restarts"]["node"] == 1
