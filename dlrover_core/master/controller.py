@@ -24,7 +24,6 @@ change goes through :meth:`JobController._set_state`, which checks it against
 from __future__ import annotations
 
 import collections
-import json
 import os
 import threading
 import time
@@ -322,16 +321,21 @@ class JobController:
             if self.progress.tuning is not None:  # the config the job ended on
                 self.summary["tuning"] = self.progress.tuning.summary()
         s.context.set("summary", self.summary)
-        atomic_write_json(s.run_paths.summary, self.summary)
-        written = json.dumps(self.summary, sort_keys=True, default=str)
+        atomic_write_json(s.run_paths.summary, self.summary)  # in case a hook never returns
         try:
             s.pm.job_finished(s.name, self.summary, s.emit, s.spec)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-        if json.dumps(self.summary, sort_keys=True, default=str) != written:
-            # a hook added to the summary (e.g. a checkpoint step that is not on disk)
-            s.context.set("summary", self.summary)
-            atomic_write_json(s.run_paths.summary, self.summary)
+        # the job ends when its plugins are done with it (the last flash checkpoint
+        # persisted, say): the caller waits for that too, and job_finished comes after it.
+        # A hook may also have added to the summary (a checkpoint step not on disk).
+        with s.lock:
+            self.ended_at = time.time()
+            wall = self.ended_at - s.started_at
+            self.summary.update(wall_s=round(wall, 3), ended_at=self.ended_at,
+                                goodput=s.failover.goodput(wall, s.step_times))
+        s.context.set("summary", self.summary)
+        atomic_write_json(s.run_paths.summary, self.summary)
         s.emit("job_finished", status=status.value, error=(error or None),
                steps=self.summary["steps"], wall_s=self.summary["wall_s"])
         s.events.close()

@@ -183,7 +183,8 @@ def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
     ``job_finished`` event comes after this hook's events. ``spec``: the job's spec
     (``DictConfig``; ``None`` when called outside a JobMaster). A hook may add keys to
     ``summary`` (e.g. what it could not finish); ``summary.json`` is written again
-    after the hooks when it changed."""
+    after the hooks, its ``ended_at``, ``wall_s`` and ``goodput`` then counting the
+    hooks' time (the job has ended when they returned)."""
 
 
 @hookspec
