@@ -54,12 +54,13 @@ def test_node_check_excludes_a_slowed_node(scenario, capsys):
     assert first[bad]["verdict"] in ("slow_compute", "failed")
     assert checks[0]["excluded"] == [bad]
     assert all(n["verdict"] == "ok" for nid, n in first.items() if nid != bad)
-    assert len(checks) == 2 and bad not in {n["node_id"] for n in checks[1]["nodes"]}
+    # checks[2]: after the node loss (test_a_node_the_check_excluded_is_taken_back_...)
+    assert len(checks) == 3 and bad not in {n["node_id"] for n in checks[1]["nodes"]}
     assert all(n["verdict"] == "ok" and n["gflops"] > 0 for n in checks[1]["nodes"])
     assert all(p["ok"] and p["busbw_gbps"] > 0 for n in checks[1]["nodes"] for p in n["pairs"])
     placements = _events(part, "placement")
-    assert placements[-1]["excluded_nodes"] == [bad]
-    started = _events(part, "instance_started")
+    assert placements[1]["excluded_nodes"] == [bad]
+    started = [e for e in _events(part, "instance_started") if e["attempt"] == 0]
     assert len(started) == 2 and all(e["node_id"] != bad for e in started)
     # dlrover diagnose shows the verdict per node
     assert cli_main(["diagnose", part["job_dir"], "--json"]) == 0
@@ -73,6 +74,34 @@ def test_node_check_excludes_a_slowed_node(scenario, capsys):
     text = capsys.readouterr().out
     assert first[bad]["verdict"] in text and "GFLOP/s" in text
     assert f"node check 1 ({checks[0]['seconds']:.1f} s" in text
+
+
+@pytest.mark.slow
+def test_a_node_the_check_excluded_is_taken_back_when_the_job_needs_it(scenario):
+    """Rank 1's node is removed while the job runs on the two nodes the check kept: the
+    two ranks no longer fit without the node the check excluded, so the recovery takes
+    it back (``node_check_kept``) instead of failing the job (a CI run once failed a
+    node-loss job with 'needs 2 CPU in all but the cluster has 1')."""
+    part = scenario["check"]
+    bad, removed = part["target_node"], part["removed"]
+    assert removed and removed != bad and part["ranks_at_removal"]["trainer-1"] == removed
+    summary = part["summary"]
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["restarts"]["node"] == 1
+    # rank 1's death or rank 0's broken all_reduce, whichever came first, names the node
+    failed = [(e["kind"], e["rank"], e["node_id"]) for e in _events(part, "instance_failed")]
+    assert {n for kind, _, n in failed if kind == "node_lost"} == {removed}, failed
+    (kept,) = _events(part, "node_check_kept")
+    assert kept["nodes"] == [bad]
+    assert "the job cannot be placed without them: the job needs 2 CPU" in kept["reason"]
+    placements = _events(part, "placement")
+    assert len(placements) == 3 and placements[2]["excluded_nodes"] == [removed]
+    survivor = part["ranks_at_removal"]["trainer-0"]
+    third = _events(part, "node_check")[2]  # the nodes of the new placement, checked again
+    assert sorted(n["node_id"] for n in third["nodes"]) == sorted([bad, survivor])
+    newest = {e["rank"]: e for e in _events(part, "instance_started")}
+    assert all(e["attempt"] >= 1 for e in newest.values()), newest
+    assert sorted(e["node_id"] for e in newest.values()) == sorted([bad, survivor]), newest
 
 
 @pytest.mark.slow

@@ -157,7 +157,7 @@ class JobController:
 
     def _placing(self) -> JobState:
         self.standby.forget_slots()  # their placement groups are about to be made again
-        self.launcher.place()
+        self.node_check.place()  # takes back nodes a check excluded if the job needs them
         self.node_check.after_placement()  # may exclude nodes and place again
         return JobState.STARTING
 

@@ -20,7 +20,8 @@ pair failed and no good node was left to pair it with: kept). ``failed``,
 ``slow_compute`` and ``slow_network`` nodes are marked bad (the failover
 coordinator's ``bad_nodes``, which the placement keeps out) and the job is placed
 again without them; when that placement is impossible they are taken back
-(``node_check_kept``) and the job runs where it can.
+(``node_check_kept``) and the job runs where it can. So are they when a later placement
+(a recovery's, after a node was lost) is impossible without them: :meth:`NodeCheck.place`.
 
 Everything goes to one ``node_check`` event per check; ``dlrover diagnose`` prints it.
 """
@@ -37,6 +38,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dlrover_core.master.launcher import kill_actor
+from dlrover_core.master.monitor import alive_nodes
 from dlrover_core.placement import PlacementError
 from dlrover_core.runtime.context import MASTER_NAMESPACE
 from dlrover_core.runtime.node_probe import remote_node_probe
@@ -152,6 +154,8 @@ class NodeCheck:
         self.launcher = launcher
         #: node id -> the last result (for ``status``)
         self.results: dict[str, NodeResult] = {}
+        #: the nodes a check marked bad and that are still out (:meth:`place`)
+        self.excluded: set[str] = set()
 
     @property
     def options(self) -> Any:
@@ -192,17 +196,41 @@ class NodeCheck:
             if not bad:
                 return
             s.failover.bad_nodes.update(bad)
+            self.excluded.update(bad)
             s.context.set("failover", s.failover.snapshot())
             self.launcher.remove_placement()
             try:
                 self.launcher.place()
             except PlacementError as exc:
-                s.failover.bad_nodes.difference_update(bad)
-                s.context.set("failover", s.failover.snapshot())
-                s.emit("node_check_kept", nodes=bad,
-                       reason=f"the job cannot be placed without them: {exc}")
+                self._take_back(bad, exc)
                 self.launcher.place()
                 return
+
+    def place(self) -> None:
+        """``launcher.place()`` for a placement after the first (a recovery's): when the
+        job no longer fits without the nodes an earlier check excluded (a node was lost
+        since), the ones still alive are taken back (``node_check_kept``) and the job is
+        placed again, as when a check's own exclusion leaves it no room.
+
+        Raises:
+            PlacementError: the job does not fit even with them (or none is alive).
+        """
+        try:
+            self.launcher.place()
+        except PlacementError as exc:
+            back = sorted(self.excluded & self.scope.failover.bad_nodes & alive_nodes())
+            if not back:
+                raise
+            self._take_back(back, exc)
+            self.launcher.place()
+
+    def _take_back(self, nodes: list[str], exc: PlacementError) -> None:
+        s = self.scope
+        s.failover.bad_nodes.difference_update(nodes)
+        self.excluded.difference_update(nodes)
+        s.context.set("failover", s.failover.snapshot())
+        s.emit("node_check_kept", nodes=nodes,
+               reason=f"the job cannot be placed without them: {exc}")
 
     # ------------------------------------------------------------------ the check
     def check(self, nodes: dict[str, tuple[Any, int, dict]]) -> dict[str, NodeResult]:

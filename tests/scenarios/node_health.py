@@ -4,7 +4,10 @@ code under test:
 
 - ``check``: the pre-flight node check runs (the default); the probe on one node is
   duty-cycled to 5% speed with SIGSTOP/SIGCONT while it measures. That node must be
-  excluded and the job placed and run on the other two.
+  excluded and the job placed and run on the other two. Then the node of rank 1 is
+  removed (``cluster.remove_node``): the job no longer fits without the excluded node,
+  so the recovery must take it back and run there; a new node is added afterwards, for
+  the parts that follow.
 - ``straggler``: no node check (``skip_node_check``); once the job runs, rank 1's
   process is duty-cycled to 30% speed; the master must raise ``straggler_detected``
   and replace rank 1 (``straggler_action: replace``) from the warm standby.
@@ -43,24 +46,35 @@ def base(name: str, steps: int, **config: Any) -> DLJobBuilder:
             .resource(cpu=1).end())
 
 
-def part_check(root: str, raylets: dict[int, str], tries: int = 2) -> dict:
+def part_check(root: str, raylets: dict[int, str], cluster: Any, nodes: dict[str, Any],
+               tries: int = 2) -> dict:
     """The probe of the first node seen runs at 20% speed from its start, at 5% once
-    it is started. When the injector saw no probe process at all (the check came and
-    went between its scans on a loaded machine: nothing was tested), the job runs
-    again in a new directory, up to ``tries`` times (also when the probe's parent was
-    not a raylet of the cluster); ``attempts`` says how many ran."""
+    it is started; at step 10 of the job the node of rank 1 is removed (then a new node
+    is added, once the job ended). When the injector saw no probe process at all (the
+    check came and went between its scans on a loaded machine: nothing was tested), the
+    job runs again in a new directory, up to ``tries`` times (also when the probe's
+    parent was not a raylet of the cluster); ``attempts`` says how many ran."""
     for attempt in range(1, tries + 1):
-        out = _check_once(root, raylets, "check" if attempt == 1 else f"check-{attempt}")
+        out = _check_once(root, raylets, cluster, nodes,
+                          "check" if attempt == 1 else f"check-{attempt}")
         out["attempts"] = attempt
+        if out["removed"] is not None:
+            nodes.pop(out["removed"])
+            node = cluster.add_node(num_cpus=1)
+            nodes[node.node_id] = node
+            cluster.wait_for_nodes()
         if out["slowed_pids"] and out["target_node"]:
             break
     return out
 
 
-def _check_once(root: str, raylets: dict[int, str], name: str) -> dict:
-    job = (base("nh-check", 20).failover(standby=False)
+def _check_once(root: str, raylets: dict[int, str], cluster: Any, nodes: dict[str, Any],
+                name: str) -> dict:
+    # 3000 steps of a few ms, unless restarted: 20 more after the node loss
+    job = (base("nh-check", 3000, steps_after_restart=20).failover(standby=False)
            .node_health(matmul_size=512, matmul_iters=40, check_timeout_s=20).build())
     target: dict[str, Any] = {}
+    lost: dict[str, Any] = {"removed": None}
 
     def slowed() -> list[int]:
         if "ppid" not in target:  # the first probe process seen picks the node
@@ -83,6 +97,12 @@ def _check_once(root: str, raylets: dict[int, str], name: str) -> dict:
     def watch(st: dict) -> None:
         if st["state"] in ("running", "succeeded", "failed") and cycle.is_alive():
             cycle.stop()
+        r1 = st["instances"].get("trainer-1", {})
+        if lost["removed"] is None and st["state"] == "running" and st["step"] >= 10 \
+                and r1.get("node_id") in nodes:
+            lost["removed"], lost["ranks_at_removal"] = r1["node_id"], {
+                k: v["node_id"] for k, v in st["instances"].items()}
+            cluster.remove_node(nodes[r1["node_id"]])
 
     job_dir = os.path.join(root, name)
     try:
@@ -91,7 +111,7 @@ def _check_once(root: str, raylets: dict[int, str], name: str) -> dict:
         cycle.stop()
     return {"job_dir": job_dir, "summary": summary,
             "target_node": raylets.get(target.get("ppid", -1)),
-            "slowed_pids": sorted(cycle.seen)}
+            "slowed_pids": sorted(cycle.seen), **lost}
 
 
 def _rank1_slowed(after_gone: Callable[[dict], None] | None = None) -> tuple:
@@ -197,13 +217,13 @@ def part_hang(root: str) -> dict:
 
 def main(root: str, parts: list[str]) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
-    with multinode_cluster(workers=3, cpus=1) as (cluster, _):
+    with multinode_cluster(workers=3, cpus=1) as (cluster, nodes):
         raylets = {}
         for node in cluster.list_all_nodes():
             for proc in node.all_processes.get("raylet", []):
                 raylets[proc.process.pid] = node.node_id
         out = {}
-        runners = {"check": lambda: part_check(root, raylets),
+        runners = {"check": lambda: part_check(root, raylets, cluster, nodes),
                    "straggler": lambda: part_straggler(root), "hang": lambda: part_hang(root),
                    "shrink": lambda: part_shrink(root)}
         try:
