@@ -380,14 +380,20 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
                                               reg=self._registration()), timeout=timeout + 30)
 
     def close(self) -> None:
-        """Ask the persister to persist the newest save (without waiting) and unmap the
-        buffers. The buffers stay for a restart; the job's end removes them."""
+        """Ask the persister to persist the newest save (the request is waited for, not
+        the write: the job's end must find the save registered in the threaded actor,
+        whose calls may run out of order) and unmap the buffers. The buffers stay for a
+        restart; the job's end removes them."""
         if self._persister is not None and self._newest_saved is not None:
             try:
-                self._persister.flush.remote(self.context.role, self._newest_saved, wait=False,
-                                             reg=self._registration())
-            except Exception:  # noqa: BLE001 - Ray may be shutting down
-                pass
+                import ray
+
+                ray.get(self._persister.flush.remote(self.context.role, self._newest_saved,
+                                                     wait=False, reg=self._registration()),
+                        timeout=30)
+            except Exception as exc:  # noqa: BLE001 - Ray may be shutting down
+                log.warning("asking the flash persister to persist step %s at close "
+                            "failed: %s", self._newest_saved, exc)
         self._closing.set()
         self._wait_reserve()
         self._bg.shutdown(wait=True)
