@@ -207,7 +207,7 @@ class NodeCheck:
                 return
 
     def place(self) -> None:
-        """``launcher.place()`` for a placement after the first (a recovery's): when the
+        """``launcher.place()`` (every placement of the job goes through here): when the
         job no longer fits without the nodes an earlier check excluded (a node was lost
         since), the ones still alive are taken back (``node_check_kept``) and the job is
         placed again, as when a check's own exclusion leaves it no room.
