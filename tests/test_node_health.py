@@ -236,6 +236,36 @@ def test_straggler_replace_returns_a_failure():
     assert found[1].failure.kind == "straggler" and found[1].failure.rank == 1
 
 
+def test_a_restarted_master_can_still_take_back_the_nodes_a_check_excluded(tmp_path):
+    """The check's exclusions live in the job's SQLite context beside ``failover``: a
+    master that Ray restarts reads them back, so a later placement that needs them can
+    still take them back. (Scope and failover are stand-ins; the context is real.)"""
+    from dlrover_core.master.context import JobContext
+    from dlrover_core.master.node_check import NodeCheck
+    from dlrover_core.placement import PlacementError
+
+    def master(emitted):
+        bad: set[str] = set()
+        failover = SimpleNamespace(bad_nodes=bad, snapshot=lambda: {"bad_nodes": sorted(bad)})
+        scope = SimpleNamespace(context=JobContext(str(tmp_path / "context.sqlite")),
+                                failover=failover, emit=lambda e, **f: emitted.append((e, f)))
+        return NodeCheck(scope, launcher=None), scope
+
+    first, _ = master([])
+    assert first.excluded == set()
+    first._exclude(["n1", "n2"])
+    emitted: list = []
+    second, scope = master(emitted)  # a new master process on the same job directory
+    assert second.excluded == {"n1", "n2"}
+    scope.failover.bad_nodes.update(scope.context.get("failover")["bad_nodes"])
+    second._take_back(["n1"], PlacementError("the job needs 2 CPU"))
+    assert scope.failover.bad_nodes == {"n2"} and scope.context.get("failover") == {
+        "bad_nodes": ["n2"]}
+    assert emitted == [("node_check_kept", {"nodes": ["n1"], "reason": "the job cannot be "
+                                            "placed without them: the job needs 2 CPU"})]
+    assert master([])[0].excluded == {"n2"}
+
+
 @pytest.mark.parametrize("key,value", [("straggler_action", "shrink"),
                                        ("slow_factor", 1.0), ("matmul_size", 0),
                                        ("stack_dump", "gdb")])

@@ -53,6 +53,8 @@ PROBE_START_S = 60.0
 MAX_ROUNDS_OF_PLACEMENT = 3
 #: verdicts that exclude a node
 BAD_VERDICTS = ("failed", "slow_compute", "slow_network")
+#: JobContext key of :attr:`NodeCheck.excluded`
+EXCLUDED_KEY = "node_check_excluded"
 
 
 @dataclass
@@ -154,8 +156,9 @@ class NodeCheck:
         self.launcher = launcher
         #: node id -> the last result (for ``status``)
         self.results: dict[str, NodeResult] = {}
-        #: the nodes a check marked bad and that are still out (:meth:`place`)
-        self.excluded: set[str] = set()
+        #: the nodes a check marked bad and that are still out (:meth:`place`); kept in
+        #: the JobContext beside ``failover`` (a restarted master reads both back)
+        self.excluded: set[str] = set(scope.context.get(EXCLUDED_KEY) or [])
 
     @property
     def options(self) -> Any:
@@ -195,9 +198,7 @@ class NodeCheck:
             bad = sorted(n for n, r in results.items() if r.verdict in BAD_VERDICTS)
             if not bad:
                 return
-            s.failover.bad_nodes.update(bad)
-            self.excluded.update(bad)
-            s.context.set("failover", s.failover.snapshot())
+            self._exclude(bad)
             self.launcher.remove_placement()
             try:
                 self.launcher.place()
@@ -224,10 +225,18 @@ class NodeCheck:
             self._take_back(back, exc)
             self.launcher.place()
 
+    def _exclude(self, nodes: list[str]) -> None:
+        s = self.scope
+        s.failover.bad_nodes.update(nodes)
+        self.excluded.update(nodes)
+        s.context.set(EXCLUDED_KEY, sorted(self.excluded))
+        s.context.set("failover", s.failover.snapshot())
+
     def _take_back(self, nodes: list[str], exc: PlacementError) -> None:
         s = self.scope
         s.failover.bad_nodes.difference_update(nodes)
         self.excluded.difference_update(nodes)
+        s.context.set(EXCLUDED_KEY, sorted(self.excluded))
         s.context.set("failover", s.failover.snapshot())
         s.emit("node_check_kept", nodes=nodes,
                reason=f"the job cannot be placed without them: {exc}")
