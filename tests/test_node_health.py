@@ -54,8 +54,8 @@ def test_node_check_excludes_a_slowed_node(scenario, capsys):
     assert first[bad]["verdict"] in ("slow_compute", "failed")
     assert checks[0]["excluded"] == [bad]
     assert all(n["verdict"] == "ok" for nid, n in first.items() if nid != bad)
-    # checks[2]: after the node loss (test_a_node_the_check_excluded_is_taken_back_...)
-    assert len(checks) == 3 and bad not in {n["node_id"] for n in checks[1]["nodes"]}
+    # checks[2:]: after the node loss (test_a_node_the_check_excluded_is_taken_back_...)
+    assert len(checks) >= 3 and bad not in {n["node_id"] for n in checks[1]["nodes"]}
     assert all(n["verdict"] == "ok" and n["gflops"] > 0 for n in checks[1]["nodes"])
     assert all(p["ok"] and p["busbw_gbps"] > 0 for n in checks[1]["nodes"] for p in n["pairs"])
     placements = _events(part, "placement")
@@ -94,8 +94,8 @@ def test_a_node_the_check_excluded_is_taken_back_when_the_job_needs_it(scenario)
     (kept,) = _events(part, "node_check_kept")
     assert kept["nodes"] == [bad]
     assert "the job cannot be placed without them: the job needs 2 CPU" in kept["reason"]
-    placements = _events(part, "placement")
-    assert len(placements) == 3 and placements[2]["excluded_nodes"] == [removed]
+    placements = _events(part, "placement")  # a 4th if the new check excluded and took back
+    assert placements[2]["excluded_nodes"] == placements[-1]["excluded_nodes"] == [removed]
     survivor = part["ranks_at_removal"]["trainer-0"]
     third = _events(part, "node_check")[2]  # the nodes of the new placement, checked again
     assert sorted(n["node_id"] for n in third["nodes"]) == sorted([bad, survivor])
