@@ -64,6 +64,11 @@ def test_sigkilled_rank_resumes_from_memory(tmp_path, clean_result, parallel):
         while time.time() < deadline and not (
                 log0.exists() and "saved step 20" in log0.read_text()):
             time.sleep(0.05)
+        if not (log0.exists() and "saved step 20" in log0.read_text()):
+            proc.kill()  # CI once found the pid gone here: show what the ranks logged
+            out, _ = proc.communicate(timeout=60)
+            pytest.fail(f"rank 1 (pid {pid}) never logged 'saved step 20'; dlrover-run: "
+                        f"{out[-2000:]}\n{_logs(tmp_path / tag / 'logs')}")
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -80,6 +85,12 @@ def test_sigkilled_rank_resumes_from_memory(tmp_path, clean_result, parallel):
     # an uninterrupted DDP run ends on the same loss (FSDP2's sharded reductions may
     # differ from DDP's all-reduce in the last bits)
     assert abs(res["final_loss"] - clean_result["final_loss"]) <= 1e-6, (res, clean_result)
+
+
+def _logs(root: Path) -> str:
+    """The last 1500 characters of each rank's attempt log under ``root``."""
+    return "\n".join(f"== {p.relative_to(root)}\n{p.read_text()[-1500:]}"
+                     for p in sorted(root.glob("*/attempt-*.log")))
 
 
 def test_without_ray_the_error_says_what_to_do(monkeypatch, tmp_path):
