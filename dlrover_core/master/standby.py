@@ -224,9 +224,19 @@ class StandbyPool:
         self.ensure()
 
     def warm(self) -> dict[str, bool]:
-        """role -> whether its spare finished ``prepare()`` (for ``status()``)."""
-        return {role: bool(ray.wait([sp.prepared], timeout=0)[0])
-                for role, sp in list(self.spares.items())}
+        """role -> whether its spare finished ``prepare()`` without an error (for
+        ``status()``): a spare that died (killed, or its ``prepare()`` raised) is not
+        warm, though its ``prepared`` ref is ready until :meth:`check` notices it."""
+        out = {}
+        for role, sp in list(self.spares.items()):
+            ok = bool(ray.wait([sp.prepared], timeout=0)[0])
+            if ok:
+                try:
+                    ray.get(sp.prepared, timeout=0)
+                except Exception:  # noqa: BLE001 - dead or failed: not warm
+                    ok = False
+            out[role] = ok
+        return out
 
     def drop(self) -> None:
         """Kill every spare (their bundles stay free for the next ones)."""
