@@ -204,16 +204,14 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
 
     # the kernel's copy out of shared memory without mapping it, as a load reads: the
     # same bytes in a /dev/shm file, os.preadv of 32 MiB per call over the reader's threads
-    from concurrent.futures import ThreadPoolExecutor
-
-    from dlrover_plugin_flashckpt.reader import CHUNK, reader_threads
+    from dlrover_plugin_flashckpt.reader import CHUNK, read_pool
 
     bound_path = f"/dev/shm/flashbench-pread-{os.getpid()}-{size_mib}"
     with open(bound_path, "wb") as f:
         for v in state["model"].values():
             f.write(memoryview(v.numpy()).cast("B"))
     bound_fd = os.open(bound_path, os.O_RDONLY)
-    pool = ThreadPoolExecutor(reader_threads())
+    pool = read_pool()
 
     def pread_shm() -> None:
         parts, pos = [], 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrover_core.pids import pid_alive
 from dlrover_core.testing import torchrun_script_pid
 
 REPO = Path(__file__).resolve().parents[3]
@@ -62,13 +63,13 @@ def test_sigkilled_rank_resumes_from_memory(tmp_path, clean_result, parallel):
         log0 = tmp_path / tag / "logs" / "trainer-1" / "attempt-0.log"
         # a loaded 2-core machine (CI, next to the multi-node tests) may take minutes
         deadline = time.time() + 300
-        while time.time() < deadline and _alive(pid) and not (
+        while time.time() < deadline and pid_alive(pid) and not (
                 log0.exists() and "saved step 20" in log0.read_text()):
             time.sleep(0.05)
         if not (log0.exists() and "saved step 20" in log0.read_text()):
             proc.kill()  # CI once found the pid gone here: show what the ranks logged
             out, _ = proc.communicate(timeout=60)
-            pytest.fail(f"rank 1 (pid {pid}, alive: {_alive(pid)}) never logged 'saved step "
+            pytest.fail(f"rank 1 (pid {pid}, alive: {pid_alive(pid)}) never logged 'saved step "
                         f"20'; dlrover-run: {out[-2000:]}\n{_logs(tmp_path / tag / 'logs')}")
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
@@ -86,14 +87,6 @@ def test_sigkilled_rank_resumes_from_memory(tmp_path, clean_result, parallel):
     # an uninterrupted DDP run ends on the same loss (FSDP2's sharded reductions may
     # differ from DDP's all-reduce in the last bits)
     assert abs(res["final_loss"] - clean_result["final_loss"]) <= 1e-6, (res, clean_result)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def _logs(root: Path) -> str:
