@@ -23,9 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def diagnosis(events: list[dict]) -> dict:
-    """``{"node_checks", "kept", "stragglers", "hangs"}``: the ``node_check``,
-    ``node_check_kept``, ``straggler_detected`` and ``hang_stacks`` events, in order."""
-    pick = {"node_check": "node_checks", "node_check_kept": "kept",
+    """``{"node_checks", "skipped", "kept", "stragglers", "hangs"}``: the ``node_check``,
+    ``node_check_skipped``, ``node_check_kept``, ``straggler_detected`` and
+    ``hang_stacks`` events, in order."""
+    pick = {"node_check": "node_checks", "node_check_skipped": "skipped",
+            "node_check_kept": "kept",
             "straggler_detected": "stragglers", "hang_stacks": "hangs"}
     out: dict[str, list[dict]] = {v: [] for v in pick.values()}
     for e in events:
@@ -52,7 +54,9 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.json:
         print_json(found)
         return 0
-    if not found["node_checks"]:
+    for e in found["skipped"]:
+        print(f"{files.name}: node check skipped: {e['reason']}")
+    if not found["node_checks"] and not found["skipped"]:
         print(f"{files.name}: no node check (skipped, or no role with a process group)")
     for i, check in enumerate(found["node_checks"], 1):
         rows = []

@@ -20,8 +20,8 @@ class EventLog:
     ``master_restarted``, ``master_reattached``, ``standby_unusable``, ``standby_died``
     (``role``, ``actor``, ``reason``: a warm spare died and is replaced), ``job_state_changed``
     (``previous``, ``state``: every transition of the job's state), ``job_finished``;
-    node health (docs/node-health.md): ``node_check``, ``node_check_kept``,
-    ``straggler_detected``, ``hang_stacks``.
+    node health (docs/node-health.md): ``node_check``, ``node_check_skipped``,
+    ``node_check_kept``, ``straggler_detected``, ``hang_stacks``.
     """
 
     def __init__(self, path: str) -> None:

@@ -24,6 +24,8 @@ again without them; when that placement is impossible they are taken back
 (a recovery's, after a node was lost) is impossible without them: :meth:`NodeCheck.place`.
 
 Everything goes to one ``node_check`` event per check; ``dlrover diagnose`` prints it.
+A cluster of one alive node is not checked (``node_check_skipped``): with no peer no
+node can be slow, and a failed node would be taken back, as the job has nowhere else.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ MAX_ROUNDS_OF_PLACEMENT = 3
 BAD_VERDICTS = ("failed", "slow_compute", "slow_network")
 #: JobContext key of :attr:`NodeCheck.excluded`
 EXCLUDED_KEY = "node_check_excluded"
+#: why a cluster of one alive node is not checked (``node_check_skipped``)
+LONE_NODE = ("the cluster has one alive node: no peer to compare it with and nowhere "
+             "else to place the job")
 
 
 @dataclass
@@ -194,7 +199,11 @@ class NodeCheck:
             return
         s = self.scope
         for _ in range(MAX_ROUNDS_OF_PLACEMENT):
-            results = self.check(self.placement_nodes())
+            nodes = self.placement_nodes()
+            if len(alive_nodes() | set(nodes)) == 1:  # a lone node: the check decides nothing
+                s.emit("node_check_skipped", nodes=sorted(nodes), reason=LONE_NODE)
+                return
+            results = self.check(nodes)
             bad = sorted(n for n, r in results.items() if r.verdict in BAD_VERDICTS)
             if not bad:
                 return
