@@ -229,13 +229,11 @@ class StandbyPool:
         warm, though its ``prepared`` ref is ready until :meth:`check` notices it."""
         out = {}
         for role, sp in list(self.spares.items()):
-            ok = bool(ray.wait([sp.prepared], timeout=0)[0])
-            if ok:
-                try:
-                    ray.get(sp.prepared, timeout=0)
-                except Exception:  # noqa: BLE001 - dead or failed: not warm
-                    ok = False
-            out[role] = ok
+            try:  # as take() checks: ready and returned (not ready: GetTimeoutError)
+                ray.get(sp.prepared, timeout=0)
+                out[role] = True
+            except Exception:  # noqa: BLE001 - still preparing, dead or failed: not warm
+                out[role] = False
         return out
 
     def drop(self) -> None:

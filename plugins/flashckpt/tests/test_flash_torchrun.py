@@ -61,12 +61,15 @@ def test_sigkilled_rank_resumes_from_memory(tmp_path, clean_result, parallel):
     try:
         pid = torchrun_script_pid(f"{tag}-{os.getpid()}", 1, timeout=120)
         log0 = tmp_path / tag / "logs" / "trainer-1" / "attempt-0.log"
+
+        def saved_20() -> bool:
+            return log0.exists() and "saved step 20" in log0.read_text()
+
         # a loaded 2-core machine (CI, next to the multi-node tests) may take minutes
         deadline = time.time() + 300
-        while time.time() < deadline and pid_alive(pid) and not (
-                log0.exists() and "saved step 20" in log0.read_text()):
+        while time.time() < deadline and pid_alive(pid) and not saved_20():
             time.sleep(0.05)
-        if not (log0.exists() and "saved step 20" in log0.read_text()):
+        if not saved_20():
             proc.kill()  # CI once found the pid gone here: show what the ranks logged
             out, _ = proc.communicate(timeout=60)
             pytest.fail(f"rank 1 (pid {pid}, alive: {pid_alive(pid)}) never logged 'saved step "
