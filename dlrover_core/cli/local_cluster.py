@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from dlrover_core.pids import pid_alive
+from dlrover_core.ports import free_port, free_ports
 
 STATE = "cluster.json"
 TOKEN_FILE = "auth_token"
@@ -49,13 +50,6 @@ def state_dir(path: str | None = None) -> str:
     """The state directory: ``path``, else ``$DLROVER_CLUSTER_DIR``, else
     ``./.dlrover/cluster``."""
     return os.path.abspath(path or os.environ.get("DLROVER_CLUSTER_DIR") or DEFAULT_DIR)
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def read_state(directory: str | None = None) -> dict | None:
@@ -111,8 +105,9 @@ def _node_ports() -> dict[str, int]:
     """Own ports for one node: several helpers' clusters share this machine, and Ray's
     defaults (10001, 8265, 52365, ...) would collide."""
     names = ("node-manager-port", "object-manager-port", "runtime-env-agent-port",
-             "dashboard-agent-grpc-port", "dashboard-agent-listen-port", "metrics-export-port")
-    return {n: free_port() for n in names}
+             "dashboard-agent-grpc-port", "dashboard-agent-listen-port", "metrics-export-port",
+             "ray-client-server-port", "dashboard-port")
+    return dict(zip(names, free_ports(len(names))))
 
 
 def _start_node(directory: str, name: str, env: dict[str, str], num_cpus: int,
@@ -121,16 +116,14 @@ def _start_node(directory: str, name: str, env: dict[str, str], num_cpus: int,
     temp_dir = os.path.join(temp_root, name)  # short: Ray's socket paths must fit 107 bytes
     os.makedirs(temp_dir, exist_ok=True)
     ports = _node_ports()
+    if head_port is None:  # the head's own two
+        del ports["ray-client-server-port"], ports["dashboard-port"]
     args = [f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
             f"--node-ip-address={HOST}", "--disable-usage-stats"]
     args += [f"--{k}={v}" for k, v in ports.items()]
     if head_port is not None:
         ports["port"] = head_port
-        ports["ray-client-server-port"] = free_port()
-        ports["dashboard-port"] = free_port()
-        args += ["--head", f"--port={head_port}", "--include-dashboard=false",
-                 f"--ray-client-server-port={ports['ray-client-server-port']}",
-                 f"--dashboard-port={ports['dashboard-port']}"]
+        args += ["--head", f"--port={head_port}", "--include-dashboard=false"]
     else:
         args.append(f"--address={address}")
     log_path = os.path.join(directory, f"{name}.log")

@@ -10,7 +10,6 @@ default concurrency group (one at a time, in order); liveness calls run in the
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 import traceback
@@ -18,6 +17,7 @@ from typing import Any
 
 import ray
 
+from dlrover_core.ports import free_port
 from dlrover_core.runtime.context import WorkerContext
 from dlrover_core.runtime.host_base import HostBase, master_handle, resolve_refs
 
@@ -120,9 +120,7 @@ class WorkloadHost(HostBase):
 
     def free_port(self) -> int:
         """A free TCP port on this node (for the role's rendezvous)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port(host="")
 
     def setup(self, master_addr: str, master_port: int, attempt: int = 0,
               local_rank: int | None = None, local_world_size: int | None = None,

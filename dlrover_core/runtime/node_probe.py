@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 
 import ray
+
+from dlrover_core.ports import free_port
 
 
 class NodeProbe:
@@ -71,9 +72,7 @@ class NodeProbe:
 
     def free_port(self) -> int:
         """A free TCP port on this node (the pair's rendezvous)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port(host="")
 
     def allgather(self, addr: str, port: int, rank: int, kb: int, iters: int,
                   timeout_s: float) -> dict:

@@ -24,12 +24,7 @@ import tempfile
 import time
 from typing import Any, Self
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dlrover_core.ports import free_port
 
 
 class LocalRedisServer:
