@@ -11,10 +11,12 @@ optional: the script runs unchanged under plain ``torchrun``, where they do noth
   when the process exits, and at least every quarter of ``failover.hang_timeout_s``).
   With ``failover.hang_timeout_s`` > 0 a rank that has reported a step in its
   attempt and then reports none for that long is a hang (restart of the role); a
-  rank that never reports is not watched. The first call of a process joins the
-  job's Ray cluster and looks the JobMaster up (one blocking round trip).
-  Outside dlrover it is a no-op that warns once (``RuntimeWarning``) and returns
-  ``False``.
+  rank that never reports is not watched. The first call of a process starts joining
+  the job's Ray cluster and looking the JobMaster up in a background thread (0.5 s
+  idle, 3-4 s on a loaded machine, measured: a rank blocked there held its peers in
+  their next collective, silent, long enough to look hung); reports made meanwhile
+  wait in order and go once it is joined. Outside dlrover it is a no-op that warns
+  once (``RuntimeWarning``) and returns ``False``.
 - :func:`report_checkpoint` ``(step, seconds=0.0)``: the script saved a checkpoint of
   ``step`` (what a workload's checkpointer reports): ``checkpoint_saved`` in the
   events and the timeline, and the boundary an elastic role grows at
@@ -35,7 +37,10 @@ Example (``train.py``, runs the same under ``torchrun``)::
 from __future__ import annotations
 
 import atexit
+import collections
+import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -98,6 +103,8 @@ def script_master(caller: str = "script_master",
         from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
 
         if not ray.is_initialized():
+            if threading.current_thread() is not threading.main_thread():
+                logging.getLogger("ray._private.worker").addFilter(_no_sigterm_warning)
             ray.init(address=env["RAY_ADDRESS"], log_to_driver=False,
                      logging_level="warning")
         job = env["DLROVER_JOB"]
@@ -111,6 +118,13 @@ def script_master(caller: str = "script_master",
             _int_env("WORLD_SIZE", 1),
             max(_int_env("DLROVER_ATTEMPT", 0), _int_env("TORCHELASTIC_RESTART_COUNT", 0)))
         return found
+
+
+def _no_sigterm_warning(record: logging.LogRecord) -> bool:
+    """Drops Ray's warning that ``ray.init`` off the main thread (the join of
+    :func:`report_step`) sets no SIGTERM handler: the script keeps Python's default
+    SIGTERM (the process ends), as under plain ``torchrun``."""
+    return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def _int_env(key: str, default: int | None) -> int:
@@ -130,12 +144,85 @@ def in_dlrover() -> bool:
     return all(os.environ.get(k) for k in SCRIPT_ENV)
 
 
+class _Joiner:
+    """Joins the job (:func:`script_master`) in a daemon thread and sends step reports
+    once joined: ``__call__(step, metrics, ts)`` is a :class:`StepReporter`'s ``send``;
+    reports made before the join ends wait (at most ``max_pending``, the oldest dropped
+    first) and go one after the other, each acknowledged before the next (the master's
+    ``report`` runs in a thread pool: a burst would reach ``metrics.jsonl`` out of
+    order), before any new one. ``error``: what the join raised (reports are then
+    dropped)."""
+
+    def __init__(self, max_pending: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque(maxlen=max_pending)
+        self._sm: ScriptMaster | None = None
+        self.error: BaseException | None = None
+        self.joined = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._join, name="dlrover-script-join", daemon=True).start()
+
+    def _join(self) -> None:
+        sm: ScriptMaster | None
+        try:
+            sm = script_master("report_step")
+        except BaseException as e:  # noqa: BLE001 - raised by the next report_step
+            sm, self.error = None, e
+        ray = sys.modules.get("ray")  # imported by the join
+        while sm is not None and ray is not None:  # the waiting reports, each acknowledged
+            with self._lock:
+                if not self._pending:
+                    break
+                step, metrics, ts = self._pending.popleft()
+            try:
+                ray.get(sm.master.report.remote(sm.role, sm.rank, step, metrics, ts),
+                        timeout=JOIN_AT_EXIT_S)
+            except Exception:  # noqa: BLE001 - the master is gone: the rest go nowhere
+                sm = None
+        with self._lock:
+            self._sm = sm
+            self._pending.clear()
+            self.joined.set()
+        if self._sm is not None and _Steps.reporter is not None:
+            # after ray.init's own exit handler, so it runs before Ray shuts down
+            atexit.register(_Steps.reporter.close)
+
+    def __call__(self, step: int, metrics: dict, ts: float) -> Any:
+        with self._lock:
+            if not self.joined.is_set():
+                self._pending.append((step, metrics, ts))
+                return None
+            sm = self._sm
+        if sm is None:
+            return None
+        return sm.master.report.remote(sm.role, sm.rank, step, metrics, ts)
+
+
 class _Steps:
-    """This process's step reporter (made at the first :func:`report_step`)."""
+    """This process's step reporter and its join (made at the first :func:`report_step`)."""
 
     reporter: Any = None
+    joiner: _Joiner | None = None
     warned = False
     last_ts: float | None = None
+
+
+def _close_at_exit() -> None:
+    """The script ends: wait (at most ``JOIN_AT_EXIT_S``) for a join still under way,
+    send the newest reports, and shut Ray down (its own exit handler is not run when
+    the join called ``ray.init`` only now; a second shutdown does nothing)."""
+    if _Steps.joiner is not None:
+        _Steps.joiner.joined.wait(JOIN_AT_EXIT_S)
+    if _Steps.reporter is not None:
+        _Steps.reporter.close()
+    ray = sys.modules.get("ray")
+    if getattr(ray, "is_initialized", None) is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+#: Seconds a script that ends waits for its join to the job, when still under way.
+JOIN_AT_EXIT_S = 30.0
 
 
 def report_step(step: int, samples: int | None = None, **metrics: float) -> bool:
@@ -143,14 +230,17 @@ def report_step(step: int, samples: int | None = None, **metrics: float) -> bool
     trained in it (adds metrics ``samples`` and, from the second report on,
     ``samples_per_s``: samples / s since this process's previous report) and scalar
     ``metrics`` (``loss=...``). Rank 0's report moves the job's step and goes to
-    ``metrics.jsonl``; every rank's feeds hang detection. Non-blocking but for the
-    first call (see the module docstring). Returns ``True`` when the report went to a
-    JobMaster, ``False`` outside dlrover (a ``RuntimeWarning`` the first time).
+    ``metrics.jsonl``; every rank's feeds hang detection. Non-blocking (the first
+    call starts the join to the job in the background; see the module docstring).
+    Returns ``True`` when the report was sent to the JobMaster or waits for the join,
+    ``False`` outside dlrover (a ``RuntimeWarning`` the first time).
 
     Raises:
-        ValueError: ``step`` or ``samples`` is negative or not an integer.
+        ValueError: ``step`` or ``samples`` is negative or not an integer, or ``$RANK``
+            or ``$WORLD_SIZE`` is not an integer.
         TypeError: a metric is not a number.
-        NotInDlroverError: the environment is a script role's but its JobMaster is gone.
+        NotInDlroverError: the environment is a script role's but its JobMaster is gone
+            (raised by the first call after the background join found that).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"report_step(step={step!r}): allowed: an integer >= 0")
@@ -177,17 +267,21 @@ def report_step(step: int, samples: int | None = None, **metrics: float) -> bool
         if _Steps.last_ts is not None and now > _Steps.last_ts:
             clean["samples_per_s"] = samples / (now - _Steps.last_ts)
     _Steps.last_ts = now
+    if _Steps.joiner is not None and _Steps.joiner.error is not None:
+        raise _Steps.joiner.error
     if _Steps.reporter is None:
         from dlrover_core.runtime.reporting import StepReporter, report_interval_s
 
-        sm = script_master("report_step")
+        rank, world_size = _int_env("RANK", None), _int_env("WORLD_SIZE", 1)
         hang_s = float(os.environ.get("DLROVER_HANG_TIMEOUT_S") or 0.0)
-        _Steps.reporter = StepReporter(
-            lambda s, m, ts: sm.master.report.remote(sm.role, sm.rank, s, m, ts), sm.rank,
-            report_interval_s(max(1, sm.world_size), hang_s))
-        # the newest coalesced report of a rank > 0 still goes when the script ends
-        # (registered after ray.init's own exit handler, so it runs before Ray shuts down)
-        atexit.register(_Steps.reporter.close)
+        joiner = _Joiner()
+        _Steps.reporter = StepReporter(joiner, rank,
+                                       report_interval_s(max(1, world_size), hang_s))
+        _Steps.joiner = joiner
+        joiner.start()
+        # the newest reports still go when the script ends (the joiner registers the
+        # same close again once ray.init has registered its own exit handler)
+        atexit.register(_close_at_exit)
     _Steps.reporter.report(step, clean, now)
     return True
 

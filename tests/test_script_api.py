@@ -18,7 +18,7 @@ from dlrover_core import DLJobBuilder, script_api
 STEPS, EVERY = 12, 4
 
 SCRIPT = '''
-import os, time
+import os, sys, time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,10 @@ def main():
         dist.all_reduce(t)
         time.sleep(0.05)
         assert report_step(step, samples=8, loss=t.item()) is True
+        if step == 0:  # the first call only starts the join (a thread imports ray)
+            is_initialized = getattr(sys.modules.get("ray"), "is_initialized", None)
+            with open("joined-at-first-report-%%d" %% rank, "w") as f:
+                f.write(str(is_initialized is not None and is_initialized()))
         if rank == 0 and (step + 1) %% EVERY == 0:
             assert report_checkpoint(step + 1, 0.01) is True
     dist.barrier()
@@ -98,6 +102,9 @@ def test_script_role_steps_reach_metrics_summary_and_timeline(ray_cluster, tmp_p
     summary = job.submit(job_dir=job_dir)
     assert summary["status"] == "succeeded", summary["error"]
     assert summary["steps"] == STEPS and summary["last_step"] == STEPS - 1
+    # report_step did not block its caller on the join (ray.init + the master's lookup)
+    for rank in (0, 1):
+        assert (tmp_path / f"joined-at-first-report-{rank}").read_text() == "False"
     assert summary["metrics"]["loss"] == 2 * (STEPS - 1) + 1  # rank 0's last all-reduce
     assert summary["metrics"]["samples"] == 8.0 and summary["metrics"]["samples_per_s"] > 0
     assert summary["goodput"] is not None and 0 < summary["goodput"] <= 1
@@ -177,7 +184,10 @@ def test_a_script_that_reported_steps_and_stops_is_a_hang_a_silent_one_is_not(
     summary, events = run("script-hang", "hangs_once:main")
     assert summary["status"] == "succeeded", summary["error"]
     failed = [e for e in events if e["event"] == "instance_failed"]
-    assert [e["kind"] for e in failed] == ["hang"], failed
+    t0 = events[0]["ts"]
+    story = [(round(e["ts"] - t0, 2), e["event"], e.get("rank"), e.get("attempt"),
+              str(e.get("message", ""))[:160]) for e in events]
+    assert [e["kind"] for e in failed] == ["hang"], story
     assert "no step report for" in failed[0]["message"]
     assert summary["restarts"]["total"] == 1 and summary["steps"] == 8
     assert (tmp_path / "hung-once").exists()
