@@ -17,6 +17,7 @@ a SIGKILL loses at most the unread part of the pipe.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -104,7 +105,7 @@ class OutputCapture:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._file: RotatingFile | None = None
-        self._pending: tuple[bytes, RotatingFile] | None = None
+        self._pending: tuple[bytes, RotatingFile | None] | None = None
         self._switched = threading.Event()
         self._switches = 0
         #: the end of the last read when it may be the start of the pending marker (a
@@ -129,6 +130,14 @@ class OutputCapture:
         self._thread = threading.Thread(target=self._pump, name="dlrover-log-capture",
                                         daemon=True)
         self._thread.start()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """At exit: wait (at most 5 s) until the thread has copied what is still in the
+        pipe to the current file, then close it, so a process that ends right after
+        printing keeps its last lines in its attempt's file (the daemon thread would
+        stop with them unread). Later output still goes to the previous stdout."""
+        self._switch_to(None)
 
     def switch(self, path: str, max_bytes: int, backups: int) -> None:
         """Send output from now on to ``path`` (a new attempt's file). Output written
@@ -137,12 +146,14 @@ class OutputCapture:
         tells the reading thread where the switch is (FIFO order), also when it arrives
         split across two reads; if the marker is not seen within 5 s the switch happens
         anyway."""
+        self._switch_to(RotatingFile(path, max_bytes, backups))
+
+    def _switch_to(self, new: RotatingFile | None) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
-        new = RotatingFile(path, max_bytes, backups)
         with self._lock:
             if self._file is None:
                 self._file = new
@@ -163,7 +174,7 @@ class OutputCapture:
                     self._tee(held)
                     self._swap(new)
 
-    def _swap(self, new: RotatingFile) -> None:
+    def _swap(self, new: RotatingFile | None) -> None:
         """Make ``new`` the current file (lock held)."""
         old, self._file, self._pending = self._file, new, None
         if old is not None:
