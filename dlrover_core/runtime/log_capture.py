@@ -130,14 +130,17 @@ class OutputCapture:
         self._thread = threading.Thread(target=self._pump, name="dlrover-log-capture",
                                         daemon=True)
         self._thread.start()
+        self._pid = os.getpid()
         atexit.register(self.close)
 
     def close(self) -> None:
         """At exit: wait (at most 5 s) until the thread has copied what is still in the
         pipe to the current file, then close it, so a process that ends right after
         printing keeps its last lines in its attempt's file (the daemon thread would
-        stop with them unread). Later output still goes to the previous stdout."""
-        self._switch_to(None)
+        stop with them unread). Later output still goes to the previous stdout. A
+        forked child (which has no capture thread) does nothing."""
+        if os.getpid() == self._pid:
+            self._switch_to(None)
 
     def switch(self, path: str, max_bytes: int, backups: int) -> None:
         """Send output from now on to ``path`` (a new attempt's file). Output written
