@@ -45,7 +45,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 #: The environment a script role gives its script that :func:`script_master` needs
 #: (``dlrover_core/runtime/script.py``: ``WorkerContext.env`` and ``RAY_ADDRESS``).
@@ -184,9 +184,6 @@ class _Joiner:
             self._sm = sm
             self._pending.clear()
             self.joined.set()
-        if self._sm is not None and _Steps.reporter is not None:
-            # after ray.init's own exit handler, so it runs before Ray shuts down
-            atexit.register(_Steps.reporter.close)
 
     def __call__(self, step: int, metrics: dict, ts: float) -> Any:
         with self._lock:
@@ -209,16 +206,31 @@ class _Steps:
 
 
 def _close_at_exit() -> None:
-    """The script ends: wait (at most ``JOIN_AT_EXIT_S``) for a join still under way,
-    send the newest reports, and shut Ray down (its own exit handler is not run when
-    the join called ``ray.init`` only now; a second shutdown does nothing)."""
+    """The script ends: wait (at most ``JOIN_AT_EXIT_S``) for a join still under way and
+    send the newest reports. Runs before every ``atexit`` handler, Ray's shutdown among
+    them (a Ray call after it ends the process with exit code 1), whenever ray was
+    imported: see :func:`_before_atexit`."""
     if _Steps.joiner is not None:
         _Steps.joiner.joined.wait(JOIN_AT_EXIT_S)
     if _Steps.reporter is not None:
         _Steps.reporter.close()
-    ray = sys.modules.get("ray")
-    if getattr(ray, "is_initialized", None) is not None and ray.is_initialized():
-        ray.shutdown()
+
+
+def _before_atexit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the interpreter ends, before the ``atexit`` handlers: CPython's
+    ``threading._register_atexit`` (3.9+; what ``concurrent.futures`` uses), called
+    when the main thread ends, before the interpreter's ``atexit`` phase. Ray registers
+    its shutdown with ``atexit`` when it is imported, here by the join's thread, maybe
+    after this call or only during the exit; plain ``atexit`` would then run ``fn``
+    after that shutdown."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(fn)
+            return
+    except RuntimeError:  # the interpreter is already shutting down
+        pass
+    atexit.register(fn)
 
 
 #: Seconds a script that ends waits for its join to the job, when still under way.
@@ -279,9 +291,7 @@ def report_step(step: int, samples: int | None = None, **metrics: float) -> bool
                                        report_interval_s(max(1, world_size), hang_s))
         _Steps.joiner = joiner
         joiner.start()
-        # the newest reports still go when the script ends (the joiner registers the
-        # same close again once ray.init has registered its own exit handler)
-        atexit.register(_close_at_exit)
+        _before_atexit(_close_at_exit)  # the newest reports still go when it ends
     _Steps.reporter.report(step, clean, now)
     return True
 

@@ -162,6 +162,45 @@ def main():
 '''
 
 
+QUICK = '''
+import sys, time
+
+from dlrover_core.script_api import report_step
+
+STEPS = 200
+
+
+def main():
+    for step in range(STEPS):
+        report_step(step, samples=1)
+    # end once the join's thread has connected to Ray (Ray's import registered its atexit
+    # shutdown before that), while it still sends the reports made meanwhile
+    ray = None
+    while ray is None or not ray.is_initialized():
+        ray = getattr(sys.modules.get("ray"), "is_initialized", None) and sys.modules["ray"]
+        time.sleep(0.001)
+    return 0
+'''
+
+
+def test_a_script_that_ends_before_its_join_still_delivers_its_reports(ray_cluster, tmp_path,
+                                                                     monkeypatch):
+    """A script whose reports all come before ``report_step``'s background join ends:
+    at exit it waits for the join and sends them, before Ray's own exit handler shuts
+    Ray down (a Ray call after that ended the script with exit code 1)."""
+    from dlrover_core.cli.job_files import JobFiles
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quick.py").write_text(QUICK)
+    job_dir = str(tmp_path / "job")
+    job = (DLJobBuilder().name("script-quick").train("quick:main").nnodes(1)
+           .nproc_per_node(2).resource(cpu=0.5).failover(max_restarts=0).build())
+    summary = job.submit(job_dir=job_dir)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert [s["step"] for s in JobFiles.read(job_dir).steps] == list(range(200))
+    assert summary["last_step"] == 199
+
+
 def test_a_script_that_reported_steps_and_stops_is_a_hang_a_silent_one_is_not(
         ray_cluster, tmp_path, monkeypatch):
     """``failover.hang_timeout_s`` with a script role: a rank that reported steps and
