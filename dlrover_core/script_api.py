@@ -233,7 +233,8 @@ def _before_atexit(fn: Callable[[], None]) -> None:
     atexit.register(fn)
 
 
-#: Seconds a script that ends waits for its join to the job, when still under way.
+#: Seconds a script that ends waits for its join to the job, when still under way; also
+#: how long the join waits for the master to take each report made meanwhile.
 JOIN_AT_EXIT_S = 30.0
 
 

@@ -69,6 +69,25 @@ def test_outside_dlrover_report_step_warns_once_and_does_nothing(monkeypatch):
         script_api.script_master("report_step")
 
 
+def test_a_failed_join_is_raised_by_the_next_report(ray_cluster, monkeypatch):
+    """A script role's environment whose job has no JobMaster in the cluster: the first
+    ``report_step`` returns at once (the join runs in the background) and, once the
+    join has failed, the next call raises ``NotInDlroverError`` naming the job."""
+    import ray
+
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    monkeypatch.setenv("DLROVER_JOB", "no-such-job")
+    monkeypatch.setenv("DLROVER_ROLE", "trainer")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(script_api._Steps, "reporter", None)
+    monkeypatch.setattr(script_api._Steps, "joiner", None)
+    assert script_api.report_step(0, samples=1) is True
+    assert script_api._Steps.joiner.joined.wait(60)
+    with pytest.raises(script_api.NotInDlroverError,
+                       match="no JobMaster of job DLROVER_JOB='no-such-job'"):
+        script_api.report_step(1)
+
+
 def test_bad_input_is_named(monkeypatch):
     _outside(monkeypatch)
     with pytest.raises(ValueError, match=r"step=-1.*integer >= 0"):
