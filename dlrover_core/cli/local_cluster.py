@@ -138,7 +138,7 @@ def _wait_port(port: int, node: dict, timeout_s: float) -> None:
     while time.time() < deadline:
         if not pid_alive(node["pid"]):
             raise ClusterError(f"node {node['name']} exited while starting; its log: "
-                               f"{node['log']}\n{_tail(node['log'])}")
+                               f"{_node_tail(node)}")
         try:
             socket.create_connection((HOST, port), timeout=1).close()
             return
@@ -154,6 +154,15 @@ def _tail(path: str, n: int = 15) -> str:
             return "".join(f.readlines()[-n:])
     except OSError:
         return ""
+
+
+def _node_tail(node: dict) -> str:
+    """The end of a node's ``ray start`` log and its raylet's (why it never registered)."""
+    logs = os.path.join(node["temp_dir"], "session_latest", "logs")
+    parts = [f"{node['log']}\n{_tail(node['log'])}"]
+    for path in (os.path.join(logs, "raylet.err"), os.path.join(logs, "raylet.out")):
+        parts += [f"-- {path}:\n{t}" for t in [_tail(path, 8)] if t.strip()]
+    return "\n".join(parts)
 
 
 def _node_table(state: dict) -> list[dict]:
@@ -183,8 +192,7 @@ def wait_for_nodes(state: dict, timeout_s: float = 120.0) -> dict:
     while True:
         for n in want:
             if not pid_alive(n["pid"]):
-                raise ClusterError(f"node {n['name']} exited; its log: {n['log']}\n"
-                                   f"{_tail(n['log'])}")
+                raise ClusterError(f"node {n['name']} exited; its log: {_node_tail(n)}")
         table = {r["NodeManagerPort"]: r for r in _node_table(state) if r["Alive"]}
         for n in want:
             row = table.get(n["ports"]["node-manager-port"])
@@ -194,9 +202,9 @@ def wait_for_nodes(state: dict, timeout_s: float = 120.0) -> dict:
             _write_state(state["dir"], state)
             return state
         if time.time() > deadline:
-            missing = [n["name"] for n in want if not n["node_id"]]
-            raise ClusterError(f"nodes {missing} did not join {state['address']} within "
-                               f"{timeout_s:.0f} s")
+            late = [n for n in want if not n["node_id"]]
+            raise ClusterError(f"nodes {[n['name'] for n in late]} did not join {state['address']}"
+                               f" in {timeout_s:.0f} s; " + "\n".join(map(_node_tail, late)))
         time.sleep(1.0)
 
 
