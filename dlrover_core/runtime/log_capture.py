@@ -138,8 +138,9 @@ class OutputCapture:
         pipe to the current file, then close it, so a process that ends right after
         printing keeps its last lines in its attempt's file (the daemon thread would
         stop with them unread). Later output still goes to the previous stdout. A
-        forked child (which has no capture thread) does nothing."""
-        if os.getpid() == self._pid:
+        forked child (which has no capture thread) does nothing, nor one whose thread
+        has ended (the pipe closed: nothing would read the marker)."""
+        if os.getpid() == self._pid and self._thread.is_alive():
             self._switch_to(None)
 
     def switch(self, path: str, max_bytes: int, backups: int) -> None:
