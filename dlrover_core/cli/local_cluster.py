@@ -33,6 +33,7 @@ import tempfile
 import time
 from typing import Any
 
+from dlrover_core.cli.cluster_logs import node_tail
 from dlrover_core.pids import pid_alive
 from dlrover_core.ports import free_port, free_ports
 
@@ -138,7 +139,7 @@ def _wait_port(port: int, node: dict, timeout_s: float) -> None:
     while time.time() < deadline:
         if not pid_alive(node["pid"]):
             raise ClusterError(f"node {node['name']} exited while starting; its log: "
-                               f"{_node_tail(node)}")
+                               f"{node_tail(node)}")
         try:
             socket.create_connection((HOST, port), timeout=1).close()
             return
@@ -146,23 +147,6 @@ def _wait_port(port: int, node: dict, timeout_s: float) -> None:
             time.sleep(0.2)
     raise ClusterError(f"node {node['name']}: port {port} not open after {timeout_s:.0f} s; "
                        f"its log: {node['log']}")
-
-
-def _tail(path: str, n: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
-
-
-def _node_tail(node: dict) -> str:
-    """The end of a node's ``ray start`` log and its raylet's (why it never registered)."""
-    logs = os.path.join(node["temp_dir"], "session_latest", "logs")
-    parts = [f"{node['log']}\n{_tail(node['log'])}"]
-    for path in (os.path.join(logs, "raylet.err"), os.path.join(logs, "raylet.out")):
-        parts += [f"-- {path}:\n{t}" for t in [_tail(path, 8)] if t.strip()]
-    return "\n".join(parts)
 
 
 def _node_table(state: dict) -> list[dict]:
@@ -192,7 +176,7 @@ def wait_for_nodes(state: dict, timeout_s: float = 120.0) -> dict:
     while True:
         for n in want:
             if not pid_alive(n["pid"]):
-                raise ClusterError(f"node {n['name']} exited; its log: {_node_tail(n)}")
+                raise ClusterError(f"node {n['name']} exited; its log: {node_tail(n)}")
         table = {r["NodeManagerPort"]: r for r in _node_table(state) if r["Alive"]}
         for n in want:
             row = table.get(n["ports"]["node-manager-port"])
@@ -204,7 +188,7 @@ def wait_for_nodes(state: dict, timeout_s: float = 120.0) -> dict:
         if time.time() > deadline:
             late = [n for n in want if not n["node_id"]]
             raise ClusterError(f"nodes {[n['name'] for n in late]} did not join {state['address']}"
-                               f" in {timeout_s:.0f} s; " + "\n".join(map(_node_tail, late)))
+                               f" in {timeout_s:.0f} s; " + "\n".join(map(node_tail, late)))
         time.sleep(1.0)
 
 
@@ -281,7 +265,10 @@ def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
     Raises:
         ValueError: ``nodes`` < 0 or ``cpus_per_node`` < 1.
         ClusterError: a cluster of this state directory is still running, or a node
-            failed to start (the nodes already started are stopped again).
+            failed to start (the nodes already started are stopped again). A worker
+            node whose ``ray start`` ends before it joins is started once more, with
+            new ports (CI runs here lost one to its raylet exiting with its runtime-env
+            agent, and one to Ray's fixed 30 s wait for the raylet to register).
     """
     if nodes < 0:
         raise ValueError(f"--nodes: {nodes!r}; give 0 or more worker nodes")
@@ -317,7 +304,20 @@ def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
         _wait_port(head_port, head, timeout_s)
         for _ in range(nodes):
             add_node(state, cpus_per_node, wait=False)
-        return wait_for_nodes(state, timeout_s)
+        try:
+            return wait_for_nodes(state, timeout_s)
+        except ClusterError as e:  # once: worker nodes whose `ray start` ended, again
+            dead = [n for n in state["nodes"] if not n["head"] and not pid_alive(n["pid"])]
+            if not dead or not pid_alive(head["pid"]):
+                raise
+            print(f"warning: {e}\nstarting {[n['name'] for n in dead]} again",
+                  file=sys.stderr)
+            for n in dead:
+                _stop_node(n, 0.0)  # what is left of its group (its agents)
+                shutil.rmtree(n["temp_dir"], ignore_errors=True)
+                state["nodes"].remove(n)
+                add_node(state, cpus_per_node, wait=False)
+            return wait_for_nodes(state, timeout_s)
     except BaseException:
         down(directory)
         raise
