@@ -176,8 +176,7 @@ class _Joiner:
                     break
                 step, metrics, ts = self._pending.popleft()
             try:
-                ray.get(sm.master.report.remote(sm.role, sm.rank, step, metrics, ts),
-                        timeout=JOIN_AT_EXIT_S)
+                ray.get(_send(sm, step, metrics, ts), timeout=JOIN_AT_EXIT_S)
             except Exception:  # noqa: BLE001 - the master is gone: the rest go nowhere
                 sm = None
         with self._lock:
@@ -191,9 +190,12 @@ class _Joiner:
                 self._pending.append((step, metrics, ts))
                 return None
             sm = self._sm
-        if sm is None:
-            return None
-        return sm.master.report.remote(sm.role, sm.rank, step, metrics, ts)
+        return None if sm is None else _send(sm, step, metrics, ts)
+
+
+def _send(sm: ScriptMaster, step: int, metrics: dict, ts: float) -> Any:
+    """One step report to the master (its ObjectRef; fire-and-forget unless waited on)."""
+    return sm.master.report.remote(sm.role, sm.rank, step, metrics, ts)
 
 
 class _Steps:
