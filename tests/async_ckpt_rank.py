@@ -21,8 +21,8 @@ from dlrover_core.checkpoint.disk import DiskSaver
 
 
 def main() -> None:
-    uri, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    uri, rank, store = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=2)
     saver = DiskSaver(SaverConfig(dir=uri, keep=2, options={"async_save": True}),
                       SaverContext(rank=rank, world_size=2, distributed=True))

@@ -10,7 +10,6 @@ does). Returns the global mean loss of every step.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
@@ -41,21 +40,17 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, first: int, last: int, global_batch: int,
+def _worker(rank: int, world: int, store: str, first: int, last: int, global_batch: int,
             micro: int, state_in: str, state_out: str, losses_out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dlrover_core.runtime.elastic import ElasticBatch, accumulation_step
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store, not a TCP port picked beforehand: another process can take a free
+    # port before rank 0 binds it (seen in CI: rank 1 aborted in init_process_group)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
     model = _model()
     opt = make_optimizer(model)
     if state_in:
@@ -89,7 +84,8 @@ def run(segments: list[tuple[int, int]], steps: int, global_batch: int,
         for i, ((first, world), last) in enumerate(zip(segments, bounds)):
             nxt = os.path.join(tmp, f"state{i}.pt")
             lpath = os.path.join(tmp, f"loss{i}.pt")
-            mp.start_processes(_worker, args=(world, _free_port(), first, last, global_batch,
+            store = os.path.join(tmp, f"store{i}")
+            mp.start_processes(_worker, args=(world, store, first, last, global_batch,
                                               micro, state, nxt, lpath),
                                nprocs=world, join=True, start_method="spawn")
             out += torch.load(lpath)

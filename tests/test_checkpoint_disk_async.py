@@ -14,7 +14,6 @@ import torch
 
 from dlrover_core.checkpoint import Checkpointer, SaverConfig, SaverContext
 from dlrover_core.checkpoint.disk import DiskSaver
-from dlrover_core.cli.local_cluster import free_port
 from dlrover_core.spec.errors import SpecError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,9 +89,9 @@ def test_a_failed_background_write_is_raised_once_and_commits_nothing(tmp_path):
 
 def test_two_gloo_ranks_save_in_the_background_during_collectives(tmp_path):
     script = os.path.join(HERE, "async_ckpt_rank.py")
-    for uri in (str(tmp_path / "ck"), f"local://{tmp_path}/store"):
-        port = free_port()
-        procs = [subprocess.Popen([sys.executable, script, uri, str(r), str(port)],
+    for i, uri in enumerate((str(tmp_path / "ck"), f"local://{tmp_path}/store")):
+        store = str(tmp_path / f"pg{i}")  # the group's file store (no port to race for)
+        procs = [subprocess.Popen([sys.executable, script, uri, str(r), store],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(2)]
         outs = [p.communicate(timeout=300) for p in procs]

@@ -19,7 +19,6 @@ from dlrover_core.checkpoint import Checkpointer, SaverConfig, SaverContext
 from dlrover_core.checkpoint.disk import DiskSaver
 from dlrover_core.checkpoint.manifest import CheckpointLoadError
 from dlrover_core.checkpoint.storage import RemoteSteps, filesystem, local_path
-from dlrover_core.cli.local_cluster import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -111,11 +110,11 @@ def test_two_ranks_save_to_a_shared_store_and_load(tmp_path):
     """Two rank processes (gloo): each stages its own shard locally and uploads it; rank
     0 commits. Then the step is loaded by two new rank processes."""
     uri = f"local://{tmp_path}/store"
-    port = free_port()
     script = os.path.join(HERE, "uri_ckpt_rank.py")
 
     def run(mode: str) -> list[str]:
-        procs = [subprocess.Popen([sys.executable, script, mode, uri, str(r), str(port)],
+        store = str(tmp_path / f"pg-{mode}")  # the group's file store (no port to race for)
+        procs = [subprocess.Popen([sys.executable, script, mode, uri, str(r), store],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(2)]
         outs = [p.communicate(timeout=300) for p in procs]
@@ -128,5 +127,4 @@ def test_two_ranks_save_to_a_shared_store_and_load(tmp_path):
     assert store.committed_steps() == [5]
     files = json.loads(fsspec.open(f"{uri}/step_00000005/manifest.json").open().read())
     assert sorted(files["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    port = free_port()
     assert run("load") == ["loaded 5", "loaded 5"]

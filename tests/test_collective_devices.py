@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from dlrover_core.cli.local_cluster import free_port
 from dlrover_core.testing import check_collective_devices
 
 META = torch.device("meta")  # stands in for cuda:<i>: no CUDA here
@@ -63,9 +62,9 @@ def _nanogpt_eval(rank: int, device: torch.device) -> float:
     return GPTWorkload.evaluate(fake)
 
 
-def _rank(rank: int, port: int, out_dir: str) -> None:
+def _rank(rank: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=2)
     out = {}
     state: dict = {}
@@ -88,7 +87,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("collectives")
-    mp.start_processes(_rank, args=(free_port(), str(out)), nprocs=2, join=True,
+    mp.start_processes(_rank, args=(str(out / "pg"), str(out)), nprocs=2, join=True,
                        start_method="spawn")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -1,4 +1,5 @@
-"""One rank of tests/test_checkpoint_uri.py's two-rank case: ``MODE URI RANK PORT``.
+"""One rank of tests/test_checkpoint_uri.py's two-rank case: ``MODE URI RANK STORE``
+(STORE: a new file, the gloo group's file store).
 
 ``save``: a gloo group of 2, a state with a tensor of its own per rank
 (``r<rank>``) and a shared one, saved as step 5 by the disk saver to ``URI``.
@@ -23,8 +24,8 @@ def state(rank: int, fill: bool) -> dict:
 
 
 def main() -> None:
-    mode, uri, rank, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    mode, uri, rank, store = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=2)
     saver = DiskSaver(SaverConfig(dir=uri), SaverContext(rank=rank, world_size=2,
                                                          distributed=True))

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dlrover_core.cli.local_cluster import free_port
 from dlrover_core.testing import check_collective_devices
 from dlrover_plugin_multimodal.contrastive import gather_features
 from dlrover_plugin_multimodal.fusion import FusionTrainerWorkload, UpstreamLost
@@ -80,9 +79,9 @@ def test_gather_features_row_counts_are_on_the_features_device(collectives, monk
     assert collectives["seen"] == [["meta"]]
 
 
-def _gather_rank(rank: int, port: int, out_dir: str) -> None:
+def _gather_rank(rank: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=2)
     state = {"expected": CPU, "seen": []}
     check_collective_devices(state)
@@ -95,7 +94,7 @@ def _gather_rank(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_gather_features_over_two_gloo_ranks_runs_every_collective_on_the_cpu(tmp_path):
-    mp.start_processes(_gather_rank, args=(free_port(), str(tmp_path)), nprocs=2,
+    mp.start_processes(_gather_rank, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=2,
                        join=True, start_method="spawn")
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
