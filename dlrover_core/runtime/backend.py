@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
     from dlrover_core.runtime.context import WorkerContext
@@ -25,6 +26,12 @@ class BackendSession:
         import torch
 
         return torch.device("cpu")
+
+    def warm_up(self) -> None:
+        """Standby only, before it knows its rank and without a peer: pay this backend's
+        one-off process costs (imports, the first use of its wrap and of a training step)
+        so that a promoted standby does not. Must not touch CUDA (a spare may have no
+        GPU yet) and must leave no process group behind. Default: nothing."""
 
     def setup(self) -> None:
         """Join the role's process group. Called once per (re)start."""
@@ -65,6 +72,26 @@ class TorchDistributedSession(BackendSession):
         import datetime
 
         return datetime.timedelta(seconds=float(self.context.failover.get("pg_timeout_s", 120)))
+
+    @contextlib.contextmanager
+    def fake_group(self) -> Iterator[None]:
+        """For a warm-up: a default process group of the role's ``world_size`` in this
+        process alone, as rank 0, on torch's ``fake`` backend (its collectives return at
+        once without communicating, so their results are wrong); destroyed on exit.
+
+        Raises:
+            RuntimeError: a process group is already initialized in this process.
+        """
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("fake_group(): a process group is already initialized here")
+        dist.init_process_group(dist.Backend.FAKE, rank=0,
+                                world_size=max(1, int(self.context.world_size)))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
     def setup(self) -> None:
         import torch

@@ -10,6 +10,7 @@ default concurrency group (one at a time, in order); liveness calls run in the
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import traceback
@@ -70,13 +71,23 @@ class WorkloadHost(HostBase):
         return self.plugins
 
     def prepare(self) -> float:
-        """Standby only: import the workload class and run its ``warm_up()`` so that a
-        promoted standby skips the imports and first-use costs. Returns seconds."""
+        """Standby only: import the workload class, run the role's backend session's
+        ``warm_up()`` (e.g. FSDP2's first wrap and step in a fake group) and the
+        workload's ``warm_up()``, so that a promoted standby skips the imports and
+        first-use costs. A backend warm-up that raises is reported on stderr and
+        skipped (the spare stays usable); the workload's raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.workload import unwrap_actor_class
 
         t0 = time.perf_counter()
         cls = unwrap_actor_class(resolve(self.workload_path))
+        if self.context.backend:
+            try:
+                backend = self._plugin_manager().backends.get(self.context.backend)
+                resolve(backend.session)(self.context).warm_up()
+            except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
+                sys.stderr.write(f"dlrover: backend {self.context.backend!r} warm-up "
+                                 f"failed, skipped:\n{traceback.format_exc()}")
         warm = getattr(cls, "warm_up", None)
         if callable(warm):
             warm()
