@@ -22,8 +22,9 @@ events and the ``phases`` the latter carries; they add up to the run's recovery 
   failure is classified);
 - ``abort_s``: survivors abort their collectives and leave the failed run, the failed
   ranks' actors are stopped (the master's ``survivors_s``);
-- ``replace_s``: the node-loss probe, a standby promoted or a replacement actor created,
-  the spare pool refilled (``replace_and_setup_s`` less the two below);
+- ``replace_s``: the node-loss probe, a standby promoted or a replacement actor created
+  (``replace_and_setup_s`` less the two below; a promoted standby's successor is made
+  after the recovery, once the promoted rank reported a step);
 - ``actors_started_s``: the replacements' node info and rank 0's rendezvous port;
 - ``setup_s``: every rank's ``setup()`` (process group, then the workload's setup,
   which loads the checkpoint); ``setup_import_s``, ``setup_process_group_s`` and

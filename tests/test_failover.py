@@ -139,6 +139,10 @@ def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):
     assert new[0]["placement_group_id"] is not None and new[0]["bundle_index"] == 0
     assert new[0]["placement_group_id"] != old["placement_group_id"]
     assert second not in [e["actor"] for e in events(job_dir, "standby_unusable")]
+    # the next spare comes after the recovery (once the promoted rank reported a step),
+    # not during it: its process start would compete with the recovery's first step
+    created = events(job_dir, "standby_created")
+    assert len(created) == 3 and created[2]["ts"] > rec["ts"], (created, rec["ts"])
 
 
 def test_ray_kill_actor(ray_cluster, job_dir):
