@@ -230,8 +230,8 @@ class StandbyPool:
     def check(self) -> None:
         """Notice spares that died (``standby_died``) and replace them; make the spares
         that waited for a promoted rank's first step."""
-        if self.refill_after:
-            self.ensure()
+        if [r for r in list(self.refill_after) if not self._refill_waits(r)]:
+            self.ensure()  # (not on every poll while one waits: ensure() persists)
         if not self.spares:
             return
         watches = {sp.watch: role for role, sp in self.spares.items()}
