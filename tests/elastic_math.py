@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, store: str, first: int, last: int, global_bat
 
     torch.set_num_threads(1)
     # a file store, not a TCP port picked beforehand: another process can take a free
-    # port before rank 0 binds it (seen in CI: rank 1 aborted in init_process_group)
+    # port before rank 0 binds it (a CI run with such a port: rank 1 died of SIGABRT)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
     model = _model()
