@@ -150,8 +150,9 @@ class _Joiner:
     reports made before the join ends wait (at most ``max_pending``, the oldest dropped
     first) and go one after the other, each acknowledged before the next (the master's
     ``report`` runs in a thread pool: a burst would reach ``metrics.jsonl`` out of
-    order), before any new one. ``error``: what the join raised (reports are then
-    dropped)."""
+    order), before any new one; one not acknowledged within ``JOIN_AT_EXIT_S`` is
+    logged and the next goes (only a dead master stops them). ``error``: what the join
+    raised (reports are then dropped)."""
 
     def __init__(self, max_pending: int = 10_000) -> None:
         self._lock = threading.Lock()
@@ -177,8 +178,13 @@ class _Joiner:
                 step, metrics, ts = self._pending.popleft()
             try:
                 ray.get(_send(sm, step, metrics, ts), timeout=JOIN_AT_EXIT_S)
-            except Exception:  # noqa: BLE001 - the master is gone: the rest go nowhere
+            except ray.exceptions.RayActorError:  # the master is gone: the rest go nowhere
                 sm = None
+            except Exception as exc:  # noqa: BLE001 - one report not acknowledged in time
+                # (or refused): it was sent; the next ones still go
+                logging.getLogger(__name__).warning(
+                    "report_step: the report of step %d was not acknowledged: %s", step,
+                    f"{type(exc).__name__}: {str(exc)[:200]}")
         with self._lock:
             self._sm = sm
             self._pending.clear()
