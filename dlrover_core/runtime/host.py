@@ -70,6 +70,13 @@ class WorkloadHost(HostBase):
             self.plugins = get_plugin_manager()
         return self.plugins
 
+    def _backend_session(self) -> Any:
+        """A new session of the role's backend (``context.backend``, from the plugins)."""
+        from dlrover_core.plugins.records import resolve
+
+        backend = self._plugin_manager().backends.get(self.context.backend)
+        return resolve(backend.session)(self.context)
+
     def prepare(self) -> float:
         """Standby only: import the workload class, run the role's backend session's
         ``warm_up()`` (e.g. FSDP2's first wrap and step in a fake group) and the
@@ -83,8 +90,7 @@ class WorkloadHost(HostBase):
         cls = unwrap_actor_class(resolve(self.workload_path))
         if self.context.backend:
             try:
-                backend = self._plugin_manager().backends.get(self.context.backend)
-                resolve(backend.session)(self.context).warm_up()
+                self._backend_session().warm_up()
             except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
                 sys.stderr.write(f"dlrover: backend {self.context.backend!r} warm-up "
                                  f"failed, skipped:\n{traceback.format_exc()}")
@@ -165,8 +171,7 @@ class WorkloadHost(HostBase):
             self.workload._plugins = pm
             t.append(time.perf_counter())
             if ctx.backend:
-                backend = pm.backends.get(ctx.backend)
-                self.workload._backend = resolve(backend.session)(ctx)
+                self.workload._backend = self._backend_session()
                 self.workload._backend.setup()
             t.append(time.perf_counter())
             pm.workload_setup(self.workload)
