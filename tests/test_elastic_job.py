@@ -10,6 +10,8 @@ import collections
 import json
 import os
 
+import pytest
+
 from dlrover_core import load_spec
 from dlrover_core.testing import run_job
 
@@ -25,6 +27,7 @@ def _records(job_dir: str) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_trains_each_sample_once_in_the_final_model(ray_cluster, job_dir):
     spec = load_spec({
         "name": "elastic-shards",

@@ -96,6 +96,7 @@ def test_sigkill_worker_process(ray_cluster, job_dir):
     assert rec["phases"]["survivor_abort"]["trainer-0"] == "skipped (gloo)"
 
 
+@pytest.mark.slow
 def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):
     # the ranks hold before step 20 (config.pause) while a standby dies and is replaced,
     # then train on: rank 1 is killed mid-run, with 70-80 steps left
@@ -145,6 +146,7 @@ def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):
     assert len(created) == 3 and created[2]["ts"] > rec["ts"], (created, rec["ts"])
 
 
+@pytest.mark.slow
 def test_ray_kill_actor(ray_cluster, job_dir):
     master = start(spec("ft-raykill"), job_dir)
     wait_step(master, 5)
@@ -168,6 +170,7 @@ def test_exception_at_step(ray_cluster, job_dir):
     assert "injected fault at step 6" in failed["message"]
 
 
+@pytest.mark.slow
 def test_hang_is_detected(ray_cluster, job_dir):
     s = spec("ft-hang", 16, "+config.fault={rank: 1, step: 6, kind: hang}",
              "failover.hang_timeout_s=4")
@@ -208,6 +211,7 @@ def test_fatal_bug_at_startup_stops_at_once(ray_cluster, job_dir):
     assert events(job_dir, "failure_classified")[0]["level"] == "fatal"
 
 
+@pytest.mark.slow
 def test_deterministic_bug_becomes_fatal(ray_cluster, job_dir):
     s = spec("ft-determ", 16, "+config.fault={rank: 0, step: 6, kind: raise, attempt: any}")
     summary = finish(start(s, job_dir))

@@ -7,9 +7,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from dlrover_core.cli import local_cluster as lc
 
 
+@pytest.mark.slow
 def test_a_worker_node_that_ends_while_starting_is_started_again(tmp_path, monkeypatch,
                                                                   capsys):
     real, failed = lc._ray_start, []

@@ -34,6 +34,7 @@ def _submit(spec: str, job_dir: str) -> list[str]:
             "--no-progress"]
 
 
+@pytest.mark.slow
 def test_second_submit_of_a_directory_in_use_exits_before_touching_it(tmp_path):
     name = f"lock-{uuid.uuid4().hex[:6]}"
     ckpt = str(tmp_path / "ckpt")

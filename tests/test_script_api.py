@@ -220,6 +220,7 @@ def test_a_script_that_ends_before_its_join_still_delivers_its_reports(ray_clust
     assert summary["last_step"] == 199
 
 
+@pytest.mark.slow
 def test_a_script_that_reported_steps_and_stops_is_a_hang_a_silent_one_is_not(
         ray_cluster, tmp_path, monkeypatch):
     """``failover.hang_timeout_s`` with a script role: a rank that reported steps and

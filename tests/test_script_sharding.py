@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 
+import pytest
 import torch
 
 from dlrover_core import DLJobBuilder
@@ -75,6 +76,7 @@ def main():
 ''' % (N, BATCH, EVERY, KILL_AT)
 
 
+@pytest.mark.slow
 def test_script_role_trains_each_sample_once_across_a_sigkill(ray_cluster, tmp_path,
                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)

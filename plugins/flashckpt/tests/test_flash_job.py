@@ -99,6 +99,7 @@ def test_stop_persists_the_newest_step_and_removes_buffers(ray_cluster, job_dir)
         os.unlink(b)
 
 
+@pytest.mark.slow
 def test_unpersisted_buffers_of_a_dead_job_stay_at_the_next_start_until_forced(
         ray_cluster, job_dir, tmp_path):
     dead = f"flashdead-{uuid.uuid4().hex[:6]}"

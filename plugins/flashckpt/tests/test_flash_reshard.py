@@ -58,6 +58,7 @@ def save_two_ranks(job: str, config: dict) -> list[dict]:
     return saved
 
 
+@pytest.mark.slow
 def test_two_ranks_restore_into_four_from_memory_and_one_from_disk(job, tmp_path):
     config = {"ckpt": {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}}
     saved = save_two_ranks(job, config)

@@ -34,6 +34,7 @@ def round_trip(job: str, workload: str, backend: str, config: dict) -> None:
     kill_actors(hs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_torch_state_round_trip(job, tmp_path, backend):
     ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}
@@ -41,6 +42,7 @@ def test_torch_state_round_trip(job, tmp_path, backend):
                {"ckpt": ckpt})
 
 
+@pytest.mark.slow
 def test_deepspeed_zero2_round_trip(job, tmp_path):
     pytest.importorskip("deepspeed")
     ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}

@@ -163,6 +163,7 @@ def test_tp2_forward_and_gradients_equal_tp1(ray_cluster):
         kill_actors(tp1 + tp2)
 
 
+@pytest.mark.slow
 def test_pipeline_stages_equal_one_stage(ray_cluster):
     """The GPipe step over PP=2 (and TP=2 x PP=2) stages with 3 micro-batches gives the
     loss and gradients of one PP=1 step on the whole batch with the same weights."""
@@ -192,6 +193,7 @@ def test_pipeline_stages_equal_one_stage(ray_cluster):
 
 
 # --------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
 def test_disk_round_trip_bit_exact_and_tp2_loads_at_tp1(ray_cluster, tmp_path):
     ckpt = {"saver": "disk", "dir": str(tmp_path / "ckpt"), "keep": 2}
     hs = start(2, 2, ckpt=ckpt)

@@ -123,6 +123,7 @@ def test_separated_text_encoder_caches_and_ddp_trainer_ranks_split_the_batch(
     assert m["text_encoder_embedded"] == 12 + 4
 
 
+@pytest.mark.slow
 def test_killed_text_encoder_is_replaced_alone_and_the_trainer_keeps_its_state(
         ray_cluster, job_dir):
     from dlrover_core.master.client import create_master
