@@ -70,14 +70,21 @@ lane 1 "$@" &
 lane1_pid=$!
 lane 2 "$@"
 wait "$lane1_pid"
+elapsed=$SECONDS
 for log in "$logs"/*.log; do
   echo "================ $(basename "$log" .log)"
   cat "$log"
 done
+echo "both lanes ended after $elapsed s"
 if [ -s "$failed" ]; then
   echo "FAILED suites:" $(cat "$failed")
   rm -rf "$logs"
   exit 1
 fi
 echo "every suite passed"
+if [ "${SLOW:-}" != 1 ] && [ "$elapsed" -gt 720 ]; then
+  # make test's budget: 15 minutes on a 2-core machine, its setup (about 3) included
+  echo "make test took over 12 minutes: mark the tests of 25 s or more \`slow\`" \
+    "(PYTEST_ARGS=--durations=20 names them)"
+fi
 rm -rf "$logs"
