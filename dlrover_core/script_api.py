@@ -22,7 +22,10 @@ optional: the script runs unchanged under plain ``torchrun``, where they do noth
   events and the timeline, and the boundary an elastic role grows at
   (:mod:`dlrover_core.master.elastic`). ``FlashCheckpointer.save`` calls it.
   :func:`report_checkpoint_loaded` ``(step, source, path)``: the script restored
-  ``step`` (``checkpoint_loaded``). Both are silent no-ops outside dlrover.
+  ``step`` (``checkpoint_loaded``). Both are silent no-ops outside dlrover. Both go
+  after the step reports that wait for the join (they wait for it, at most
+  ``JOIN_AT_EXIT_S``): a checkpoint may make the master end this process (an elastic
+  role grows at it), which would drop step reports still waiting.
 - :func:`script_master`: the JobMaster and this rank's identity, from the environment a
   script role gives its script (:data:`SCRIPT_ENV`); ``ShardSampler.for_script`` uses it.
 
@@ -334,9 +337,14 @@ def report_checkpoint_loaded(step: int, source: str | None, path: str = "") -> b
 
 
 def _master_or_none() -> ScriptMaster | None:
+    """The job's master for a checkpoint report, once the step reports made before the
+    join are sent (``None`` outside dlrover or without a JobMaster)."""
     if not in_dlrover():
         return None
     try:
-        return script_master()
+        sm = script_master()
     except NotInDlroverError:
         return None
+    if _Steps.joiner is not None:
+        _Steps.joiner.joined.wait(JOIN_AT_EXIT_S)
+    return sm

@@ -88,6 +88,61 @@ def test_a_failed_join_is_raised_by_the_next_report(ray_cluster, monkeypatch):
         script_api.report_step(1)
 
 
+def test_a_checkpoint_report_goes_after_the_step_reports_that_wait_for_the_join(
+        ray_cluster, monkeypatch):
+    """Step reports made before ``report_step``'s background join ends go one by one
+    once it is joined; a ``report_checkpoint`` made meanwhile reaches the master after
+    them. An elastic role grows at a checkpoint, ending the process: a checkpoint report
+    that overtook them lost the reports still waiting (steps 12-19 of
+    ``tests/test_script_grow.py``'s 1-rank process, once in CI). The JobMaster here is
+    an actor under the master's name that records the order its calls arrive in, each
+    step report taking 0.1 s (the order is what is tested, not what a master does);
+    the join is held back (the lock it looks the master up under) while the steps are
+    reported, as a join that takes seconds on a busy machine."""
+    import time
+
+    import ray
+
+    from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+    @ray.remote(max_concurrency=8)  # threaded, as the JobMaster: calls may overlap
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list = []
+
+        def report(self, role, rank, step, metrics, ts) -> None:
+            self.calls.append(("report", step))
+            time.sleep(0.1)
+
+        def checkpoint_saved(self, role, rank, step, seconds) -> None:
+            self.calls.append(("checkpoint", step))
+
+        def seen(self) -> list:
+            return self.calls
+
+    master = Recorder.options(name=master_actor_name("order-job"),
+                              namespace=MASTER_NAMESPACE).remote()
+    try:
+        ray.get(master.seen.remote())
+        monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        monkeypatch.setenv("DLROVER_JOB", "order-job")
+        monkeypatch.setenv("DLROVER_ROLE", "trainer")
+        monkeypatch.setenv("RANK", "0")
+        for attr in ("reporter", "joiner", "last_ts"):
+            monkeypatch.setattr(script_api._Steps, attr, None)
+        with script_api._lock:  # a slow join: it waits here while the reports are made
+            for step in range(6):
+                assert script_api.report_step(step, samples=1) is True
+        assert script_api.report_checkpoint(6) is True
+        expected = [("report", s) for s in range(6)] + [("checkpoint", 6)]
+        deadline = time.monotonic() + 30
+        while len(seen := ray.get(master.seen.remote())) < 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen == expected
+    finally:
+        ray.kill(master)
+
+
 def test_bad_input_is_named(monkeypatch):
     _outside(monkeypatch)
     with pytest.raises(ValueError, match=r"step=-1.*integer >= 0"):
