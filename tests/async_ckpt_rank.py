@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from dlrover_core.checkpoint import SaverConfig, SaverContext
 from dlrover_core.checkpoint.disk import DiskSaver
+from dlrover_core.testing import end_rank_process
 
 
 def main() -> None:
@@ -55,6 +56,7 @@ def main() -> None:
                       "loads": loads}))
     saver.close()
     dist.destroy_process_group()
+    end_rank_process()  # not the interpreter's teardown: see end_rank_process
 
 
 if __name__ == "__main__":

@@ -45,10 +45,11 @@ def _worker(rank: int, world: int, store: str, first: int, last: int, global_bat
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dlrover_core.runtime.elastic import ElasticBatch, accumulation_step
+    from dlrover_core.testing import end_rank_process
 
     torch.set_num_threads(1)
     # a file store, not a TCP port picked beforehand: another process can take a free
-    # port before rank 0 binds it (a CI run with such a port: rank 1 died of SIGABRT)
+    # port before rank 0 binds it
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
     model = _model()
@@ -72,6 +73,7 @@ def _worker(rank: int, world: int, store: str, first: int, last: int, global_bat
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, state_out)
         torch.save(losses, losses_out)
     dist.destroy_process_group()
+    end_rank_process()  # not the interpreter's teardown: see end_rank_process
 
 
 def run(segments: list[tuple[int, int]], steps: int, global_batch: int,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from dlrover_core.testing import check_collective_devices
+from dlrover_core.testing import check_collective_devices, end_rank_process
 
 META = torch.device("meta")  # stands in for cuda:<i>: no CUDA here
 CPU = torch.device("cpu")
@@ -82,6 +82,7 @@ def _rank(rank: int, store: str, out_dir: str) -> None:
     dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+    end_rank_process()  # not the interpreter's teardown: see end_rank_process
 
 
 @pytest.fixture(scope="module")

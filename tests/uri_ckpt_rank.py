@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dlrover_core.checkpoint import SaverConfig, SaverContext
 from dlrover_core.checkpoint.disk import DiskSaver
+from dlrover_core.testing import end_rank_process
 
 
 def state(rank: int, fill: bool) -> dict:
@@ -39,6 +40,7 @@ def main() -> None:
         assert all(torch.equal(got[k], want[k]) for k in want), got
         print(f"loaded {step}")
     dist.destroy_process_group()
+    end_rank_process()  # not the interpreter's teardown: see end_rank_process
 
 
 if __name__ == "__main__":

@@ -42,11 +42,11 @@ from typing import Any, Callable, Iterable, Iterator
 import pytest
 
 from dlrover_core.testing.tensors import (assert_states_equal, check_collective_devices,
-                                          flatten_state, gloo)
+                                          end_rank_process, flatten_state, gloo)
 
 __all__ = ["assert_states_equal", "call_all", "check_collective_devices", "dlrover_json",
-           "fake_dist", "flatten_state", "gloo", "heavy_modules_after", "job_dir",
-           "kill_actors", "make_fake_dist", "master_node_id", "multinode_cluster",
+           "end_rank_process", "fake_dist", "flatten_state", "gloo", "heavy_modules_after",
+           "job_dir", "kill_actors", "make_fake_dist", "master_node_id", "multinode_cluster",
            "plugin_manager", "plugin_row", "poll_status", "ray_cluster", "run_job",
            "spawn_role", "start_test_ray", "torchrun_script_pid"]
 

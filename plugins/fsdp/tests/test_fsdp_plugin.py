@@ -8,6 +8,7 @@ import torch
 
 from dlrover_core.testing import (
     call_all,
+    end_rank_process,
     heavy_modules_after,
     kill_actors,
     plugin_row,
@@ -112,6 +113,7 @@ def _warm_then_train(rank: int, store: str, warm: bool, out: str) -> None:
     dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as f:
         json.dump({**seen, "losses": losses}, f)
+    end_rank_process()  # not the interpreter's teardown: see end_rank_process
 
 
 def test_a_standby_s_warm_up_leaves_no_group_and_the_same_training(tmp_path):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dlrover_core.testing import check_collective_devices
+from dlrover_core.testing import check_collective_devices, end_rank_process
 from dlrover_plugin_multimodal.contrastive import gather_features
 from dlrover_plugin_multimodal.fusion import FusionTrainerWorkload, UpstreamLost
 
@@ -91,6 +91,7 @@ def _gather_rank(rank: int, store: str, out_dir: str) -> None:
     dist.destroy_process_group()
     torch.save({"image": a, "text": b, "seen": state["seen"]},
                os.path.join(out_dir, f"rank{rank}.pt"))
+    end_rank_process()  # not the interpreter's teardown: see end_rank_process
 
 
 def test_gather_features_over_two_gloo_ranks_runs_every_collective_on_the_cpu(tmp_path):
