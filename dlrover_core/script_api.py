@@ -15,8 +15,10 @@ optional: the script runs unchanged under plain ``torchrun``, where they do noth
   the job's Ray cluster and looking the JobMaster up in a background thread (0.5 s
   idle, 2.9-3.8 s beside one busy loop on 2 cores, measured: a rank blocked there held its peers in
   their next collective, silent, long enough to look hung); reports made meanwhile
-  wait in order and go once it is joined. Outside dlrover it is a no-op that warns
-  once (``RuntimeWarning``) and returns ``False``.
+  wait in order and go once it is joined (or when the script ends normally), and are
+  lost when the process is killed before that (a SIGTERM too: Python's default ends
+  the process at once). Outside dlrover it is a no-op that warns once
+  (``RuntimeWarning``) and returns ``False``.
 - :func:`report_checkpoint` ``(step, seconds=0.0)``: the script saved a checkpoint of
   ``step`` (what a workload's checkpointer reports): ``checkpoint_saved`` in the
   events and the timeline, and the boundary an elastic role grows at

@@ -117,7 +117,11 @@ def main(job_dir: str, work: str) -> None:
 
         def drive(st: dict) -> None:
             if seen["removed"] is None:
-                if os.path.exists(f"{work}/snap.pt") and "trainer-1" in st["instances"]:
+                # the first checkpoint is saved and the master has rank 0's steps before
+                # it (a process ended before its report_step join is done loses the
+                # reports made meanwhile; see dlrover_core.script_api)
+                if (os.path.exists(f"{work}/snap.pt") and "trainer-1" in st["instances"]
+                        and st.get("step", -1) >= SAVE_EVERY - 1):
                     seen["removed"] = st["instances"]["trainer-1"]["node_id"]
                     cluster.remove_node(nodes[seen["removed"]])
             elif seen["added"] is None:
