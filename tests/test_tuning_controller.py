@@ -156,6 +156,38 @@ def test_one_change_per_round_lets_the_tuners_take_turns():
     assert ctl.summary()["retried"] == 1
 
 
+def test_a_doubling_the_loader_could_not_feed_is_tried_again_once_the_workers_are_kept():
+    """One worker reads the 64 samples of a step in 0.64 s while the micro-batch 4
+    step computes in 0.45 s: doubling the micro-batch (0.29 s of compute) gains
+    nothing while the reads are the bound, and is reverted; 3 workers (the sized
+    raise) are kept. The measured conditions do not count here (a ``retry_shift`` no
+    baseline reaches): the doubling is tried again because a setting it does not touch
+    changed since its revert, and only once no tuner has a proposal. With 3 workers it
+    pays and the search grows on from there."""
+    events: list = []
+    initial = {"dataloader": {"batch_size": 4, "num_workers": 1},
+               "optimizer": {"learning_rate": 1e-3, "grad_accum_steps": 16}}
+    ctl = TuningController(
+        [("micro_batch", MicroBatchTuner({"max_micro_batch": 64})),
+         ("dataloader_workers", DataloaderWorkersTuner({"max_num_workers": 16}))],
+        role="trainer", world_size=2, interval_steps=4, warmup_steps=1,
+        guard=Guard(retry_shift=5.0), emit=lambda e, **f: events.append({"event": e, **f}))
+    ctl.sync("trainer", 0, initial)
+    drive(ctl, 240, best_workers=8)
+    tried = [(e["event"], e["changes"]) for e in events
+             if e["event"] in ("tuning_proposed", "tuning_retry")]
+    doubling = {"dataloader": {"batch_size": [4, 8]}, "optimizer": {"grad_accum_steps": [16, 8]}}
+    assert tried[:3] == [("tuning_proposed", doubling),
+                         ("tuning_proposed", {"dataloader": {"num_workers": [1, 3]}}),
+                         ("tuning_retry", doubling)]
+    verdicts = [e["event"] for e in events if e["event"] in ("tuning_accepted",
+                                                            "tuning_reverted")]
+    assert verdicts[:3] == ["tuning_reverted", "tuning_accepted", "tuning_accepted"]
+    cfg = ctl.current()
+    assert cfg["dataloader"]["num_workers"] == 3 and cfg["dataloader"]["batch_size"] >= 16
+    assert ctl.summary()["retried"] == 1
+
+
 def test_memory_over_the_limit_is_reverted():
     events: list = []
     mbt = MicroBatchTuner({"max_micro_batch": 64, "max_data_wait_share": 1.0})

@@ -28,7 +28,8 @@ The loop, per tuned role::
 
 A proposal whose settings were reverted is not proposed again unless the conditions
 moved since (the baseline's samples/s by more than ``guard.retry_shift``, relative,
-or its data-wait share by more than that, absolute), and then at most
+or its data-wait share by more than that, absolute; or, when no tuner has a proposal,
+a setting the change does not touch is different now), and then at most
 ``guard.max_retries`` times (event ``tuning_retry``). The controller's state (current
 and previous config, phase, measured windows, baseline, history, rejected settings,
 memory ceiling, each tuner's state) is written to the job's store (``JobContext``,
@@ -353,6 +354,7 @@ class TuningController(ControllerState):
         if turn is not None:
             self._turn = turn
         if not merged:
+            self._retry(window, settings_moved=True)
             return
         new = self.config.updated(merged, version=self.config.version + 1)
         old_gb, new_gb = (self.config.global_batch(self.world_size),
@@ -380,12 +382,12 @@ class TuningController(ControllerState):
                   tuners=sorted(by_tuner), changes=self.previous.diff(new),
                   config=new.to_dict(), before=window.as_dict())
 
-    def _retry(self, window: WindowSummary) -> bool:
+    def _retry(self, window: WindowSummary, settings_moved: bool = False) -> bool:
         """Try a reverted change again when the conditions moved since its revert and
         it has retries left (see the module docstring). Returns whether it did."""
         assert self.config is not None
         picked = pick_retry(self.rejected, self.guard, self.config, window,
-                            self._over_ceiling)
+                            self._over_ceiling, settings_moved)
         if picked is not None:
             self._publish(*picked, window, "retry")
         return picked is not None

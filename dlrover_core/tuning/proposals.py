@@ -66,22 +66,43 @@ def ask_tuners(tuners: list[tuple[str, TunerBase]], window: WindowSummary,
 
 def pick_retry(rejected: list[dict], guard: Guard, config: TuningConfig,
                window: WindowSummary, over_ceiling: Callable[[TuningConfig], bool],
+               settings_moved: bool = False,
                ) -> tuple[TuningConfig, dict[str, dict]] | None:
     """The first reverted change (``rejected``: the controller's records ``{"settings",
     "change", "tuners", "baseline", "retries"}``) with retries left under
-    ``guard.max_retries`` whose conditions moved since its revert
-    (``guard.conditions_changed`` between its baseline and ``window``) and that still
+    ``guard.max_retries`` whose conditions moved since its revert and that still
     changes ``config`` within the memory ceiling: ``(the new config, each tuner's
-    change)``, its ``retries`` counted; ``None`` when there is none."""
+    change)``, its ``retries`` counted; ``None`` when there is none.
+
+    The conditions moved when the measurements did (``guard.conditions_changed``
+    between its baseline and ``window``), or, with ``settings_moved``, when a setting
+    the change does not touch is different now (another tuner's change was kept
+    since: a micro-batch doubling reverted while two loader workers could not feed it
+    is another trial with four; the controller asks for these only when no tuner has
+    a proposal)."""
     for rec in rejected:
         if rec["retries"] >= guard.max_retries or not rec.get("baseline"):
             continue
-        if not guard.conditions_changed(WindowSummary.from_dict(rec["baseline"]), window):
-            continue
         change = {s: {k: v[1] for k, v in kv.items()} for s, kv in rec["change"].items()}
+        if settings_moved:
+            if not _others_changed(rec["settings"], config.settings(), change):
+                continue
+        elif not guard.conditions_changed(WindowSummary.from_dict(rec["baseline"]), window):
+            continue
         new = config.updated(change, version=config.version + 1)
         if new.same_settings(config) or over_ceiling(new):
             continue  # nothing left to change, or known not to fit in memory
         rec["retries"] += 1
         return new, {n: {s: dict(kv) for s, kv in change.items()} for n in rec["tuners"]}
     return None
+
+
+def _others_changed(then: dict, now: dict, change: dict) -> bool:
+    """Do the settings ``then`` and ``now`` (``{section: {key: value}}``) differ in a
+    key that ``change`` does not set?"""
+    for section in set(then) | set(now):
+        a, b = then.get(section) or {}, now.get(section) or {}
+        touched = change.get(section) or {}
+        if any(a.get(k) != b.get(k) for k in set(a) | set(b) if k not in touched):
+            return True
+    return False
