@@ -15,9 +15,14 @@ optional: the script runs unchanged under plain ``torchrun``, where they do noth
   the job's Ray cluster and looking the JobMaster up in a background thread (0.5 s
   idle, 2.9-3.8 s beside one busy loop on 2 cores, measured: a rank blocked there held its peers in
   their next collective, silent, long enough to look hung); reports made meanwhile
-  wait in order and go once it is joined (or when the script ends normally), and are
-  lost when the process is killed before that (a SIGTERM too: Python's default ends
-  the process at once). Outside dlrover it is a no-op that warns once
+  wait in order and go once it is joined (or when the script ends normally). Until
+  then a SIGTERM (the role stopping the script: an elastic re-form, a failover, the
+  job's end) first waits up to ``SIGTERM_FLUSH_S`` for them to go, then ends the
+  process as Python's default SIGTERM does: the first ``report_step``, in the main
+  thread, sets that handler when SIGTERM has Python's default, and the first call
+  after the join puts the default back (a Python handler runs only between the main
+  thread's bytecodes: one blocked in a collective with a dead peer would wait for
+  the SIGKILL). A SIGKILL loses them. Outside dlrover it is a no-op that warns once
   (``RuntimeWarning``) and returns ``False``.
 - :func:`report_checkpoint` ``(step, seconds=0.0)``: the script saved a checkpoint of
   ``step`` (what a workload's checkpointer reports): ``checkpoint_saved`` in the
@@ -45,6 +50,7 @@ import atexit
 import collections
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -216,6 +222,7 @@ class _Steps:
     joiner: _Joiner | None = None
     warned = False
     last_ts: float | None = None
+    sigterm_set = False  # _on_sigterm is SIGTERM's handler (until the join ends)
 
 
 def _close_at_exit() -> None:
@@ -249,6 +256,40 @@ def _before_atexit(fn: Callable[[], None]) -> None:
 #: Seconds a script that ends waits for its join to the job, when still under way; also
 #: how long the join waits for the master to take each report made meanwhile.
 JOIN_AT_EXIT_S = 30.0
+
+#: Seconds a SIGTERM waits for the join to send the reports made before it: under the
+#: 5 s a script role gives a stopped script before its SIGKILL (``ScriptHost.stop_script``).
+SIGTERM_FLUSH_S = 4.0
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM: let the step reports that wait for the join go (at most
+    ``SIGTERM_FLUSH_S``), then end the process with SIGTERM under its default action,
+    as if this handler were not there (exit status -15)."""
+    if _Steps.joiner is not None:
+        _Steps.joiner.joined.wait(SIGTERM_FLUSH_S)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _sigterm_handler(joined: bool) -> None:
+    """Before the join: set :func:`_on_sigterm` when SIGTERM has Python's default
+    action; once joined: put the default back where it is still set. Only in the main
+    thread (only it may set handlers); a handler of the script's own (or Ray's, when
+    the script called ``ray.init`` itself) is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        current = signal.getsignal(signal.SIGTERM)
+        if not joined and current == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+            _Steps.sigterm_set = True
+        elif joined:
+            if current is _on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            _Steps.sigterm_set = False
+    except (ValueError, OSError):  # not settable here (an embedded interpreter)
+        pass
 
 
 def report_step(step: int, samples: int | None = None, **metrics: float) -> bool:
@@ -306,6 +347,9 @@ def report_step(step: int, samples: int | None = None, **metrics: float) -> bool
         _Steps.joiner = joiner
         joiner.start()
         _before_atexit(_close_at_exit)  # the newest reports still go when it ends
+        _sigterm_handler(joined=False)  # and when the role stops it meanwhile
+    elif _Steps.sigterm_set and _Steps.joiner is not None and _Steps.joiner.joined.is_set():
+        _sigterm_handler(joined=True)
     _Steps.reporter.report(step, clean, now)
     return True
 

@@ -143,6 +143,86 @@ def test_a_checkpoint_report_goes_after_the_step_reports_that_wait_for_the_join(
         ray.kill(master)
 
 
+SIGTERMED = """
+import os, signal, threading, time
+
+from dlrover_core import script_api
+
+script_api.SIGTERM_FLUSH_S = 60.0  # the bound is not what is tested: a loaded machine
+script_api._lock.acquire()  # the join looks the master up under it: held back here
+for step in range(5):
+    assert script_api.report_step(step, samples=1) is True
+threading.Timer(0.5, script_api._lock.release).start()  # a join that takes a while
+os.kill(os.getpid(), signal.SIGTERM)  # stopped (as ScriptHost.stop_script does)
+time.sleep(120)
+raise SystemExit("not ended by the SIGTERM")
+"""
+
+JOINED = """
+import signal, time
+
+from dlrover_core import script_api
+
+script_api.report_step(0, samples=1)
+assert signal.getsignal(signal.SIGTERM) is script_api._on_sigterm
+assert script_api._Steps.joiner.joined.wait(60)
+script_api.report_step(1, samples=1)  # the first call after the join: the default again
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+print("default again")
+"""
+
+
+def test_a_sigterm_lets_the_reports_waiting_for_the_join_go_first(ray_cluster, tmp_path):
+    """A script stopped with SIGTERM (an elastic re-form, a failover) while its step
+    reports still wait for ``report_step``'s background join: they reach the master
+    before the process ends, and it still ends as SIGTERM ends it (status -15). Python's
+    default SIGTERM ended it at once and lost them (steps 0-9 of
+    ``tests/scenarios/script_grow.py``, once in CI). The master is an actor under the
+    master's name that records the steps it gets. Once joined, SIGTERM has Python's
+    default action again."""
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+    @ray.remote
+    class Recorder:
+        def __init__(self) -> None:
+            self.steps: list = []
+
+        def report(self, role, rank, step, metrics, ts) -> None:
+            self.steps.append(step)
+
+        def seen(self) -> list:
+            return self.steps
+
+    master = Recorder.options(name=master_actor_name("sigterm-job"),
+                              namespace=MASTER_NAMESPACE).remote()
+    try:
+        ray.get(master.seen.remote())
+        (tmp_path / "stopped.py").write_text(SIGTERMED)
+        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+               "DLROVER_JOB": "sigterm-job", "DLROVER_ROLE": "trainer", "RANK": "0"}
+        proc = subprocess.run([sys.executable, str(tmp_path / "stopped.py")], env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == -15, proc.stderr[-3000:]
+        deadline = time.monotonic() + 30
+        while len(seen := ray.get(master.seen.remote())) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen == [0, 1, 2, 3, 4], proc.stderr[-3000:]
+        # once joined, SIGTERM has Python's default again (a handler would wait for the
+        # main thread, which may be blocked in a collective with a dead peer)
+        (tmp_path / "joined.py").write_text(JOINED)
+        proc = subprocess.run([sys.executable, str(tmp_path / "joined.py")], env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0 and "default again" in proc.stdout, proc.stderr[-3000:]
+    finally:
+        ray.kill(master)
+
+
 def test_bad_input_is_named(monkeypatch):
     _outside(monkeypatch)
     with pytest.raises(ValueError, match=r"step=-1.*integer >= 0"):
