@@ -36,12 +36,14 @@ same runs are also measured over each ``--shorter-windows-s`` window (a prefix o
 timed window: the same start, fewer seconds), reported under ``shorter_windows`` with
 their own ratios.
 
-Every run is reported; none is selected or re-run. ``tuned_vs_grid_best`` is the tuned
-run's samples over the most samples of a grid point; ``tuned_vs_default`` over the
-default's. ``restarts`` is the tuned job's ``restarts.total`` read from its
-``summary.json``, ``versions`` the tuning version it ended on and ``final_config`` that
-version's settings. The last line of stdout is one JSON object; progress goes to stderr.
-Timings are only comparable on an otherwise idle machine.
+Every run is reported; none is selected or replaced (item 4's re-run is reported
+beside the first run of its point, not instead of it). ``tuned_vs_grid_best`` is the
+tuned run's samples over the most samples of a grid point (first runs);
+``tuned_vs_default`` over the default's. ``restarts`` is the tuned job's
+``restarts.total`` read from its ``summary.json``, ``versions`` the tuning version it
+ended on and ``final_config`` that version's settings. The last line of stdout is one
+JSON object; progress goes to stderr. Timings are only comparable on an otherwise idle
+machine.
 """
 
 from __future__ import annotations
