@@ -85,7 +85,7 @@ def pick_retry(rejected: list[dict], guard: Guard, config: TuningConfig,
             continue
         change = {s: {k: v[1] for k, v in kv.items()} for s, kv in rec["change"].items()}
         if settings_moved:
-            if not _others_changed(rec["settings"], config.settings(), change):
+            if not _others_changed(rec, config):
                 continue
         elif not guard.conditions_changed(WindowSummary.from_dict(rec["baseline"]), window):
             continue
@@ -97,12 +97,8 @@ def pick_retry(rejected: list[dict], guard: Guard, config: TuningConfig,
     return None
 
 
-def _others_changed(then: dict, now: dict, change: dict) -> bool:
-    """Do the settings ``then`` and ``now`` (``{section: {key: value}}``) differ in a
-    key that ``change`` does not set?"""
-    for section in set(then) | set(now):
-        a, b = then.get(section) or {}, now.get(section) or {}
-        touched = change.get(section) or {}
-        if any(a.get(k) != b.get(k) for k in set(a) | set(b) if k not in touched):
-            return True
-    return False
+def _others_changed(rec: dict, config: TuningConfig) -> bool:
+    """Is a setting the reverted change ``rec`` does not touch different in ``config``
+    from what it was in the reverted settings?"""
+    moved = TuningConfig.from_dict(rec["settings"]).diff(config)
+    return any(k not in rec["change"].get(s, {}) for s, kv in moved.items() for k in kv)
