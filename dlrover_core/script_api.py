@@ -222,7 +222,6 @@ class _Steps:
     joiner: _Joiner | None = None
     warned = False
     last_ts: float | None = None
-    sigterm_set = False  # _on_sigterm is SIGTERM's handler (until the join ends)
 
 
 def _close_at_exit() -> None:
@@ -272,22 +271,16 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _sigterm_handler(joined: bool) -> None:
-    """Before the join: set :func:`_on_sigterm` when SIGTERM has Python's default
-    action; once joined: put the default back where it is still set. Only in the main
-    thread (only it may set handlers); a handler of the script's own (or Ray's, when
-    the script called ``ray.init`` itself) is left alone."""
+def _swap_sigterm(current: Any, new: Any) -> None:
+    """Make ``new`` SIGTERM's handler where it is ``current`` now: before the join
+    ``SIG_DFL`` -> :func:`_on_sigterm`, after it back. Only in the main thread (only it
+    may set handlers); a handler of the script's own (or Ray's, when the script called
+    ``ray.init`` itself) is left alone."""
     if threading.current_thread() is not threading.main_thread():
         return
     try:
-        current = signal.getsignal(signal.SIGTERM)
-        if not joined and current == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-            _Steps.sigterm_set = True
-        elif joined:
-            if current is _on_sigterm:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            _Steps.sigterm_set = False
+        if signal.getsignal(signal.SIGTERM) == current:
+            signal.signal(signal.SIGTERM, new)
     except (ValueError, OSError):  # not settable here (an embedded interpreter)
         pass
 
@@ -347,9 +340,9 @@ def report_step(step: int, samples: int | None = None, **metrics: float) -> bool
         _Steps.joiner = joiner
         joiner.start()
         _before_atexit(_close_at_exit)  # the newest reports still go when it ends
-        _sigterm_handler(joined=False)  # and when the role stops it meanwhile
-    elif _Steps.sigterm_set and _Steps.joiner is not None and _Steps.joiner.joined.is_set():
-        _sigterm_handler(joined=True)
+        _swap_sigterm(signal.SIG_DFL, _on_sigterm)  # and when the role stops it meanwhile
+    elif _Steps.joiner is not None and _Steps.joiner.joined.is_set():
+        _swap_sigterm(_on_sigterm, signal.SIG_DFL)
     _Steps.reporter.report(step, clean, now)
     return True
 
