@@ -88,6 +88,37 @@ def test_a_failed_join_is_raised_by_the_next_report(ray_cluster, monkeypatch):
         script_api.report_step(1)
 
 
+def _recording_master(job: str, report_s: float = 0.0):
+    """An actor under the JobMaster's name of ``job`` that records the step reports
+    (``("report", step)``, each taking ``report_s`` s) and checkpoint reports
+    (``("checkpoint", step)``) it gets, in the order they arrive; ``seen()`` returns
+    them. Threaded (max_concurrency 8), as the JobMaster: calls may overlap."""
+    import time
+
+    import ray
+
+    from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+    @ray.remote(max_concurrency=8)
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list = []
+
+        def report(self, role, rank, step, metrics, ts) -> None:
+            self.calls.append(("report", step))
+            time.sleep(report_s)
+
+        def checkpoint_saved(self, role, rank, step, seconds) -> None:
+            self.calls.append(("checkpoint", step))
+
+        def seen(self) -> list:
+            return self.calls
+
+    master = Recorder.options(name=master_actor_name(job), namespace=MASTER_NAMESPACE).remote()
+    ray.get(master.seen.remote())
+    return master
+
+
 def test_a_checkpoint_report_goes_after_the_step_reports_that_wait_for_the_join(
         ray_cluster, monkeypatch):
     """Step reports made before ``report_step``'s background join ends go one by one
@@ -99,31 +130,14 @@ def test_a_checkpoint_report_goes_after_the_step_reports_that_wait_for_the_join(
     step report taking 0.1 s (the order is what is tested, not what a master does);
     the join is held back (the lock it looks the master up under) while the steps are
     reported, as a join that takes seconds on a busy machine."""
+    import signal
     import time
 
     import ray
 
-    from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
-    @ray.remote(max_concurrency=8)  # threaded, as the JobMaster: calls may overlap
-    class Recorder:
-        def __init__(self) -> None:
-            self.calls: list = []
-
-        def report(self, role, rank, step, metrics, ts) -> None:
-            self.calls.append(("report", step))
-            time.sleep(0.1)
-
-        def checkpoint_saved(self, role, rank, step, seconds) -> None:
-            self.calls.append(("checkpoint", step))
-
-        def seen(self) -> list:
-            return self.calls
-
-    master = Recorder.options(name=master_actor_name("order-job"),
-                              namespace=MASTER_NAMESPACE).remote()
+    master = _recording_master("order-job", report_s=0.1)
+    sigterm = signal.getsignal(signal.SIGTERM)  # report_step sets its own until joined
     try:
-        ray.get(master.seen.remote())
         monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         monkeypatch.setenv("DLROVER_JOB", "order-job")
         monkeypatch.setenv("DLROVER_ROLE", "trainer")
@@ -140,6 +154,7 @@ def test_a_checkpoint_report_goes_after_the_step_reports_that_wait_for_the_join(
             time.sleep(0.05)
         assert seen == expected
     finally:
+        signal.signal(signal.SIGTERM, sigterm)
         ray.kill(master)
 
 
@@ -178,7 +193,7 @@ def test_a_sigterm_lets_the_reports_waiting_for_the_join_go_first(ray_cluster, t
     before the process ends, and it still ends as SIGTERM ends it (status -15). Python's
     default SIGTERM ended it at once and lost them (steps 0-9 of
     ``tests/scenarios/script_grow.py``, once in CI). The master is an actor under the
-    master's name that records the steps it gets. Once joined, SIGTERM has Python's
+    master's name that records the reports it gets. Once joined, SIGTERM has Python's
     default action again."""
     import subprocess
     import sys
@@ -186,23 +201,8 @@ def test_a_sigterm_lets_the_reports_waiting_for_the_join_go_first(ray_cluster, t
 
     import ray
 
-    from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
-    @ray.remote
-    class Recorder:
-        def __init__(self) -> None:
-            self.steps: list = []
-
-        def report(self, role, rank, step, metrics, ts) -> None:
-            self.steps.append(step)
-
-        def seen(self) -> list:
-            return self.steps
-
-    master = Recorder.options(name=master_actor_name("sigterm-job"),
-                              namespace=MASTER_NAMESPACE).remote()
+    master = _recording_master("sigterm-job")
     try:
-        ray.get(master.seen.remote())
         (tmp_path / "stopped.py").write_text(SIGTERMED)
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
                "DLROVER_JOB": "sigterm-job", "DLROVER_ROLE": "trainer", "RANK": "0"}
@@ -212,7 +212,7 @@ def test_a_sigterm_lets_the_reports_waiting_for_the_join_go_first(ray_cluster, t
         deadline = time.monotonic() + 30
         while len(seen := ray.get(master.seen.remote())) < 5 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert seen == [0, 1, 2, 3, 4], proc.stderr[-3000:]
+        assert seen == [("report", s) for s in range(5)], proc.stderr[-3000:]
         # once joined, SIGTERM has Python's default again (a handler would wait for the
         # main thread, which may be blocked in a collective with a dead peer)
         (tmp_path / "joined.py").write_text(JOINED)
