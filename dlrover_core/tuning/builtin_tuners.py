@@ -10,12 +10,17 @@
   least ``min_gain`` per doubling and the predicted memory peak stays below the
   capacity minus ``memory_headroom``; up to ``max_micro_batch``. A doubling that
   gained less than ``min_gain`` ends the growth only if the step was not input-bound
-  (data wait at most ``input_bound_share`` of it): an input-bound step hides the gain. With
+  (data wait at most ``input_bound_share`` of it): an input-bound step hides the gain.
+  With ``jump_after_flat`` (the default), a reverted doubling whose window rates were
+  neither shown faster nor shown slower than the ones before it (one-sided Welch's
+  t-tests at ``FLAT_CONFIDENCE``) is followed by one jump of two doublings
+  (micro-batch x4, accumulation / 4) before the search ends, as a line search widens
+  a step whose effect it cannot see: a doubling that gains a few percent, under what
+  the guard's windows can show, may gain about twice that over two. With
   ``max_data_wait_share`` below 1 it waits while the data wait is more than that share
   of the step (off by default: fewer, larger batches also cut the loader's per-batch
   costs, and the guard reverts a doubling that does not pay). With
-  ``keep_global_batch: false`` it
-  may also double the global batch (the learning rate then follows
+  ``keep_global_batch: false`` it may also double the global batch (the learning rate then follows
   ``tuning.lr_scaling``). A micro-batch that ran out of memory is its ceiling: it
   proposes nothing at or above it again.
 - ``global_batch`` (opt-in: not among the default ``tuning.tuners``): double the global
@@ -34,6 +39,7 @@ import math
 from typing import Any
 
 from dlrover_core.tuning.config import TuningConfig
+from dlrover_core.tuning.guard import welch_greater
 from dlrover_core.tuning.tuner import TunerBase, WindowSummary
 
 
@@ -109,14 +115,32 @@ class DataloaderWorkersTuner(TunerBase):
         self._reverted_from = state.get("reverted_from", self._reverted_from)
 
 
+#: confidence at which a reverted doubling must be shown faster or slower for the
+#: micro-batch search to end without a jump (``jump_after_flat``)
+FLAT_CONFIDENCE = 0.9
+
+
+def _flat(before: WindowSummary, after: WindowSummary | None) -> bool:
+    """Were ``after``'s window rates neither shown faster nor shown slower than
+    ``before``'s (two one-sided Welch's t-tests at :data:`FLAT_CONFIDENCE`)? ``False``
+    when either has fewer than 2 windows or ``after`` is ``None`` (never ran)."""
+    if after is None or min(len(before.window_rates), len(after.window_rates)) < 2:
+        return False
+    a, b = list(after.window_rates), list(before.window_rates)
+    level = 1.0 - FLAT_CONFIDENCE
+    return welch_greater(a, b).p > level and welch_greater(b, a).p > level
+
+
 class MicroBatchTuner(TunerBase):
     defaults = {"max_micro_batch": 256, "memory_headroom": 0.1, "min_gain": 0.02,
                 "max_data_wait_share": 1.0, "input_bound_share": 0.3,
-                "keep_global_batch": True}
+                "keep_global_batch": True, "jump_after_flat": True}
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
         self.done = False
+        self.jump = False  # the next proposal is two doublings (after a flat revert)
+        self.jumped = False  # the one jump was proposed
         self.seen: dict[int, float] = {}  # micro-batch -> memory peak (bytes)
         self.ceiling: int | None = None  # the smallest micro-batch that ran out of memory
 
@@ -147,26 +171,35 @@ class MicroBatchTuner(TunerBase):
         if self.done or window.data_wait_share > self.options["max_data_wait_share"]:
             return None
         mb, accum = current.dataloader.batch_size, current.optimizer.grad_accum_steps
-        new_mb = mb * 2
-        if new_mb > self.options["max_micro_batch"] or \
-                (self.ceiling is not None and new_mb >= self.ceiling):
-            return None
+        factor = 4 if self.jump else 2
+        new_mb = mb * factor
         keep = self.options["keep_global_batch"]
-        if keep and accum % 2:
-            return None  # cannot double the micro-batch and keep the global batch
         limit = window.memory_capacity_bytes * (1.0 - self.options["memory_headroom"])
         self.seen[mb] = window.memory_bytes
-        if limit and self.predicted_memory(new_mb) > limit:
+        if new_mb > self.options["max_micro_batch"] or \
+                (self.ceiling is not None and new_mb >= self.ceiling) or \
+                (keep and accum % factor) or \
+                (limit and self.predicted_memory(new_mb) > limit):
+            if self.jump:  # no room for the jump: the search ends
+                self.jump, self.done = False, True
             return None
         change: dict[str, Any] = {"dataloader": {"batch_size": new_mb}}
         if keep:
-            change["optimizer"] = {"grad_accum_steps": accum // 2}
+            change["optimizer"] = {"grad_accum_steps": accum // factor}
+        if self.jump:  # the one jump: the search ends with it unless it is kept
+            self.jump, self.jumped, self.done = False, True, True
         return change
 
     def feedback(self, change: dict, accepted: bool, before: WindowSummary,
                  after: WindowSummary | None) -> None:
         if not accepted:
-            self.done = True
+            if after is not None:
+                self.seen[int(change["dataloader"]["batch_size"])] = after.memory_bytes
+            # one jump of two doublings after a doubling the windows could not tell
+            # from the micro-batch before it (see the module docstring)
+            self.jump = bool(self.options["jump_after_flat"]) and not self.jumped and \
+                _flat(before, after)
+            self.done = not self.jump
             return
         self.done = False  # kept (a retry of a reverted doubling too): grow on
         if after is not None:
@@ -183,10 +216,12 @@ class MicroBatchTuner(TunerBase):
 
     def state_dict(self) -> dict:
         return {"done": self.done, "seen": {str(k): v for k, v in self.seen.items()},
-                "ceiling": self.ceiling}
+                "ceiling": self.ceiling, "jump": self.jump, "jumped": self.jumped}
 
     def load_state_dict(self, state: dict) -> None:
         self.done = bool(state.get("done", False))
+        self.jump = bool(state.get("jump", False))
+        self.jumped = bool(state.get("jumped", False))
         self.seen = {int(k): float(v) for k, v in (state.get("seen") or {}).items()}
         self.ceiling = state.get("ceiling")
 
