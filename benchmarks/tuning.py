@@ -34,7 +34,9 @@ seconds``: samples over wall time, data waits included (``method``:
 A tuned run pays for its trials once, so its figure depends on the window's length: the
 same runs are also measured over each ``--shorter-windows-s`` window (a prefix of the
 timed window: the same start, fewer seconds), reported under ``shorter_windows`` with
-their own ratios.
+their own ratios (there ``rerun_vs_grid_best`` is the re-run of the complete window's
+best point over that point's first run, both over the shorter window: the best point
+of a shorter window can be another one).
 
 Every run is reported; none is selected or replaced (item 4's re-run is reported
 beside the first run of its point, not instead of it). ``tuned_vs_grid_best`` is the
@@ -210,7 +212,9 @@ def main() -> None:
                         "tuned": tuned["shorter"][s],
                         "tuned_vs_grid_best": ratio(tuned["shorter"][s], best_s),
                         "tuned_vs_default": ratio(tuned["shorter"][s], default["shorter"][s]),
-                        "rerun_vs_grid_best": ratio(rerun["shorter"][s], best_s)
+                        # the re-run of the complete window's best point over the same
+                        # point's first run, both over this window
+                        "rerun_vs_grid_best": ratio(rerun["shorter"][s], top["shorter"][s])
                         if rerun else None})
     for g in grid:
         del g["shorter"]
