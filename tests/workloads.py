@@ -36,6 +36,15 @@ class Echo(BaseWorkload):
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
                 "env_rank": os.environ["RANK"], "role": self.role}
 
+    def rank_sum(self):
+        """The sum of the ranks over the role's process group (an ``all_reduce``)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(self.rank)])
+        dist.all_reduce(t)
+        return float(t.item())
+
     def take(self, items):
         """Returns what this rank received."""
         return list(items)

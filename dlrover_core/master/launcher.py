@@ -246,7 +246,7 @@ class Launcher:
             if s.graph.roles[role].backend:
                 rank0 = s.instances.roles[(role, 0)]
                 addr = rank0.ip
-                port = self.await_refs([(rank0, rank0.handle.free_port.remote())])[0]
+                port = self.await_refs([(rank0, rank0.handle.rendezvous_port.remote())])[0]
             topo = topology(s.instances.of_role(role, world))
             for inst in group:
                 setups.append((inst, inst.handle.setup.remote(addr, port, inst.attempt,

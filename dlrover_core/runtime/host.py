@@ -135,9 +135,15 @@ class WorkloadHost(HostBase):
         self.context = context
         os.environ.update(context.env())
 
-    def free_port(self) -> int:
-        """A free TCP port on this node (for the role's rendezvous)."""
-        return free_port(host="")
+    def rendezvous_port(self) -> int:
+        """Rank 0 only, before the role's ``setup()`` calls: the TCP port of the
+        role's rendezvous on this node, made ready by its backend
+        (:meth:`~dlrover_core.runtime.backend.BackendSession.open_rendezvous`: a
+        torch.distributed backend opens its store server there, so that no rank
+        waits for it); a free port when the role has no backend."""
+        if not self.context.backend:
+            return free_port(host="")
+        return self._backend_session().open_rendezvous()
 
     def setup(self, master_addr: str, master_port: int, attempt: int = 0,
               local_rank: int | None = None, local_world_size: int | None = None,

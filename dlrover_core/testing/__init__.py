@@ -177,7 +177,7 @@ def spawn_role(role: str, workload: str, world_size: int, config: dict | None = 
         local_world_size=world_size, backend=backend, config=config or {},
         failover={"pg_timeout_s": 60})) for r in range(world_size)]
     info = ray.get(handles[0].node_info.remote())
-    port = ray.get(handles[0].free_port.remote())
+    port = ray.get(handles[0].rendezvous_port.remote())
     ray.get([h.setup.remote(info["ip"], port) for h in handles])
     return handles
 

@@ -439,7 +439,7 @@ def test_gpt_model_trains_and_round_trips_through_flash(ray_cluster, tmp_path):
             backend="megatron", config={"tensor_parallel": 1, "ckpt": ckpt},
             failover={"pg_timeout_s": 60}))
         info = ray.get(h.node_info.remote())
-        ray.get(h.setup.remote(info["ip"], ray.get(h.free_port.remote())))
+        ray.get(h.setup.remote(info["ip"], ray.get(h.rendezvous_port.remote())))
         return [h]
 
     try:
