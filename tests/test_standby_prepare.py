@@ -1,0 +1,44 @@
+"""A spare's ``prepare()`` also imports the job's checkpoint saver and the backend's
+state-dict engine (and looks up the JobMaster, not checked here: Ray keeps no public
+record of a loaded actor class), so that a promoted spare's first checkpoint load does
+not pay those on the recovery's path. A real ``WorkloadHost`` actor and a real named
+actor under the master's name (the lookup finds it)."""
+
+from __future__ import annotations
+
+import sys
+
+import ray
+
+from dlrover_core.runtime.context import MASTER_NAMESPACE, WorkerContext, master_actor_name
+from dlrover_core.runtime.host import remote_workload_host
+
+SAVER_MODULE = "dlrover_plugin_flashckpt.saver"
+
+
+@ray.remote(num_cpus=0)
+class _Master:
+    def ping(self) -> bool:
+        return True
+
+
+def _modules(host, *names: str) -> list[bool]:
+    return ray.get(host.__ray_call__.remote(
+        lambda self, ns: [n in sys.modules for n in ns], names), timeout=60)
+
+
+def test_a_spare_imports_the_saver_and_finds_the_master_before_it_is_promoted(ray_cluster):
+    master = _Master.options(name=master_actor_name("prep"), namespace=MASTER_NAMESPACE,
+                             lifetime="detached").remote()
+    ray.get(master.ping.remote(), timeout=60)
+    host = remote_workload_host().options(num_cpus=0).remote(
+        "tests.workloads:Echo", WorkerContext(
+            job="prep", role="trainer", rank=0, world_size=2, local_rank=0,
+            local_world_size=2, backend="fsdp", checkpoint={"saver": "flash"}))
+    try:
+        assert _modules(host, SAVER_MODULE) == [False]  # a fresh process has not
+        ray.get(host.prepare.remote(), timeout=120)
+        assert _modules(host, SAVER_MODULE, "dlrover_plugin_fsdp.engine") == [True, True]
+    finally:
+        ray.kill(host)
+        ray.kill(master)
