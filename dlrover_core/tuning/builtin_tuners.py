@@ -20,9 +20,9 @@
   ``max_data_wait_share`` below 1 it waits while the data wait is more than that share
   of the step (off by default: fewer, larger batches also cut the loader's per-batch
   costs, and the guard reverts a doubling that does not pay). With
-  ``keep_global_batch: false`` it may also double the global batch (the learning rate then follows
-  ``tuning.lr_scaling``). A micro-batch that ran out of memory is its ceiling: it
-  proposes nothing at or above it again.
+  ``keep_global_batch: false`` it may also double the global batch (the learning rate
+  then follows ``tuning.lr_scaling``). A micro-batch that ran out of memory is its
+  ceiling: it proposes nothing at or above it again.
 - ``global_batch`` (opt-in: not among the default ``tuning.tuners``): double the global
   batch by doubling ``optimizer.grad_accum_steps`` (the micro-batch stays, so memory
   does not grow), up to ``max_global_batch`` samples per optimizer step over all
