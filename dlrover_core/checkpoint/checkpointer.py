@@ -15,6 +15,24 @@ if TYPE_CHECKING:
     from dlrover_core.runtime.context import WorkerContext
 
 
+def checkpoint_classes(ctx: WorkerContext, plugins: Any) -> tuple[type, type | None]:
+    """``(saver class, state-dict engine class)`` of a role instance: the saver of the
+    job's ``checkpoint.saver`` (default ``disk``) and the engine of the role's backend
+    (``None`` without a backend), imported from their plugins (``plugins``: the
+    process's ``PluginManager``).
+
+    Raises:
+        UnknownPluginError: the job's saver or engine is not installed.
+    """
+    from dlrover_core.plugins.records import resolve
+
+    saver_cls = resolve(plugins.savers.get(ctx.checkpoint.get("saver", "disk")).saver)
+    if not ctx.backend:
+        return saver_cls, None
+    engine_name = plugins.backends.get(ctx.backend).state_dict_engine
+    return saver_cls, resolve(plugins.state_dict_engines.get(engine_name).engine)
+
+
 class Checkpointer:
     """Save / load named objects of one rank.
 
@@ -58,8 +76,6 @@ class Checkpointer:
             ValueError: no plugin manager was given and the workload has none.
             UnknownPluginError: the job's saver or engine is not installed.
         """
-        from dlrover_core.plugins.records import resolve
-
         pm = plugins if plugins is not None else getattr(workload, "_plugins", None)
         if pm is None:
             raise ValueError("Checkpointer.for_worker: no plugin manager; pass plugins= or run "
@@ -67,7 +83,7 @@ class Checkpointer:
         ck = ctx.checkpoint
         directory = ck.get("dir") or os.path.join(ctx.job_dir, "ckpt")
         directory = os.path.join(directory, ctx.role)
-        saver_cls = resolve(pm.savers.get(ck.get("saver", "disk")).saver)
+        saver_cls, engine_cls = checkpoint_classes(ctx, pm)
         import torch.distributed as dist
 
         saver = saver_cls(
@@ -77,10 +93,7 @@ class Checkpointer:
             SaverContext(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
                          role=ctx.role, distributed=dist.is_available() and dist.is_initialized()),
         )
-        engine: StateDictEngineBase = PlainEngine()
-        if ctx.backend:
-            engine_name = pm.backends.get(ctx.backend).state_dict_engine
-            engine = resolve(pm.state_dict_engines.get(engine_name).engine)()
+        engine: StateDictEngineBase = engine_cls() if engine_cls is not None else PlainEngine()
 
         def on_saved(step: int, seconds: float) -> None:
             master = workload._master_or_none() if workload is not None else None

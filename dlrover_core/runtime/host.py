@@ -112,13 +112,9 @@ class WorkloadHost(HostBase):
         and look up the JobMaster (``ray.get_actor`` loads the actor's class from the
         GCS the first time in a process): together about 0.2 s of a promoted rank's
         ``setup()`` on 2 cores, measured with ``cProfile``."""
-        from dlrover_core.plugins.records import resolve
+        from dlrover_core.checkpoint.checkpointer import checkpoint_classes
 
-        pm = self._plugin_manager()
-        resolve(pm.savers.get(self.context.checkpoint.get("saver", "disk")).saver)
-        if self.context.backend:
-            engine = pm.backends.get(self.context.backend).state_dict_engine
-            resolve(pm.state_dict_engines.get(engine).engine)
+        checkpoint_classes(self.context, self._plugin_manager())
         master_handle(self.context.job)
 
     @ray.method(concurrency_group="monitor")
