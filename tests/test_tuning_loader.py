@@ -265,7 +265,7 @@ def test_a_handover_keeps_whole_batches_and_reloads_the_rest():
 
 
 def test_the_next_epoch_is_loading_before_the_current_one_ends():
-    """The next epoch's workers start once the current epoch's last batch was
+    """The iterator goes on into the next epoch once the current epoch's last batch was
     dispatched, so its first batches are read before they are asked for; each sample is
     still read once per epoch, and a change of settings drops them (read again)."""
     n = 40
@@ -288,6 +288,51 @@ def test_the_next_epoch_is_loading_before_the_current_one_ends():
     assert third == list(range(n)) and data.reads[n - 1] == 3
     # sample 0: epochs 0 and 1, the dropped read-ahead, epoch 2, epoch 3's read-ahead
     assert data.reads[0] == 5
+    loader.close()
+
+
+class WorkerPids(Dataset):
+    """Sample i is ``[i, pid of the process that read it]``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import os
+
+        return torch.tensor([i, os.getpid()])
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_same_worker_processes_serve_epoch_after_epoch(drop_last):
+    """One iterator and its workers go on from epoch to epoch (no workers stopped and
+    started at an epoch's end: a stall of every step that waits on them); each epoch is
+    still its own permutation, whole, its short last batch served alone (or dropped)."""
+    n, bs = 42, 4  # 10 whole batches per epoch and one of 2
+    loader = ElasticDataLoader(WorkerPids(n), batch_size=bs, num_workers=2, seed=7,
+                               drop_last=drop_last, multiprocessing_context="fork")
+    epochs: dict[int, list[list[int]]] = collections.defaultdict(list)
+    pids: set[int] = set()
+    per_epoch = 10 if drop_last else 11
+    for _ in range(3 * per_epoch):
+        epoch = loader.epoch if loader.position < len(loader) - (2 if drop_last else 0) \
+            else loader.epoch + 1
+        batch = loader.next_batch()
+        assert loader.epoch == epoch  # the position rolls over with the batch
+        epochs[epoch].append(batch[:, 0].tolist())
+        pids |= set(batch[:, 1].tolist())
+    assert sorted(epochs) == [0, 1, 2] and loader.rebuilds == 1 and len(pids) == 2
+    for e, batches in epochs.items():
+        assert [len(b) for b in batches] == [bs] * 10 + ([] if drop_last else [2])
+        ids = sum(batches, [])
+        assert len(set(ids)) == len(ids) == (40 if drop_last else n)
+        assert loader._shard_for(e, 0)[:len(ids)] == ids  # noqa: SLF001 - epoch e's order
+    assert epochs[0] != epochs[1]
+    state = loader.state_dict()
+    assert (state["epoch"], state["global_position"]) == (2, 40 if drop_last else n)
     loader.close()
 
 

@@ -9,9 +9,10 @@ so after each rank consumed ``k`` samples the first ``k*W`` entries of the
 permutation are done (``global_position``). A change of settings stops the current
 ``DataLoader`` iterator from taking more indices; the batches it had already dispatched
 to its workers are served first (re-cut to a new ``batch_size``: ``handover.py``) while
-a new iterator starts after them. Once an iterator has dispatched the last batch of
-its epoch, the next epoch's iterator starts, so that its workers load while the tail
-is served instead of after it. A different ``world_size`` after a
+a new iterator starts after them. An iterator goes on from one epoch into the next
+(its batch sampler chains the epochs' permutations: ``IndexBatches``), so that its
+workers load the next epoch's first batches while the tail is served, and are not
+stopped and started again at each epoch. A different ``world_size`` after a
 restart re-deals the rest of the epoch over the new ranks. Every rank must change
 ``batch_size`` at the same step boundary (the tuning session guarantees it), and the
 tail of an epoch that does not divide by ``world_size`` is skipped (as
@@ -81,14 +82,13 @@ class ElasticDataLoader:
         self._shard: list[int] | None = None
         self._it: Iterator | None = None
         self._sampler: IndexBatches | None = None
-        self._served = 0         # shard position the current iterator started at
+        self._served = 0         # shard position the current iterator's batches of this
+        self._stop_at = 0        # epoch start and end at
         self._splittable: bool | None = None  # the current iterator's first batch
         self._handover: Handover | None = None
-        # the next epoch's (shard, iterator, sampler, stop), started ahead
-        self._pending: tuple[list[int], Iterator, IndexBatches, int] | None = None
         self.handed_over = 0     # samples served from an old iterator after a change
         self._first_wave = 0     # batches of the new workers' first wave still to serve
-        self.rebuilds = 0        # iterators created (1 + one per change / epoch)
+        self.rebuilds = 0        # iterators created (1 + one per change)
 
     # ------------------------------------------------------------------ position
     @property
@@ -133,7 +133,7 @@ class ElasticDataLoader:
         start): the batches handed out since are served again, so a step that was
         rolled back (out of memory) skips no sample. Drops the current iterator."""
         epoch, base, offset = marker
-        self._drop_all()
+        self._drop_iterator()
         self._first_wave = self.num_workers  # a new iterator: its first wave
         if epoch != self.epoch or base != self._base:
             self._shard = None
@@ -162,7 +162,6 @@ class ElasticDataLoader:
             return False
         old_batch_size = self.batch_size
         self.batch_size, self.num_workers, self.pin_memory = new
-        self._drop_next_epoch()  # started with the old settings
         self._hand_over(old_batch_size)
         self._first_wave = self.num_workers
         return True
@@ -180,8 +179,8 @@ class ElasticDataLoader:
         if it is None or sampler is None or self._handover is not None:
             self._drop_iterator()  # a change during a handover: reload from the position
             return
-        sampler.limit = sampler.dispatched
-        loaded = min(self._served + sampler.dispatched * old_batch_size,
+        sampler.limit = sampler.dispatched  # what it dispatched of later epochs is dropped
+        loaded = min(self._served + sampler.counts.get(self.epoch, 0) * old_batch_size,
                      self._stop_at) - self._offset
         if old_batch_size != self.batch_size:
             whole = loaded - loaded % old_batch_size if self._splittable else 0
@@ -196,7 +195,7 @@ class ElasticDataLoader:
         if self._remaining(start) > 0:
             self._it = self._new_iterator(start)
         else:  # the handover ends the epoch: the next one loads meanwhile
-            self._open_next_epoch()
+            self._it = self._new_iterator(0, self.epoch + 1)
 
     def _drop_iterator(self) -> None:
         it, self._it, self._sampler = self._it, None, None
@@ -205,42 +204,22 @@ class ElasticDataLoader:
         if handover is not None:
             handover.close()
 
-    def _drop_all(self) -> None:
-        self._drop_iterator()
-        self._drop_next_epoch()
-
-    def _drop_next_epoch(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            shut_down(pending[1])
-
-    def _new_iterator(self, start: int | None = None) -> Iterator:
+    def _new_iterator(self, start: int | None = None, epoch: int | None = None) -> Iterator:
+        """An iterator from position ``start`` of ``epoch`` (the current one by default)
+        on, through the epochs after it."""
         start = self._offset if start is None else start
-        it, self._sampler, self._stop_at = self._make_iterator(self._ensure_shard(), start)
-        self._served, self._splittable = start, None
+        epoch = self.epoch if epoch is None else epoch
+        shard = self._ensure_shard() if epoch == self.epoch else self._shard_for(epoch, 0)
+        it, self._sampler = self._make_iterator(shard, start, epoch)
+        if epoch == self.epoch:
+            self._served, self._stop_at = start, self._sampler.ends[epoch]
+        self._splittable = None
         return it
 
-    def _start_next_epoch(self) -> None:
-        """Start the next epoch's iterator once the current one dispatched its last
-        batch (its workers then load while the current epoch's tail is served)."""
-        sampler = self._sampler
-        if sampler is not None and sampler.dispatched >= len(sampler):
-            self._open_next_epoch()
-
-    def _open_next_epoch(self) -> None:
-        """The next epoch's iterator, with the current settings (once; only with loader
-        worker processes, which load ahead)."""
-        if self._pending is None and self.num_workers > 0:
-            shard = self._shard_for(self.epoch + 1, 0)
-            self._pending = (shard, *self._make_iterator(shard, 0))
-
-    def _make_iterator(self, shard: list[int],
-                       start: int) -> tuple[Iterator, IndexBatches, int]:
+    def _make_iterator(self, shard: list[int], start: int,
+                       epoch: int) -> tuple[Iterator, IndexBatches]:
         from torch.utils.data import DataLoader
 
-        rest = shard[start:]
-        if self.drop_last:
-            rest = rest[:len(rest) - len(rest) % self.batch_size]
         kwargs: dict[str, Any] = {}
         if self.num_workers > 0:
             if self.prefetch_factor is not None:
@@ -248,12 +227,14 @@ class ElasticDataLoader:
             if self.multiprocessing_context is not None:
                 kwargs["multiprocessing_context"] = self.multiprocessing_context
             kwargs["timeout"] = self.timeout
-        sampler = IndexBatches(rest, self.batch_size)
+        sampler = IndexBatches(shard, self.batch_size, epoch=epoch, start=start,
+                               drop_last=self.drop_last,
+                               next_epoch=lambda e: self._shard_for(e, 0))
         loader = DataLoader(self.dataset, batch_sampler=sampler,
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
                             collate_fn=self.collate_fn, **kwargs)
         self.rebuilds += 1
-        return iter(loader), sampler, start + len(rest)
+        return iter(loader), sampler
 
     # ------------------------------------------------------------------ iteration
     def prefetch_depth(self) -> int | None:
@@ -297,15 +278,17 @@ class ElasticDataLoader:
                 self._it = self._new_iterator()
             try:
                 batch = next(self._it)
-            except StopIteration:
+            except StopIteration:  # the chain ended at an epoch without a batch
                 self._drop_iterator()
                 self._next_epoch()
                 continue
-            self._offset = min(self._offset + self.batch_size, self._stop_at)
+            epoch, n = self._sampler.taken()  # type: ignore[union-attr]
+            while self.epoch < epoch:  # the iterator went on into the next epoch
+                self._next_epoch()
+            self._offset += n
             self._first_wave = max(0, self._first_wave - 1)
             if self._splittable is None:
                 self._splittable = splittable(batch)
-            self._start_next_epoch()
             return batch
         raise RuntimeError("the dataset yields no batch (is batch_size larger than an "
                            "epoch with drop_last=True?)")
@@ -320,14 +303,15 @@ class ElasticDataLoader:
         return (self.collate_fn or default_collate)([self.dataset[i] for i in idx])
 
     def _next_epoch(self) -> None:
-        """Roll over (the current iterator already dropped), onto the next epoch's
-        iterator where one was started."""
+        """Roll over into the next epoch (the current iterator, if any, goes on into it)."""
         self.epoch += 1
-        self._base, self._offset, self._shard = 0, 0, None
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._shard, self._it, self._sampler, self._stop_at = pending
-            self._served, self._splittable = 0, None
+        self._base, self._offset, self._shard, self._served = 0, 0, None, 0
+        sampler = self._sampler
+        if sampler is not None:
+            sampler.forget(before=self.epoch)
+            self._shard = sampler.shards.get(self.epoch)
+            end = sampler.ends.get(self.epoch)  # None: the sampler is not there yet
+            self._stop_at = sampler.usable(len(self._ensure_shard())) if end is None else end
 
     def _remaining(self, start: int | None = None) -> int:
         remaining = len(self._ensure_shard()) - (self._offset if start is None else start)
@@ -339,7 +323,6 @@ class ElasticDataLoader:
         """Yield the batches left in the current epoch (all of the next one when the
         current one is used up), then stop."""
         if self._remaining() <= 0:
-            self._drop_iterator()
             self._next_epoch()
         epoch = self.epoch
         while self.epoch == epoch and self._remaining() > 0:
@@ -373,7 +356,7 @@ class ElasticDataLoader:
         pos = int(state["global_position"])
         if not 0 <= pos <= len(self.dataset):
             raise ValueError(f"loader state global_position={pos} is outside 0..{len(self.dataset)}")
-        self._drop_all()
+        self._drop_iterator()
         self.epoch = int(state["epoch"])
         self._base, self._offset, self._shard = pos, 0, None
         if self.shards is not None and "shards" in state:
@@ -384,11 +367,11 @@ class ElasticDataLoader:
 
     def close(self) -> None:
         """Stop the loader worker processes (a new iterator starts on the next batch)."""
-        self._drop_all()
+        self._drop_iterator()
 
     def __del__(self) -> None:
         try:
-            self._drop_all()
+            self._drop_iterator()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

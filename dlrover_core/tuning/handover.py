@@ -16,28 +16,73 @@ change that keeps ``batch_size`` is handed over.
 
 from __future__ import annotations
 
+import collections
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 class IndexBatches:
-    """Batch sampler over a fixed list of indices (what one loader iterator serves).
-    ``dispatched`` counts the batches handed to the loader (its workers load them
-    ahead); none after ``limit``."""
+    """Batch sampler of one loader iterator: ``indices`` (this rank's rest of ``epoch``,
+    from where the iterator starts) in batches of ``batch_size``, then, with
+    ``next_epoch``, each following epoch's indices (``next_epoch(e)``) in turn, so that
+    one iterator and its worker processes serve epoch after epoch: the workers load the
+    next epoch's first batches while the current epoch's tail is served, and are not
+    stopped and started again at each epoch (what ``DataLoader(persistent_workers=True)``
+    saves, here without waiting for the epoch's end). ``drop_last`` drops each epoch's
+    last batch when it is short; an epoch left without a batch ends the chain.
 
-    def __init__(self, indices: list[int], batch_size: int) -> None:
-        self.indices, self.batch_size = indices, batch_size
-        self.dispatched, self.limit = 0, len(self)
+    Runs in the loader's main process (the ``DataLoader`` iterator draws indices from
+    it to dispatch to its workers). ``dispatched`` counts the batches handed out, none
+    after ``limit`` (``None``: no limit); ``order`` holds ``(epoch, samples)`` of every
+    batch handed out and not yet taken back by :meth:`taken`, in order (the ``DataLoader``
+    yields batches in the order of their indices); ``counts[e]`` is how many batches of
+    epoch ``e`` were handed out, ``shards[e]`` epoch ``e``'s indices and ``ends[e]`` the
+    position in them where its batches end (:meth:`forget` drops past epochs)."""
+
+    def __init__(self, indices: list[int], batch_size: int, epoch: int = 0,
+                 start: int = 0, drop_last: bool = False,
+                 next_epoch: Callable[[int], list[int]] | None = None) -> None:
+        self.indices, self.batch_size, self.epoch = indices, batch_size, epoch
+        self.start, self.drop_last, self.next_epoch = start, drop_last, next_epoch
+        self.dispatched, self.limit = 0, None
+        self.order: collections.deque[tuple[int, int]] = collections.deque()
+        self.counts: dict[int, int] = {}
+        self.shards = {epoch: indices}
+        self.ends = {epoch: start + self.usable(len(indices) - start)}
+
+    def usable(self, n: int) -> int:
+        """How many of ``n`` indices make batches (``drop_last``: whole ones only)."""
+        return n - n % self.batch_size if self.drop_last else n
+
+    def forget(self, before: int) -> None:
+        """Drop what is kept of the epochs before ``before``."""
+        for kept in (self.counts, self.shards, self.ends):
+            for e in [e for e in kept if e < before]:
+                del kept[e]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for i in range(0, len(self.indices), self.batch_size):
-            if self.dispatched >= self.limit:
+        epoch, indices, start = self.epoch, self.indices, self.start
+        while True:
+            end = self.ends[epoch]
+            if end <= start:
                 return
-            self.dispatched += 1
-            yield self.indices[i:i + self.batch_size]
+            for i in range(start, end, self.batch_size):
+                if self.limit is not None and self.dispatched >= self.limit:
+                    return
+                batch = indices[i:min(i + self.batch_size, end)]
+                self.dispatched += 1
+                self.counts[epoch] = self.counts.get(epoch, 0) + 1
+                self.order.append((epoch, len(batch)))
+                yield batch
+            if self.next_epoch is None:
+                return
+            epoch, indices, start = epoch + 1, self.next_epoch(epoch + 1), 0
+            self.shards[epoch], self.ends[epoch] = indices, self.usable(len(indices))
 
-    def __len__(self) -> int:
-        return -(-len(self.indices) // self.batch_size)
+    def taken(self) -> tuple[int, int]:
+        """``(epoch, samples)`` of the next batch the loader yields (call once per
+        batch, in order)."""
+        return self.order.popleft()
 
 
 def splittable(batch: Any) -> bool:
