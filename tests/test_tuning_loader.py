@@ -336,6 +336,27 @@ def test_the_same_worker_processes_serve_epoch_after_epoch(drop_last):
     loader.close()
 
 
+def test_a_rewind_across_an_epoch_s_end_serves_the_same_batches_again():
+    """A step that took an epoch's last batch and the next epoch's first, then ran out
+    of memory, is rewound to its start (``position_marker``/``rewind``): it gets the
+    same batches again, and both epochs stay whole."""
+    n, bs = 24, 4
+    loader = ElasticDataLoader(WorkerPids(n), batch_size=bs, num_workers=2, seed=3,
+                               multiprocessing_context="fork")
+    first = [loader.next_batch()[:, 0].tolist() for _ in range(5)]
+    marker = loader.position_marker()
+    step = [loader.next_batch()[:, 0].tolist() for _ in range(2)]  # epoch 0's last, 1's first
+    assert loader.epoch == 1 and loader.position == bs
+    loader.rewind(marker)
+    assert (loader.epoch, loader.position) == (0, 5 * bs)
+    again = [loader.next_batch()[:, 0].tolist() for _ in range(2)]
+    assert again == step
+    rest = [b[:, 0].tolist() for b in loader.epoch_iter()]
+    assert sorted(sum(first, []) + again[0]) == list(range(n))
+    assert sorted(again[1] + sum(rest, [])) == list(range(n)) and loader.epoch == 1
+    loader.close()
+
+
 def test_a_change_at_the_end_of_an_epoch_starts_the_next_one_with_the_new_settings():
     n = 40
     data = CountedIds(n, sleep_s=0.002)

@@ -21,6 +21,7 @@ tail of an epoch that does not divide by ``world_size`` is skipped (as
 
 from __future__ import annotations
 
+import functools
 from math import lcm
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -107,16 +108,8 @@ class ElasticDataLoader:
 
     def _shard_for(self, epoch: int, base: int) -> list[int]:
         """This rank's indices of ``epoch``'s permutation from ``base`` on."""
-        import torch
-
-        n = len(self.dataset)
-        if self.shuffle:
-            g = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + epoch)
-            rest = torch.randperm(n, generator=g).tolist()[base:]
-        else:
-            rest = list(range(base, n))
-        usable = len(rest) - len(rest) % self.world_size
-        return rest[:usable][self.rank::self.world_size]
+        return epoch_shard(len(self.dataset), self.seed, self.shuffle, self.rank,
+                           self.world_size, epoch, base)
 
     def _ensure_shard(self) -> list[int]:
         if self._shard is None:
@@ -229,7 +222,9 @@ class ElasticDataLoader:
             kwargs["timeout"] = self.timeout
         sampler = IndexBatches(shard, self.batch_size, epoch=epoch, start=start,
                                drop_last=self.drop_last,
-                               next_epoch=lambda e: self._shard_for(e, 0))
+                               next_epoch=functools.partial(  # no reference to self
+                                   epoch_shard, len(self.dataset), self.seed, self.shuffle,
+                                   self.rank, self.world_size, base=0))
         loader = DataLoader(self.dataset, batch_sampler=sampler,
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
                             collate_fn=self.collate_fn, **kwargs)
@@ -374,6 +369,23 @@ class ElasticDataLoader:
             self._drop_iterator()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def epoch_shard(n: int, seed: int, shuffle: bool, rank: int, world_size: int, epoch: int,
+                base: int = 0) -> list[int]:
+    """Rank ``rank``'s indices of ``epoch``'s permutation of ``n`` samples (seeded by
+    ``seed`` and ``epoch``; index order without ``shuffle``) from position ``base`` on:
+    every ``world_size``-th entry, the tail that does not divide by ``world_size``
+    left out."""
+    import torch
+
+    if shuffle:
+        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + epoch)
+        rest = torch.randperm(n, generator=g).tolist()[base:]
+    else:
+        rest = list(range(base, n))
+    usable = len(rest) - len(rest) % world_size
+    return rest[:usable][rank::world_size]
 
 
 def _check_settings(batch_size: Any, num_workers: Any) -> None:
