@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator
 
 
 class IndexBatches:
-    """Batch sampler of one loader iterator: ``indices`` (this rank's rest of ``epoch``,
-    from where the iterator starts) in batches of ``batch_size``, then, with
+    """Batch sampler of one loader iterator: ``indices`` (this rank's indices of
+    ``epoch``) from position ``start`` on, in batches of ``batch_size``, then, with
     ``next_epoch``, each following epoch's indices (``next_epoch(e)``) in turn, so that
     one iterator and its worker processes serve epoch after epoch: the workers load the
     next epoch's first batches while the current epoch's tail is served, and are not
