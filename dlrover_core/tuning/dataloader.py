@@ -83,8 +83,6 @@ class ElasticDataLoader:
         self._shard: list[int] | None = None
         self._it: Iterator | None = None
         self._sampler: IndexBatches | None = None
-        self._served = 0         # shard position the current iterator's batches of this
-        self._stop_at = 0        # epoch start and end at
         self._splittable: bool | None = None  # the current iterator's first batch
         self._handover: Handover | None = None
         self.handed_over = 0     # samples served from an old iterator after a change
@@ -173,8 +171,7 @@ class ElasticDataLoader:
             self._drop_iterator()  # a change during a handover: reload from the position
             return
         sampler.limit = sampler.dispatched  # what it dispatched of later epochs is dropped
-        loaded = min(self._served + sampler.counts.get(self.epoch, 0) * old_batch_size,
-                     self._stop_at) - self._offset
+        loaded = sampler.dispatched_to(self.epoch) - self._offset
         if old_batch_size != self.batch_size:
             whole = loaded - loaded % old_batch_size if self._splittable else 0
             loaded = whole - whole % lcm(old_batch_size, self.batch_size)
@@ -204,8 +201,6 @@ class ElasticDataLoader:
         epoch = self.epoch if epoch is None else epoch
         shard = self._ensure_shard() if epoch == self.epoch else self._shard_for(epoch, 0)
         it, self._sampler = self._make_iterator(shard, start, epoch)
-        if epoch == self.epoch:
-            self._served, self._stop_at = start, self._sampler.ends[epoch]
         self._splittable = None
         return it
 
@@ -300,13 +295,11 @@ class ElasticDataLoader:
     def _next_epoch(self) -> None:
         """Roll over into the next epoch (the current iterator, if any, goes on into it)."""
         self.epoch += 1
-        self._base, self._offset, self._shard, self._served = 0, 0, None, 0
+        self._base, self._offset, self._shard = 0, 0, None
         sampler = self._sampler
         if sampler is not None:
             sampler.forget(before=self.epoch)
-            self._shard = sampler.shards.get(self.epoch)
-            end = sampler.ends.get(self.epoch)  # None: the sampler is not there yet
-            self._stop_at = sampler.usable(len(self._ensure_shard())) if end is None else end
+            self._shard = sampler.shards.get(self.epoch)  # None: not there yet
 
     def _remaining(self, start: int | None = None) -> int:
         remaining = len(self._ensure_shard()) - (self._offset if start is None else start)

@@ -48,11 +48,18 @@ class IndexBatches:
         self.order: collections.deque[tuple[int, int]] = collections.deque()
         self.counts: dict[int, int] = {}
         self.shards = {epoch: indices}
-        self.ends = {epoch: start + self.usable(len(indices) - start)}
+        self.ends = {epoch: start + self._usable(len(indices) - start)}
 
-    def usable(self, n: int) -> int:
+    def _usable(self, n: int) -> int:
         """How many of ``n`` indices make batches (``drop_last``: whole ones only)."""
         return n - n % self.batch_size if self.drop_last else n
+
+    def dispatched_to(self, epoch: int) -> int:
+        """The position in ``epoch``'s indices up to which batches were handed out
+        (where the iterator begins in it, when none were)."""
+        first = self.start if epoch == self.epoch else 0
+        handed = first + self.counts.get(epoch, 0) * self.batch_size
+        return min(handed, self.ends.get(epoch, first))
 
     def forget(self, before: int) -> None:
         """Drop what is kept of the epochs before ``before``."""
@@ -77,7 +84,7 @@ class IndexBatches:
             if self.next_epoch is None:
                 return
             epoch, indices, start = epoch + 1, self.next_epoch(epoch + 1), 0
-            self.shards[epoch], self.ends[epoch] = indices, self.usable(len(indices))
+            self.shards[epoch], self.ends[epoch] = indices, self._usable(len(indices))
 
     def taken(self) -> tuple[int, int]:
         """``(epoch, samples)`` of the next batch the loader yields (call once per
