@@ -29,7 +29,8 @@ rec = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __nam
        "env": {k: os.environ.get(k) for k in ("RANK", "TORCHELASTIC_RESTART_COUNT",
                                                "MASTER_PORT", "PROBE_ONLY_AT_GO")},
        "policies": sorted({os.sched_getscheduler(int(t))
-                           for t in os.listdir("/proc/self/task")})}
+                           for t in os.listdir("/proc/self/task")}),
+       "frozen": __import__("gc").get_freeze_count()}
 with open(os.environ["PROBE_OUT"], "w") as f:
     json.dump(rec, f)
 if os.environ.get("PROBE_RAISE"):
@@ -129,8 +130,8 @@ def test_the_runner_ends_like_the_interpreter_threads_atexit_files_exit_status(w
 def test_spare_runs_the_next_attempt_with_its_environment(work):
     """A spare started with attempt 0's environment (restart count 1 expected) and
     given a go message that differs only in per-attempt variables runs the script in
-    its own process, which had imported torch before the go message, with the go
-    message's values."""
+    its own process, which had imported torch (and frozen its heap) before the go
+    message, with the go message's values."""
     warm_script.keep_spare(["probe.py"], str(work),
                            _env(work, TORCHELASTIC_RESTART_COUNT="1"), idle=False)
     spare = warm_script._spare
@@ -140,6 +141,7 @@ def test_spare_runs_the_next_attempt_with_its_environment(work):
     assert how == "warm" and proc is spare.proc and proc.wait(timeout=120) == 0
     rec = json.loads((work / "out.json").read_text())
     assert rec["torch_loaded"] and rec["pid"] == spare.proc.pid
+    assert rec["frozen"] > 0  # the heap after the imports was frozen (gc.freeze)
     assert rec["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
     assert rec["env"]["MASTER_PORT"] == "2222"
     assert warm_script._spare is None  # used up

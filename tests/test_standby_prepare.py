@@ -1,11 +1,13 @@
 """A spare's ``prepare()`` also imports the job's checkpoint saver and the backend's
 state-dict engine (and looks up the JobMaster, not checked here: Ray keeps no public
 record of a loaded actor class), so that a promoted spare's first checkpoint load does
-not pay those on the recovery's path. A real ``WorkloadHost`` actor and a real named
-actor under the master's name (the lookup finds it)."""
+not pay those on the recovery's path, and freezes its heap (``gc.freeze``), as a fresh
+worker's first ``setup()`` does before the workload's own. Real ``WorkloadHost`` actors
+and a real named actor under the master's name (the lookup finds it)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import ray
@@ -27,6 +29,10 @@ def _modules(host, *names: str) -> list[bool]:
         lambda self, ns: [n in sys.modules for n in ns], names), timeout=60)
 
 
+def _frozen(host) -> int:
+    return ray.get(host.__ray_call__.remote(lambda self: gc.get_freeze_count()), timeout=60)
+
+
 def test_a_spare_imports_the_saver_and_finds_the_master_before_it_is_promoted(ray_cluster):
     master = _Master.options(name=master_actor_name("prep"), namespace=MASTER_NAMESPACE,
                              lifetime="detached").remote()
@@ -37,8 +43,33 @@ def test_a_spare_imports_the_saver_and_finds_the_master_before_it_is_promoted(ra
             local_world_size=2, backend="fsdp", checkpoint={"saver": "flash"}))
     try:
         assert _modules(host, SAVER_MODULE) == [False]  # a fresh process has not
+        before = _frozen(host)
         ray.get(host.prepare.remote(), timeout=120)
         assert _modules(host, SAVER_MODULE, "dlrover_plugin_fsdp.engine") == [True, True]
+        # the imports and the warm-up's objects are out of every later collection
+        assert _frozen(host) > before
     finally:
         ray.kill(host)
         ray.kill(master)
+
+
+def test_the_first_setup_freezes_the_imports_and_not_what_the_workload_makes(ray_cluster):
+    """Frozen objects are never collected: what a workload's ``setup()`` makes must stay
+    collectable, or a re-setup in place (after a peer failed) would leak the old model
+    (a model with hooks is a reference cycle)."""
+    host = remote_workload_host().options(num_cpus=0).remote(
+        "tests.workloads:HeapProbe", WorkerContext(job="heap", role="trainer", rank=0,
+                                                   world_size=1, local_rank=0,
+                                                   local_world_size=1))
+    try:
+        before = _frozen(host)
+        ray.get(host.setup.remote("", 0), timeout=60)
+        first = ray.get(host.call.remote("heap"), timeout=60)
+        assert first["frozen"] > before and first["alive"] == [True]
+        ray.get(host.setup.remote("", 0, 1), timeout=60)  # re-setup in place
+        second = ray.get(host.call.remote("heap"), timeout=60)
+        # the first setup's cycle was freed; the re-setup froze nothing more (frozen
+        # objects that refcounting frees leave the permanent generation)
+        assert second["alive"] == [False, True] and second["frozen"] <= first["frozen"]
+    finally:
+        ray.kill(host)

@@ -168,3 +168,32 @@ class StuckDriver(BaseTrainer):
             self.save_state(self.state)
             self.report(self.state["it"] - 1, it=float(self.state["it"]))
         return self.state["it"]
+
+
+#: weak references to each ``HeapProbe`` setup's reference cycle, in setup order
+HEAP_PROBE_REFS: list = []
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cyclic garbage collector frees it
+
+
+class HeapProbe(BaseWorkload):
+    """Its ``setup()`` makes a reference cycle (as a model with hooks that refer back to
+    it does) and keeps it, with a weak reference in ``HEAP_PROBE_REFS``."""
+
+    def setup(self):
+        import weakref
+
+        self.cycle = _Cycle()
+        HEAP_PROBE_REFS.append(weakref.ref(self.cycle))
+
+    def heap(self):
+        """After a full collection: the permanent generation's size (``gc.freeze``) and,
+        per setup so far, whether its cycle is still alive."""
+        import gc
+
+        gc.collect()
+        return {"frozen": gc.get_freeze_count(),
+                "alive": [r() is not None for r in HEAP_PROBE_REFS]}

@@ -9,6 +9,7 @@ default concurrency group (one at a time, in order); liveness calls run in the
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -25,6 +26,32 @@ from dlrover_core.runtime.host_base import HostBase, master_handle, resolve_refs
 
 #: s a promoted GPU-less standby waits for its :class:`ResourceLease` to be scheduled
 LEASE_WAIT_S = 30.0
+
+
+def freeze_heap(collect: bool = False) -> int:
+    """Move every object Python's cyclic garbage collector tracks now into its
+    permanent generation (``gc.freeze``), so that no later collection scans them.
+
+    Called once per worker process, when it has imported the workload, torch and Ray
+    and before the workload's ``setup()`` makes anything: in a worker of the nanogpt
+    job those imports leave 225,000-360,000 tracked objects, and every full (oldest
+    generation) collection scanned all of them, 0.10-0.23 s each on 2 cores (timed
+    with ``gc.callbacks``): one or two in each rank's ``setup()``, on a recovery's
+    path, and one every few seconds of training, stalling the step of that rank and,
+    at the next collective, of every rank. Objects made later (the model, the
+    optimizer, what a re-setup in place drops) are collected as before. The same
+    practice as before a ``fork`` in CPython's documentation of ``gc.freeze``.
+
+    Args:
+        collect: run a full collection first (a standby, off the recovery's path), so
+            that garbage the imports left is freed instead of kept.
+    Returns:
+        the number of objects in the permanent generation afterwards.
+    """
+    if collect:
+        gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 @ray.remote(num_cpus=0)
@@ -62,6 +89,9 @@ class WorkloadHost(HostBase):
             register(context.job_dir)
         self.workload: Any = None
         self.plugins = plugin_manager
+        #: whether :func:`freeze_heap` ran in this process (once: by ``prepare()`` or
+        #: the first ``setup()``, never over what a workload's setup made)
+        self._heap_frozen = False
 
     def _plugin_manager(self) -> Any:
         if self.plugins is None:  # this worker process's own manager
@@ -82,7 +112,8 @@ class WorkloadHost(HostBase):
         ``warm_up()`` (e.g. FSDP2's first wrap and step in a fake group) and the
         workload's ``warm_up()``, then import the job's checkpoint saver and engine and
         look up the JobMaster (:meth:`_warm_job_lookups`), so that a promoted standby
-        skips the imports and first-use costs. A backend warm-up or a look-up that
+        skips the imports and first-use costs; last, collect and freeze the heap
+        (:func:`freeze_heap`). A backend warm-up or a look-up that
         raises is reported on stderr and skipped (the spare stays usable); the
         workload's warm-up raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve
@@ -104,6 +135,9 @@ class WorkloadHost(HostBase):
         except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
             sys.stderr.write(f"dlrover: checkpoint/master look-ups ahead failed, skipped:\n"
                              f"{traceback.format_exc()}")
+        if not self._heap_frozen:
+            freeze_heap(collect=True)
+            self._heap_frozen = True
         return time.perf_counter() - t0
 
     def _warm_job_lookups(self) -> None:
@@ -166,7 +200,8 @@ class WorkloadHost(HostBase):
     def setup(self, master_addr: str, master_port: int, attempt: int = 0,
               local_rank: int | None = None, local_world_size: int | None = None,
               node_rank: int | None = None) -> dict:
-        """Import the workload, join the process group, run ``setup()``.
+        """Import the workload, join the process group, freeze the heap (the first time
+        in this process: :func:`freeze_heap`), run ``setup()``.
 
         Returns ``{"invocations": {method: InvocationOptions}}`` for the driver.
         Raises ``WorkloadError`` (phase ``setup``) when user code raises.
@@ -197,6 +232,9 @@ class WorkloadHost(HostBase):
             if ctx.backend:
                 self.workload._backend = self._backend_session()
                 self.workload._backend.setup()
+            if not self._heap_frozen:  # the imports are done; the workload makes nothing yet
+                freeze_heap()
+                self._heap_frozen = True
             t.append(time.perf_counter())
             pm.workload_setup(self.workload)
             self.workload.setup()

@@ -4,8 +4,10 @@ Started as ``python -u <this file> <fd> [--idle] [--no-preload] -- <command word
 (the words are there only so that ``ps`` shows what the process runs or will run).
 Unless ``--no-preload`` is given (a runner that gets its go message at once) it imports
 :func:`preload_names` (``torch`` and ``torch._dynamo``; a module that fails to
-import is skipped; the rest is skipped once the go message has arrived), writes
-``ready`` to the control socket ``fd`` and waits for one JSON line on it:
+import is skipped; the rest is skipped once the go message has arrived), collects
+and freezes its heap unless the go message has arrived (``gc.freeze``: no later
+collection scans what the imports made), writes ``ready`` to the control socket ``fd``
+and waits for one JSON line on it:
 ``{"env": {...}, "cwd": str, "kind": "script"|"module"|"function", "target": str,
 "args": [str]}``. Then it replaces its whole environment by ``env``, changes to ``cwd``,
 sets ``sys.argv`` and ``sys.path[0]`` as ``python file``, ``python -m module`` and
@@ -197,6 +199,9 @@ def main() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the command imports it (or fails) itself
             pass
+    if not got.is_set():  # spare: what the imports made leaves every later collection
+        gc.collect()      # (dlrover_core.runtime.host.freeze_heap: 0.1-0.2 s per full one)
+        gc.freeze()
     try:
         sock.sendall(b"ready\n")
     except OSError:
