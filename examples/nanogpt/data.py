@@ -7,6 +7,7 @@ held out for validation.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
@@ -18,20 +19,32 @@ def load_corpus() -> str:
     return "\n".join(topics[k] for k in sorted(topics))
 
 
+@functools.lru_cache(maxsize=2)
+def _encoded(val_fraction: float) -> tuple[tuple[str, ...], torch.Tensor, torch.Tensor]:
+    """``(symbols, train ids, validation ids)``, ids int64; made once per process and
+    ``val_fraction`` (0.05-0.07 s here), then shared by every :class:`CharDataset`."""
+    text = load_corpus()
+    chars = tuple(sorted(set(text)))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    n_val = int(len(data) * val_fraction)
+    return chars, data[:-n_val], data[-n_val:]
+
+
 class CharDataset:
     """Encoded train/validation splits and deterministic batch sampling.
 
     Batches are a function of ``(seed, rank, step)`` only, so a resumed run sees
-    the same data stream as an uninterrupted one.
+    the same data stream as an uninterrupted one. The corpus is encoded once per
+    process: a standby's ``warm_up()`` makes the first one, so that a promoted spare's
+    ``setup()`` (and a survivor's re-setup) does not encode it again; the split
+    tensors are shared and only read.
     """
 
     def __init__(self, val_fraction: float = 0.1) -> None:
-        text = load_corpus()
-        self.chars = sorted(set(text))
+        chars, self.train, self.val = _encoded(float(val_fraction))
+        self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
-        n_val = int(len(data) * val_fraction)
-        self.train, self.val = data[:-n_val], data[-n_val:]
 
     @property
     def vocab_size(self) -> int:
