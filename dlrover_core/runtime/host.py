@@ -37,10 +37,11 @@ def freeze_heap(collect: bool = False) -> int:
     job those imports leave 225,000-360,000 tracked objects, and every full (oldest
     generation) collection scanned all of them, 0.10-0.23 s each on 2 cores (timed
     with ``gc.callbacks``): one or two in each rank's ``setup()``, on a recovery's
-    path, and one every few seconds of training, stalling the step of that rank and,
+    path, and about one every 8 s of training, stalling the step of that rank and,
     at the next collective, of every rank. Objects made later (the model, the
-    optimizer, what a re-setup in place drops) are collected as before. The same
-    practice as before a ``fork`` in CPython's documentation of ``gc.freeze``.
+    optimizer, what a re-setup in place drops) are collected as before. (CPython's
+    documentation of ``gc.freeze`` describes it for long-lived objects of a parent
+    process before ``fork``; the saving of scan time is the same.)
 
     Args:
         collect: run a full collection first (a standby, off the recovery's path), so
