@@ -21,8 +21,8 @@ def load_corpus() -> str:
 
 @functools.lru_cache(maxsize=2)
 def _encoded(val_fraction: float) -> tuple[tuple[str, ...], torch.Tensor, torch.Tensor]:
-    """``(symbols, train ids, validation ids)``, ids int64; made once per process and
-    ``val_fraction`` (0.05-0.07 s here), then shared by every :class:`CharDataset`."""
+    """``(symbols, train ids, validation ids)``, ids int64; made once per process for
+    each ``val_fraction`` (0.05-0.07 s here), then shared by every :class:`CharDataset`."""
     text = load_corpus()
     chars = tuple(sorted(set(text)))
     stoi = {c: i for i, c in enumerate(chars)}
