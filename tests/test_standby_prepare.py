@@ -73,3 +73,47 @@ def test_the_first_setup_freezes_the_imports_and_not_what_the_workload_makes(ray
         assert second["alive"] == [False, True] and second["frozen"] <= first["frozen"]
     finally:
         ray.kill(host)
+
+
+def _rehearsal_host(job: str, **config):
+    return remote_workload_host().options(num_cpus=0).remote(
+        "tests.workloads:Rehearsed", WorkerContext(
+            job=job, role="trainer", rank=0, world_size=3, local_rank=0,
+            local_world_size=3, backend="fsdp", config=config))
+
+
+def _promote(host, job: str) -> None:
+    """Rank 1 of the role, here without a backend (no process group to join)."""
+    ray.get(host.assign.remote(WorkerContext(job=job, role="trainer", rank=1, world_size=3,
+                                             local_rank=1, local_world_size=3)), timeout=60)
+    ray.get(host.setup.remote("", 0), timeout=60)
+
+
+def test_a_spare_rehearses_on_a_fake_group_in_the_thread_that_later_runs_setup(ray_cluster):
+    """The torch caches a rehearsal fills are per thread (DTensor's sharding
+    propagation): ``setup()`` of the promoted spare must run where ``rehearse()`` ran."""
+    host = _rehearsal_host("rehearse")
+    try:
+        ray.get(host.prepare.remote(), timeout=120)
+        _promote(host, "rehearse")
+        seen = ray.get(host.call.remote("probe"), timeout=60)
+        (r,) = seen["rehearsals"]
+        assert (r["world_size"], r["backend"], r["rank"]) == (3, "fake", 0)
+        assert r["thread"] == seen["setup_thread"]
+        assert seen["group_at_setup"] is False  # the fake group was destroyed
+        assert r["rng"] is True  # the rehearsal's draw was undone
+        assert "reports nothing" in r["report"]
+        assert "must not save or load checkpoints" in r["checkpointer"]
+    finally:
+        ray.kill(host)
+
+
+def test_a_rehearsal_that_raises_leaves_a_usable_spare(ray_cluster):
+    host = _rehearsal_host("rehearse-raises", rehearse_raises=True)
+    try:
+        assert ray.get(host.prepare.remote(), timeout=120) > 0.0
+        _promote(host, "rehearse-raises")  # all the same
+        seen = ray.get(host.call.remote("probe"), timeout=60)
+        assert len(seen["rehearsals"]) == 1 and seen["group_at_setup"] is False
+    finally:
+        ray.kill(host)

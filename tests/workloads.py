@@ -197,3 +197,52 @@ class HeapProbe(BaseWorkload):
         gc.collect()
         return {"frozen": gc.get_freeze_count(),
                 "alive": [r() is not None for r in HEAP_PROBE_REFS]}
+
+
+#: what ``Rehearsed.rehearse`` saw, in the standby's process
+REHEARSALS: list = []
+
+
+class Rehearsed(BaseWorkload):
+    """Its ``rehearse()`` records the process group it ran in, its thread, its rank and
+    what ``report()`` and ``checkpointer`` did there, and draws from torch's random
+    generator; ``config.rehearse_raises`` makes it raise after recording."""
+
+    def rehearse(self):
+        import threading
+
+        import torch
+        import torch.distributed as dist
+
+        seen = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
+                "thread": threading.get_ident(), "rank": self.rank,
+                "rng": torch.random.get_rng_state()}
+        for name, touch in (("report", lambda: self.report(0, loss=1.0)),
+                            ("checkpointer", lambda: self.checkpointer)):
+            try:
+                touch()
+                seen[name] = "allowed"
+            except RuntimeError as exc:
+                seen[name] = str(exc)
+        torch.rand(3)
+        REHEARSALS.append(seen)
+        if self.config.get("rehearse_raises"):
+            raise ValueError("rehearsal bug")
+
+    def setup(self):
+        import threading
+
+        import torch
+        import torch.distributed as dist
+
+        self.seen = {"thread": threading.get_ident(), "group": dist.is_initialized(),
+                     "rng": torch.random.get_rng_state()}
+
+    def probe(self):
+        """The rehearsals (the random state they started from replaced by whether
+        ``setup()`` found the same), ``setup()``'s thread and whether a group existed."""
+        import torch
+
+        return {"rehearsals": [{**r, "rng": bool(torch.equal(r["rng"], self.seen["rng"]))}
+                               for r in REHEARSALS],
+                "setup_thread": self.seen["thread"], "group_at_setup": self.seen["group"]}
