@@ -110,16 +110,15 @@ class WorkloadHost(HostBase):
 
     def prepare(self) -> float:
         """Standby only: import the workload class, run the role's backend session's
-        ``warm_up()`` (e.g. FSDP2's first wrap and step in a fake group), the
-        workload's ``warm_up()`` and its ``rehearse()`` (``rehearse_standby``), then
-        import the job's checkpoint saver and engine and look up the JobMaster
-        (:meth:`_warm_job_lookups`), so that a promoted standby skips the imports and
-        first-use costs; last, collect and freeze the heap
-        (:func:`freeze_heap`). A backend warm-up, a rehearsal or a look-up that
+        ``warm_up()`` (e.g. FSDP2's first wrap and step in a fake group) and the
+        workload's ``warm_up()``, then import the job's checkpoint saver and engine and
+        look up the JobMaster (:meth:`_warm_job_lookups`), so that a promoted standby
+        skips the imports and first-use costs; last, collect and freeze the heap
+        (:func:`freeze_heap`). A backend warm-up or a look-up that
         raises is reported on stderr and skipped (the spare stays usable); the
         workload's warm-up raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve
-        from dlrover_core.runtime.workload import rehearse_standby, unwrap_actor_class
+        from dlrover_core.runtime.workload import unwrap_actor_class
 
         t0 = time.perf_counter()
         cls = unwrap_actor_class(resolve(self.workload_path))
@@ -132,12 +131,6 @@ class WorkloadHost(HostBase):
         warm = getattr(cls, "warm_up", None)
         if callable(warm):
             warm()
-        try:
-            rehearse_standby(cls, self.context, self._plugin_manager(),
-                             self._backend_session() if self.context.backend else None)
-        except Exception:  # noqa: BLE001 - a rehearsal only saves time; say why it did not
-            sys.stderr.write(f"dlrover: the workload's rehearse() failed, skipped:\n"
-                             f"{traceback.format_exc()}")
         try:
             self._warm_job_lookups()
         except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not

@@ -80,34 +80,6 @@ def create_workload(cls: Any, context: WorkerContext,
         _CONSTRUCTING.reset(token)
 
 
-def rehearse_standby(cls: Any, context: WorkerContext, plugins: Any,
-                     session: BackendSession | None) -> bool:
-    """Standby only (``WorkloadHost.prepare``): when the workload class ``cls``
-    overrides :meth:`BaseWorkload.rehearse`, make an instance for ``context`` (the
-    role's rank 0), give it ``plugins`` and the backend ``session``, and run its
-    ``rehearse()`` inside ``session.fake_group()`` (no group without a backend), torch's
-    CPU random state restored after; the instance is dropped. Returns whether it ran.
-
-    Raises:
-        what ``rehearse()`` raises; ``RuntimeError`` from ``fake_group()`` when a
-        process group already exists in this process.
-    """
-    import contextlib
-
-    import torch
-
-    cls = unwrap_actor_class(cls)
-    if getattr(cls, "rehearse", BaseWorkload.rehearse) is BaseWorkload.rehearse:
-        return False
-    workload = create_workload(cls, context)
-    workload._plugins, workload._backend, workload._rehearsing = plugins, session, True
-    group = getattr(session, "fake_group", None)
-    with group() if group is not None else contextlib.nullcontext(), \
-            torch.random.fork_rng(devices=[]):
-        workload.rehearse()
-    return True
-
-
 class BaseWorkload:
     """Base class of every role's workload. One instance per role rank, in its own
     Ray actor process.
@@ -143,8 +115,6 @@ class BaseWorkload:
         self._last_step = -1
         self._last_metrics: dict[str, float] = {}
         self._started_at = time.time()
-        #: set while a standby runs :meth:`rehearse` (``rehearse_standby``)
-        self._rehearsing = False
 
     # ------------------------------------------------------------------ identity
     @property
@@ -250,41 +220,6 @@ class BaseWorkload:
         ahead of time, in a standby process that may later replace a failed rank
         (``failover.standby``). No ``self``: the rank is not known yet. Optional."""
 
-    def rehearse(self) -> None:
-        """Optional; a standby process runs it after :meth:`warm_up`, on a throw-away
-        instance of rank 0 (the rank it will take is not known yet), inside a *fake*
-        default process group of the role's ``world_size`` (torch's ``fake`` backend: its
-        collectives return at once without communicating, so their results are wrong).
-        Do what :meth:`setup` and one training step do with the job's shapes: build and
-        ``self.backend.wrap`` the model, make the optimizer, :meth:`rehearse_load` them,
-        run a forward, backward and optimizer step on a batch of the configured size. A
-        promoted standby then finds what torch caches per process filled for these
-        shapes (FSDP2's DTensor sharding propagation is cached per thread: the standby
-        runs this in the thread that later runs ``setup()`` and ``run()``).
-
-        Not allowed here (``RuntimeError``): :meth:`report` and :attr:`checkpointer`;
-        nor touch CUDA (a standby may hold no GPU). What it raises is reported on the
-        standby's stderr and the standby stays usable, unrehearsed. Torch's CPU random
-        state is restored afterwards; the instance is dropped.
-        """
-
-    def rehearse_load(self, **objects: Any) -> None:
-        """Inside :meth:`rehearse`: do to ``objects`` (``model=``, ``optimizer=``...) what
-        ``self.checkpointer.load(**objects)`` does, without a checkpoint: the role's
-        backend's state-dict engine makes the template of their state (an FSDP2
-        optimizer's state is created then) and loads that same state back (the values
-        are unchanged).
-
-        Raises:
-            UnknownPluginError: the backend's state-dict engine is not installed.
-        """
-        from dlrover_core.checkpoint.checkpointer import checkpoint_classes
-        from dlrover_core.checkpoint.engine import PlainEngine
-
-        engine_cls = checkpoint_classes(self._context, self._plugins)[1]
-        engine = engine_cls() if engine_cls is not None else PlainEngine()
-        engine.load_state_dict(objects, engine.state_dict(objects))
-
     def setup(self) -> None:
         """Build the model, data and optimizer; restore a checkpoint. Override."""
 
@@ -297,10 +232,6 @@ class BaseWorkload:
     @property
     def checkpointer(self) -> Checkpointer:
         """Saves and loads state through the job's saver (``checkpoint.saver``)."""
-        if self._rehearsing:
-            raise RuntimeError(f"{type(self).__name__}.checkpointer inside rehearse(): a "
-                               "standby's rehearsal must not save or load checkpoints; "
-                               "use rehearse_load(model=..., optimizer=...)")
         if self._checkpointer is None:
             from dlrover_core.checkpoint.checkpointer import Checkpointer
 
@@ -317,9 +248,6 @@ class BaseWorkload:
         Raises:
             TypeError: a metric is not a number.
         """
-        if self._rehearsing:
-            raise RuntimeError(f"{type(self).__name__}.report(step={step}) inside rehearse(): "
-                               "a standby's rehearsal is no rank of the job and reports nothing")
         clean = {}
         for k, v in metrics.items():
             try:

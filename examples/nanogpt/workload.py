@@ -31,34 +31,6 @@ class GPTWorkload(BaseWorkload):
         CharDataset()
         torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
 
-    def rehearse(self) -> None:
-        """In a standby, on a fake process group (:meth:`BaseWorkload.rehearse`): the model
-        and optimizer as :meth:`setup` builds them, a checkpoint load's template and
-        load (:meth:`rehearse_load`), one training step on a ``batch_size`` batch.
-        Measured in a 2-process probe of the demo model (FSDP2 on gloo, 2 cores; the
-        same rehearsal first in one of them or not, 4 pairs): the optimizer state's
-        template 0.10-0.20 s -> 0.02 s, its load 0.02-0.03 -> 0.006 s, the first step
-        0.68-0.98 -> 0.55-0.76 s (steady: 0.42-0.65 s)."""
-        c = self.config
-        self.data = CharDataset()
-        self.cfg, self.model, _ = build_char_gpt(self, self.data.vocab_size)
-        self.opt = adamw(self.model.parameters(), c)
-        self.rehearse_load(model=self.model, optimizer=self.opt)
-        x, y = self.data.batch("train", int(c.batch_size), self.cfg.block_size, 0, 0, 0)
-        self.step_on(x, y)
-
-    def step_on(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One optimizer step on inputs ``x`` and targets ``y`` (int64, ``(batch,
-        block_size)``): forward, backward, gradient clipping at 1.0, AdamW. Returns the
-        loss (nats/char)."""
-        device = self.backend.device
-        _, loss = self.model(x.to(device), y.to(device))
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        return loss.item()
-
     def setup(self) -> None:
         c = self.config
         torch.manual_seed(int(c.get("seed", 1337)))
@@ -105,10 +77,15 @@ class GPTWorkload(BaseWorkload):
 
     def run(self) -> dict:
         c = self.config
-        bs, seed = int(c.batch_size), int(c.get("seed", 1337))
+        bs, seed, device = int(c.batch_size), int(c.get("seed", 1337)), self.backend.device
 
         def train_step(step: int) -> float:
-            return self.step_on(*self.data.batch("train", bs, self.cfg.block_size, seed,
-                                                 self.rank, step))
+            x, y = self.data.batch("train", bs, self.cfg.block_size, seed, self.rank, step)
+            _, loss = self.model(x.to(device), y.to(device))
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            return loss.item()
 
         return train(self, train_step, bs * self.world_size)
