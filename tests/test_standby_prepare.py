@@ -14,6 +14,7 @@ import ray
 
 from dlrover_core.runtime.context import MASTER_NAMESPACE, WorkerContext, master_actor_name
 from dlrover_core.runtime.host import remote_workload_host
+from tests.workloads import shard_coordinates_after_a_step
 
 SAVER_MODULE = "dlrover_plugin_flashckpt.saver"
 
@@ -71,5 +72,27 @@ def test_the_first_setup_freezes_the_imports_and_not_what_the_workload_makes(ray
         # the first setup's cycle was freed; the re-setup froze nothing more (frozen
         # objects that refcounting frees leave the permanent generation)
         assert second["alive"] == [False, True] and second["frozen"] <= first["frozen"]
+    finally:
+        ray.kill(host)
+
+
+def test_a_spare_promoted_to_rank_1_holds_rank_1_s_shards_after_the_backend_warm_up(
+        ray_cluster):
+    """The ``fsdp`` backend's warm-up trains a small model on a fake group as rank 0.
+    torch caches DTensor sharding propagation per thread with the mesh it was computed
+    on, and meshes of the same ranks compare equal whatever their local rank: run in the
+    thread that later runs the workload, the warm-up's mesh (coordinate 0) came back
+    for a promoted rank 1's tensors of the warm-up's shapes. ``prepare()`` runs it in a
+    thread of its own; the model here has the warm-up's shapes."""
+    host = remote_workload_host().options(num_cpus=0).remote(
+        "tests.workloads:Echo", WorkerContext(
+            job="coord", role="trainer", rank=0, world_size=2, local_rank=0,
+            local_world_size=2, backend="fsdp"))
+    try:
+        ray.get(host.prepare.remote(), timeout=120)
+        # in the actor's default thread, where setup() and run() of a promoted spare run
+        coords = ray.get(host.__ray_call__.remote(
+            lambda self: shard_coordinates_after_a_step(1, 2)), timeout=120)
+        assert coords == [(1,), (1,)]
     finally:
         ray.kill(host)

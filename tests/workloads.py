@@ -197,3 +197,23 @@ class HeapProbe(BaseWorkload):
         gc.collect()
         return {"frozen": gc.get_freeze_count(),
                 "alive": [r() is not None for r in HEAP_PROBE_REFS]}
+
+
+def shard_coordinates_after_a_step(rank: int, world_size: int) -> list:
+    """On a fake process group as ``rank`` of ``world_size`` (made and destroyed here):
+    the ``fsdp`` backend's warm-up step (``dlrover_plugin_fsdp.backend.warm_up_step``,
+    its shapes); the DeviceMesh coordinates of the first weight's DTensor and of its
+    ``exp_avg``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dlrover_plugin_fsdp.backend import warm_up_step
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        model, opt = warm_up_step(init_device_mesh("cpu", (world_size,)))
+        weight = model[0].weight
+        return [tuple(weight._spec.mesh.get_coordinate()),
+                tuple(opt.state[weight]["exp_avg"]._spec.mesh.get_coordinate())]
+    finally:
+        dist.destroy_process_group()

@@ -55,6 +55,29 @@ def freeze_heap(collect: bool = False) -> int:
     return gc.get_freeze_count()
 
 
+def in_own_thread(fn: Any) -> Any:
+    """Run ``fn()`` in a new thread, wait for it and return its result (or raise what it
+    raised).
+
+    A backend's warm-up in a standby runs this way. torch caches DTensor sharding
+    propagation per thread, keyed by the operator, the shapes and the DeviceMesh, and a
+    DeviceMesh equals another of the same ranks whatever its process group and local
+    rank (torch 2.13); a cached result carries the mesh it was computed on. Run in the
+    thread that later runs the workload, a warm-up on a fake group (as rank 0) gave a
+    promoted spare of rank 1, for every parameter of a shape the warm-up had used, the
+    warm-up's mesh, whose coordinate is rank 0's: after one optimizer step, parameter
+    and optimizer state said they held rank 0's shard (a 2-process gloo probe of the
+    warm-up's own model; a trial warm-up of the job's model on the same path made a
+    promoted rank's checkpoint load fail on the shard sizes). In a thread of its own the
+    warm-up's cache entries are never looked up again; what it pays for once per
+    process (imports, lazy initialisation) stays paid.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlrover-warm-up") as pool:
+        return pool.submit(fn).result()
+
+
 @ray.remote(num_cpus=0)
 class ResourceLease:
     """Holds a bundle's resources for the process that created it (and dies with it,
@@ -110,13 +133,13 @@ class WorkloadHost(HostBase):
 
     def prepare(self) -> float:
         """Standby only: import the workload class, run the role's backend session's
-        ``warm_up()`` (e.g. FSDP2's first wrap and step in a fake group) and the
-        workload's ``warm_up()``, then import the job's checkpoint saver and engine and
-        look up the JobMaster (:meth:`_warm_job_lookups`), so that a promoted standby
-        skips the imports and first-use costs; last, collect and freeze the heap
-        (:func:`freeze_heap`). A backend warm-up or a look-up that
-        raises is reported on stderr and skipped (the spare stays usable); the
-        workload's warm-up raises. Returns seconds."""
+        ``warm_up()`` (e.g. FSDP2's first wrap and step in a fake group; in a thread of
+        its own: :func:`in_own_thread`) and the workload's ``warm_up()``, then import
+        the job's checkpoint saver and engine and look up the JobMaster
+        (:meth:`_warm_job_lookups`), so that a promoted standby skips the imports and
+        first-use costs; last, collect and freeze the heap (:func:`freeze_heap`). A
+        backend warm-up or a look-up that raises is reported on stderr and skipped (the
+        spare stays usable); the workload's warm-up raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.workload import unwrap_actor_class
 
@@ -124,7 +147,7 @@ class WorkloadHost(HostBase):
         cls = unwrap_actor_class(resolve(self.workload_path))
         if self.context.backend:
             try:
-                self._backend_session().warm_up()
+                in_own_thread(self._backend_session().warm_up)
             except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
                 sys.stderr.write(f"dlrover: backend {self.context.backend!r} warm-up "
                                  f"failed, skipped:\n{traceback.format_exc()}")

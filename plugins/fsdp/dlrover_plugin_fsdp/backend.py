@@ -47,18 +47,26 @@ class FSDPSession(TorchDistributedSession):
         DTensor and runs their first-use paths; the CPU random state is restored after.
         Measured on this project's 2-CPU machine (2 gloo ranks, the nanogpt demo model):
         a fresh process's first ``wrap`` took 0.51-0.82 s, 0.02-0.04 s after this."""
-        import torch
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         with self.fake_group(), torch.random.fork_rng(devices=[]):
-            mesh = init_device_mesh("cpu", (max(1, int(self.context.world_size)),))
-            model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(),
-                                        torch.nn.Linear(16, 16))
-            fully_shard(model[0], mesh=mesh)
-            fully_shard(model[2], mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            opt = torch.optim.AdamW(model.parameters())
-            model(torch.randn(4, 16)).square().mean().backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            warm_up_step(init_device_mesh("cpu", (max(1, int(self.context.world_size)),)))
+
+
+def warm_up_step(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """:meth:`FSDPSession.warm_up`'s training step on ``mesh`` (a 1-D CPU DeviceMesh):
+    ``Linear(16, 16)``, GELU, ``Linear(16, 16)``, each ``Linear`` and the root
+    ``fully_shard``-ed; a batch of 4 random inputs; backward, ``clip_grad_norm_`` at 1.0,
+    one AdamW step. Returns the model and the optimizer."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 16))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 16)).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return model, opt
