@@ -96,6 +96,23 @@ def test_sigkill_worker_process(ray_cluster, job_dir):
     assert rec["phases"]["survivor_abort"]["trainer-0"] == "skipped (gloo)"
 
 
+def test_a_spare_with_no_room_is_named_as_such_and_the_rank_restarts(ray_cluster, job_dir):
+    """Two ranks that take every CPU of the cluster: the spare's bundle is never placed
+    (as `dlrover submit` of the demo on a 2-core machine). A killed rank gets a fresh
+    actor, and the `standby_unusable` event says why the spare was no use."""
+    half = ray.cluster_resources()["CPU"] / 2
+    master = start(spec("ft-noroom", 16, f"roles.trainer.resources.cpu={half}"), job_dir)
+    st = wait_step(master, 5)
+    assert st["standby"] == {"trainer": False}
+    os.kill(st["instances"]["trainer-1"]["pid"], signal.SIGKILL)
+    summary = finish(master)
+    assert_recovered(summary, job_dir)
+    (unusable,) = events(job_dir, "standby_unusable")
+    assert unusable["reason"].startswith(f"never started: no room for its bundle "
+                                         f"{{'CPU': {half}}}"), unusable
+    assert events(job_dir, "recovery_finished")[0]["phases"]["standby_used"] is False
+
+
 @pytest.mark.slow
 def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):
     # the ranks hold before step 20 (config.pause) while a standby dies and is replaced,

@@ -214,7 +214,7 @@ class StandbyPool:
                 timeout=5 + (LEASE_WAIT_S if lease else 0))
         except Exception as exc:  # noqa: BLE001 - not warm yet, or dead: start a fresh one
             s.emit("standby_unusable", role=role, actor=spare.name,
-                   reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+                   reason=self._no_room(spare) or f"{type(exc).__name__}: {str(exc)[:300]}")
             kill_actor(spare.handle)
             if spare.slot is not None:
                 self.free_slots[role] = spare.slot
@@ -226,6 +226,23 @@ class StandbyPool:
         inst = s.instances.register(role, rank, spare.handle, spare.name, attempt)
         self.refill_after[role] = (inst, time.monotonic() + REFILL_WAIT_S)
         return inst
+
+    def _no_room(self, spare: Spare) -> str | None:
+        """Why a spare never started, when it is that its bundle was never placed (the
+        cluster has no room for one more rank beside the ranks): the reason of its
+        ``standby_unusable`` event; ``None`` otherwise (its process started, or it has
+        no bundle)."""
+        if spare.slot is None:
+            return None
+        from ray.util import placement_group_table
+
+        pg = self.launcher.pgs[spare.slot.pg]
+        if placement_group_table(pg).get("state") != "PENDING":
+            return None
+        bundle = {k: v for k, v in spare.slot.resources.items() if v}
+        return (f"never started: no room for its bundle {bundle} beside the ranks (its "
+                "placement group is still PENDING); give the cluster one rank's resources "
+                "more, or set failover.standby=false")
 
     def check(self) -> None:
         """Notice spares that died (``standby_died``) and replace them; make the spares
