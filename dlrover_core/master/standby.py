@@ -196,11 +196,16 @@ class StandbyPool:
         if spare is None:
             s.emit("standby_unusable", role=role, reason="none")
             return None
+        no_room = None
         try:
+            if not ray.wait([spare.prepared], timeout=0)[0]:
+                no_room = self._no_room(spare)  # given up at once: it would never start
+                if no_room is not None:
+                    raise RuntimeError(no_room)
             if not ray.wait([spare.prepared], timeout=0.5)[0]:
                 # still warming up: a spare whose process runs (it answers a ping)
                 # finishes its imports sooner than a fresh process would repeat them;
-                # one that never started (no room for its bundle) is given up
+                # one that does not answer is given up
                 ray.get(spare.handle.ping.remote(), timeout=PING_S)
                 ray.wait([spare.prepared], timeout=PREPARE_WAIT_S)
             ray.get(spare.prepared, timeout=0)
@@ -214,7 +219,7 @@ class StandbyPool:
                 timeout=5 + (LEASE_WAIT_S if lease else 0))
         except Exception as exc:  # noqa: BLE001 - not warm yet, or dead: start a fresh one
             s.emit("standby_unusable", role=role, actor=spare.name,
-                   reason=self._no_room(spare) or f"{type(exc).__name__}: {str(exc)[:300]}")
+                   reason=no_room or f"{type(exc).__name__}: {str(exc)[:300]}")
             kill_actor(spare.handle)
             if spare.slot is not None:
                 self.free_slots[role] = spare.slot
@@ -228,10 +233,11 @@ class StandbyPool:
         return inst
 
     def _no_room(self, spare: Spare) -> str | None:
-        """Why a spare never started, when it is that its bundle was never placed (the
-        cluster has no room for one more rank beside the ranks): the reason of its
-        ``standby_unusable`` event; ``None`` otherwise (its process started, or it has
-        no bundle)."""
+        """Why a spare that is not warm will never start, when its bundle was never placed
+        (the cluster has no room for one more rank beside the ranks): :meth:`take` gives
+        it up at once with this as the reason of ``standby_unusable``, instead of pinging
+        it for :data:`PING_S` (2.5 s of a recovery on the 2-core demo). ``None``: its
+        placement group was placed, or it has no bundle."""
         if spare.slot is None:
             return None
         from ray.util import placement_group_table
