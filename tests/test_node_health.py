@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +25,7 @@ from dlrover_core.cli.main import main as cli_main
 from dlrover_core.master.events import read_events
 from dlrover_core.master.node_check import NodeResult, judge, round1_pairs, round2_batches
 from dlrover_core.master.stragglers import StragglerDetector, slow_ranks
-from dlrover_core.runtime.stack_dump import dump_stacks, faulthandler_path
+from dlrover_core.runtime.stack_dump import dump_stacks, faulthandler_path, py_spy
 from dlrover_core.spec.errors import SpecError
 from dlrover_core.spec.node_health import NodeHealthSpec
 
@@ -278,6 +280,45 @@ def test_spec_rejects_bad_node_health(key, value):
         b.build()
     assert DLJobBuilder().name("x").workload("trainer", "tests.workloads", "Echo").end() \
         .skip_node_check().build().spec.node_health.skip_node_check is True
+
+
+def test_py_spy_dump_names_what_a_loader_worker_is_stuck_in(tmp_path):
+    """A rank that waits forever for a batch: the stack that explains it is the loader
+    worker's (a forked child), so the dump holds the children's stacks too."""
+    if py_spy() is None:
+        pytest.skip("py-spy is not installed (pip install dlrover-core[diagnose])")
+    code = textwrap.dedent("""
+        import multiprocessing as mp, time
+        def worker_stuck_here():
+            while True:
+                time.sleep(0.05)
+        def parent_waits_here(child):
+            print(child.pid, flush=True)
+            child.join()
+        if __name__ == "__main__":
+            child = mp.get_context("fork").Process(target=worker_stuck_here, daemon=True)
+            child.start()
+            parent_waits_here(child)
+    """)
+    script = tmp_path / "stuck.py"
+    script.write_text(code)
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(p.stdout.readline())
+        time.sleep(0.5)  # both in their loops
+        out = dump_stacks(p.pid, "py-spy", str(tmp_path), timeout_s=20)
+    finally:
+        p.kill()
+        p.wait()
+        try:
+            os.kill(child_pid, signal.SIGKILL)
+        except (OSError, UnboundLocalError):
+            pass
+    assert out["method"] == "py-spy", out
+    text = out["text"]
+    parent, _, rest = text.partition(f"# child process {child_pid} (parent {p.pid})")
+    assert "parent_waits_here" in parent and "worker_stuck_here" not in parent, text
+    assert "worker_stuck_here" in rest, text
 
 
 def test_faulthandler_dump_of_a_busy_process(tmp_path):

@@ -5,7 +5,8 @@ Two ways, both from outside the process being dumped:
 - **py-spy** (``pip install dlrover-core[diagnose]``): ``py-spy dump --pid PID
   --nonblocking`` reads the process's memory without stopping it, so it works on a
   process that is stuck in C code or stopped (``SIGSTOP``); it needs ptrace rights
-  on the node.
+  on the node. The process's live descendants (its ``DataLoader`` worker processes)
+  are dumped the same way, after it.
 - **faulthandler**: every ``WorkloadHost`` registers :data:`DUMP_SIGNAL` with
   ``faulthandler.register(..., all_threads=True)`` (:func:`register`), writing to
   ``<job dir>/stacks/pid-<pid>.faulthandler.txt``; sending the signal appends the
@@ -62,14 +63,56 @@ def py_spy() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("py-spy")
 
 
+def _py_spy_dump(exe: str, pid: int, timeout_s: float) -> tuple[str, str]:
+    """``(stacks, error)`` of ``py-spy dump --pid pid --nonblocking``."""
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid), "--nonblocking"],
+                             capture_output=True, text=True, timeout=max(0.1, timeout_s))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return "", f"{type(exc).__name__}: {exc}"
+    if out.returncode == 0 and out.stdout.strip():
+        return out.stdout, ""
+    return "", (out.stderr or out.stdout).strip()[-500:]
+
+
+def _children_stacks(exe: str, pid: int, deadline: float) -> str:
+    """py-spy dumps of the live descendants of ``pid`` (its ``DataLoader`` workers,
+    say: a rank that waits forever for a batch is only explained by the worker that
+    never delivers it), each under a ``# child process`` line, within ``deadline``
+    (``time.monotonic()``); a child that is gone or cannot be read is named with why."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return ""
+    parts = []
+    for child in children:
+        left = deadline - time.monotonic()
+        try:
+            head = f"# child process {child.pid} (parent {child.ppid()}): " \
+                   f"{' '.join(child.cmdline())[:200]}"
+        except psutil.Error as exc:
+            head, left = f"# child process {child.pid}: {type(exc).__name__}", 0.0
+        if left <= 0:
+            parts.append(f"{head}\n(not dumped: out of time or gone)\n")
+            continue
+        text, err = _py_spy_dump(exe, child.pid, left)
+        parts.append(f"{head}\n{text or err}\n")
+    return "".join("\n" + p for p in parts)
+
+
 def dump_stacks(pid: int, method: str, job_dir: str, timeout_s: float = 10.0) -> dict:
-    """The stacks of process ``pid`` on this node.
+    """The stacks of process ``pid`` on this node; with py-spy also those of its live
+    descendant processes (loader workers), appended under ``# child process PID``
+    lines (faulthandler: ``pid`` only).
 
     Args:
         method: ``auto`` (py-spy when found, else faulthandler), ``py-spy`` or
             ``faulthandler``.
         job_dir: where the worker's faulthandler file is.
-        timeout_s: the longest wait for py-spy or for the file to grow.
+        timeout_s: the longest wait for py-spy (all its dumps together) or for the
+            file to grow.
 
     Returns:
         ``{"method", "text", "error"}``; ``text`` is empty when nothing came back
@@ -77,14 +120,11 @@ def dump_stacks(pid: int, method: str, job_dir: str, timeout_s: float = 10.0) ->
     """
     exe = py_spy() if method in ("auto", "py-spy") else None
     if exe is not None:
-        try:
-            out = subprocess.run([exe, "dump", "--pid", str(pid), "--nonblocking"],
-                                 capture_output=True, text=True, timeout=timeout_s)
-            if out.returncode == 0 and out.stdout.strip():
-                return {"method": "py-spy", "text": out.stdout, "error": ""}
-            err = (out.stderr or out.stdout).strip()[-500:]
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            err = f"{type(exc).__name__}: {exc}"
+        deadline = time.monotonic() + timeout_s
+        text, err = _py_spy_dump(exe, pid, timeout_s)
+        if text:
+            return {"method": "py-spy", "text": text + _children_stacks(exe, pid, deadline),
+                    "error": ""}
         if method == "py-spy":
             return {"method": "py-spy", "text": "", "error": err}
     elif method == "py-spy":
