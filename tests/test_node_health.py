@@ -303,6 +303,7 @@ def test_py_spy_dump_names_what_a_loader_worker_is_stuck_in(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(code)
     p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child_pid = None
     try:
         child_pid = int(p.stdout.readline())
         time.sleep(0.5)  # both in their loops
@@ -310,10 +311,11 @@ def test_py_spy_dump_names_what_a_loader_worker_is_stuck_in(tmp_path):
     finally:
         p.kill()
         p.wait()
-        try:
-            os.kill(child_pid, signal.SIGKILL)
-        except (OSError, UnboundLocalError):
-            pass
+        if child_pid is not None:
+            try:
+                os.kill(child_pid, signal.SIGKILL)
+            except OSError:  # already gone with its parent
+                pass
     assert out["method"] == "py-spy", out
     text = out["text"]
     parent, _, rest = text.partition(f"# child process {child_pid} (parent {p.pid})")

@@ -88,14 +88,15 @@ def _children_stacks(exe: str, pid: int, deadline: float) -> str:
         return ""
     parts = []
     for child in children:
-        left = deadline - time.monotonic()
         try:
             head = f"# child process {child.pid} (parent {child.ppid()}): " \
                    f"{' '.join(child.cmdline())[:200]}"
-        except psutil.Error as exc:
-            head, left = f"# child process {child.pid}: {type(exc).__name__}", 0.0
+        except psutil.Error as exc:  # it ended since the listing
+            parts.append(f"# child process {child.pid}: {type(exc).__name__}\n")
+            continue
+        left = deadline - time.monotonic()
         if left <= 0:
-            parts.append(f"{head}\n(not dumped: out of time or gone)\n")
+            parts.append(f"{head}\n(not dumped: out of time)\n")
             continue
         text, err = _py_spy_dump(exe, child.pid, left)
         parts.append(f"{head}\n{text or err}\n")
