@@ -77,7 +77,10 @@ class Launcher:
         return policy.plan(s.graph, ClusterResources.from_ray(exclude=s.failover.bad_nodes))
 
     def place(self) -> None:
-        """Create the placement groups and wait until they are ready.
+        """Create the placement groups and wait until they are ready: one at a time,
+        the largest first (first-fit decreasing), each ready before the next is made, so
+        that a small group (a 1-CPU watcher) cannot take part of the node a larger one
+        was waiting for (a node that joined a moment ago and is not yet schedulable).
 
         Raises:
             PlacementError: the policy cannot place the graph, or a group was not ready
@@ -87,17 +90,22 @@ class Launcher:
         s = self.scope
         self.plan = self.make_plan()
         alive_bad = self.alive_bad_nodes()
-        self.pgs = []
-        for g in self.plan.groups:
+        self.pgs = []  # in creation order until all are ready (remove_placement's list)
+        groups = self.plan.groups
+        order = sorted(range(len(groups)), key=lambda i: tuple(  # GPUs, then CPUs
+            -sum(b.get(k, 0.0) for b in groups[i].bundles) for k in ("GPU", "CPU")))
+        made: dict[int, Any] = {}
+        deadline = time.time() + PG_READY_TIMEOUT_S
+        for i in order:
+            g = groups[i]
             kwargs: dict[str, Any] = {}
             if alive_bad:  # keep bad (but alive) nodes out: Ray's default node-id label
                 kwargs["bundle_label_selector"] = [
                     {"ray.io/node-id": f"!in({','.join(alive_bad)})"}] * len(g.bundles)
-            self.pgs.append(placement_group(g.bundles, strategy=g.strategy,
-                                            name=self.pg_name(g.name), lifetime="detached",
-                                            **kwargs))
-        deadline = time.time() + PG_READY_TIMEOUT_S
-        for pg, g in zip(self.pgs, self.plan.groups):
+            pg = made[i] = placement_group(g.bundles, strategy=g.strategy,
+                                           name=self.pg_name(g.name), lifetime="detached",
+                                           **kwargs)
+            self.pgs.append(pg)
             while True:
                 s.check_stop()
                 ready, _ = ray.wait([pg.ready()], timeout=1.0)
@@ -107,6 +115,7 @@ class Launcher:
                     raise PlacementError(
                         f"placement group {g.name} ({g.bundles}, {g.strategy}) was not ready "
                         f"within {PG_READY_TIMEOUT_S:.0f} s: the cluster lacks free resources")
+        self.pgs = [made[i] for i in range(len(groups))]  # plan order: slot.pg indexes it
         s.emit("placement", policy=s.spec.placement, groups=self.plan.describe(),
                excluded_nodes=sorted(s.failover.bad_nodes))
         s.context.set("placement", self.plan.describe())
