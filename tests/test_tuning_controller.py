@@ -138,6 +138,27 @@ def test_the_worker_raise_follows_the_measured_wait_and_a_revert_narrows_it():
     restored = DataloaderWorkersTuner()
     restored.load_state_dict(t.state_dict())
     assert restored.ceiling == 2 and restored.propose(window(0.42), cur) is None
+
+
+def test_a_drained_loader_queue_raises_the_workers_though_the_step_hardly_waits():
+    """A loader at its capacity, just matching the step, finds its queue nearly empty
+    (prefetch_fill 0.24) while the step waits only 7 % of the wall time: raise (2 / 0.93
+    with 50 % headroom: 4). A nearly full queue, an unreported one (-1) and
+    min_prefetch_fill 0 do not raise."""
+    def window(fill: float) -> WindowSummary:
+        return WindowSummary(version=0, steps=12, first_step=0, last_step=11,
+                             samples_per_s=79.0, step_s=0.81, data_wait_s=0.057,
+                             compute_s=0.7, optimizer_s=0.0, data_wait_share=0.07,
+                             memory_bytes=0.0, memory_capacity_bytes=0.0,
+                             prefetch_depth=4 * fill, world_size=2, prefetch_fill=fill)
+    cur = TuningConfig.from_dict({"dataloader": {"num_workers": 2}})
+    assert DataloaderWorkersTuner().propose(window(0.24), cur) == {
+        "dataloader": {"num_workers": 4}}
+    assert DataloaderWorkersTuner().propose(window(0.85), cur) is None
+    assert DataloaderWorkersTuner().propose(window(-1.0), cur) is None
+    assert DataloaderWorkersTuner({"min_prefetch_fill": 0.0}).propose(window(0.24), cur) is None
+    with pytest.raises(ValueError, match="min_prefetch_fill: 1.5 is invalid"):
+        DataloaderWorkersTuner.validate_options({"min_prefetch_fill": 1.5})
     with pytest.raises(SpecError, match="headroom: -1 is invalid"):
         _load("tuning.options.dataloader_workers.headroom=-1")
 

@@ -109,11 +109,18 @@ def test_prefetch_depth_and_data_wait_are_measured():
     m = timer.end_step(samples=4)
     assert m["data_wait_s"] > m["compute_s"]
     assert m["prefetch_depth"] > 0  # the second request found ready batches
+    # 2 workers x PyTorch's default prefetch_factor 2: a queue of 4 batches
+    assert loader.prefetch_capacity() == 4
+    assert m["prefetch_fill"] == pytest.approx(m["prefetch_depth"] / 4)
     assert m["samples_per_s"] == pytest.approx(4 / m["step_s"])
     assert m["peak_rss_bytes"] > 10 * 2**20 and m["memory_capacity_bytes"] > m["peak_rss_bytes"]
     assert loader.prefetch_depth() is not None
+    loader.reconfigure(num_workers=3)
+    assert loader.prefetch_capacity() == 6
+    assert ElasticDataLoader(Ids(40), batch_size=2, num_workers=3,
+                             prefetch_factor=4).prefetch_capacity() == 12
     loader.reconfigure(num_workers=0)
-    assert loader.prefetch_depth() is None
+    assert loader.prefetch_depth() is None and loader.prefetch_capacity() is None
     with pytest.raises(ValueError, match="phase 'io' is unknown"):
         with timer.phase("io"):
             pass

@@ -1,7 +1,10 @@
 """The core's tuners, registered through ``dlrover_tuners`` like any plugin's.
 
 - ``dataloader_workers``: while the data wait is more than ``data_wait_share`` of the
-  wall time, raise ``dataloader.num_workers`` to what the measured wait implies plus
+  wall time, or the loader's queue is less than ``min_prefetch_fill`` full when a batch
+  is requested (``prefetch_fill``: the loader delivers just in time, at its capacity,
+  so a faster step would wait, though this one hardly does), raise
+  ``dataloader.num_workers`` to what the measured wait implies plus
   ``headroom`` (:meth:`DataloaderWorkersTuner.workers_needed`), up to
   ``max_num_workers``. A reverted raise lowers the ceiling to one below it; a second
   reverted raise from the same count ends the search there.
@@ -53,7 +56,8 @@ def _check_range(options: dict, key: str, low: float, high: float | None = None)
 
 
 class DataloaderWorkersTuner(TunerBase):
-    defaults = {"max_num_workers": 8, "data_wait_share": 0.1, "headroom": 0.5}
+    defaults = {"max_num_workers": 8, "data_wait_share": 0.1, "headroom": 0.5,
+                "min_prefetch_fill": 0.5}
 
     def __init__(self, options: dict | None = None) -> None:
         super().__init__(options)
@@ -67,6 +71,7 @@ class DataloaderWorkersTuner(TunerBase):
         _check_range(options, "max_num_workers", 0, 256)
         _check_range(options, "data_wait_share", 0.0, 1.0)
         _check_range(options, "headroom", 0.0, 10.0)
+        _check_range(options, "min_prefetch_fill", 0.0, 1.0)
 
     def workers_needed(self, window: WindowSummary, num_workers: int) -> int:
         """Loader workers that deliver what the rest of the step consumes, with
@@ -84,7 +89,10 @@ class DataloaderWorkersTuner(TunerBase):
 
     def propose(self, window: WindowSummary, current: TuningConfig) -> dict | None:
         nw = current.dataloader.num_workers
-        if window.data_wait_share <= self.options["data_wait_share"] or nw >= self.ceiling:
+        waits = window.data_wait_share > self.options["data_wait_share"]
+        # prefetch_fill < 0: not reported (no worker processes, or another loader)
+        drained = 0.0 <= window.prefetch_fill < self.options["min_prefetch_fill"]
+        if not (waits or drained) or nw >= self.ceiling:
             return None
         self._raised_from = nw
         return {"dataloader": {"num_workers": min(self.ceiling,

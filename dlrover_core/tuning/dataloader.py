@@ -240,14 +240,22 @@ class ElasticDataLoader:
         except (AttributeError, NotImplementedError):
             return None
 
+    def prefetch_capacity(self) -> int | None:
+        """Batches the current iterator's queue holds at most: ``num_workers *
+        prefetch_factor`` (PyTorch's default ``prefetch_factor`` is 2); ``None`` without
+        loader worker processes."""
+        if self.num_workers == 0:
+            return None
+        return self.num_workers * (self.prefetch_factor or 2)
+
     def next_batch(self, timer: StepTimer | None = None) -> Any:
         """The next micro-batch; a finished epoch rolls over into the next one.
         With ``timer``, the wait is charged to its ``data`` phase and the queue depth
-        recorded."""
+        and its share of the queue's capacity recorded."""
         if timer is None:
             return self._next()
         with timer.phase("data"):  # starts the step first when it is its first phase
-            timer.note_prefetch_depth(self.prefetch_depth())
+            timer.note_prefetch_depth(self.prefetch_depth(), self.prefetch_capacity())
             timer.note_refill(self.refilling)
             return self._next()
 

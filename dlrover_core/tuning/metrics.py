@@ -34,7 +34,10 @@ step, its peak statistics reset at step start, when CUDA is in use),
 ``memory_capacity_bytes`` (what this rank may use: the CUDA device's memory, else the
 node's RAM (or cgroup limit) divided by ``local_world_size``) and ``prefetch_depth``
 (batches ready in the loader's queue when the step asked for one, from
-:class:`~dlrover_core.tuning.dataloader.ElasticDataLoader`), and ``loader_refill``
+:class:`~dlrover_core.tuning.dataloader.ElasticDataLoader`), ``prefetch_fill`` (that
+depth over the queue's capacity, ``num_workers * prefetch_factor``: 0..1; a loader
+that keeps ahead of the step keeps its queue nearly full, one at its capacity finds it
+nearly empty whether or not the step waits), and ``loader_refill``
 (``1.0``, only on a step that took a batch of a change's transition:
 :attr:`ElasticDataLoader.refilling <dlrover_core.tuning.dataloader.ElasticDataLoader.refilling>`).
 
@@ -57,11 +60,11 @@ PHASES = ("data", "compute", "optimizer")
 _PHASE_KEYS = {"data": "data_wait_s", "compute": "compute_s", "optimizer": "optimizer_s"}
 
 #: The metric names :meth:`StepTimer.end_step` reports (``cuda_max_allocated_bytes`` and
-#: ``prefetch_depth`` only when known, ``loader_refill`` only when set).
+#: ``prefetch_depth``/``prefetch_fill`` only when known, ``loader_refill`` only when set).
 METRIC_NAMES = ("data_wait_s", "compute_s", "optimizer_s", "other_s", "step_s",
                 "samples", "interval_s", "samples_per_s", "peak_rss_bytes",
                 "cuda_max_allocated_bytes",
-                "memory_capacity_bytes", "prefetch_depth", "loader_refill")
+                "memory_capacity_bytes", "prefetch_depth", "prefetch_fill", "loader_refill")
 
 
 def reset_peak_rss() -> bool:
@@ -154,6 +157,7 @@ class StepTimer:
         self._t0: float | None = None
         self._acc = dict.fromkeys(PHASES, 0.0)
         self._prefetch: list[int] = []
+        self._fill: list[float] = []
         self._refill = False
         self.last: dict[str, float] = {}
 
@@ -165,7 +169,7 @@ class StepTimer:
             torch.cuda.reset_peak_memory_stats()
         self._t0 = time.perf_counter()
         self._acc = dict.fromkeys(PHASES, 0.0)
-        self._prefetch = []
+        self._prefetch, self._fill = [], []
         self._refill = False
 
     @contextmanager
@@ -200,7 +204,7 @@ class StepTimer:
         in the next step's ``interval_s``, so the wall time is still all counted."""
         self._t0 = None
         self._acc = dict.fromkeys(PHASES, 0.0)
-        self._prefetch = []
+        self._prefetch, self._fill = [], []
         self._refill = False
 
     def note_refill(self, refilling: bool) -> None:
@@ -208,10 +212,13 @@ class StepTimer:
         (reported as ``loader_refill``)."""
         self._refill = self._refill or bool(refilling)
 
-    def note_prefetch_depth(self, depth: int | None) -> None:
-        """Record the loader's ready-batch count seen when a batch was requested."""
+    def note_prefetch_depth(self, depth: int | None, capacity: int | None = None) -> None:
+        """Record the loader's ready-batch count seen when a batch was requested and,
+        with the queue's ``capacity`` (batches, > 0), its share of it."""
         if depth is not None:
             self._prefetch.append(int(depth))
+            if capacity:
+                self._fill.append(min(1.0, int(depth) / int(capacity)))
 
     def end_step(self, samples: int) -> dict[str, float]:
         """Close the step; returns its metrics (see the module docstring).
@@ -246,6 +253,8 @@ class StepTimer:
         out["memory_capacity_bytes"] = float(self._capacity)
         if self._prefetch:
             out["prefetch_depth"] = sum(self._prefetch) / len(self._prefetch)
+        if self._fill:
+            out["prefetch_fill"] = sum(self._fill) / len(self._fill)
         if self._refill:
             out["loader_refill"] = 1.0
         self._t0 = None

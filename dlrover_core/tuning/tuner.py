@@ -48,6 +48,8 @@ class WindowSummary:
         elapsed_s: their wall time, seconds.
         window_rates: ``samples / elapsed_s`` of each window on its own (what the guard
             tests; one entry for a single window).
+        prefetch_fill: mean share of rank 0's loader queue that was ready (0..1:
+            ``prefetch_depth`` over ``num_workers * prefetch_factor``; -1: not reported).
     """
 
     version: int
@@ -67,6 +69,7 @@ class WindowSummary:
     samples: float = 0.0
     elapsed_s: float = 0.0
     window_rates: tuple = ()
+    prefetch_fill: float = -1.0
 
     def as_dict(self) -> dict:
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -104,6 +107,7 @@ class WindowSummary:
             return float(sum(m.get(key, 0.0) for _, m in rank0))
 
         depth = [m["prefetch_depth"] for _, m in rank0 if "prefetch_depth" in m]
+        fill = [m["prefetch_fill"] for _, m in rank0 if "prefetch_fill" in m]
         caps = [c for c in capacity_by_rank.values() if c > 0]
         rate = samples / elapsed if elapsed > 0 else 0.0
         return cls(version=version, steps=n, first_step=rank0[0][0], last_step=rank0[-1][0],
@@ -115,7 +119,8 @@ class WindowSummary:
                    memory_capacity_bytes=min(caps) if caps else 0.0,
                    prefetch_depth=(sum(depth) / len(depth)) if depth else -1.0,
                    world_size=world_size, samples=samples, elapsed_s=elapsed,
-                   window_rates=(rate,))
+                   window_rates=(rate,),
+                   prefetch_fill=(sum(fill) / len(fill)) if fill else -1.0)
 
     @classmethod
     def merge(cls, windows: list[WindowSummary]) -> WindowSummary:
@@ -139,6 +144,7 @@ class WindowSummary:
 
         caps = [w.memory_capacity_bytes for w in windows if w.memory_capacity_bytes > 0]
         depth = [w.prefetch_depth for w in windows if w.prefetch_depth >= 0]
+        fill = [w.prefetch_fill for w in windows if w.prefetch_fill >= 0]
         wait = sum(w.data_wait_s * w.steps for w in windows)
         return cls(version=windows[-1].version, steps=steps, first_step=windows[0].first_step,
                    last_step=windows[-1].last_step,
@@ -150,7 +156,8 @@ class WindowSummary:
                    memory_capacity_bytes=min(caps) if caps else 0.0,
                    prefetch_depth=sum(depth) / len(depth) if depth else -1.0,
                    world_size=windows[-1].world_size, samples=samples, elapsed_s=elapsed,
-                   window_rates=tuple(r for w in windows for r in w.window_rates))
+                   window_rates=tuple(r for w in windows for r in w.window_rates),
+                   prefetch_fill=sum(fill) / len(fill) if fill else -1.0)
 
 
 class TunerBase:
