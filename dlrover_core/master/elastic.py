@@ -42,13 +42,13 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from dlrover_core.graph.graph import CollocationGroup
 from dlrover_core.master.failover import JobFailed
+from dlrover_core.master.launcher import create_placement_groups
 from dlrover_core.master.monitor import alive_nodes
-from dlrover_core.placement import ClusterResources, PlacementError
+from dlrover_core.placement import ClusterResources
 from dlrover_core.plugins.records import FailureKind
 from dlrover_core.spec.elastic import NodeRange, node_range
 
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from dlrover_core.master.standby import StandbyPool
     from dlrover_core.plugins.records import Failure
 
-PG_READY_TIMEOUT_S = 120.0
 REPLACEMENT_POLL_S = 1.0
 
 
@@ -269,7 +268,8 @@ class ElasticManager:
 
     def _replace_placement(self, role: str) -> None:
         """Plan again; remove ``role``'s placement groups (and spares') and make new ones
-        for its new size; keep every other group, by name."""
+        for its new size (one at a time, the largest first: ``create_placement_groups``);
+        keep every other group, by name."""
         la = self.launcher
         old_plan, old_pgs = la.plan, list(la.pgs)
         by_name = {g.name: pg for g, pg in zip(old_plan.groups, old_pgs)}
@@ -282,34 +282,16 @@ class ElasticManager:
         plan = la.make_plan()
         alive_bad = sorted(set(la.alive_bad_nodes()) | (self.excluded.get(role, set())
                                                          & alive_nodes()))
-        pgs, fresh = [], []
-        for g in plan.groups:
-            if g.name in by_name and g.name not in mine:
-                pgs.append(by_name[g.name])
-                continue
-            kwargs: dict[str, Any] = {}
-            if alive_bad:
-                kwargs["bundle_label_selector"] = [
-                    {"ray.io/node-id": f"!in({','.join(alive_bad)})"}] * len(g.bundles)
-            # a new name: the removed group of the same plan name may still be going away
-            pg = placement_group(g.bundles, strategy=g.strategy,
-                                 name=la.pg_name(f"{g.name}@{len(self.history)}"),
-                                 lifetime="detached", **kwargs)
-            pgs.append(pg)
-            fresh.append((pg, g))
-        la.plan, la.pgs = plan, pgs
+        kept = {i: by_name[g.name] for i, g in enumerate(plan.groups)
+                if g.name in by_name and g.name not in mine}
+        # a new name: the removed group of the same plan name may still be going away
+        fresh = [(la.pg_name(f"{g.name}@{len(self.history)}"), g)
+                 for i, g in enumerate(plan.groups) if i not in kept]
+        la.plan, la.pgs = plan, list(kept.values())  # + the new ones as they are made
         self.standby.forget_slots()
-        deadline = time.time() + PG_READY_TIMEOUT_S
-        for pg, g in fresh:
-            while True:
-                self.scope.check_stop()
-                ready, _ = ray.wait([pg.ready()], timeout=1.0)
-                if ready:
-                    break
-                if time.time() > deadline:
-                    raise PlacementError(
-                        f"placement group {g.name} ({g.bundles}, {g.strategy}) of elastic role "
-                        f"{role!r} was not ready within {PG_READY_TIMEOUT_S:.0f} s")
+        made = iter(create_placement_groups(fresh, alive_bad, self.scope.check_stop,
+                                            made=la.pgs, what=f" of elastic role {role!r}"))
+        la.pgs = [kept[i] if i in kept else next(made) for i in range(len(plan.groups))]
         self.scope.emit("placement", policy=self.scope.spec.placement, groups=plan.describe(),
                         excluded_nodes=sorted(self.scope.failover.bad_nodes), role=role,
                         straggler_nodes=sorted(self.excluded.get(role, set())))

@@ -11,7 +11,7 @@ never decides anything: failures come out as ``InstanceFailure``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 from omegaconf import OmegaConf
@@ -39,6 +39,53 @@ def kill_actor(handle: Any) -> None:
         ray.kill(handle, no_restart=True)
     except Exception:  # noqa: BLE001
         pass
+
+
+def create_placement_groups(groups: list[tuple[str, Any]], exclude_nodes: list[str],
+                            check_stop: Callable[[], None], made: list[Any],
+                            what: str = "") -> list[Any]:
+    """Create one detached placement group per ``(Ray name, plan group)`` and wait until
+    each is ready: one at a time, the largest first (GPUs, then CPUs: first-fit
+    decreasing), each ready before the next is made, so that a small group (a 1-CPU
+    watcher) cannot take part of the node a larger one is waiting for (a node that
+    joined a moment ago and is not yet schedulable). Bundles never land on
+    ``exclude_nodes`` (node ids; Ray's ``ray.io/node-id`` label).
+
+    Args:
+        groups: ``(name, group)`` pairs; ``group`` has ``bundles``, ``strategy``, ``name``.
+        exclude_nodes: node ids (hex) to keep out.
+        check_stop: called while waiting; raises to stop.
+        made: every group is appended to it as soon as it exists (so that the caller
+            can remove them when this raises).
+        what: words after the group's name in the error (e.g. `` of elastic role 'x'``).
+    Returns:
+        The placement groups, in the order of ``groups``.
+    Raises:
+        PlacementError: the groups were not all ready within ``PG_READY_TIMEOUT_S``
+            (120 s) of the call.
+        whatever ``check_stop`` raises.
+    """
+    order = sorted(range(len(groups)), key=lambda i: tuple(
+        -sum(b.get(k, 0.0) for b in groups[i][1].bundles) for k in ("GPU", "CPU")))
+    out: dict[int, Any] = {}
+    deadline = time.time() + PG_READY_TIMEOUT_S
+    for i in order:
+        name, g = groups[i]
+        kwargs: dict[str, Any] = {}
+        if exclude_nodes:
+            kwargs["bundle_label_selector"] = [
+                {"ray.io/node-id": f"!in({','.join(exclude_nodes)})"}] * len(g.bundles)
+        pg = out[i] = placement_group(g.bundles, strategy=g.strategy, name=name,
+                                      lifetime="detached", **kwargs)
+        made.append(pg)
+        while not ray.wait([pg.ready()], timeout=1.0)[0]:
+            check_stop()
+            if time.time() > deadline:
+                raise PlacementError(
+                    f"placement group {g.name} ({g.bundles}, {g.strategy}){what} was not "
+                    f"ready within {PG_READY_TIMEOUT_S:.0f} s: the cluster lacks free "
+                    "resources")
+    return [out[i] for i in range(len(groups))]
 
 
 def topology(members: list[Instance]) -> dict[int, tuple[int, int, int]]:
@@ -77,10 +124,8 @@ class Launcher:
         return policy.plan(s.graph, ClusterResources.from_ray(exclude=s.failover.bad_nodes))
 
     def place(self) -> None:
-        """Create the placement groups and wait until they are ready: one at a time,
-        the largest first (first-fit decreasing), each ready before the next is made, so
-        that a small group (a 1-CPU watcher) cannot take part of the node a larger one
-        was waiting for (a node that joined a moment ago and is not yet schedulable).
+        """Create the placement groups and wait until they are ready (one at a time,
+        the largest first: :func:`create_placement_groups`).
 
         Raises:
             PlacementError: the policy cannot place the graph, or a group was not ready
@@ -89,33 +134,10 @@ class Launcher:
         """
         s = self.scope
         self.plan = self.make_plan()
-        alive_bad = self.alive_bad_nodes()
         self.pgs = []  # in creation order until all are ready (remove_placement's list)
-        groups = self.plan.groups
-        order = sorted(range(len(groups)), key=lambda i: tuple(  # GPUs, then CPUs
-            -sum(b.get(k, 0.0) for b in groups[i].bundles) for k in ("GPU", "CPU")))
-        made: dict[int, Any] = {}
-        deadline = time.time() + PG_READY_TIMEOUT_S
-        for i in order:
-            g = groups[i]
-            kwargs: dict[str, Any] = {}
-            if alive_bad:  # keep bad (but alive) nodes out: Ray's default node-id label
-                kwargs["bundle_label_selector"] = [
-                    {"ray.io/node-id": f"!in({','.join(alive_bad)})"}] * len(g.bundles)
-            pg = made[i] = placement_group(g.bundles, strategy=g.strategy,
-                                           name=self.pg_name(g.name), lifetime="detached",
-                                           **kwargs)
-            self.pgs.append(pg)
-            while True:
-                s.check_stop()
-                ready, _ = ray.wait([pg.ready()], timeout=1.0)
-                if ready:
-                    break
-                if time.time() > deadline:
-                    raise PlacementError(
-                        f"placement group {g.name} ({g.bundles}, {g.strategy}) was not ready "
-                        f"within {PG_READY_TIMEOUT_S:.0f} s: the cluster lacks free resources")
-        self.pgs = [made[i] for i in range(len(groups))]  # plan order: slot.pg indexes it
+        self.pgs = create_placement_groups(  # then in plan order: slot.pg indexes it
+            [(self.pg_name(g.name), g) for g in self.plan.groups], self.alive_bad_nodes(),
+            s.check_stop, made=self.pgs)
         s.emit("placement", policy=s.spec.placement, groups=self.plan.describe(),
                excluded_nodes=sorted(s.failover.bad_nodes))
         s.context.set("placement", self.plan.describe())
