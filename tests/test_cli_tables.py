@@ -85,3 +85,10 @@ def test_restart_counts_print_in_one_order():
                    "restarts": {"total": 3, "node": 1, "process": 2}},
                   console=Console(file=buf, width=100, color_system=None))
     assert re.search(r"restarts\s+│ 3 \(process 2, node 1\)", buf.getvalue())
+    # a job's error text is printed as it is, never read as markup (a gloo message)
+    err = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+           "pair.cc:553] Connection closed by peer [bold]")
+    buf = io.StringIO()
+    print_summary({"name": "j", "status": "failed", "steps": 0, "wall_s": 1.0, "error": err},
+                  console=Console(file=buf, width=400, color_system=None))
+    assert "error: " + err in buf.getvalue()

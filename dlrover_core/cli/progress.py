@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column
 
@@ -141,12 +142,15 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
         ls = "; ".join("dlrover flash ls" + ("" if d == "/dev/shm" else f" --shm-dir {d}")
                        for d in dirs)
         console.print(
-            "[bold yellow]checkpoint not persisted:[/] " + ", ".join(
+            "[bold yellow]checkpoint not persisted:[/] " + escape(", ".join(
                 f"{k.get('role')} rank {k.get('rank')} step {k.get('step')} (buffer "
                 f"{k.get('name')})" for k in lost)
-            + f" did not reach {', '.join(sorted({str(k.get('dir')) for k in lost}))}; "
-            f"their shared-memory buffers are kept (`{ls}` lists them): the next run of "
-            f"the job loads them, `dlrover flash clean --job {summary.get('name')} --force` "
-            "drops them", markup=True, highlight=False)
+                + f" did not reach {', '.join(sorted({str(k.get('dir')) for k in lost}))}; "
+                f"their shared-memory buffers are kept (`{ls}` lists them): the next run of "
+                f"the job loads them, `dlrover flash clean --job {summary.get('name')} "
+                "--force` drops them"), markup=True, highlight=False)
     if summary.get("error"):
-        console.print("[bold red]error:[/] " + summary["error"], markup=True, highlight=False)
+        # the error is the job's own text (a gloo message holds "[/path/pair.cc:553]"):
+        # escaped, not read as markup
+        console.print("[bold red]error:[/] " + escape(summary["error"]), markup=True,
+                      highlight=False)
