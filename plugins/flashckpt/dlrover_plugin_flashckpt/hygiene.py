@@ -126,12 +126,19 @@ def current_session() -> str:
 
 def unpersisted_step(seg: shm.Segment) -> int | None:
     """The step ``seg`` holds when it is newer than the newest committed step of the
-    buffer's checkpoint directory (which exists), else ``None``."""
+    buffer's checkpoint directory (which exists) and the save belongs to that
+    directory's current lineage (:func:`.choice.in_lineage`: a save of an abandoned
+    attempt, or of a run whose folder was moved aside, can never be loaded), else
+    ``None``."""
+    from dlrover_plugin_flashckpt.choice import buffer_tag, in_lineage
+
     h = seg.read_header()
     if not shm.holds_step(h):
         return None
     directory = seg.ident().get("dir")
     if not directory or not os.path.isdir(directory):
+        return None
+    if not in_lineage(storage.read_lineage(directory), h.step, buffer_tag(seg.meta_bytes(h))):
         return None
     newest = storage.newest_committed(directory)
     return h.step if newest is None or h.step > newest else None

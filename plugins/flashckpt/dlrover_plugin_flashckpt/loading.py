@@ -24,13 +24,23 @@ from typing import Any
 
 from dlrover_core.checkpoint.manifest import CheckpointLoadError, CorruptCheckpointError
 from dlrover_core.checkpoint.saver import quarantine, step_dir_name
+from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_plugin_flashckpt import layout, shm, storage
+from dlrover_plugin_flashckpt.choice import Held, buffer_tag, plan
 from dlrover_plugin_flashckpt.meta import unpack_meta
 from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, step_meta
 from dlrover_plugin_flashckpt.relayout import RelayoutMixin
 from dlrover_plugin_flashckpt.replica_loading import ReplicaLoadingMixin
 
 log = logging.getLogger("dlrover_plugin_flashckpt.saver")
+
+declare("flash.load.gather", "state", "load",
+        "a rank listed what it holds and is about to gather with the other ranks")
+declare("flash.load.memory_read", "io", "load", "reading a save from shared memory")
+declare("flash.load.verify", "io", "load", "verifying a committed step's files")
+declare("flash.load.disk_read", "io", "load", "reading a committed step from disk")
+declare("flash.save.lineage_write", "io", "save",
+        "rank 0's first save of an attempt writes lineage.json (attempt and base)")
 
 class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
     """:meth:`load` and what it reads from, for :class:`.saver.FlashSaver` (which
@@ -47,9 +57,10 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
     _attempt: dict | None
     _next_attempt: tuple[dict, int | None] | None
 
-    def _memory_steps(self) -> dict[int, int]:
-        """step -> slot of the complete saves this rank's buffers hold."""
-        out: dict[int, tuple[int, int]] = {}
+    def _memory_steps(self) -> dict[tuple[int, str], int]:
+        """``(step, attempt tag) -> slot`` of the complete saves this rank's buffers
+        hold (:func:`.choice.buffer_tag`; the newest copy of each pair)."""
+        out: dict[tuple[int, str], tuple[int, int]] = {}
         for i in range(self.opts.slots):
             seg = self._attach(i)
             if seg is None:
@@ -59,11 +70,12 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
             if not shm.holds_step(h) or ident.get("dir") != self.dir \
                     or h.world_size != self.world_size or h.rank != self.rank:
                 continue
-            if h.step not in out or out[h.step][1] < h.seq:
-                out[h.step] = (i, h.seq)
-        return {s: i for s, (i, _) in out.items()}
+            key = (h.step, buffer_tag(seg.meta_bytes(h)))
+            if key not in out or out[key][1] < h.seq:
+                out[key] = (i, h.seq)
+        return {k: i for k, (i, _) in out.items()}
 
-    def _load_memory(self, state_dict: dict, step: int, slot: int) -> None:
+    def _load_memory(self, state_dict: dict, step: int, tag: str, slot: int) -> None:
         # the header and meta block through the mapping (a few pages); the data with
         # pread straight into the live tensors (reader.py): no page tables to fill
         seg = self._attach(slot)
@@ -71,6 +83,8 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
             raise TornRead(f"flash buffer {self.paths[slot]} disappeared")
         where = f"flash buffer {seg.name} (step {step})"
         h, meta = step_meta(seg, step, where)
+        if buffer_tag(meta) != tag:
+            raise TornRead(f"{where} now holds a save of another attempt")
         m = unpack_meta(meta)
         if m.get("rank") != self.rank or m.get("step") != step:
             raise CorruptCheckpointError(f"{where}: holds rank {m.get('rank')} step "
@@ -161,43 +175,34 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
         own = self._memory_steps()
         reps = self._replica_steps() if self.opts.replicas else {}
         old_world, other = self._other_world_steps()
-        mine = sorted(set(own) | set(reps))
-        held = self._gather((mine, sorted(other), old_world))
-        common = set(held[0][0]).intersection(*(set(h[0]) for h in held[1:]))
-        worlds = {h[2] for h in held}
-        common_other = set(held[0][1]).intersection(*(set(h[1]) for h in held[1:])) \
-            if len(worlds) == 1 else set()
-        disk = storage.lineage_steps(self.dir, check_sizes=False)  # verified below
-        if self._dist() is not None:  # rank 0's view of the directory decides
-            box = [disk]
-            self._dist().broadcast_object_list(box, src=0)
-            disk = box[0]
-        if step is not None:
-            mem = [step] if step in common | common_other else []
-            disk = [step] if step in disk else []
-        else:
-            mem = sorted(common | common_other, reverse=True)[:1]
-            if mem and disk and disk[-1] > mem[0]:
-                mem = []
+        mine = Held(sorted(set(own) | set(reps)), sorted(other), old_world,
+                    storage.lineage_steps(self.dir, check_sizes=False),  # verified below
+                    storage.read_lineage(self.dir))
+        crashpoint("flash.load.gather")
+        held = [Held.from_wire(h) for h in self._gather(mine.to_wire())]
+        chosen = plan(held, self.world_size, step, self.dir)  # rank 0's lineage and disk
+        mem = [chosen.memory] if chosen.memory is not None else []
+        disk = chosen.disk
         tried: dict[int, str] = {}
-        for s in mem:
+        for s, tag, kind in mem:
             err: BaseException | None = None
             source = "memory"
             try:
-                if s in common:
-                    if s in own:
-                        self._load_memory(state_dict, s, own[s])
+                crashpoint("flash.load.memory_read")
+                if kind == "own":
+                    if (s, tag) in own:
+                        self._load_memory(state_dict, s, tag, own[(s, tag)])
                     else:
-                        self._load_replica(state_dict, s, reps[s])
+                        self._load_replica(state_dict, s, reps[(s, tag)])
                         source = "replica"
                 else:
-                    self._load_other_world(state_dict, s, other[s], where="memory")
+                    self._load_other_world(state_dict, s, other[(s, tag)], where="memory")
                     source = "memory-resharded"
             except (TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
                 err = exc  # LayoutError is a ValueError
             errors = self._all_ok(err)
-            if errors and s in common and any("LayoutError" in e for e in errors):
-                if not self._relayout(state_dict, s, "memory", errors):
+            if errors and kind == "own" and any("LayoutError" in e for e in errors):
+                if not self._relayout(state_dict, s, "memory", errors, tag=tag):
                     log.warning("step %d in shared memory has another layout and cannot be "
                                 "resharded from this node's buffers; trying the disk", s)
                     tried[s] = "shared memory: another layout, not reshardable from here"
@@ -217,6 +222,7 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
             err = None
             saved_world = self.world_size
             try:
+                crashpoint("flash.load.verify")
                 saved_world = storage.read_manifest(step_dir).get("world_size")
                 if saved_world == self.world_size:
                     storage.verify_step(step_dir, [self.rank], self.world_size)
@@ -231,6 +237,7 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
                 self._quarantine_if_damaged(s, errors)
                 continue
             try:
+                crashpoint("flash.load.disk_read")
                 if saved_world == self.world_size:
                     self._load_disk(state_dict, s)
                 else:
@@ -294,6 +301,7 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
         assert self._next_attempt is not None
         attempt, base = self._next_attempt
         if self.rank == 0:
+            crashpoint("flash.save.lineage_write")
             storage.start_lineage(self.dir, attempt, base)
         self._attempt, self._next_attempt = attempt, None
         return attempt

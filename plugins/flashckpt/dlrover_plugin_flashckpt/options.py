@@ -114,3 +114,23 @@ class FlashOptions:
     def is_due(self, step: int) -> bool:
         """Whether ``step`` is persisted by the regular schedule."""
         return step % self.persist_every_steps == 0
+
+
+def local_dir(location: str) -> str:
+    """``dir`` as a local path: a path, or a ``file://`` URI (an NFS-like mount).
+
+    Raises:
+        SpecError: another URI (the persisters commit by rename and O_EXCL locks on a
+            file system every node mounts; the disk saver takes other fsspec stores).
+    """
+    from dlrover_core.checkpoint.storage import local_path
+
+    try:
+        path = local_path(location)
+    except ValueError as exc:
+        raise SpecError("checkpoint.dir", location, "a path or file:///path", str(exc)) from None
+    if path is None:
+        raise SpecError("checkpoint.dir", location, "a path or file:///path",
+                        "the flash saver persists to a file system every node mounts; "
+                        "other fsspec stores work with checkpoint.saver=disk")
+    return path

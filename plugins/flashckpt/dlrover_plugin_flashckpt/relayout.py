@@ -16,7 +16,7 @@ from dlrover_core.checkpoint.saver import step_dir_name
 from dlrover_plugin_flashckpt import layout, shm, storage
 from dlrover_plugin_flashckpt.meta import unpack_meta
 from dlrover_plugin_flashckpt.reader import ShardReader, TornRead, read_pool, step_meta
-from dlrover_plugin_flashckpt.replica import folder_buffers, parse_replica
+from dlrover_plugin_flashckpt.replica_buffers import buffer_tag_at, folder_buffers, parse_replica
 from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
 
 #: the name of a rank's own slot (not a replica)
@@ -34,12 +34,12 @@ class RelayoutMixin:
     dir: str
     opts: Any
 
-    def _node_saves(self) -> dict[int, dict[int, dict[int, str]]]:
+    def _node_saves(self) -> dict[int, dict[tuple[int, str], dict[int, str]]]:
         """Complete saves in this node's buffers of :attr:`dir`, of any world size:
-        ``{saved world size: {step: {saved rank: buffer path}}}`` (steps that every
-        saved rank holds here). The buffers are the ranks' own slots and the replicas
-        this node holds for a peer (``replicas: 1``), so a job that lost a node and
-        comes back smaller on the survivor restores from memory."""
+        ``{saved world size: {(step, attempt tag): {saved rank: buffer path}}}`` (saves
+        that every saved rank of one attempt holds here). The buffers are the ranks' own
+        slots and the replicas this node holds for a peer (``replicas: 1``), so a job
+        that lost a node and comes back smaller on the survivor restores from memory."""
         holder = ""
         try:
             import ray
@@ -53,33 +53,34 @@ class RelayoutMixin:
             rep = parse_replica(name)
             return bool(_SLOT_RE.search(name)) or bool(rep and holder and rep[2] == holder)
 
-        found: dict[int, dict[int, dict[int, tuple[int, str]]]] = {}
+        found: dict[int, dict[tuple[int, str], dict[int, tuple[int, str]]]] = {}
         for path, h in folder_buffers(self.opts.shm_dir, self.job, self.dir, here):
             if not shm.holds_step(h):
                 continue
-            ranks = found.setdefault(h.world_size, {}).setdefault(h.step, {})
+            key = (h.step, buffer_tag_at(path, h))
+            ranks = found.setdefault(h.world_size, {}).setdefault(key, {})
             if h.rank not in ranks or ranks[h.rank][0] < h.seq:
                 ranks[h.rank] = (h.seq, path)
-        return {world: full for world, steps in found.items()
-                if (full := {s: {r: p for r, (_, p) in ranks.items()}
-                             for s, ranks in steps.items() if len(ranks) == world})}
+        return {world: full for world, saves in found.items()
+                if (full := {k: {r: p for r, (_, p) in ranks.items()}
+                             for k, ranks in saves.items() if len(ranks) == world})}
 
-    def _other_world_steps(self) -> tuple[int, dict[int, dict[int, str]]]:
+    def _other_world_steps(self) -> tuple[int, dict[tuple[int, str], dict[int, str]]]:
         """The complete saves of another world size in this node's buffers:
-        ``(saved world size, {step: {saved rank: buffer path}})`` of the world size with
-        the newest step (0 and ``{}`` when none)."""
-        best: tuple[int, dict[int, dict[int, str]]] = (0, {})
+        ``(saved world size, {(step, attempt tag): {saved rank: buffer path}})`` of the
+        world size with the newest step (0 and ``{}`` when none)."""
+        best: tuple[int, dict[tuple[int, str], dict[int, str]]] = (0, {})
         for world, full in self._node_saves().items():
             if world != self.world_size and (not best[1] or max(full) > max(best[1])):
                 best = (world, full)
         return best
 
     def _relayout(self, state_dict: dict, step: int, where: str,
-                  errors: list[str]) -> bool:
+                  errors: list[str], tag: str | None = None) -> bool:
         """After every rank failed to load ``step`` in place and one of them with a
         ``LayoutError`` (same world size, another layout: TP=2 -> TP=1 x DP=2), restore
-        it resharded from every saved rank's buffer on this node (``where="memory"``)
-        or data file (``"disk"``). Collective: every rank calls it. Returns whether all
+        it resharded from every saved rank's buffer on this node of the save of attempt
+        ``tag`` (``where="memory"``) or data file (``"disk"``). Collective: every rank calls it. Returns whether all
         ranks did (``False``: a buffer or file is not here or is damaged).
 
         Raises:
@@ -91,7 +92,7 @@ class RelayoutMixin:
         err: BaseException | None = None
         try:
             if where == "memory":
-                paths = self._node_saves().get(self.world_size, {}).get(step)
+                paths = self._node_saves().get(self.world_size, {}).get((step, tag or ""))
                 if paths is None:
                     raise FileNotFoundError(
                         f"step {step} has another layout and not every saved rank's flash "

@@ -25,12 +25,12 @@ class ReplicaLoadingMixin:
     dir: str
     opts: Any
 
-    def _replica_steps(self) -> dict[int, dict]:
-        """step -> replica of this rank's save held by some node's persister
-        (``{"path", "node_id", "handle"}``), newest copy per step."""
+    def _replica_steps(self) -> dict[tuple[int, str], dict]:
+        """``(step, attempt tag)`` -> replica of this rank's save held by some node's
+        persister (``{"path", "node_id", "handle"}``), the first holder listed per pair."""
         import ray
 
-        out: dict[int, dict] = {}
+        out: dict[tuple[int, str], dict] = {}
         try:
             handles = persisters_of(self.job)
             answers = ray.get([h.replicas.remote(self.dir, self.opts.shm_dir)
@@ -41,8 +41,8 @@ class ReplicaLoadingMixin:
         for handle, a in zip(handles.values(), answers):
             for r in a["held"]:
                 if r["rank"] == self.rank and r["world_size"] == self.world_size:
-                    out.setdefault(r["step"], {"path": r["path"], "node_id": a["node_id"],
-                                               "handle": handle})
+                    out.setdefault((r["step"], r.get("tag", "")),
+                                   {"path": r["path"], "node_id": a["node_id"], "handle": handle})
         return out
 
     def _load_replica(self, state_dict: dict, step: int, rep: dict) -> None:

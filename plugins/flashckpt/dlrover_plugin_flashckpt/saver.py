@@ -41,37 +41,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
+from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_core.spec.errors import SpecError
 from dlrover_plugin_flashckpt import layout, shm, staging, storage
 from dlrover_plugin_flashckpt.loading import LoadingMixin
 from dlrover_plugin_flashckpt.meta import pack_meta
-from dlrover_plugin_flashckpt.options import FlashOptions
+from dlrover_plugin_flashckpt.options import FlashOptions, local_dir
 from dlrover_plugin_flashckpt.slots import META_MIN, SlotsMixin
 
 log = logging.getLogger(__name__)
 
+declare("flash.save.copied", "state", "save",
+        "the state is copied into the WRITING slot; its meta block is not written yet")
+declare("flash.save.ready", "state", "save", "the slot is about to be marked READY")
+
 #: seconds a rank without a process group waits for the others at a load's gather
 GATHER_TIMEOUT_S = 60.0
-
-
-def _local_dir(location: str) -> str:
-    """``dir`` as a local path: a path, or a ``file://`` URI (an NFS-like mount).
-
-    Raises:
-        SpecError: another URI (the persisters commit by rename and O_EXCL locks on a
-            file system every node mounts; the disk saver takes other fsspec stores).
-    """
-    from dlrover_core.checkpoint.storage import local_path
-
-    try:
-        path = local_path(location)
-    except ValueError as exc:
-        raise SpecError("checkpoint.dir", location, "a path or file:///path", str(exc)) from None
-    if path is None:
-        raise SpecError("checkpoint.dir", location, "a path or file:///path",
-                        "the flash saver persists to a file system every node mounts; "
-                        "other fsspec stores work with checkpoint.saver=disk")
-    return path
 
 
 class FlashSaver(LoadingMixin, SlotsMixin, Saver):
@@ -99,7 +84,7 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
             raise SpecError("checkpoint.options.shm_dir", self.opts.shm_dir,
                             "an existing tmpfs directory such as /dev/shm", "no such directory")
         self.job = config.job or "job"
-        self.dir = os.path.abspath(_local_dir(config.dir))
+        self.dir = os.path.abspath(local_dir(config.dir))
         from dlrover_plugin_flashckpt.hygiene import record_shm_dir
 
         record_shm_dir(self.job, self.opts.shm_dir)  # for `dlrover delete` on this machine
@@ -299,16 +284,22 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
         data_len = layout.data_size(table)
         persister = self.persister()
         due = self.opts.is_due(step)
-        slot = self._pick_slot(step, due)
-        if slot is None:
+        picked = self._pick_slot(step, due)
+        if picked is None:
             return
+        slot, before = picked
         seg = self._segs[slot]
         laid_out = seg is None or not self._fits(seg, data_len, len(meta))
         if laid_out:
             t_grow = time.perf_counter()
             # room for a little growth, so that a slightly larger state does not pay again
-            seg = self._ensure_slot(slot, data_len + data_len // 8, 2 * len(meta) + META_MIN,
-                                    claimed=seg is not None)
+            try:
+                seg = self._ensure_slot(slot, data_len + data_len // 8,
+                                        2 * len(meta) + META_MIN, claimed=seg is not None)
+            except BaseException:
+                if seg is not None and before is not None:  # nothing was written into it
+                    self._unpick(slot, seg, before)
+                raise
             if seg.read_header().state != shm.WRITING:  # a new buffer: claim it
                 with seg.locked():
                     h = seg.read_header()
@@ -338,8 +329,10 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
             # buffers, through pinned staging buffers on a side stream
             self._staging.copy(views, sources)
         copy_s = time.perf_counter() - t1
+        crashpoint("flash.save.copied")
         seg.write_meta(meta)
         with seg.locked():
+            crashpoint("flash.save.ready")
             h = seg.read_header()
             h.step, h.state, h.due = step, shm.READY, int(due)
             h.meta_len, h.meta_crc = len(meta), zlib.crc32(meta)

@@ -12,6 +12,7 @@ or waiting, the save is skipped and logged (it never waits for a disk write).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -19,9 +20,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_plugin_flashckpt import capacity, layout, shm
 
 log = logging.getLogger("dlrover_plugin_flashckpt.saver")
+
+declare("flash.save.slot_writing", "state", "save",
+        "a save marks its slot WRITING (the step the slot held is given up)")
 
 #: smallest meta block capacity of a buffer (bytes)
 META_MIN = 64 << 10
@@ -246,12 +251,28 @@ class SlotsMixin:
                 return False
         return True
 
+    def _unpick(self, i: int, seg: shm.Segment, before: shm.Header) -> None:
+        """Give back slot ``i`` that :meth:`_pick_slot` claimed, as it was, when the save
+        failed before writing into it (a new buffer that could not be allocated:
+        ``ShmSpaceError``): the step it held stays loadable. Left alone when the slot
+        is no longer the buffer claimed or another claim followed."""
+        if self._segs[i] is not seg or seg.replaced():
+            return
+        with seg.locked():
+            h = seg.read_header()
+            if h.state == shm.WRITING and h.seq == before.seq + 1 \
+                    and (h.writer_pid, h.writer_start) == shm.my_identity():
+                seg.write_header(before)
+
     def _unpin(self) -> None:
         if self._pinned:
             shm.unpin_buffers(self._pinned)
         self._pinned_segs = []
 
-    def _pick_slot(self, step: int, due: bool) -> int | None:
+    def _pick_slot(self, step: int, due: bool) -> tuple[int, shm.Header | None] | None:
+        """Claim the slot the save of ``step`` writes into (WRITING, the sequence number
+        raised): ``(slot, the header it had before)`` (``None``: not laid out yet), or
+        ``None`` when the save is skipped (logged, in :attr:`skipped`)."""
         free, done, waiting = [], [], []
         states = []
         for i in range(self.opts.slots):
@@ -272,9 +293,10 @@ class SlotsMixin:
         for i in order:
             seg = self._segs[i]
             if seg is None:
-                return i
+                return i, None
             with seg.locked():
                 h = seg.read_header()
+                before = dataclasses.replace(h)
                 if shm.effective_state(h) == shm.PERSISTING:
                     continue
                 if h.state == shm.READY and h.due and h.persisted_seq != h.seq:
@@ -285,8 +307,9 @@ class SlotsMixin:
                 h.state = shm.WRITING
                 h.seq += 1
                 h.writer_pid, h.writer_start = shm.my_identity()
+                crashpoint("flash.save.slot_writing")
                 seg.write_header(h)
-                return i
+                return i, before
         reason = ("every buffer is being persisted or holds a step waiting for it ("
                   + "; ".join(states) + "); raise checkpoint.options.persist_every_steps or "
                   "slots, or save less often")

@@ -239,9 +239,9 @@ class SaverRank:
         s = self.saver
         return s._attempt or (s._next_attempt[0] if s._next_attempt else None)
 
-    def load(self) -> dict:
+    def load(self, step: int | None = None) -> dict:
         got = rank_state(self.rank, -1)
-        step = self.saver.load(got)
+        step = self.saver.load(got, step=step)
         want = rank_state(self.rank, step) if step is not None else None
         exact = want is not None and all(torch.equal(got["model"][k], want["model"][k])
                                          for k in want["model"]) \

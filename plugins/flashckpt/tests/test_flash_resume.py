@@ -1,0 +1,214 @@
+"""Issue 49 ("resume is always right"), the load side: a load restores the newest step
+of the current lineage, the same attempt on every rank, raises for a step that is not
+there, never takes a buffer an earlier run left behind, and a failed re-layout keeps
+the step its slot held. Real saver, real per-node persister actor, real buffers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import ray
+from test_flash_saver import blank, make_saver, same, state
+
+from dlrover_core.checkpoint.manifest import CheckpointLoadError
+from dlrover_plugin_flashckpt import choice, hygiene, shm, storage
+from dlrover_plugin_flashckpt.testing_workloads import SaverRank
+
+
+def lineage_of(d: str) -> dict:
+    with open(os.path.join(d, storage.LINEAGE)) as f:
+        return json.load(f)
+
+
+def test_loading_a_step_that_is_not_there_raises_and_keeps_the_lineage(job, tmp_path):
+    """Item 1: with 100/200/300 committed, load(step=250) raises (it returned None, the
+    job trained from 0 and the next save re-based the lineage: every earlier commit
+    orphaned)."""
+    d = str(tmp_path / "ckpt")
+    first = make_saver(job, d)
+    for step in (100, 200, 300):
+        first.save(step, state(step))
+        first.wait()
+    assert first.committed_steps() == [200, 300]  # keep=2
+    first.close()
+    hygiene.remove_job("/dev/shm", job)  # only the disk is left
+    before = lineage_of(d)
+    s = make_saver(job, d)
+    with pytest.raises(CheckpointLoadError, match="step 250 is not committed"):
+        s.load(blank(), step=250)
+    assert lineage_of(d) == before
+    s.save(310, state(310))
+    s.wait()
+    assert s.committed_steps() == [300, 310]  # the lineage goes on from 300
+    s.close()
+    got = blank()
+    last = make_saver(job, d)
+    assert last.load(got) == 310 and same(got, state(310))
+    last.close()
+
+
+def test_loading_a_step_missing_from_memory_and_disk_raises(job, tmp_path):
+    """Item 1, memory: steps 1 and 2 only in memory (never persisted); step 5 is
+    nowhere."""
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d, persist_every_steps=100)
+    s.save(1, state(1))
+    s.save(2, state(2))
+    got = blank()
+    with pytest.raises(CheckpointLoadError, match="step 5"):
+        make_saver(job, d, persist_every_steps=100).load(got, step=5)
+    again = make_saver(job, d, persist_every_steps=100)
+    assert again.load(got, step=1) == 1
+    assert same(got, state(1))
+    again.close()
+    s.close()
+
+
+def test_a_rolled_back_lineage_never_loads_the_abandoned_buffer(job, tmp_path):
+    """Item 2: 100, 200, 300 saved and committed; a new incarnation rolls back to 200
+    and commits 210. Shared memory still holds the abandoned 300 (the other slot): a
+    restart loads 210, the newest step of the current lineage, not 300."""
+    d = str(tmp_path / "ckpt")
+    first = make_saver(job, d)
+    for step in (100, 200, 300):
+        first.save(step, state(step))
+        first.wait()
+    first.close()
+    back = make_saver(job, d)
+    got = blank()
+    assert back.load(got, step=200) == 200 and same(got, state(200))
+    back.save(210, state(210))
+    back.wait()
+    back.close()
+    held = {h.step for h in _headers(job, d)}
+    assert 300 in held  # the abandoned save is still in memory: the load must refuse it
+    again = make_saver(job, d)
+    got = blank()
+    assert again.load(got) == 210
+    assert same(got, state(210)) and again.last_load_source == "memory"
+    again.close()
+
+
+def test_submit_fresh_never_resumes_a_buffer_of_the_previous_run(job, tmp_path):
+    """Item 3: the previous run's end kept its newest save in memory; `--fresh` moved
+    the checkpoint folder aside. The fresh run's load starts from nothing (it restored
+    step 7 and re-based its lineage on it)."""
+    d = str(tmp_path / "ckpt")
+    old = make_saver(job, d)
+    old.save(7, state(7))
+    old.wait()
+    old.close()
+    os.rename(d, str(tmp_path / "ckpt.old"))  # what begin_run(fresh=True) does
+    assert any(h.step == 7 for h in _headers(job, d))
+    fresh = make_saver(job, d)
+    got = blank()
+    assert fresh.load(got) is None and same(got, blank())
+    fresh.save(1, state(1))
+    fresh.wait()
+    assert fresh.committed_steps() == [1]
+    fresh.close()
+
+
+def test_two_ranks_never_mix_the_saves_of_two_attempts(job, tmp_path):
+    """Item 2, two ranks without a process group: after a rollback to 100, rank 0 saved
+    200 in the new attempt and rank 1 died before its save of 200; both ranks' buffers
+    hold a step 200 (of different attempts). A restart loads 100 on both (it loaded the
+    new 200 on rank 0 and the old 200 on rank 1)."""
+    d = str(tmp_path / "ckpt")
+    actor = ray.remote(SaverRank).options(num_cpus=0)
+    ranks = [actor.remote(job, d, r, 2, {"wait_timeout_s": 60}) for r in range(2)]
+    for step in (100, 200):
+        ray.get([a.save.remote(step) for a in ranks])
+        ray.get([a.wait.remote() for a in ranks])
+    _kill(ranks)
+    ranks = [actor.remote(job, d, r, 2, {"wait_timeout_s": 60}) for r in range(2)]
+    loads = ray.get([a.load.remote(100) for a in ranks], timeout=180)
+    assert [x["step"] for x in loads] == [100, 100]
+    ray.get(ranks[0].save.remote(200))  # rank 1 dies before its save of 200
+    _kill(ranks)
+    by_rank = {}
+    for h in _headers(job, d):
+        by_rank.setdefault(h.rank, set()).add(h.step)
+    assert 200 in by_rank[0] and 200 in by_rank[1]
+    ranks = [actor.remote(job, d, r, 2, {"wait_timeout_s": 60}) for r in range(2)]
+    loads = ray.get([a.load.remote() for a in ranks], timeout=180)
+    assert [(x["step"], x["exact"]) for x in loads] == [(100, True), (100, True)]
+    _kill(ranks)
+
+
+def test_a_failed_relayout_keeps_the_step_its_slot_held(job, tmp_path):
+    """Item 6: a save whose state outgrew its buffer claims the slot, then cannot lay
+    out the bigger buffer (ShmSpaceError: a real tmpfs too small). The READY step 110
+    that slot held stays loadable from memory (it was marked WRITING and lost, and the
+    restart loaded 100 from disk)."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    os.system(f"mount -t tmpfs -o size=4m tmpfs {shm_dir}")
+    try:
+        d = str(tmp_path / "ckpt")
+        opts = {"shm_dir": str(shm_dir), "persist_every_steps": 100, "slots": 1}
+        s = make_saver(job, d, **opts)
+        s.save(100, state(100))
+        s.wait()  # committed: the one slot may take the next save
+        s.save(110, state(110))
+        with pytest.raises(shm.ShmSpaceError):
+            s.save(120, state(120, n=4 << 20))  # 16 MiB: no room in 4 MiB
+        s.close()
+        got = blank()
+        again = make_saver(job, d, **opts)
+        assert again.load(got) == 110 and again.last_load_source == "memory"
+        assert same(got, state(110))
+        again.close()
+    finally:
+        hygiene.remove_job(str(shm_dir), job)
+        os.system(f"umount {shm_dir}")
+
+
+def test_plan_takes_rank_zeros_view_and_refuses_to_choose_alone():
+    """Item 4: ranks choose from rank 0's listing of the disk (rank 1 listed after a
+    commit of 200 landed: it would load 200 while rank 0 loads 100), and a gather
+    that did not reach every rank raises instead of choosing alone."""
+    lin = {"attempt": storage.make_attempt("r", 2, "e"), "base": None}
+    held = [choice.Held(disk=[100], lineage=lin), choice.Held(disk=[100, 200], lineage=lin)]
+    assert choice.plan(held, 2, None, "/ckpt").disk == [100]
+    with pytest.raises(CheckpointLoadError, match="only 1 of 2 ranks"):
+        choice.plan(held[:1], 2, None, "/ckpt")
+
+
+def test_plan_takes_memory_only_of_the_current_lineage_and_one_attempt():
+    a, b = storage.make_attempt("r", 2, "a"), storage.make_attempt("r", 2, "b")
+    ta, tb = storage.attempt_tag(a), storage.attempt_tag(b)
+    lin = {"attempt": b, "base": 100}
+    # rank 0 holds 200 of both attempts, rank 1 only of the old one: not common in b
+    held = [choice.Held(mem=[(100, ta), (200, ta), (200, tb)], disk=[100], lineage=lin),
+            choice.Held(mem=[(100, ta), (200, ta)], disk=[100], lineage=lin)]
+    p = choice.plan(held, 2, None, "/ckpt")
+    assert p.memory == (100, ta, "own") and p.disk == [100]
+    held[1].mem.append((200, tb))
+    assert choice.plan(held, 2, None, "/ckpt").memory == (200, tb, "own")
+    # no lineage (a fresh folder): no buffer belongs to it
+    for h in held:
+        h.lineage = None
+    assert choice.plan(held, 2, None, "/ckpt").memory is None
+
+
+def _headers(job: str, d: str) -> list[shm.Header]:
+    out = []
+    for path in shm.list_segments("/dev/shm", shm.job_prefix(job)):
+        seg = shm.Segment.attach(path)
+        if seg is None:
+            continue
+        try:
+            h = seg.read_header()
+            if shm.holds_step(h) and seg.ident().get("dir") == os.path.abspath(d):
+                out.append(h)
+        finally:
+            seg.close()
+    return out
+
+
+def _kill(actors: list) -> None:
+    for a in actors:
+        ray.kill(a)
