@@ -36,6 +36,7 @@ import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from dlrover_core.checkpoint.dcp_writer import writer as _Writer
 from dlrover_core.checkpoint.manifest import (
     MANIFEST,
     CheckpointLoadError,
@@ -56,8 +57,17 @@ from dlrover_core.checkpoint.saver import (
     step_dir_name,
 )
 from dlrover_core.checkpoint.storage import RemoteSteps, local_path
+from dlrover_core.crashpoints import crashpoint, declare
 
 log = logging.getLogger(__name__)
+
+declare("disk.save.tmpdir", "io", "save", "rank 0 creates the step's temp folder")
+declare("disk.commit.manifest", "io", "commit", "rank 0 writes manifest.json")
+declare("disk.commit.fsync", "io", "commit", "rank 0 fsyncs the temp folder")
+declare("disk.commit.rename", "io", "commit", "rank 0 renames the temp folder to step_<n>")
+declare("disk.commit.latest", "io", "commit", "rank 0 writes the latest file")
+declare("disk.load.verify", "io", "load", "a load reads a step's manifest and checksums")
+declare("disk.load.read", "io", "load", "a load reads the step's shard files (DCP)")
 
 
 def _dist() -> Any:
@@ -162,11 +172,12 @@ class DiskSaver(Saver):
         if self.context.rank == 0:
             os.makedirs(directory, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
+            crashpoint("disk.save.tmpdir")
             os.makedirs(tmp)
         self._barrier()
         if self.async_save:
             return self._save_async(step, state_dict, tmp, None)
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        writer = _Writer(tmp, sync_files=True)
         dcp.save(state_dict, storage_writer=writer, no_dist=_dist() is None)
         self._commit_local(step, tmp)
         self._barrier()
@@ -178,12 +189,16 @@ class DiskSaver(Saver):
         directory = str(local_path(self.config.dir))
         manifest = build_manifest(tmp, step, {"world_size": self.context.world_size,
                                               "format": "dcp"})
+        crashpoint("disk.commit.manifest")
         atomic_write_json(os.path.join(tmp, MANIFEST), manifest)
+        crashpoint("disk.commit.fsync")
         fsync_dir(tmp)
         # the old step_<n> stays whole until the swap
+        crashpoint("disk.commit.rename")
         old = replace_dir(tmp, os.path.join(directory, step_dir_name(step)))
         if old:
             shutil.rmtree(old, ignore_errors=True)
+        crashpoint("disk.commit.latest")
         atomic_write_text(os.path.join(directory, "latest"), f"{step}\n")
         prune(directory, self.config.keep, protect=step)
 
@@ -295,6 +310,7 @@ class DiskSaver(Saver):
         for s in candidates:
             scratch = tempfile.mkdtemp(prefix="dlrover-verify-") if store else ""
             try:
+                crashpoint("disk.load.verify")
                 verify(store.download(s, scratch) if store else
                        os.path.join(directory, step_dir_name(s)))
                 return s, tried
@@ -345,6 +361,7 @@ class DiskSaver(Saver):
                 verify(path)
             else:
                 path = os.path.join(str(local_path(self.config.dir)), step_dir_name(chosen))
+            crashpoint("disk.load.read")
             dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path),
                      no_dist=dist is None)
         # the live state may be partly overwritten now (CheckpointException is a

@@ -20,12 +20,15 @@ from dlrover_core.atomic_io import (
     recover_aside,
     replace_dir,
 )
+from dlrover_core.crashpoints import crashpoint, declare
 
 __all__ = ["STEP_DIR_RE", "Saver", "SaverConfig", "SaverContext", "atomic_write_json",
            "atomic_write_text", "committed_steps", "fsync_dir", "prune", "quarantine",
            "replace_dir", "step_dir_name"]
 
 log = logging.getLogger(__name__)
+
+declare("disk.prune.remove", "io", "prune", "prune removes an old committed step_<n> folder")
 
 STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 _ASIDE_RE = re.compile(r"^(step_\d{8,})\.replaced$")
@@ -133,6 +136,7 @@ def prune(directory: str, keep: int, steps: list[int] | None = None,
     old = steps[:-keep] if keep > 0 else []
     old = [s for s in old if s != protect]
     for s in old:
+        crashpoint("disk.prune.remove")
         shutil.rmtree(os.path.join(directory, step_dir_name(s)), ignore_errors=True)
     return old
 

@@ -1,0 +1,101 @@
+"""The ``disk`` saver's case: ranks in one gloo process group (the saver's collectives
+need one when there are several ranks), each with a :class:`DiskSaver` of the run's
+folder; a save returns once its step is committed."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+NAME = "disk"
+#: crash points of this saver: their names start with this
+PREFIX = "disk."
+#: after which operation a saved step must be committed: ``save`` (it is synchronous)
+DURABLE_AFTER = "save"
+#: modules that declare this saver's crash points
+MODULES = ["dlrover_core.checkpoint.disk", "dlrover_core.checkpoint.saver"]
+
+
+def setup_rank(spec: dict) -> None:
+    """A gloo group of ``spec["world"]`` ranks (none for one rank), 20 s timeout."""
+    if spec["world"] > 1:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(
+            spec["run_dir"], f"pg-{spec['phase']}"), rank=spec["rank"],
+            world_size=spec["world"], timeout=timedelta(seconds=20))
+
+
+def teardown_rank(spec: dict) -> None:
+    """Nothing: the process ends (a broken group is not torn down)."""
+
+
+def make_saver(spec: dict) -> Any:
+    from dlrover_core.checkpoint.disk import DiskSaver
+    from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+
+    from crashtest.plan import KEEP
+
+    return DiskSaver(SaverConfig(dir=spec["ckpt"], keep=KEEP, job=spec["job"]),
+                     SaverContext(rank=spec["rank"], world_size=spec["world"],
+                                  distributed=spec["world"] > 1))
+
+
+def save(saver: Any, spec: dict, step: int, state: dict) -> None:
+    """Save ``state`` under the key ``rank<k>``: DCP keeps one copy of a plain tensor
+    that every rank holds under the same key (replicated), so distinct keys keep each
+    rank's own state."""
+    saver.save(step, {f"rank{spec['rank']}": state})
+
+
+def load(saver: Any, spec: dict, state: dict, step: int | None) -> int | None:
+    """Load into ``state`` (see :func:`save`)."""
+    return saver.load({f"rank{spec['rank']}": state}, step)
+
+
+def rank_report(saver: Any) -> dict:
+    """Nothing beyond the operations' results."""
+    return {}
+
+
+def committed(ckpt: str) -> list[int]:
+    """The committed steps in ``ckpt`` as a new process lists them."""
+    from dlrover_core.checkpoint.saver import committed_steps
+
+    return committed_steps(ckpt)
+
+
+def target(point) -> str | None:
+    """``None``: the rank that reaches the point is armed."""
+    return None
+
+
+def variants(point, fault: str, quick: bool) -> list[dict]:
+    """One run per (point, fault, ranks): ``[{}]``."""
+    return [{}]
+
+
+def begin_run(info: dict) -> dict:
+    """Nothing beyond the rank processes; returns ``{}``."""
+    return {}
+
+
+def pids(ctx: dict) -> dict[int, str]:
+    """No process besides the ranks."""
+    return {}
+
+
+def end_run(run: dict) -> None:
+    """Nothing to stop."""
+
+
+def before_restart(run: dict) -> dict:
+    """Nothing to read or clear between the phases; returns ``{}``."""
+    return {}
+
+
+def wedged(run: dict) -> list[str]:
+    """Leftovers that block the next save: none beyond a failed restart save."""
+    return []

@@ -1,0 +1,123 @@
+"""The harness's command line: enumerate, run, print, end with the JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+import time
+
+from crashtest.run import SAVERS, one_run, points_of
+
+#: per saver, the points of the quick subset (``--quick``, ``make test``): one per area
+QUICK_FAULTS = ("sigkill", "enospc")
+
+
+#: the most hits of one point that are each faulted (the 1st, 2nd, ... hit)
+MAX_NTH = 6
+
+
+def target(case, point, reached: dict[str, dict[str, int]]) -> tuple[str | None, int]:
+    """``(the process armed for point, its hits in the fault-free fault phase)``: the
+    case's choice (the flash persister for its persist, commit and prune points), else
+    the highest rank that reached it; ``(None, 0)`` when none did."""
+    seen = reached.get(point.name, {})
+    fixed = case.target(point)
+    if fixed:
+        return fixed, seen.get(fixed, 0)
+    ranks = sorted(int(r[4:]) for r in seen if r.startswith("rank"))
+    return (f"rank{ranks[-1]}", seen[f"rank{ranks[-1]}"]) if ranks else (None, 0)
+
+
+def quick_points(points: list) -> list:
+    """One point per area (the first by name), for the quick subset."""
+    seen, out = set(), []
+    for p in points:
+        if p.area not in seen:
+            seen.add(p.area)
+            out.append(p)
+    return out
+
+
+def run_saver(name: str, worlds: list[int], quick: bool, base: str, emit) -> dict:
+    """Every run of saver ``name``; ``emit(line)`` prints a violation as it is found.
+    Returns ``{"points", "runs", "faults", "violations"}``."""
+    case = importlib.import_module(f"crashtest.{name}_case")
+    points = points_of(case)
+    violations: list[str] = []
+    runs, faults = 0, set()
+    reached: dict[int, dict[str, dict[str, int]]] = {}
+    ever: set[str] = set()
+    for world in worlds:
+        r = one_run(case, base, world)
+        runs += 1
+        reached[world] = r["hits"]
+        ever |= set(r["hits"]) | set(r["restart_hits"])
+        for v in r["violations"]:
+            emit(f"baseline {v}")
+            violations.append(v)
+    for p in points:
+        if p.name not in ever:
+            v = f"{name}: point {p.name} never reached in a fault-free run (tested vacuously)"
+            emit(v)
+            violations.append(v)
+    todo = quick_points(points) if quick else points
+    for p in todo:
+        for fault in p.faults:
+            if quick and fault not in QUICK_FAULTS:
+                continue
+            for world in worlds:
+                who, count = target(case, p, reached[world])
+                nths = range(1, min(count, 1 if quick else MAX_NTH) + 1)
+                for nth in nths:
+                    for variant in case.variants(p, fault, quick):
+                        r = one_run(case, base, world, p, fault, who, nth, variant)
+                        runs += 1
+                        faults.add(fault)
+                        for v in r["violations"]:
+                            emit(v)
+                            violations.append(v)
+    return {"points": len(points), "runs": runs, "faults": faults, "violations": violations}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--savers", default=",".join(SAVERS))
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--quick", action="store_true", help="one point per area, two faults")
+    ap.add_argument("--self-test", action="store_true",
+                    help="feed the invariants wrong outcomes; fail unless each is caught")
+    ap.add_argument("--dir", default=None, help="where runs go (default: a temp dir)")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    if args.self_test:
+        from crashtest.selftest import self_test
+
+        caught = self_test()
+        print(json.dumps(caught))
+        return 0 if caught["missed"] == 0 else 1
+    base = args.dir or tempfile.mkdtemp(prefix="crash-test-")
+    savers = [s for s in args.savers.split(",") if s]
+    worlds = [int(w) for w in args.ranks.split(",")]
+
+    def emit(line: str) -> None:
+        print(f"VIOLATION {line}", flush=True)
+
+    total = {"points": 0, "runs": 0, "faults": set(), "violations": []}
+    for name in savers:
+        out = run_saver(name, worlds, args.quick, base, emit)
+        print(f"# {name}: {out['points']} points, {out['runs']} runs, "
+              f"{len(out['violations'])} violations, {time.monotonic() - t0:.0f} s", flush=True)
+        for k in ("points", "runs", "violations"):
+            total[k] += out[k]
+        total["faults"] |= out["faults"]
+    print(json.dumps({"points": total["points"], "faults": sorted(total["faults"]),
+                      "runs": total["runs"], "violations": len(total["violations"]),
+                      "savers": savers, "seconds": round(time.monotonic() - t0, 1)}))
+    return 1 if total["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
