@@ -14,6 +14,10 @@
 #             `ray start` process on this machine (dlrover cluster up; GCS_FT=1: with a
 #             redis-server for Ray's GCS fault tolerance); prints the export lines for clients
 # make cluster-down: stop exactly those nodes (dlrover cluster down)
+# make crash-test [CRASH_ARGS=--quick]: the crash-point harness (scripts/crash_test.py):
+#             every crash point of the flash, disk and ODL savers x each fault x 1, 2, 4
+#             ranks, then a restart and the invariants; ends with one JSON line, exit 1 on
+#             a violation
 # make dist:  a wheel and an sdist of the core and every plugin under dist/ (twine check)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -61,6 +65,10 @@ cluster-down:
 
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py
+
+.PHONY: crash-test
+crash-test: setup
+	$(BIN)/python scripts/crash_test.py $(CRASH_ARGS)
 
 dist: setup
 	scripts/build_dists.sh $(BIN)/python

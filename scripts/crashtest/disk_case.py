@@ -92,8 +92,35 @@ def end_run(run: dict) -> None:
 
 
 def before_restart(run: dict) -> dict:
-    """Nothing to read or clear between the phases; returns ``{}``."""
+    """Between the phases: with ``run["corrupt"]`` (the harness's self-test) flip a
+    byte of the newest committed step's first shard file, so that the restart cannot
+    resume it bit for bit. Returns ``{}``."""
+    if run.get("corrupt"):
+        corrupt_newest(os.path.join(run["run_dir"], "ckpt"))
     return {}
+
+
+def corrupt_newest(ckpt: str) -> str:
+    """Flip one byte in the middle of the newest committed step's largest file (not
+    its manifest); returns the file's path.
+
+    Raises:
+        FileNotFoundError: no step is committed in ``ckpt``.
+    """
+    from dlrover_core.checkpoint.saver import step_dir_name
+
+    steps = committed(ckpt)
+    if not steps:
+        raise FileNotFoundError(f"{ckpt}: no committed step to corrupt")
+    d = os.path.join(ckpt, step_dir_name(steps[-1]))
+    files = [os.path.join(d, f) for f in os.listdir(d) if f != "manifest.json"]
+    path = max(files, key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return path
 
 
 def wedged(run: dict) -> list[str]:

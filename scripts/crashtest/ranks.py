@@ -41,7 +41,9 @@ def _run_op(case: Any, saver: Any, spec: dict, op: tuple) -> dict:
         return {}
     if op[0] == "load":
         got = blank_state()
-        step = case.load(saver, spec, got, op[1])
+        # the harness's self-test fakes a wrong resume with force_load_step
+        want = op[1] if op[1] is not None else spec.get("force_load_step")
+        step = case.load(saver, spec, got, want)
         return {"step": step, "digest": digest(got) if step is not None else None,
                 "source": getattr(saver, "last_load_source", None)}
     if op[0] == "wait":

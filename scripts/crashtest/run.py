@@ -65,7 +65,7 @@ def one_run(case, base: str, world: int, point=None, fault: str | None = None,
                           **(variant or {})})
     fault_out = launch.run_phase(_specs(case, run_dir, ckpt, job, world, "fault", FAULT_OPS,
                                         arm, arm_rank, trace), PHASE_TIMEOUT_S)
-    run = {"ops": FAULT_OPS, "world": world, "keep": KEEP, "durable_after": case.DURABLE_AFTER,
+    run = {"ops": FAULT_OPS, "world": world, "run_dir": run_dir, "keep": KEEP, "durable_after": case.DURABLE_AFTER,
            "fault": fault_out, "ctx": ctx, **(variant or {}),
            "journals": [Journal(os.path.join(run_dir, f"fault-rank{r}.jsonl")).read()
                         for r in range(world)]}
@@ -75,9 +75,11 @@ def one_run(case, base: str, world: int, point=None, fault: str | None = None,
     run.update(case.before_restart(run))
     run["c1"] = case.committed(ckpt)
     restart_trace = os.path.join(run_dir, "trace-restart") if point is None else None
-    run["restart"] = launch.run_phase(_specs(case, run_dir, ckpt, job, world, "restart",
-                                             RESTART_OPS, None, None, restart_trace),
-                                      PHASE_TIMEOUT_S)
+    specs = _specs(case, run_dir, ckpt, job, world, "restart", RESTART_OPS, None, None,
+                   restart_trace)
+    for spec in specs:  # the self-test's fake wrong resume
+        spec["force_load_step"] = (variant or {}).get("wrong_resume")
+    run["restart"] = launch.run_phase(specs, PHASE_TIMEOUT_S)
     run["c2"] = case.committed(ckpt)
     run["wedged"] = case.wedged(run)
     run["fired"] = point is not None and point.name in fault_hits

@@ -1,0 +1,90 @@
+"""The crash-point harness (``make crash-test``, ``scripts/crash_test.py``) and the
+crash points it drives (:mod:`dlrover_core.crashpoints`).
+
+- the faults are real: an armed ``sigkill`` point kills its process (exit by SIGKILL),
+  ``enospc``/``eio`` raise ``OSError`` with that errno, ``rmlock`` removes the lock file;
+- the harness can fail: its self-test feeds the invariants a removed committed step, a
+  wrong resume, a changed state, a silent loss and a wedged restart, and corrupts a
+  real committed step and fakes a real wrong resume; each must be caught;
+- the quick subset (one point per area, two faults, 1 / 2 / 4 ranks) has no violation;
+- (slow) every point x fault x hit x 1 / 2 / 4 ranks has no violation.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = REPO / "scripts" / "crash_test.py"
+
+
+def harness(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run the harness; ``(process, its last line as JSON)``."""
+    run = subprocess.run([sys.executable, str(HARNESS), *args], capture_output=True,
+                         text=True, timeout=timeout, cwd=REPO)
+    lines = run.stdout.strip().splitlines()
+    assert lines, run.stderr[-3000:]
+    return run, json.loads(lines[-1])
+
+
+def test_armed_points_fault_for_real(tmp_path):
+    script = f"""
+import errno, os, sys
+from dlrover_core import crashpoints as cp
+cp.POINTS.get("selftest.io") or cp.declare("selftest.io", "io", "save", "a test point")
+cp.POINTS.get("selftest.lock") or cp.declare("selftest.lock", "lock", "commit", "a test lock")
+trace = {str(tmp_path / "trace")!r}
+cp.arm("selftest.io", "enospc", nth=2, trace=trace)
+cp.crashpoint("selftest.io")
+try:
+    cp.crashpoint("selftest.io")
+    sys.exit("no ENOSPC at the second hit")
+except OSError as exc:
+    assert exc.errno == errno.ENOSPC, exc
+lock = {str(tmp_path / "lock")!r}
+open(lock, "w").close()
+cp.arm("selftest.lock", "rmlock")
+cp.crashpoint("selftest.lock", path=lock)
+assert not os.path.exists(lock)
+cp.arm("selftest.io", "sigkill")
+print("armed", flush=True)
+cp.crashpoint("selftest.io")
+print("survived", flush=True)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == -9, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.split() == ["armed"]
+    trace = (tmp_path / "trace").read_text().split("\n")
+    assert [t.split()[1] for t in trace if t] == ["selftest.io", "selftest.io"]
+    assert errno.ENOSPC  # the errno checked inside the child
+
+
+def test_the_harness_catches_each_kind_of_violation():
+    run, out = harness("--self-test", timeout=300)
+    assert run.returncode == 0 and out["missed"] == 0, run.stdout[-3000:]
+    assert {"lost", "wrong_resume", "changed_state", "silent_loss", "wedged_restart",
+            "real_corrupt_step", "real_wrong_resume"} <= set(out["caught"])
+
+
+def test_quick_subset_has_no_violation():
+    run, out = harness("--quick", timeout=600)
+    assert out["violations"] == 0, run.stdout[-6000:]
+    assert run.returncode == 0
+    assert out["runs"] > 0 and out["points"] > 0
+
+
+@pytest.mark.slow
+def test_every_crash_point_fault_and_rank_count_has_no_violation():
+    run, out = harness(timeout=1800)
+    assert out["violations"] == 0, run.stdout[-12000:]
+    assert run.returncode == 0
+    assert set(out["savers"]) == {"disk", "flash", "odl"}
+    assert os.path.exists(HARNESS)
