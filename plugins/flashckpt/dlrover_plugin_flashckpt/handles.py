@@ -6,6 +6,7 @@ after a trainer died, the job's end). Imports no torch; the actor itself is
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dlrover_plugin_flashckpt import hygiene
@@ -119,3 +120,10 @@ def finish_job(job: str, run_id: str | None = None, timeout: float = 300.0,
         except Exception as exc:  # noqa: BLE001
             out[n] = {"errors": [f"{type(exc).__name__}: {exc}"]}
     return out
+
+
+def crashpoint_env() -> dict:
+    """The crash-point variables (``DLROVER_CRASHPOINT*``, :mod:`dlrover_core.crashpoints`)
+    of this process, handed to a persister it creates, so that a harness or a test
+    arms the persister through the environment of the process that starts it."""
+    return {k: v for k, v in os.environ.items() if k.startswith("DLROVER_CRASHPOINT")}

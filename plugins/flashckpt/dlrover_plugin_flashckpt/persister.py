@@ -15,8 +15,12 @@ Work loop (one background thread, so one persist at a time per node):
    newest;
 2. claim the slots (PERSISTING, under the slot lock), so no save overwrites them;
 3. write each rank's meta and data (crc32 of the bytes written), mark them done;
-   release the slots (READY, with the data crc32 and ``persisted_seq`` recorded);
-4. commit when every rank of the role is written (``storage.try_commit``).
+   release the slots (READY, with the data crc32 recorded);
+4. commit when every rank of the role is written (``storage.try_commit``); a save
+   counts as persisted (``persisted_seq``) once its step is committed. A commit that
+   cannot land yet (another node's ranks, a failure, an interrupted commit found on
+   disk) is tried again; failures back off (0.5 s doubling to 30 s) and the status
+   says since when persisting fails (``failing``), and when it recovered.
 
 The loop is :mod:`.persisting`'s, the copies to a peer node :mod:`.replica`'s; the
 functions that find the persisters from outside are :mod:`.handles`'.
@@ -31,6 +35,7 @@ import time
 from typing import Any
 
 from dlrover_plugin_flashckpt import hygiene, shm, storage
+from dlrover_plugin_flashckpt.failures import PersistFailures
 
 # re-exported: callers reach the persisters through this module
 from dlrover_plugin_flashckpt.handles import (  # noqa: F401
@@ -38,6 +43,7 @@ from dlrover_plugin_flashckpt.handles import (  # noqa: F401
     NAMESPACE,
     alive_nodes,
     breakpoint_save,
+    crashpoint_env,
     finish_job,
     persister_name,
     persisters_of,
@@ -46,6 +52,10 @@ from dlrover_plugin_flashckpt.persisting import POLL_S, PersistMixin, Registrati
 from dlrover_plugin_flashckpt.replica import ReplicaMixin
 
 log = logging.getLogger(__name__)
+
+#: seconds :meth:`FlashPersister.finish` waits, once this node's part of a step is
+#: written, for the other nodes' ranks that its commit needs
+FINISH_GRACE_S = 10.0
 
 
 class FlashPersister(ReplicaMixin, PersistMixin):
@@ -71,6 +81,8 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         self.current: dict | None = None
         self.history: list[dict] = []
         self.errors: list[str] = []
+        #: failures in a row of the persist loop, and its backoff
+        self.failures = PersistFailures()
         #: shared-memory directories already swept for stale buffers
         self._swept: set[str] = set()
         self.removed_stale = self._sweep(shm_dir)
@@ -239,26 +251,34 @@ class FlashPersister(ReplicaMixin, PersistMixin):
                 raise TimeoutError(
                     f"flash checkpoint step {step} of role {role!r} was not committed within "
                     f"{timeout:g} s: {len(have)} of {world} ranks written ({', '.join(have)}); "
-                    f"errors: {self.errors[-3:]}")
+                    f"failing: {self.failures.state()}; errors: {self.errors[-3:]}")
             time.sleep(0.05)
 
     def status(self) -> dict:
         """``pid``, ``current`` (the persist in progress: role, step, rank, bytes),
-        ``history`` (finished persists), ``errors`` and ``registered`` ranks."""
+        ``history`` (finished persists), ``errors``, ``registered`` ranks, ``failing``
+        (``None``, or what fails: ``{"what", "error", "since", "last", "tries",
+        "retry_in_s"}``, times in unix seconds) and ``recovered`` (the last failing
+        state that ended: ``{"what", "error", "since", "at", "tries"}``, or ``None``)."""
         with self._lock:
             return {"pid": self.pid, "current": dict(self.current) if self.current else None,
                     "history": list(self.history), "errors": list(self.errors),
+                    "failing": self.failures.state(), "recovered": self.failures.recovered,
                     "registered": sorted(f"{r}-{k}" for r, k in self._regs),
                     "forced": {k: sorted(v) for k, v in self._forced.items()}}
 
     def finish(self, run_id: str | None = None, timeout: float = 300.0) -> dict:
         """The job ends: persist the newest step every local rank holds when it is not
-        on disk yet (waiting up to ``timeout`` s for this node's part), stop the loop
-        and remove the job's buffers on this node (those of ``run_id`` when given),
-        except those holding a step newer than their directory's newest commit: they
-        stay for the next run (:func:`hygiene.remove_job`, ``keep_unpersisted``).
-        Returns ``{"flushed": {role: step}, "removed": [names], "not_persisted": [{"name",
-        "role", "rank", "step", "dir", "shm_dir"}], "shm_dirs": [...], "errors": [...]}``."""
+        on disk yet, waiting up to ``timeout`` s for its commit (or, once this node's
+        part is written, :data:`FINISH_GRACE_S` for the other nodes' ranks), stop the
+        loop and remove the job's buffers on this node (those of ``run_id`` when
+        given), except those holding a step newer than their directory's newest commit:
+        they stay for the next run (:func:`hygiene.remove_job`, ``keep_unpersisted``).
+        Returns ``{"flushed": {role: step}, "not_committed": [{"role", "step", "dir",
+        "reason"}], "removed": [names], "not_persisted": [{"name", "role", "rank",
+        "step", "dir", "shm_dir"}], "shm_dirs": [...], "errors": [...], "failing":
+        status()["failing"]}``; a step of ``flushed`` that did not commit is listed
+        under ``not_committed`` (and logged) with the reason."""
         flushed: dict[str, int] = {}
         with self._lock:
             roles = sorted({ro for ro, _ in self._regs})
@@ -271,16 +291,42 @@ class FlashPersister(ReplicaMixin, PersistMixin):
                     self._forced.setdefault(role, set()).add(max(common))
         self._wake.set()
         deadline = time.monotonic() + timeout
+        incomplete_since: float | None = None
+        left: list[tuple[str, int]] = []
         while flushed and time.monotonic() < deadline and self._thread.is_alive():
             with self._lock:
-                left = any(self._needs_persist(role, step) for role, step in flushed.items())
+                left = [(ro, st) for ro, st in flushed.items() if self._needs_persist(ro, st)]
+                waiting = [(ro, st) for ro, st in left if not self._written_here(ro, st)]
             if not left:
                 break
+            if waiting or self.failures.state() or any(
+                    storage.committable(self._reg_of(ro).dir, st, self._reg_of(ro).world_size)
+                    for ro, st in left):
+                incomplete_since = None  # writing, failing (backing off) or committing
+            elif incomplete_since is None:
+                incomplete_since = time.monotonic()
+            elif time.monotonic() - incomplete_since > FINISH_GRACE_S:
+                break  # written here; the other nodes' ranks do not come
             time.sleep(0.05)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+        not_committed = []
         with self._lock:
+            for role, step in sorted(flushed.items()):
+                if not self._needs_persist(role, step):
+                    continue
+                reg = self._reg_of(role)
+                failing = self.failures.state()
+                have = len([m for m in storage.read_markers(storage.tmp_dir(reg.dir, step))
+                            if m.get("step") == step])
+                reason = (f"persisting fails since {time.ctime(failing['since'])}: "
+                          f"{failing['what']}: {failing['error']}" if failing else
+                          f"{have} of {reg.world_size} ranks' files written")
+                not_committed.append({"role": role, "step": step, "dir": reg.dir,
+                                      "reason": reason})
+                log.error("flash checkpoint step %d of %s was not committed at the job's "
+                          "end: %s", step, role, reason)
             shm_dirs = {r.shm_dir for r in self._regs.values()} or {DEFAULT_SHM_DIR}
             for seg in list(self._segs.values()) + self._retired:
                 seg.close()
@@ -291,8 +337,18 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         for d in sorted(shm_dirs):
             removed += hygiene.remove_job(d, self.job, run_id, self.session,
                                           keep_unpersisted=True, kept=kept)
-        return {"flushed": flushed, "removed": removed, "not_persisted": kept,
-                "shm_dirs": sorted(shm_dirs), "errors": list(self.errors)}
+        return {"flushed": flushed, "not_committed": not_committed, "removed": removed,
+                "not_persisted": kept, "shm_dirs": sorted(shm_dirs),
+                "errors": list(self.errors), "failing": self.failures.state()}
+
+    def _reg_of(self, role: str) -> Registration:
+        return next(r for (ro, _), r in self._regs.items() if ro == role)
+
+    def _written_here(self, role: str, step: int) -> bool:
+        """Whether every local rank's save of ``step`` is written (or committed)."""
+        regs = [r for (ro, _), r in self._regs.items() if ro == role]
+        return self._pending(regs, step) in ([], None)
+
 
 def remote_class() -> Any:
     import ray
@@ -324,9 +380,11 @@ def get_persister(job: str, create: bool = True, timeout: float = 120.0,
         except ValueError:
             if not create:
                 return None
+            env = crashpoint_env()  # a test or the crash-point harness arms it so
             handle = remote_class().options(
-                name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                num_cpus=0, max_concurrency=16, max_restarts=0,
+                **({"runtime_env": {"env_vars": env}} if env else {}), name=name,
+                namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+                max_concurrency=16, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             ).remote(job, hygiene.current_session(), node_id, shm_dir)
         try:

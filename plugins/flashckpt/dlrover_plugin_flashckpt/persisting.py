@@ -1,10 +1,17 @@
-"""The work loop of the per-node persister (a mixin of
-:class:`.persister.FlashPersister`): pick the next step to persist, claim its slots,
-write every local rank's files, release the slots and commit. Imports no torch.
+"""The work loop of the per-node persister (a mixin of :class:`.persister.FlashPersister`):
+pick the next step, claim its slots, write the local ranks' files, release, commit.
 
 Order: per role, the steps that every local rank holds in a READY slot, not yet
-persisted, and due (``persist_every_steps``) or forced (breakpoint, ``wait()``, job
+written, and due (``persist_every_steps``) or forced (breakpoint, ``wait()``, job
 end); forced steps first, then steps another node already started, then the newest.
+When nothing is to be written, the commit of a step whose files are written but not
+committed (another node's ranks came later, or a commit was interrupted: a kill,
+``ENOSPC``, a lock lost) is tried again (:meth:`PersistMixin._commit_candidates`).
+
+A save counts as persisted (``persisted_seq``) only once its step (or a newer one of
+the lineage) is committed; a save whose files are in the temp directory (a marker, or
+a commit's intent: :func:`.storage.written_saves`) is not written again. A failure is
+retried after a backoff (:mod:`.failures`); the status says that persisting fails.
 """
 
 from __future__ import annotations
@@ -13,44 +20,28 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
+from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_plugin_flashckpt import shm, storage
+from dlrover_plugin_flashckpt.failures import PersistFailures
+
+# re-exported: the persister and the tests reach the registration through this module
+from dlrover_plugin_flashckpt.registration import (  # noqa: F401
+    Claim,
+    Registration,
+    save_attempt,
+)
 
 log = logging.getLogger("dlrover_plugin_flashckpt.persister")
 
 POLL_S = 0.5
 
-
-@dataclass
-class Registration:
-    """What a trainer's saver tells its persister (sent with every notification).
-
-    Attributes: role, rank, world_size, dir (the role's checkpoint directory), keep,
-    slots (paths of the rank's buffers), persist_every_steps, throttle_mib_s, run_id,
-    shm_dir.
-    """
-
-    role: str
-    rank: int
-    world_size: int
-    dir: str
-    keep: int
-    slots: list[str]
-    persist_every_steps: int = 1
-    throttle_mib_s: float = 0.0
-    run_id: str = ""
-    shm_dir: str = "/dev/shm"
-    replicas: int = 0
-    replica_transport: str = "tcp"
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class _Claim:
-    rank: int
-    seg: shm.Segment
-    seq: int
+declare("flash.persist.claim", "state", "persist",
+        "the persister marked a rank's slot PERSISTING (claimed it)")
+declare("flash.persist.release", "state", "persist",
+        "the persister gave a claimed slot back (READY, its files written or not)")
+declare("flash.persist.committed", "state", "persist",
+        "the persister marked a save persisted: its step (or a newer one) is committed")
 
 
 class PersistMixin:
@@ -72,6 +63,7 @@ class PersistMixin:
     current: dict | None
     history: list[dict]
     errors: list[str]
+    failures: PersistFailures
 
     def _seg(self, path: str) -> shm.Segment | None:
         seg = self._segs.get(path)
@@ -123,32 +115,39 @@ class PersistMixin:
         return common or set()
 
     def _pending(self, regs: list[Registration], step: int) -> list[shm.Header] | None:
-        """Headers of the local ranks whose save of ``step`` is not written yet, or
-        ``None`` when some local rank does not hold ``step``."""
+        """Headers of the local ranks whose save of ``step`` is neither committed nor
+        written into the step's temp directory, or ``None`` when some local rank does
+        not hold ``step``."""
         out = []
+        written: set | None = None
         for r in regs:
             found = self._rank_steps(r, pending_only=False).get(step)
             if found is None:
                 return None
-            if found[1].persisted_seq != found[1].seq:
-                out.append(found[1])
+            h = found[1]
+            if h.persisted_seq == h.seq:
+                continue
+            if written is None:
+                written = storage.written_saves(r.dir, step)
+            if (r.rank, h.seq, h.saved_at) not in written:
+                out.append(h)
         return out
 
     def _needs_persist(self, role: str, step: int) -> bool:
+        """Whether ``step`` of ``role`` is not committed yet."""
         regs = [r for (ro, _), r in self._regs.items() if ro == role]
         newest = storage.newest_committed(regs[0].dir) if regs else None
-        if newest is not None and newest >= step:
-            return False
-        return bool(self._pending(regs, step))
+        return newest is None or newest < step
 
-    def _claim(self, role: str, step: int) -> list[_Claim]:
+    def _claim(self, role: str, step: int) -> list[Claim]:
         """Mark every local rank's slot holding ``step`` PERSISTING; all or nothing."""
         regs = sorted((r for (ro, _), r in self._regs.items() if ro == role),
                       key=lambda r: r.rank)
-        claims: list[_Claim] = []
+        claims: list[Claim] = []
+        written = storage.written_saves(regs[0].dir, step) if regs else set()
         for r in regs:
             found = self._rank_steps(r, pending_only=True).get(step)
-            if found is None:
+            if found is None or (r.rank, found[1].seq, found[1].saved_at) in written:
                 continue
             seg, _ = found
             with seg.locked():
@@ -161,12 +160,14 @@ class PersistMixin:
                 h.state = shm.PERSISTING
                 h.persister_pid, h.persister_start = self.pid, self.start
                 seg.write_header(h)
-                claims.append(_Claim(r.rank, seg, h.seq))
+                crashpoint("flash.persist.claim", path=seg.path)
+                claims.append(Claim(r.rank, seg, h.seq))
         return claims
 
-    def _release(self, claims: list[_Claim], results: dict[int, dict]) -> None:
-        """Give the claimed slots back (READY); those written (``results``) count as
-        persisted."""
+    def _release(self, claims: list[Claim], results: dict[int, dict]) -> None:
+        """Give the claimed slots back (READY); for those written (``results``), the
+        data crc32 is recorded (``crc_seq``); they count as persisted only once the
+        step is committed (:meth:`_retire_obsolete`)."""
         for c in claims:
             with c.seg.locked():
                 h = c.seg.read_header()
@@ -176,12 +177,14 @@ class PersistMixin:
                 if c.rank in results:
                     data_name, _ = storage.rank_files(c.rank)
                     h.data_crc = results[c.rank]["files"][data_name]["crc32"]
-                    h.crc_seq = h.persisted_seq = c.seq
+                    h.crc_seq = c.seq
                 c.seg.write_header(h)
+                crashpoint("flash.persist.release", path=c.seg.path)
 
     def _retire_obsolete(self, regs: list[Registration], newest: int | None) -> None:
-        """Mark saves at or below the newest committed step as persisted: they will
-        never be written, and a save must not keep them as "waiting for the disk"."""
+        """Mark saves at or below the newest committed step as persisted: that step
+        is on disk, or they will never be written, and a save must not keep them as
+        "waiting for the disk"."""
         if newest is None:
             return
         for r in regs:
@@ -197,6 +200,7 @@ class PersistMixin:
                     if h.state == shm.READY and h.step <= newest:
                         h.persisted_seq = h.seq
                         seg.write_header(h)
+                        crashpoint("flash.persist.committed", path=seg.path)
 
     def _pick(self) -> tuple[str, int] | None:
         """The next (role, step) to persist, or ``None``."""
@@ -225,24 +229,36 @@ class PersistMixin:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(POLL_S)
+            self._wake.wait(self.failures.wait_s(POLL_S))
             self._wake.clear()
+            if not self.failures.due():
+                continue  # backing off after a failure: a save's wake-up is no retry
             try:
                 with self._lock:
                     for seg in self._retired:
                         seg.close()
                     self._retired.clear()
-                while not self._stop.is_set() and self._persist_one():
+                while not self._stop.is_set() and self.failures.due() \
+                        and self._persist_one():
                     pass
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
-                self._error(f"persister loop: {type(exc).__name__}: {exc}\n"
-                            + traceback.format_exc(limit=5))
+                self._failed("the persister loop", exc, traceback.format_exc(limit=5))
 
     def _error(self, msg: str) -> None:
         log.error(msg)
         with self._lock:
             self.errors.append(msg)
             del self.errors[:-20]
+
+    def _failed(self, what: str, exc: BaseException, detail: str = "",
+                where: tuple[str, int] | None = None) -> None:
+        """A persist or commit (of ``where``: directory, step) failed: back off; keep
+        the first error of a kind in a row (the later ones are counted)."""
+        msg = self.failures.failed(what, exc, where)
+        if msg is not None:
+            with self._lock:
+                self.errors.append(msg + ("\n" + detail if detail else ""))
+                del self.errors[:-20]
 
     def _release_other_claims(self, keep: tuple[str, int] | None) -> None:
         """Give back this process's claims except those on ``keep`` (role, step): a
@@ -263,14 +279,26 @@ class PersistMixin:
                         seg.write_header(h)
 
     def _persist_one(self) -> bool:
+        """Write the next step's local files and try its commit, or else try the
+        commit of a step written but not committed. True when it got on (the loop goes
+        on at once); False when there was nothing to do or it failed (the loop waits
+        :data:`POLL_S`, or the backoff)."""
         with self._lock:
             picked = self._pick()
             self._release_other_claims(picked)
             if picked is None:
-                return False
-            role, step = picked
-            claims = self._claim(role, step)
-            regs = {r.rank: r for (ro, _), r in self._regs.items() if ro == role}
+                todo = self._commit_candidates()
+            else:
+                role, step = picked
+                claims = self._claim(role, step)
+                regs = {r.rank: r for (ro, _), r in self._regs.items() if ro == role}
+        if picked is None:
+            for c in todo:
+                done = self._commit(*c)
+                if done is not False:
+                    return bool(done)  # landed: go on; failed (None): back off
+            self._check_recovered()
+            return False
         if not claims:
             return False
         results: dict[int, dict] = {}
@@ -291,10 +319,7 @@ class PersistMixin:
                         self.current["bytes"] += n
 
                 meta = c.seg.meta_bytes(h)
-                # the attempt that made this save (a trailer of its meta block); a save
-                # without one (an older saver) counts as run id + world size only
-                attempt = storage.meta_attempt(meta) or storage.make_attempt(
-                    reg.run_id, reg.world_size)
+                attempt = save_attempt(meta, reg)
                 attempts.append(attempt)
                 with c.seg.data_view(h) as data:
                     results[c.rank] = storage.write_shard(
@@ -302,28 +327,74 @@ class PersistMixin:
                         extra={"seq": c.seq, "saved_at": h.saved_at}, throttle=throttle,
                         progress=progress, attempt=attempt)
         except Exception as exc:  # noqa: BLE001
-            self._error(f"persisting {role} step {step} failed: {type(exc).__name__}: {exc}")
+            self._failed(f"persisting {role} step {step}", exc, where=(first.dir, step))
         finally:
             with self._lock:
                 self._release(claims, results)
                 self.current = None
-        committed = False
+        committed = None
         if len(results) == len(claims):
-            with self._lock:  # a flush waits for the rename, ``latest`` and the prune
-                self._committing.add(first.dir)
-            try:
-                committed = storage.try_commit(first.dir, step, first.world_size, first.keep,
-                                               attempt=attempts[0])
-            except Exception as exc:  # noqa: BLE001
-                self._error(f"committing {role} step {step} failed: {type(exc).__name__}: {exc}")
-            finally:
-                with self._lock:
-                    self._committing.discard(first.dir)
+            committed = self._commit(role, step, first, attempts[0])
         with self._lock:
-            if committed:
-                self._forced.get(role, set()).discard(step)
             self.history.append({"role": role, "step": step, "ranks": sorted(results),
-                                 "committed": committed,
+                                 "committed": bool(committed),
                                  "seconds": round(time.monotonic() - t0, 4)})
             del self.history[:-50]
-        return True
+        return committed is not None
+
+    def _commit(self, role: str, step: int, reg: Registration,
+                attempt: dict | None) -> bool | None:
+        """Try the commit of ``step`` (``attempt``'s files, or an interrupted commit);
+        True when it landed now, False when it cannot yet (ranks missing, another
+        committer), ``None`` when it failed (recorded, backing off)."""
+        with self._lock:  # a flush waits for the rename, ``latest`` and the prune
+            self._committing.add(reg.dir)
+        try:
+            storage.finish_tail(reg.dir, reg.keep)
+            committed = storage.try_commit(reg.dir, step, reg.world_size, reg.keep,
+                                           attempt=attempt)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(f"committing {role} step {step}", exc, where=(reg.dir, step))
+            return None
+        finally:
+            with self._lock:
+                self._committing.discard(reg.dir)
+        newest = storage.newest_committed(reg.dir)
+        if newest is not None and newest >= step:
+            self.failures.succeeded()
+            with self._lock:
+                self._forced.get(role, set()).discard(step)
+                self._retire_obsolete([r for (ro, _), r in self._regs.items() if ro == role],
+                                      newest)
+        return committed
+
+    def _commit_candidates(self) -> list[tuple[str, int, Registration, dict | None]]:
+        """Steps newer than the newest commit whose local files are all written (the
+        commit of the save's attempt), and unfinished temp directories (an interrupted
+        commit, any attempt the lineage accepts), newest first per role."""
+        out = []
+        for role in sorted({ro for ro, _ in self._regs}):
+            regs = [r for (ro, _), r in self._regs.items() if ro == role]
+            newest = storage.newest_committed(regs[0].dir)
+            found: dict[int, dict | None] = {}
+            for step in sorted(self._common_steps(regs), reverse=True):
+                if (newest is None or step > newest) and self._pending(regs, step) == []:
+                    seg, h = self._rank_steps(regs[0], pending_only=False)[step]
+                    found[step] = save_attempt(seg.meta_bytes(h), regs[0])
+            for step in storage.pending_tmp_steps(regs[0].dir):
+                if newest is None or step > newest:
+                    found.setdefault(step, None)
+            if not found and storage.tail_pending(regs[0].dir, newest):
+                found[newest] = None  # a crash stopped a commit after its move
+            out += [(role, s, regs[0], found[s]) for s in sorted(found, reverse=True)]
+        return out
+
+    def _check_recovered(self) -> None:
+        """End the failing state when the step that failed is committed now (by
+        another node, or its commit landed before what failed: the prune)."""
+        failing = self.failures.state()
+        if failing is None or failing.get("dir") is None:
+            return
+        newest = storage.newest_committed(failing["dir"])
+        if newest is not None and newest >= failing["step"]:
+            self.failures.succeeded()

@@ -10,14 +10,15 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 
 from dlrover_core.atomic_io import write_all
 from dlrover_core.checkpoint.manifest import CorruptCheckpointError
-from dlrover_core.testing import crash_renames_after
-from dlrover_plugin_flashckpt import storage
+from dlrover_core import crashpoints
+from dlrover_plugin_flashckpt import commitlock, shm, storage
 from dlrover_plugin_flashckpt.meta import pack_meta, unpack_meta
 
 
@@ -176,7 +177,7 @@ def test_a_file_cut_short_after_its_marker_is_not_committed(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="has 100 bytes, its marker says 500"):
         storage.try_commit(d, 1, 1, keep=2)
     assert storage.newest_committed(d) is None
-    assert not os.path.exists(os.path.join(storage.tmp_dir(d, 1), ".commit"))
+    assert not os.path.exists(storage.lock_path(d, 1))
 
 
 @pytest.fixture
@@ -194,28 +195,77 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(where)], check=True)
 
 
-def test_full_checkpoint_folder_fails_the_write_and_commits_nothing(small_tmpfs):
-    d = small_tmpfs
-    _shard(d, 1, 0, 1, b"a" * 1000)
-    assert storage.try_commit(d, 1, 1, keep=2)
-    with pytest.raises(OSError) as e:
-        _shard(d, 2, 0, 1, b"b" * (2 << 20))  # twice the tmpfs
-    assert e.value.errno == errno.ENOSPC
-    assert not storage.try_commit(d, 2, 1, keep=2)
-    assert storage.lineage_steps(d) == [1] and storage.newest_committed(d) == 1
-    assert _data(d, 1) == b"a" * 1000
+def test_full_checkpoint_folder_fails_the_write_and_commits_nothing(small_tmpfs, tmp_path):
+    """The persister's loop (a real FlashPersister thread) writes step 2, twice the
+    tmpfs: the write fails with ENOSPC, nothing of it is kept, step 1 stays the
+    newest and whole, and the persister's status says that persisting fails."""
+    from persist_scenario import make_slot, persister, stop, wait_for
+
+    d, shm_dir = os.path.join(small_tmpfs, "ckpt"), str(tmp_path / "shm")
+    os.mkdir(shm_dir)
+    seg = make_slot(shm_dir, "full", d, 0, 1, 1, b"a" * 1000, cap=2 << 20)
+    p = persister(shm_dir, "full", d, 1)
+    try:
+        assert p.flush("trainer", 1, timeout=20) == 1
+        make_slot(shm_dir, "full", d, 0, 1, 2, b"b" * (2 << 20), seg=seg)
+        p._wake.set()
+        failing = wait_for(lambda: p.status()["failing"], 20, "persisting fails")
+        assert "step 2" in failing["what"] and os.strerror(errno.ENOSPC) in failing["error"]
+        assert os.listdir(storage.tmp_dir(d, 2)) == []  # the partial data file removed
+        assert storage.lineage_steps(d) == [1] and storage.newest_committed(d) == 1
+        assert _data(d, 1) == b"a" * 1000
+        assert seg.read_header().persisted_seq != seg.read_header().seq
+    finally:
+        stop(p)
 
 
 # ----------------------------------------------------------------------------- item 7
+_KILL_AT = """
+import os, signal, sys
+import dlrover_core.atomic_io as aio
+from dlrover_plugin_flashckpt import storage
+
+d, kill_at, exchange = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+renames = []
+
+
+def step(fn, *args):
+    renames.append(args)
+    if kill_at >= 0 and len(renames) > kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return fn(*args)
+
+
+real_rename, real_replace, real_exchange = os.rename, os.replace, aio._exchange
+os.rename = lambda a, b: step(real_rename, a, b)
+os.replace = lambda a, b: step(real_replace, a, b)
+aio._exchange = (lambda a, b: step(real_exchange, a, b)) if exchange else (lambda a, b: False)
+print(storage.try_commit(d, 4, 2, keep=2), len(renames))
+"""
+
+
+def _commit_in_child(d, kill_at=-1, exchange=True, point=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DLROVER_CRASHPOINT")}
+    if point:
+        env["DLROVER_CRASHPOINT"] = point
+    return subprocess.run([sys.executable, "-c", _KILL_AT, d, str(kill_at), str(int(exchange))],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.parametrize("exchange", [True, False])
-def test_recommitting_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exchange):
-    """Step 4 is committed again by a new attempt. A crash is injected at each rename
-    of the commit (the shards to their plain names, the manifest, the swap of the step
-    directory or its two renames where the filesystem has no atomic exchange, then
-    ``latest``): afterwards step 4 is always listed and verifies, whole old or new."""
+def test_recommitting_a_step_never_leaves_it_missing(tmp_path, exchange):
+    """Step 4 is committed again by a new attempt, in a child process SIGKILLed at
+    each rename of the commit (its intent, the shards to their plain names, the
+    manifest, the swap of the step directory or its two renames where the filesystem
+    has no atomic exchange, ``latest``, the lock's release) and at each crash point of
+    the commit. Afterwards step 4 is always listed and verifies, whole old or new; the
+    lock the dead committer held is left behind, and the next committer (this
+    process) finishes the commit: step 4 is the new attempt's."""
     outcomes = set()
-    for crash_at in range(12):
-        d = str(tmp_path / f"c{crash_at}")
+    runs = [(k, None) for k in range(20)] + [
+        (-1, n) for n in sorted(crashpoints.POINTS) if n.startswith("flash.commit.")]
+    for i, (kill_at, point) in enumerate(runs):
+        d = str(tmp_path / f"c{i}")
         old = storage.make_attempt("r", 2, "old")
         for r in range(2):
             _shard(d, 4, r, 2, b"o" * 40, old)
@@ -223,44 +273,101 @@ def test_recommitting_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exch
         new = storage.make_attempt("r", 2, "new")
         for r in range(2):
             _shard(d, 4, r, 2, b"n" * 40, new)
-        crash_renames_after(monkeypatch, crash_at, exchange)
-        try:
-            crashed = not storage.try_commit(d, 4, 2, keep=2)
-        except OSError:
-            crashed = True
-        monkeypatch.undo()
-        assert storage.lineage_steps(d) == [4], crash_at
+        got = _commit_in_child(d, kill_at, exchange, point)
+        killed = got.returncode == -9
+        assert killed or got.returncode == 0, got.stderr[-2000:]
+        if not killed:
+            assert got.stdout.split()[0] == "True", got.stdout
+            outcomes.add((False, True))
+            break  # every rename was passed: the later kill points are never reached
+        assert storage.lineage_steps(d) == [4], (kill_at, point)
         manifest = storage.verify_step(os.path.join(d, "step_00000004"))
-        got = {_data(d, 4, r) for r in range(2)}
-        assert got in ({b"o" * 40}, {b"n" * 40}), crash_at  # never a mix
-        assert manifest["attempt"] == (new if got == {b"n" * 40} else old)
-        outcomes.add((crashed, got == {b"n" * 40}))
+        data = {_data(d, 4, r) for r in range(2)}
+        assert data in ({b"o" * 40}, {b"n" * 40}), (kill_at, point)  # never a mix
+        assert manifest["attempt"] == (new if data == {b"n" * 40} else old)
+        outcomes.add((True, data == {b"n" * 40}))
+        # the next committer finishes (or redoes) the commit of the new attempt
+        storage.try_commit(d, 4, 2, keep=2)
+        storage.finish_tail(d, keep=2)
+        assert {_data(d, 4, r) for r in range(2)} == {b"n" * 40}, (kill_at, point)
+        assert storage.verify_step(os.path.join(d, "step_00000004"))["attempt"] == new
+        assert storage.latest_step(d) == 4
+        assert sorted(os.listdir(d)) == ["latest", "step_00000004"], (kill_at, point)
     assert outcomes == {(True, False), (True, True), (False, True)}
 
 
 # ----------------------------------------------------------------------------- item 9
-def _lock(d, step, owner):
-    with open(os.path.join(storage.tmp_dir(d, step), ".commit"), "w") as f:
-        json.dump(owner, f)
+def _lease(d, step, lease):
+    with open(storage.lock_path(d, step), "w") as f:
+        json.dump(lease, f)
 
 
-def test_commit_lock_takeover_rule(tmp_path):
-    """A ``.commit`` lock is taken over when its holder is gone: on this host a dead
-    pid, on any host a lock older than LOCK_STALE_S; a fresh lock of a live holder
-    (or of another host) is respected."""
+def test_commit_lock_takeover_rule(tmp_path, monkeypatch):
+    """A commit lock is taken over when its holder is gone: on this host a process
+    (pid, start time) that no longer runs, even when its pid is reused; on any host a
+    lease this process has seen unchanged for LOCK_STALE_S on its own clock, never
+    by the lease's wall-clock time. A takeover that finds another lease than the one
+    it judged gives it back."""
+    monkeypatch.setattr(commitlock, "LOCK_STALE_S", 0.5)
     d = str(tmp_path)
     _shard(d, 1, 0, 1, b"a" * 10)
-    now = time.time()
-    _lock(d, 1, {"host": "elsewhere", "pid": 1, "time": now - 10})
-    assert not storage.try_commit(d, 1, 1, keep=2)  # fresh, another host: respected
-    _lock(d, 1, {"host": socket.gethostname(), "pid": os.getpid(), "time": now})
-    assert not storage.try_commit(d, 1, 1, keep=2)  # a live holder here
-    _lock(d, 1, {"host": "elsewhere", "pid": 1, "time": now - storage.LOCK_STALE_S - 5})
-    assert storage.try_commit(d, 1, 1, keep=2)  # stale, another host: taken over
+    me, start = shm.my_identity()
+    host = socket.gethostname()
+    # another host, a lease written "long ago" by its clock: not judged by the clock
+    _lease(d, 1, {"host": "elsewhere", "pid": 1, "start": 5, "nonce": "a" * 16,
+                  "time": time.time() - 10 * storage.LOCK_STALE_S})
+    assert not storage.try_commit(d, 1, 1, keep=3)
+    time.sleep(0.3)
+    _lease(d, 1, {"host": "elsewhere", "pid": 1, "start": 5, "nonce": "b" * 16,
+                  "time": 0})  # renewed: seen anew
+    time.sleep(0.3)
+    assert not storage.try_commit(d, 1, 1, keep=3)
+    _lease(d, 1, {"host": host, "pid": me, "start": start, "nonce": "c" * 16, "time": 0})
+    time.sleep(0.6)
+    assert not storage.try_commit(d, 1, 1, keep=3)  # a live holder here: never stale
+    # a reused pid: this process's pid with another start time is not the holder
+    _lease(d, 1, {"host": host, "pid": me, "start": start + 1, "nonce": "d" * 16, "time": 0})
+    assert storage.try_commit(d, 1, 1, keep=3)
     _shard(d, 2, 0, 1, b"b" * 10)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    _lock(d, 2, {"host": socket.gethostname(), "pid": dead.pid, "time": now})
-    assert storage.try_commit(d, 2, 1, keep=2)  # this host, the holder is gone
-    assert storage.lineage_steps(d) == [1, 2]
-    assert not [n for n in os.listdir(os.path.join(d, "step_00000002")) if "commit" in n]
+    _lease(d, 2, {"host": host, "pid": dead.pid, "start": 1, "nonce": "e" * 16, "time": 0})
+    assert storage.try_commit(d, 2, 1, keep=3)  # this host, the holder is gone
+    _shard(d, 3, 0, 1, b"c" * 10)
+    _lease(d, 3, {"host": "elsewhere", "pid": 1, "start": 5, "nonce": "f" * 16, "time": 0})
+    assert not storage.try_commit(d, 3, 1, keep=3)  # first seen now
+    time.sleep(0.6)
+    assert storage.try_commit(d, 3, 1, keep=3)  # seen unchanged for LOCK_STALE_S
+    assert storage.lineage_steps(d) == [1, 2, 3]
+    assert not [n for n in os.listdir(d) if "commit" in n]
+    # the lease judged stale was replaced by another taker's meanwhile: given back
+    path = storage.lock_path(d, 4)
+    fresh = {"host": "elsewhere", "pid": 2, "start": 6, "nonce": "9" * 16, "time": 0}
+    _lease(d, 4, fresh)
+    assert not commitlock.take_over(path, {**fresh, "nonce": "8" * 16})
+    assert commitlock.read_lease(path) == fresh
+    assert [n for n in os.listdir(d) if "commit" in n] == [os.path.basename(path)]
+
+
+def test_every_return_of_a_commit_releases_its_lock(tmp_path, monkeypatch):
+    """The lineage changes (another process restores an older step) while a commit
+    takes its lock: the commit finds no accepted set any more and returns False. Its
+    lock is released all the same, so the next commit of the step is not blocked for
+    LOCK_STALE_S."""
+    d = str(tmp_path)
+    a = storage.make_attempt("r", 1, "a")
+    _shard(d, 5, 0, 1, b"x" * 8, a)
+    storage.start_lineage(d, a, base=None)
+    real_take = commitlock.take
+
+    def take_while_the_lineage_changes(path):
+        lease = real_take(path)
+        storage.start_lineage(d, storage.make_attempt("r", 1, "b"), base=3)
+        return lease
+
+    monkeypatch.setattr(commitlock, "take", take_while_the_lineage_changes)
+    assert not storage.try_commit(d, 5, 1, keep=2)
+    monkeypatch.undo()
+    assert not [n for n in os.listdir(d) if "commit" in n]
+    storage.start_lineage(d, a, base=None)
+    assert storage.try_commit(d, 5, 1, keep=2)  # at once, not LOCK_STALE_S later
