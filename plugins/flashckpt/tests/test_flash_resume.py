@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import ray
@@ -104,7 +105,8 @@ def test_submit_fresh_never_resumes_a_buffer_of_the_previous_run(job, tmp_path):
     assert any(h.step == 7 for h in _headers(job, d))
     fresh = make_saver(job, d)
     got = blank()
-    assert fresh.load(got) is None and same(got, blank())
+    assert fresh.load(got) is None
+    assert not got["model"]["w"].any() and got["extra"]["step"] == -1  # untouched
     fresh.save(1, state(1))
     fresh.wait()
     assert fresh.committed_steps() == [1]
@@ -136,6 +138,42 @@ def test_two_ranks_never_mix_the_saves_of_two_attempts(job, tmp_path):
     loads = ray.get([a.load.remote() for a in ranks], timeout=180)
     assert [(x["step"], x["exact"]) for x in loads] == [(100, True), (100, True)]
     _kill(ranks)
+    # rank 0's save of 200 in the rolled-back attempt is of the current lineage and
+    # newer than any commit, so the job's end would keep it for a next run: gone here
+    hygiene.remove_job("/dev/shm", job)
+
+
+def test_ranks_without_a_group_choose_from_rank_zeros_listing(job, tmp_path):
+    """Item 4: a commit lands between two ranks' listings of the directory (the old
+    incarnation's persister, a stale NFS directory cache). Rank 0 listed 100 only, rank
+    1 lists 100 and 200: both load 100, rank 0's view (rank 0 loaded 100 and rank 1
+    200). The commit "lands" by renaming the committed step back into place after rank
+    0 is seen (through its crash-point trace) waiting in the gather."""
+    d = str(tmp_path / "ckpt")
+    actor = ray.remote(SaverRank).options(num_cpus=0)
+    ranks = [actor.remote(job, d, r, 2, {"wait_timeout_s": 60}) for r in range(2)]
+    for step in (100, 200):
+        ray.get([a.save.remote(step) for a in ranks])
+        ray.get([a.wait.remote() for a in ranks])
+    _kill(ranks)
+    hygiene.remove_job("/dev/shm", job)  # the node lost its memory: disk only
+    hidden = os.path.join(d, ".landing")
+    os.rename(os.path.join(d, "step_00000200"), hidden)
+    trace = str(tmp_path / "trace")
+    rank0 = ray.remote(SaverRank).options(
+        num_cpus=0, runtime_env={"env_vars": {"DLROVER_CRASHPOINT_TRACE": trace}}
+    ).remote(job, d, 0, 2, {"wait_timeout_s": 60})
+    first = rank0.load.remote()
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(trace) and "flash.load.gather" in open(trace).read()):
+        assert time.monotonic() < deadline, "rank 0 never reached the gather"
+        time.sleep(0.05)
+    os.rename(hidden, os.path.join(d, "step_00000200"))
+    rank1 = actor.remote(job, d, 1, 2, {"wait_timeout_s": 60})
+    loads = ray.get([first, rank1.load.remote()], timeout=180)
+    assert [(x["step"], x["source"], x["exact"]) for x in loads] == [
+        (100, "disk", True), (100, "disk", True)]
+    _kill([rank0, rank1])
 
 
 def test_a_failed_relayout_keeps_the_step_its_slot_held(job, tmp_path):
@@ -163,7 +201,40 @@ def test_a_failed_relayout_keeps_the_step_its_slot_held(job, tmp_path):
         again.close()
     finally:
         hygiene.remove_job(str(shm_dir), job)
-        os.system(f"umount {shm_dir}")
+        os.system(f"umount -l {shm_dir}")  # lazily: the persister may still map it
+
+
+def test_after_a_damaged_step_the_memory_load_follows_the_new_lineage(job, tmp_path):
+    """The damaged-step case with the buffers kept (its test in test_flash_saver.py
+    removes them first, so no memory load met the lineage there): step 300 is damaged
+    on disk and in memory, the load falls back to 200 from disk, 210 is committed; the
+    next load takes 210 from memory, never the abandoned 300 still in a buffer."""
+    d = str(tmp_path / "ckpt")
+    first = make_saver(job, d)
+    for step in (200, 300):
+        first.save(step, state(step))
+        first.wait()
+    first.close()
+    with open(os.path.join(d, "step_00000300", "rank_00000.data"), "r+b") as f:
+        f.seek(100)
+        f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    for h, path in _buffers(job, d):
+        if h.step == 300:
+            seg = shm.Segment.attach(path)
+            seg.mm[h.data_offset + 10] ^= 0xFF
+            seg.close()
+    again = make_saver(job, d, verify_memory="data")
+    got = blank()
+    assert again.load(got) == 200 and again.last_load_source == "disk"
+    again.save(210, state(210))
+    again.wait()
+    again.close()
+    assert 300 in {h.step for h in _headers(job, d)}
+    last = make_saver(job, d)  # header checks only: the flipped bit would pass
+    got = blank()
+    assert last.load(got) == 210 and last.last_load_source == "memory"
+    assert same(got, state(210))
+    last.close()
 
 
 def test_plan_takes_rank_zeros_view_and_refuses_to_choose_alone():
@@ -194,7 +265,8 @@ def test_plan_takes_memory_only_of_the_current_lineage_and_one_attempt():
     assert choice.plan(held, 2, None, "/ckpt").memory is None
 
 
-def _headers(job: str, d: str) -> list[shm.Header]:
+def _buffers(job: str, d: str) -> list[tuple[shm.Header, str]]:
+    """``(header, path)`` of the buffers of ``job`` in /dev/shm holding a step of ``d``."""
     out = []
     for path in shm.list_segments("/dev/shm", shm.job_prefix(job)):
         seg = shm.Segment.attach(path)
@@ -203,12 +275,20 @@ def _headers(job: str, d: str) -> list[shm.Header]:
         try:
             h = seg.read_header()
             if shm.holds_step(h) and seg.ident().get("dir") == os.path.abspath(d):
-                out.append(h)
+                out.append((h, path))
         finally:
             seg.close()
     return out
 
 
+def _headers(job: str, d: str) -> list[shm.Header]:
+    return [h for h, _ in _buffers(job, d)]
+
+
 def _kill(actors: list) -> None:
+    """Kill the rank actors and wait until each is gone (``ray.kill`` returns first)."""
     for a in actors:
-        ray.kill(a)
+        ray.kill(a, no_restart=True)
+    for a in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(a.node_id.remote(), timeout=60)
