@@ -67,14 +67,31 @@ def committed(ckpt: str) -> list[int]:
     return committed_steps(ckpt)
 
 
+#: the fault-free trace run's variant (flash: the memory wiped, so that the restart
+#: reaches the disk load's points)
+TRACE_VARIANT: dict = {}
+
+
 def target(point) -> str | None:
     """``None``: the rank that reaches the point is armed."""
     return None
 
 
-def variants(point, fault: str, quick: bool) -> list[dict]:
-    """One run per (point, fault, ranks): ``[{}]``."""
+def variants(point, fault: str, world: int, quick: bool) -> list[dict]:
+    """One run per (point, fault, ranks, hit): ``[{}]``."""
     return [{}]
+
+
+#: rank counts and faults of the quick subset
+QUICK_WORLDS = (1, 2, 4)
+QUICK_FAULTS = ("sigkill", "enospc")
+
+
+def nths(count: int, world: int, quick: bool) -> list[int]:
+    """Which hits of a point (``count`` in the fault-free fault phase) are faulted: each
+    of the first 6 (a disk run takes a fraction of a second); the first when
+    ``quick``."""
+    return list(range(1, min(count, 1 if quick else 6) + 1))
 
 
 def begin_run(info: dict) -> dict:

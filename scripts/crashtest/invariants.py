@@ -35,20 +35,25 @@ def lineages(run: dict) -> list[list[int]]:
 
 
 def durable(run: dict) -> set[int]:
-    """Steps the saver promised committed: saves that returned on every rank (followed,
-    when ``durable_after`` is ``wait``, by a wait that returned on every rank)."""
+    """Steps the saver promised committed: saves that returned on every rank
+    (``durable_after`` ``save``), or the newest save before a wait that returned on
+    every rank (``wait``: an older save may be superseded in memory, never persisted)."""
     journals, ops = run["journals"], run["ops"]
     if len(journals) < run["world"]:
         return set()
     out: set[int] = set()
-    pending: set[int] = set()
+    pending: int | None = None  # a wait promises the newest save before it
     for i, op in enumerate(ops):
         every = all(_ended(j, i) for j in journals)
         if op[0] == "save" and every:
-            (out if run["durable_after"] == "save" else pending).add(op[1])
-        elif op[0] == "wait" and every:
-            out |= pending
-            pending = set()
+            if run["durable_after"] == "save":
+                out.add(op[1])
+            pending = op[1]
+        elif op[0] == "save":
+            pending = None
+        elif op[0] == "wait" and every and pending is not None:
+            out.add(pending)
+            pending = None
     return out
 
 
@@ -89,6 +94,13 @@ def check(run: dict) -> list[str]:
         elif ld["step"] is not None and ld["digest"] != expected_digest(o["rank"], ld["step"]):
             v.append(f"state: rank {o['rank']} loaded step {ld['step']} (from "
                      f"{ld.get('source')}) whose state differs from the saved one")
+    for o in run.get("armed", []):  # a load that faulted may raise, never return wrong
+        ld = _first_load(o)
+        if ld and ld["ok"] and (ld["step"] not in ok or (ld["step"] is not None and ld[
+                "digest"] != expected_digest(o["rank"], ld["step"]))):
+            v.append(f"resume: rank {o['rank']} load under the fault returned step "
+                     f"{ld['step']} (from {ld.get('source')}) not bit for bit the newest "
+                     f"of its lineage; acceptable {sorted(ok, key=str)}")
     if len(steps) > 1:
         v.append(f"resume: ranks resumed different steps {sorted(steps, key=str)}")
     keep, c2 = run["keep"], set(run["c2"])
@@ -138,7 +150,7 @@ def _silent_loss(run: dict) -> list[str]:
     """A fired fault that cost the newest saved step must have been reported."""
     if not run["fired"]:
         return []
-    fault = run["fault"]
+    fault = run["fault"] + run.get("armed", [])
     reported = (any(o["killed"] or o["hung"] or not o.get("done") for o in fault)
                 or any(not r["ok"] for o in fault for r in o["results"])
                 or any(o.get("warnings") for o in fault + run["restart"])

@@ -8,16 +8,9 @@ import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from crashtest.run import SAVERS, one_run, points_of
-
-#: per saver, the points of the quick subset (``--quick``, ``make test``): one per area
-QUICK_FAULTS = ("sigkill", "enospc")
-
-
-#: the most hits of one point that are each faulted (the 1st, 2nd, ... hit)
-MAX_NTH = 6
-
 
 def target(case, point, reached: dict[str, dict[str, int]]) -> tuple[str | None, int]:
     """``(the process armed for point, its hits in the fault-free fault phase)``: the
@@ -41,44 +34,58 @@ def quick_points(points: list) -> list:
     return out
 
 
-def run_saver(name: str, worlds: list[int], quick: bool, base: str, emit) -> dict:
-    """Every run of saver ``name``; ``emit(line)`` prints a violation as it is found.
-    Returns ``{"points", "runs", "faults", "violations"}``."""
+def run_saver(name: str, worlds: list[int], quick: bool, base: str, emit,
+              parallel: int = 1) -> dict:
+    """Every run of saver ``name`` (``parallel`` at a time); ``emit(line)`` prints a
+    violation as it is found. Returns ``{"points", "runs", "faults", "violations"}``."""
     case = importlib.import_module(f"crashtest.{name}_case")
     points = points_of(case)
     violations: list[str] = []
     runs, faults = 0, set()
     reached: dict[int, dict[str, dict[str, int]]] = {}
     ever: set[str] = set()
+    restart_reached: dict[int, dict[str, dict[str, int]]] = {}
     for world in worlds:
-        r = one_run(case, base, world)
+        if quick and world not in case.QUICK_WORLDS:
+            continue
+        r = one_run(case, base, world, variant=case.TRACE_VARIANT)
         runs += 1
         reached[world] = r["hits"]
+        restart_reached[world] = r["restart_hits"]
         ever |= set(r["hits"]) | set(r["restart_hits"])
         for v in r["violations"]:
             emit(f"baseline {v}")
             violations.append(v)
-    for p in points:
+    for p in points if not quick else []:  # the quick subset runs a part of the ranks
         if p.name not in ever:
             v = f"{name}: point {p.name} never reached in a fault-free run (tested vacuously)"
             emit(v)
             violations.append(v)
     todo = quick_points(points) if quick else points
+    jobs = []
     for p in todo:
         for fault in p.faults:
-            if quick and fault not in QUICK_FAULTS:
+            if quick and fault not in case.QUICK_FAULTS:
                 continue
             for world in worlds:
-                who, count = target(case, p, reached[world])
-                nths = range(1, min(count, 1 if quick else MAX_NTH) + 1)
-                for nth in nths:
-                    for variant in case.variants(p, fault, quick):
-                        r = one_run(case, base, world, p, fault, who, nth, variant)
-                        runs += 1
+                if quick and world not in case.QUICK_WORLDS:
+                    continue
+                who, count = target(case, p, reached.get(world, {}))
+                variants = case.variants(p, fault, world, quick)
+                if count == 0 and p.area == "load":  # reached only by the restart's load
+                    who, count = target(case, p, restart_reached[world])
+                    variants = [{**case.TRACE_VARIANT, "arm_restart": True}]
+                for nth in case.nths(count, world, quick):
+                    for variant in variants:
+                        jobs.append((p, fault, world, who, nth, variant))
                         faults.add(fault)
-                        for v in r["violations"]:
-                            emit(v)
-                            violations.append(v)
+    with ThreadPoolExecutor(parallel) as pool:
+        for r in pool.map(lambda j: one_run(case, base, j[2], j[0], j[1], j[3], j[4], j[5]),
+                          jobs):
+            runs += 1
+            for v in r["violations"]:
+                emit(v)
+                violations.append(v)
     return {"points": len(points), "runs": runs, "faults": faults, "violations": violations}
 
 
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one point per area, two faults")
     ap.add_argument("--self-test", action="store_true",
                     help="feed the invariants wrong outcomes; fail unless each is caught")
+    ap.add_argument("--jobs", type=int, default=3, help="runs at a time (default 3)")
     ap.add_argument("--dir", default=None, help="where runs go (default: a temp dir)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     total = {"points": 0, "runs": 0, "faults": set(), "violations": []}
     for name in savers:
-        out = run_saver(name, worlds, args.quick, base, emit)
+        out = run_saver(name, worlds, args.quick, base, emit, args.jobs)
         print(f"# {name}: {out['points']} points, {out['runs']} runs, "
               f"{len(out['violations'])} violations, {time.monotonic() - t0:.0f} s", flush=True)
         for k in ("points", "runs", "violations"):

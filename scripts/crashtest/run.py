@@ -29,9 +29,10 @@ def points_of(case) -> list:
 
 
 def _specs(case, run_dir: str, ckpt: str, job: str, world: int, phase: str, ops: list,
-           arm: dict | None, arm_rank: int | None, trace: str | None) -> list[dict]:
+           arm: dict | None, arm_rank: int | None, trace: str | None,
+           ctx: dict) -> list[dict]:
     return [{"saver": case.NAME, "rank": r, "world": world, "run_dir": run_dir, "ckpt": ckpt,
-             "job": job, "phase": phase, "ops": ops, "trace": trace,
+             "job": job, "phase": phase, "ops": ops, "trace": trace, "ray": ctx.get("address"),
              "arm": arm if r == arm_rank else None} for r in range(world)]
 
 
@@ -59,12 +60,14 @@ def one_run(case, base: str, world: int, point=None, fault: str | None = None,
     ckpt, job = os.path.join(run_dir, "ckpt"), f"crash-{uuid.uuid4().hex[:8]}"
     arm = {"name": point.name, "fault": fault, "nth": nth} if point else None
     arm_rank = int(target[4:]) if target and target.startswith("rank") else None
+    at_restart = bool((variant or {}).get("arm_restart"))  # a load point: the resume faults
     trace = os.path.join(run_dir, "trace-fault")
     ctx = case.begin_run({"job": job, "ckpt": ckpt, "run_dir": run_dir, "world": world,
                           "arm": arm if target == "persister" else None, "trace": trace,
                           **(variant or {})})
     fault_out = launch.run_phase(_specs(case, run_dir, ckpt, job, world, "fault", FAULT_OPS,
-                                        arm, arm_rank, trace), PHASE_TIMEOUT_S)
+                                        None if at_restart else arm, arm_rank, trace, ctx),
+                                 PHASE_TIMEOUT_S)
     run = {"ops": FAULT_OPS, "world": world, "run_dir": run_dir, "keep": KEEP, "durable_after": case.DURABLE_AFTER,
            "fault": fault_out, "ctx": ctx, **(variant or {}),
            "journals": [Journal(os.path.join(run_dir, f"fault-rank{r}.jsonl")).read()
@@ -74,9 +77,16 @@ def one_run(case, base: str, world: int, point=None, fault: str | None = None,
     fault_hits = hits(trace, pids)
     run.update(case.before_restart(run))
     run["c1"] = case.committed(ckpt)
+    if at_restart:  # a first restart whose load passes the armed point; then a clean one
+        trace = os.path.join(run_dir, "trace-armed")
+        run["armed"] = launch.run_phase(_specs(case, run_dir, ckpt, job, world, "armed",
+                                               [("load", None), ("close",)], arm, arm_rank,
+                                               trace, ctx), PHASE_TIMEOUT_S)
+        pids.update({o["pid"]: f"rank{o['rank']}" for o in run["armed"]})
+        fault_hits = hits(trace, pids)
     restart_trace = os.path.join(run_dir, "trace-restart") if point is None else None
     specs = _specs(case, run_dir, ckpt, job, world, "restart", RESTART_OPS, None, None,
-                   restart_trace)
+                   restart_trace, ctx)
     for spec in specs:  # the self-test's fake wrong resume
         spec["force_load_step"] = (variant or {}).get("wrong_resume")
     run["restart"] = launch.run_phase(specs, PHASE_TIMEOUT_S)
