@@ -37,8 +37,7 @@ def case_module(saver: str) -> Any:
 def _run_op(case: Any, saver: Any, spec: dict, op: tuple) -> dict:
     rank = spec["rank"]
     if op[0] == "save":
-        case.save(saver, spec, op[1], state_for(rank, op[1]))
-        return {}
+        return case.save(saver, spec, op[1], state_for(rank, op[1])) or {}
     if op[0] == "load":
         got = blank_state()
         # the harness's self-test fakes a wrong resume with force_load_step

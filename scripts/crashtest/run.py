@@ -65,10 +65,12 @@ def one_run(case, base: str, world: int, point=None, fault: str | None = None,
     ctx = case.begin_run({"job": job, "ckpt": ckpt, "run_dir": run_dir, "world": world,
                           "arm": arm if target == "persister" else None, "trace": trace,
                           **(variant or {})})
-    fault_out = launch.run_phase(_specs(case, run_dir, ckpt, job, world, "fault", FAULT_OPS,
+    fault_out = launch.run_phase(_specs(case, run_dir, ckpt, job, world, "fault",
+                                        getattr(case, "FAULT_OPS", FAULT_OPS),
                                         None if at_restart else arm, arm_rank, trace, ctx),
                                  PHASE_TIMEOUT_S)
-    run = {"ops": FAULT_OPS, "world": world, "run_dir": run_dir, "keep": KEEP, "durable_after": case.DURABLE_AFTER,
+    ops = getattr(case, "FAULT_OPS", FAULT_OPS)
+    run = {"ops": ops, "digest_for": getattr(case, "expected_digest", None), "world": world, "run_dir": run_dir, "keep": KEEP, "durable_after": case.DURABLE_AFTER,
            "fault": fault_out, "ctx": ctx, **(variant or {}),
            "journals": [Journal(os.path.join(run_dir, f"fault-rank{r}.jsonl")).read()
                         for r in range(world)]}

@@ -56,9 +56,15 @@ def _mutations() -> dict:
     def not_committed(r):
         r["c2"] = [35]
 
+    def acked_then_older(r):          # offsets of 35 acknowledged, the restart resumes 30
+        r["journals"][0].append({"i": 7, "op": "save", "at": "end", "acked": 35})
+        ld = r["restart"][0]["results"][0]
+        ld["step"], ld["digest"] = 30, expected_digest(0, 30)
+
     return {"lost": (lost, "lost"), "wrong_resume": (wrong_resume, "resume"),
             "changed_state": (changed_state, "state"), "silent_loss": (silent, "silent"),
-            "wedged_restart": (wedged, "wedged"), "new_step_missing": (not_committed, "wedged")}
+            "wedged_restart": (wedged, "wedged"), "new_step_missing": (not_committed, "wedged"),
+            "offsets_acked_then_lost": (acked_then_older, "offsets")}
 
 
 def self_test(real_runs: bool = True) -> dict:

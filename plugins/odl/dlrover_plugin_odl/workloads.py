@@ -35,10 +35,19 @@ from typing import Any
 import torch
 
 from dlrover_core import BaseWorkload
+from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_plugin_odl import ledger
 from dlrover_plugin_odl.config import ODLConfig
 from dlrover_plugin_odl.prequential import PrequentialStats
 from dlrover_plugin_odl.steps import batch_slice, prequential_step
+
+declare("odl.save.offsets", "state", "save",
+        "the trainer saves a step with its stream offsets (before the saver's save)")
+declare("odl.commit.offsets", "state", "commit",
+        "a step is committed: its offsets are about to be handed to the driver to commit "
+        "on the sources")
+declare("odl.load.offsets", "state", "load",
+        "a restarted trainer loaded a checkpoint, its stream offsets not yet restored")
 
 __all__ = ["EvalWorkload", "OnlineTrainerWorkload", "PreprocessWorkload", "SourceWorkload",
            "batch_slice", "prequential_step", "unwrap"]
@@ -181,10 +190,7 @@ class OnlineTrainerWorkload(BaseWorkload):
         self.optimizer = self.build_optimizer(self.model)
         self.progress: dict[str, Any] = {"step": 0, "records": 0, "offsets": {},
                                          "prequential": PrequentialStats().state()}
-        extra = {"stream": json.dumps(self.progress)}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.optimizer, extra=extra)
-        if loaded is not None:
-            self.progress = json.loads(extra["stream"])
+        loaded = self._restore()
         self.stats = PrequentialStats.from_state(self.progress.get("prequential"))
         self.restored_step = loaded
         self._awaiting: dict[int, dict] = {}   # saved step -> offsets, until committed
@@ -200,8 +206,19 @@ class OnlineTrainerWorkload(BaseWorkload):
         the checkpoint it loaded. The driver resumes the stream after ``offsets``."""
         return {**self.progress, "restored_step": self.restored_step}
 
+    def _restore(self) -> int | None:
+        """Load the newest checkpoint into the model, the optimizer and
+        :attr:`progress` (its stream offsets); returns its step or ``None``."""
+        extra = {"stream": json.dumps(self.progress)}
+        loaded = self.checkpointer.load(model=self.model, optimizer=self.optimizer, extra=extra)
+        crashpoint("odl.load.offsets")
+        if loaded is not None:
+            self.progress = json.loads(extra["stream"])
+        return loaded
+
     def _save(self, step: int) -> None:
         extra = {"stream": json.dumps(self.progress)}
+        crashpoint("odl.save.offsets")
         self.checkpointer.save(step, model=self.model, optimizer=self.optimizer, extra=extra)
         self._awaiting[step] = dict(self.progress["offsets"])
 
@@ -214,6 +231,7 @@ class OnlineTrainerWorkload(BaseWorkload):
         if not done:
             return None
         step = max(done)
+        crashpoint("odl.commit.offsets")
         offsets = self._awaiting[step]
         for s in [s for s in self._awaiting if s <= step]:
             del self._awaiting[s]
