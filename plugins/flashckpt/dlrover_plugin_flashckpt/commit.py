@@ -146,10 +146,13 @@ def _make_intent(tmp: str, step: int, world_size: int, chosen: list[dict]) -> di
     ranks: dict[str, Any] = {}
     for m in chosen:
         for plain, f in m["files"].items():
-            size = os.path.getsize(os.path.join(tmp, f["tmp"]))
-            if size != f["bytes"]:
+            p = os.path.join(tmp, f["tmp"])
+            size = os.path.getsize(p) if os.path.exists(p) else None
+            if size != f["bytes"]:  # the marker is dropped: the rank is written again
+                durable.remove(os.path.join(tmp, m["_name"]))
                 raise CorruptCheckpointError(
-                    f"{tmp}: {f['tmp']} has {size} bytes, its marker says {f['bytes']}")
+                    f"{tmp}: {f['tmp']} has {size} bytes, its marker says {f['bytes']}; "
+                    f"rank {m['rank']}'s files of step {step} are written again")
             files[plain] = {"bytes": f["bytes"], "crc32": f["crc32"]}
             names[plain] = f["tmp"]
         ranks[str(m["rank"])] = {k: v for k, v in m.items()
@@ -161,11 +164,12 @@ def _make_intent(tmp: str, step: int, world_size: int, chosen: list[dict]) -> di
 
 
 def _has_work(tmp: str, step: int, world_size: int, lineage: dict | None,
-              attempt: dict | None) -> bool:
+              attempt: dict | None, markers: bool = True) -> bool:
     intent = read_intent(tmp)
     if intent is not None and _intent_ok(intent, step, world_size, lineage):
         return True
-    return _complete_set(read_markers(tmp), step, world_size, lineage, attempt) is not None
+    return markers and _complete_set(read_markers(tmp), step, world_size, lineage,
+                                     attempt) is not None
 
 
 def committable(directory: str, step: int, world_size: int) -> bool:
@@ -176,12 +180,13 @@ def committable(directory: str, step: int, world_size: int) -> bool:
 
 
 def try_commit(directory: str, step: int, world_size: int, keep: int,
-               attempt: dict | None = None) -> bool:
+               attempt: dict | None = None, markers: bool = True) -> bool:
     """Commit ``step`` when its temp directory holds the intent of an interrupted commit
     that the lineage accepts (finished), or every rank's files of one attempt.
 
     ``attempt``: commit only that attempt's files (default: any single attempt the
-    lineage accepts; an interrupted commit is finished whichever its attempt). Returns
+    lineage accepts; an interrupted commit is finished whichever its attempt).
+    ``markers=False``: only finish an interrupted commit (its intent). Returns
     True when this call committed it (False: ranks missing, another process holds the
     commit lock, or a newer verified step of the lineage is committed already, in which
     case the temp directory is removed). The commit lock is released on every path.
@@ -198,20 +203,21 @@ def try_commit(directory: str, step: int, world_size: int, keep: int,
     if newest is not None and step < newest:
         shutil.rmtree(tmp, ignore_errors=True)
         return False
-    if not _has_work(tmp, step, world_size, read_lineage(directory), attempt):
+    if not _has_work(tmp, step, world_size, read_lineage(directory), attempt, markers):
         return False
     path = commitlock.lock_path(directory, step)
     lease = commitlock.take(path)
     if lease is None:
         return False
     try:
-        return _commit_locked(directory, step, world_size, keep, attempt, path, lease)
+        return _commit_locked(directory, step, world_size, keep, attempt, markers, path,
+                              lease)
     finally:
         commitlock.release(path, lease)
 
 
 def _commit_locked(directory: str, step: int, world_size: int, keep: int,
-                   attempt: dict | None, path: str, lease: dict) -> bool:
+                   attempt: dict | None, markers: bool, path: str, lease: dict) -> bool:
     tmp = tmp_dir(directory, step)
     lineage = read_lineage(directory)
     intent = read_intent(tmp)
@@ -220,7 +226,8 @@ def _commit_locked(directory: str, step: int, world_size: int, keep: int,
         intent = None
     if intent is None:
         # the markers may have been consumed by a committer that finished meanwhile
-        chosen = _complete_set(read_markers(tmp), step, world_size, lineage, attempt)
+        chosen = _complete_set(read_markers(tmp), step, world_size, lineage, attempt) \
+            if markers else None
         if chosen is None:
             return False
         intent = _make_intent(tmp, step, world_size, chosen)

@@ -1,7 +1,7 @@
 """The per-node flash persisters as seen from outside them: their names, finding them
 on the live nodes, and the job-wide operations over all of them (a breakpoint save
-after a trainer died, the job's end). Imports no torch; the actor itself is
-:class:`.persister.FlashPersister`.
+after a trainer died, the job's end, which of them fail to persist). Imports no torch;
+the actor itself is :class:`.persister.FlashPersister`.
 """
 
 from __future__ import annotations
@@ -127,3 +127,21 @@ def crashpoint_env() -> dict:
     of this process, handed to a persister it creates, so that a harness or a test
     arms the persister through the environment of the process that starts it."""
     return {k: v for k, v in os.environ.items() if k.startswith("DLROVER_CRASHPOINT")}
+
+
+def persist_failures(job: str, timeout: float = 10.0) -> dict[str, dict]:
+    """``node_id -> failing state`` (``FlashPersister.status()["failing"]``: ``what``,
+    ``error``, ``since``, ``tries``, ...) of every live persister of ``job`` whose
+    persisting fails now; ``{}`` when none does. A persister that does not answer within
+    ``timeout`` s is listed as ``{"what": "persister", "error": "<why>"}``."""
+    import ray
+
+    out: dict[str, dict] = {}
+    for node, handle in persisters_of(job).items():
+        try:
+            failing = ray.get(handle.status.remote(), timeout=timeout).get("failing")
+        except Exception as exc:  # noqa: BLE001 - a dead or stuck persister is reported
+            failing = {"what": "persister", "error": f"{type(exc).__name__}: {exc}"}
+        if failing:
+            out[node] = failing
+    return out

@@ -178,6 +178,10 @@ def test_a_file_cut_short_after_its_marker_is_not_committed(tmp_path):
         storage.try_commit(d, 1, 1, keep=2)
     assert storage.newest_committed(d) is None
     assert not os.path.exists(storage.lock_path(d, 1))
+    # its marker is dropped: the persister no longer counts the rank as written, and
+    # writes it again (a kept marker would fail the commit forever)
+    assert storage.read_markers(storage.tmp_dir(d, 1)) == []
+    assert storage.written_saves(d, 1) == set()
 
 
 @pytest.fixture
