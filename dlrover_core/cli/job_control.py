@@ -70,7 +70,20 @@ def status_line(st: dict) -> str:
             if st.get("step", -1) >= 0 else "no step yet")
     m = ", ".join(f"{k}={v:.4g}" for k, v in st.get("metrics", {}).items())
     restarts = format_restarts(st.get("restarts"))
-    return f"{head}: {st['state']} {step} {elapsed} restarts {restarts}" + (f" {m}" if m else "")
+    line = f"{head}: {st['state']} {step} {elapsed} restarts {restarts}" + (f" {m}" if m else "")
+    return line + (f"; {health_text(st['health'])}" if st.get("health") else "")
+
+
+def health_text(health: dict) -> str:
+    """``checkpoint_persist failing (persisting trainer step 40: [Errno 28] No space left
+    on device)``: the plugins' failing checks (``status()["health"]``), in one line."""
+    parts = []
+    for check, details in sorted(health.items()):
+        inner = [v for v in details.values() if isinstance(v, dict)] or [details]
+        what = "; ".join(": ".join(str(x) for x in (d.get("what"), d.get("error")) if x)
+                         for d in inner[:2])
+        parts.append(f"{check} failing ({what})" if what else f"{check} failing")
+    return ", ".join(parts)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from dlrover_core.master.context import JobContext
 from dlrover_core.master.elastic import ElasticManager
 from dlrover_core.master.events import EventLog
 from dlrover_core.master.failover import FailoverCoordinator, JobFailed, RecoveryAction
+from dlrover_core.master.health import HealthWatch
 from dlrover_core.master.instances import InstanceFailure, InstanceState, InstanceTable
 from dlrover_core.master.launcher import Launcher
 from dlrover_core.master.monitor import Detection, Monitor
@@ -90,6 +91,7 @@ class JobController:
         self.node_check = NodeCheck(s, self.launcher)  # node health (docs/node-health.md)
         self.stragglers = self.progress.stragglers = StragglerDetector(s)
         self.tensorboard = attach_tensorboard(spec, job_dir, s.events, self.progress.metrics_log)
+        self.health = HealthWatch(pm, s.name, spec, s.emit)  # the plugins' job_health checks
         self.state = JobState.PENDING
         self.error = ""
         self.summary: dict | None = None
@@ -108,6 +110,7 @@ class JobController:
     def run(self, reattaching: bool = False) -> None:
         """Drive the job to its end (blocking; the JobMaster runs it in a thread)."""
         status, error = JobState.FAILED, ""
+        self.health.start()
         try:
             if reattaching:
                 self._reattach()
@@ -270,6 +273,7 @@ class JobController:
     # ================================================================== the end
     def _finish(self, status: JobState, error: str) -> None:
         s = self.scope
+        self.health.stop()
         try:
             self.standby.drop()
             self.launcher.stop_instances(s.instances.all(), graceful=True)
@@ -320,6 +324,8 @@ class JobController:
                                     shards=ledger["roles"])
             if self.progress.tuning is not None:  # the config the job ended on
                 self.summary["tuning"] = self.progress.tuning.summary()
+            if self.health.current():  # a plugin's check still failing at the end
+                self.summary["health"] = self.health.current()
         s.context.set("summary", self.summary)
         atomic_write_json(s.run_paths.summary, self.summary)  # in case a hook never returns
         try:
@@ -372,7 +378,7 @@ class JobController:
                                         "pid": i.pid, "node_id": i.node_id,
                                         "step": i.last_step}
                               for i in s.instances.all()},
-                "standby": self.standby.warm(),
+                "standby": self.standby.warm(), "health": self.health.current(),
             }
 
 

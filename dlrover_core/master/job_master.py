@@ -91,7 +91,9 @@ class JobMaster:
         """``name``, ``run``, ``job_dir``, ``state``, ``step``, ``started_at`` (unix s),
         ``resumed_from``, ``total_steps``, ``metrics``, ``restarts``,
         ``elapsed_s`` (s), ``error``, ``instances`` (label -> state, attempt, pid,
-        node_id, step), ``standby`` (role -> warm) and, when finished, ``summary``."""
+        node_id, step), ``standby`` (role -> warm), ``health`` (the plugins' failing checks,
+        ``{check: details}``, :mod:`dlrover_core.master.health`) and, when finished,
+        ``summary``."""
         return self.controller.status()
 
     def stop(self) -> None:

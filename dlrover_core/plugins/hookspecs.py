@@ -188,6 +188,24 @@ def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
 
 
 @hookspec
+def dlrover_job_health(job: str, spec: Any) -> dict | None:
+    """What the plugin sees wrong with the running job ``job`` outside its processes:
+    ``{check name: details (a JSON-able dict)}``, or ``{}`` / ``None`` when all is well.
+    Master process, from a background thread every ``HEALTH_INTERVAL_S`` (10 s) while
+    the job runs (:mod:`dlrover_core.master.health`); it should return within a few
+    seconds. ``spec``: the job's spec (``DictConfig``). The master lists what fails
+    under ``status()["health"]`` and emits ``health_failing`` / ``health_recovered``.
+
+    Example (the flash saver)::
+
+        @hookimpl
+        def dlrover_job_health(job, spec):
+            failing = persist_failures(job)   # node -> {"what", "error", "since", ...}
+            return {"checkpoint_persist": failing} if failing else None
+    """
+
+
+@hookspec
 def dlrover_job_deleted(job: str, job_dir: str) -> list[str]:
     """``dlrover delete`` removed the job directory ``job_dir`` of the finished job
     ``job``. Client process (the command), Ray not needed. Remove what the plugin keeps

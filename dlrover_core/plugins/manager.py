@@ -304,6 +304,16 @@ class PluginManager:
         self._pm.hook.dlrover_job_finished(job=job, summary=summary, emit=emit or _no_emit,
                                            spec=spec)
 
+    def job_health(self, job: str, spec: Any) -> dict[str, dict]:
+        """``dlrover_job_health``: the failing checks of every plugin merged
+        (``{check: details}``; a name two plugins answer is kept once, the first
+        answer). Master process."""
+        out: dict[str, dict] = {}
+        for answer in self._pm.hook.dlrover_job_health(job=job, spec=spec):
+            for check, details in (answer or {}).items():
+                out.setdefault(str(check), dict(details or {}))
+        return out
+
     def job_deleted(self, job: str, job_dir: str) -> list[str]:
         """``dlrover_job_deleted``: what the plugins removed for a deleted job (one line
         each). Client process."""

@@ -9,6 +9,9 @@ the saver in the worker process; the master-side hooks use Ray only.
   on disk yet, stop the job's persisters and remove its shared-memory buffers, except
   those holding a step newer than the newest commit: they stay, and the summary lists
   them under ``checkpoint_not_persisted`` (role, rank, step, dir, node, name, shm_dir).
+- ``dlrover_job_health`` (master, every 10 s): a persister that cannot persist (a
+  full checkpoint folder) shows in ``dlrover status`` and as ``health_failing`` /
+  ``health_recovered`` events.
 - ``dlrover_cli_commands``: ``dlrover flash ls`` and ``dlrover flash clean``.
 """
 
@@ -58,6 +61,23 @@ def dlrover_workload_failed(job: str, failure: Any, verdict: Any, emit: Any) -> 
                     result["step"], result["claimed"])
         emit("flash_breakpoint_save", role=failure.role, step=result["step"],
              claimed=result["claimed"])
+
+
+@hookimpl
+def dlrover_job_health(job: str, spec: Any) -> dict | None:
+    """``{"checkpoint_persist": {node_id: {"what", "error", "since", "tries", ...}}}``
+    while a persister of the job cannot persist (a full or failing checkpoint folder;
+    :func:`.handles.persist_failures`), else ``None``. Master process."""
+    if not shm_dirs_of(spec):  # not a flash job
+        return None
+    try:
+        from dlrover_plugin_flashckpt.handles import persist_failures
+
+        failing = persist_failures(job, timeout=5.0)
+    except Exception as exc:  # noqa: BLE001 - a health check must never break the job
+        log.warning("could not ask the flash persisters of %s: %s", job, exc)
+        return None
+    return {"checkpoint_persist": failing} if failing else None
 
 
 def shm_dirs_of(spec: Any) -> list[str]:

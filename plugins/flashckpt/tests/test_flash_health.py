@@ -1,0 +1,51 @@
+"""A persister that cannot persist shows in the job's health (``status()["health"]``,
+``health_failing`` / ``health_recovered`` events): the real plugin manager with the
+installed plugins, the real persister actor, its checkpoint folder on a real full
+tmpfs that later gets its space back."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import torch
+from test_flash_commit import small_tmpfs  # noqa: F401 - a fixture
+
+from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+from dlrover_core.master.health import HealthWatch
+from dlrover_core.plugins.manager import PluginManager
+from dlrover_plugin_flashckpt.saver import FlashSaver
+
+
+def test_a_full_checkpoint_folder_shows_in_the_jobs_health(job, small_tmpfs):  # noqa: F811
+    d = os.path.join(small_tmpfs, "ckpt")
+    filler = os.path.join(small_tmpfs, "filler")
+    with open(filler, "wb") as f:
+        st = os.statvfs(small_tmpfs)
+        f.write(b"\0" * (st.f_bavail * st.f_frsize - (64 << 10)))
+    events: list[tuple[str, dict]] = []
+    spec = {"checkpoint": {"saver": "flash", "dir": d}}
+    watch = HealthWatch(PluginManager(), job, spec, lambda e, **f: events.append((e, f)))
+    assert watch.poll() == {}
+    s = FlashSaver(SaverConfig(dir=d, keep=2, job=job, options={"wait_timeout_s": 60}),
+                   SaverContext())
+    s.save(1, {"w": torch.arange(50_000, dtype=torch.float32)})  # 200 KB: does not fit
+    deadline = time.monotonic() + 60
+    while not watch.poll():
+        assert time.monotonic() < deadline, "the job's health never said persisting fails"
+        time.sleep(0.2)
+    [(node, state)] = watch.current()["checkpoint_persist"].items()
+    assert "step 1" in state["what"] and os.strerror(errno.ENOSPC) in state["error"]
+    assert [e for e, _ in events] == ["health_failing"]
+    os.unlink(filler)
+    s.wait()  # the persister's next try lands the commit
+    assert watch.poll() == {}
+    assert [e for e, _ in events] == ["health_failing", "health_recovered"]
+    assert events[1][1]["check"] == "checkpoint_persist"
+    s.close()
+
+
+def test_a_job_without_the_flash_saver_has_no_flash_check(job):
+    assert HealthWatch(PluginManager(), job, {"checkpoint": {"saver": "disk"}},
+                       print).poll() == {}
