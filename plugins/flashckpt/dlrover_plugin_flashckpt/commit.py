@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 #: which plain name; written before any marker is consumed
 INTENT = "commit.json"
 _TMP_RE = re.compile(r"^\.step_(\d{8,})\.tmp$")
-_LOCK_RE = re.compile(r"^\.step_(\d{8,})\.commit$")
+#: a commit lock, or what a killed taker left of one (its new lease, a moved stale one)
+_LOCK_RE = re.compile(r"^\.step_(\d{8,})\.commit(\.(new|stale)-[0-9a-f]+)?$")
 _MARKER_RE = re.compile(r"^rank_(\d{5})\.([0-9a-f]{16})-(\d+)-([0-9a-f]{8})\.done$")
 
 for _name, _kind, _doc in (

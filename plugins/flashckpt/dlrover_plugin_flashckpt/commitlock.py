@@ -5,14 +5,16 @@ The lock file holds a **lease**: ``{"host", "pid", "start", "nonce", "time"}``
 (``start``: the process start time in clock ticks, :func:`.identity.proc_start`, so a
 reused pid is not taken for the holder; ``time``: for people reading the file, never
 compared). It is created whole (written to a file of its own, then hard-linked to the
-lock's name: ``link`` fails when the name exists), so a reader never sees half a lease.
+lock's name: ``link`` fails when the name exists), so a reader never sees half a lease
+(``O_EXCL`` and a write on a filesystem without hard links).
 
 Takeover rule (:func:`take`): a lease is taken over when its holder is gone:
 
 - on this host, at once when the process ``(pid, start)`` no longer runs;
-- on any host, when this process has seen that exact lease (its ``nonce``) unchanged
-  for :data:`LOCK_STALE_S` on its own monotonic clock. Another host's wall clock is
-  never compared with ours.
+- otherwise (another host's lease, or a holder here that still runs but hangs), when
+  this process has seen that exact lease (its ``nonce``) unchanged for
+  :data:`LOCK_STALE_S` on its own monotonic clock. Another host's wall clock is never
+  compared with ours.
 
 A takeover renames the lock to a name of its own first and checks that the file it
 moved is the lease it judged (:func:`take_over`); when another taker replaced it
@@ -22,6 +24,7 @@ both win.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -29,6 +32,7 @@ import socket
 import time
 
 from dlrover_core.crashpoints import crashpoint, declare
+from dlrover_core.pids import pid_alive
 from dlrover_plugin_flashckpt.identity import alive, my_identity
 
 log = logging.getLogger(__name__)
@@ -90,7 +94,7 @@ def holder_gone(path: str, lease: dict) -> bool:
     clock."""
     if lease.get("host") == socket.gethostname() and lease.get("pid"):
         pid, start = int(lease["pid"]), lease.get("start")
-        if start is None or not alive(pid, int(start)):
+        if not (pid_alive(pid) if start is None else alive(pid, int(start))):
             return True
     now = time.monotonic()
     seen = _seen.get(path)
@@ -136,12 +140,28 @@ def _create(path: str, lease: dict) -> bool:
             os.link(own, path)
         except FileExistsError:
             return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            return _create_exclusive(path, lease)  # a filesystem without hard links
         return True
     finally:
         try:
             os.unlink(own)
         except OSError:
             pass
+
+
+def _create_exclusive(path: str, lease: dict) -> bool:
+    """:func:`_create` where hard links are not supported: ``O_EXCL`` and a write (a
+    reader may see the file empty for a moment; it is judged by its inode then)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(lease, f)
+    return True
 
 
 def take(path: str) -> dict | None:

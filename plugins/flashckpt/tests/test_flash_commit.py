@@ -328,7 +328,7 @@ def test_commit_lock_takeover_rule(tmp_path, monkeypatch):
     assert not storage.try_commit(d, 1, 1, keep=3)
     _lease(d, 1, {"host": host, "pid": me, "start": start, "nonce": "c" * 16, "time": 0})
     time.sleep(0.6)
-    assert not storage.try_commit(d, 1, 1, keep=3)  # a live holder here: never stale
+    assert not storage.try_commit(d, 1, 1, keep=3)  # a live holder here: first seen now
     # a reused pid: this process's pid with another start time is not the holder
     _lease(d, 1, {"host": host, "pid": me, "start": start + 1, "nonce": "d" * 16, "time": 0})
     assert storage.try_commit(d, 1, 1, keep=3)
