@@ -352,7 +352,7 @@ class PersistMixin:
         try:
             storage.finish_tail(reg.dir, reg.keep)
             committed = storage.try_commit(reg.dir, step, reg.world_size, reg.keep,
-                                           attempt=attempt)
+                                           attempt=attempt, markers=attempt is not None)
         except Exception as exc:  # noqa: BLE001
             self._failed(f"committing {role} step {step}", exc, where=(reg.dir, step))
             return None
@@ -369,9 +369,8 @@ class PersistMixin:
         return committed
 
     def _commit_candidates(self) -> list[tuple[str, int, Registration, dict | None]]:
-        """Steps newer than the newest commit whose local files are all written (the
-        commit of the save's attempt), and unfinished temp directories (an interrupted
-        commit, any attempt the lineage accepts), newest first per role."""
+        """Steps newer than the newest commit whose local files are all written, and
+        temp directories holding an interrupted commit's intent; newest first."""
         out = []
         for role in sorted({ro for ro, _ in self._regs}):
             regs = [r for (ro, _), r in self._regs.items() if ro == role]
@@ -381,17 +380,17 @@ class PersistMixin:
                 if (newest is None or step > newest) and self._pending(regs, step) == []:
                     seg, h = self._rank_steps(regs[0], pending_only=False)[step]
                     found[step] = save_attempt(seg.meta_bytes(h), regs[0])
-            for step in storage.pending_tmp_steps(regs[0].dir):
-                if newest is None or step > newest:
-                    found.setdefault(step, None)
+            for step in storage.pending_tmp_steps(regs[0].dir):  # an intent: finish it
+                if (newest is None or step > newest) and step not in found and \
+                        storage.read_intent(storage.tmp_dir(regs[0].dir, step)) is not None:
+                    found[step] = None
             if not found and storage.tail_pending(regs[0].dir, newest):
                 found[newest] = None  # a crash stopped a commit after its move
             out += [(role, s, regs[0], found[s]) for s in sorted(found, reverse=True)]
         return out
 
     def _check_recovered(self) -> None:
-        """End the failing state when the step that failed is committed now (by
-        another node, or its commit landed before what failed: the prune)."""
+        """End the failing state when the step that failed is committed now."""
         failing = self.failures.state()
         if failing is None or failing.get("dir") is None:
             return

@@ -211,6 +211,7 @@ def test_full_checkpoint_folder_fails_the_write_and_commits_nothing(small_tmpfs,
     p = persister(shm_dir, "full", d, 1)
     try:
         assert p.flush("trainer", 1, timeout=20) == 1
+        p.failures.min_s = p.failures.max_s = 5.0  # no retry while the folder is listed
         make_slot(shm_dir, "full", d, 0, 1, 2, b"b" * (2 << 20), seg=seg)
         p._wake.set()
         failing = wait_for(lambda: p.status()["failing"], 20, "persisting fails")
