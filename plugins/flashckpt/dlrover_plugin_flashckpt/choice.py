@@ -89,6 +89,8 @@ class Plan:
     memory: tuple[int, str, str] | None
     disk: list[int]
     lineage: dict | None
+    #: steps every rank holds in memory that the lineage does not take (newest first)
+    refused: list[int] = field(default_factory=list)
 
 
 def plan(held: list[Held], world_size: int, step: int | None, directory: str) -> Plan:
@@ -114,6 +116,8 @@ def plan(held: list[Held], world_size: int, step: int | None, directory: str) ->
     current = attempt_tag((lineage or {}).get("attempt") or {}) if lineage else None
     cands = [(s, t, "own") for s, t in own if in_lineage(lineage, s, t)] + \
             [(s, t, "other") for s, t in other if in_lineage(lineage, s, t)]
+    refused = sorted({s for s, t in own | other if not in_lineage(lineage, s, t)},
+                     reverse=True)
     # newest step first; at one step the lineage's own attempt first, own buffers first
     cands.sort(key=lambda c: (c[0], c[1] == current, c[2] == "own"), reverse=True)
     if step is not None:
@@ -125,8 +129,11 @@ def plan(held: list[Held], world_size: int, step: int | None, directory: str) ->
                 f"step {step} is not committed in the current lineage (committed: "
                 f"{', '.join(map(str, have)) or 'none'}) and not held in memory by every "
                 "rank; nothing was loaded and the lineage is unchanged")})
-        return Plan(cands[0] if cands else None, disk, lineage)
+        return Plan(cands[0] if cands else None, disk, lineage,
+                    [s for s in refused if s == step])
     memory = cands[0] if cands else None
     if memory is not None and disk and disk[-1] > memory[0]:
         memory = None
-    return Plan(memory, sorted(disk, reverse=True), lineage)
+    newest = max([memory[0] if memory else -1] + disk[-1:])
+    return Plan(memory, sorted(disk, reverse=True), lineage,
+                [s for s in refused if s > newest])

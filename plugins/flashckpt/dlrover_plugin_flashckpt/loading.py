@@ -183,6 +183,11 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
         chosen = plan(held, self.world_size, step, self.dir)  # rank 0's lineage and disk
         mem = [chosen.memory] if chosen.memory is not None else []
         disk = chosen.disk
+        if chosen.refused and self.rank == 0:
+            log.warning("shared memory holds step(s) %s saved by an attempt outside the "
+                        "current lineage of %s (abandoned by a rollback, or of an earlier run "
+                        "whose folder was moved aside): not loaded",
+                        ", ".join(map(str, chosen.refused)), self.dir)
         tried: dict[int, str] = {}
         for s, tag, kind in mem:
             err: BaseException | None = None

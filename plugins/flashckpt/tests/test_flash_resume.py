@@ -256,7 +256,7 @@ def test_plan_takes_memory_only_of_the_current_lineage_and_one_attempt():
     held = [choice.Held(mem=[(100, ta), (200, ta), (200, tb)], disk=[100], lineage=lin),
             choice.Held(mem=[(100, ta), (200, ta)], disk=[100], lineage=lin)]
     p = choice.plan(held, 2, None, "/ckpt")
-    assert p.memory == (100, ta, "own") and p.disk == [100]
+    assert p.memory == (100, ta, "own") and p.disk == [100] and p.refused == [200]
     held[1].mem.append((200, tb))
     assert choice.plan(held, 2, None, "/ckpt").memory == (200, tb, "own")
     # no lineage (a fresh folder): no buffer belongs to it

@@ -17,7 +17,7 @@ import torch
 
 from dlrover_core.checkpoint.manifest import CheckpointLoadError
 from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
-from dlrover_plugin_flashckpt import hygiene, layout, shm
+from dlrover_plugin_flashckpt import hygiene, layout, shm, storage
 from dlrover_plugin_flashckpt.meta import MetaFormatError, pack_meta, unpack_meta
 from dlrover_plugin_flashckpt.saver import FlashSaver
 
@@ -79,10 +79,19 @@ def test_planted_buffer_with_mode_0644_is_refused(shm_dir, tmp_path):
     s.close()
 
 
-def test_planted_pickle_payload_in_a_buffer_is_never_unpickled(shm_dir, tmp_path):
+@pytest.mark.parametrize("in_lineage", [True, False])
+def test_planted_pickle_payload_in_a_buffer_is_never_unpickled(shm_dir, tmp_path, in_lineage):
+    """A pickled meta block planted in a buffer. Named as a save of the directory's
+    current lineage, the load tries it, refuses it and raises; without a lineage (a
+    fresh folder) no buffer belongs to the directory and the load starts from nothing;
+    neither unpickles it."""
     marker = tmp_path / "pwned"
     s = _saver(shm_dir, str(tmp_path / "ckpt"))
     blob = pickle.dumps({"step": 5, "rank": 0, "table": [], "skeleton": _Payload(str(marker))})
+    if in_lineage:
+        attempt = storage.make_attempt("", 1, "planted")
+        storage.start_lineage(s.dir, attempt, None)
+        blob += storage.attempt_trailer(attempt)
     seg = shm.Segment.create(s.paths[0], len(blob), 100, {"job": "trust", "dir": s.dir},
                              bytes(16), 0, 1)
     seg.write_meta(blob)
@@ -91,10 +100,14 @@ def test_planted_pickle_payload_in_a_buffer_is_never_unpickled(shm_dir, tmp_path
     seg.write_header(h)
     seg.close()
     live = {"w": torch.zeros(3)}
-    # a buffer claims step 5 and cannot be read: the load says so instead of starting
-    # from step 0 (issue 28, item 5), and never unpickles it
-    with pytest.raises(CheckpointLoadError, match="step 5: shared memory.*never unpickled"):
-        s.load(live)
+    if in_lineage:
+        # a buffer claims step 5 and cannot be read: the load says so instead of starting
+        # from step 0 (issue 28, item 5), and never unpickles it
+        with pytest.raises(CheckpointLoadError,
+                           match="step 5: shared memory.*never unpickled"):
+            s.load(live)
+    else:
+        assert s.load(live) is None and not live["w"].any()
     assert not marker.exists()
     with pytest.raises(MetaFormatError, match="never unpickled"):
         unpack_meta(blob)
