@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import zlib
 from typing import Any
 
@@ -33,6 +34,11 @@ from dlrover_plugin_flashckpt.relayout import RelayoutMixin
 from dlrover_plugin_flashckpt.replica_loading import ReplicaLoadingMixin
 
 log = logging.getLogger("dlrover_plugin_flashckpt.saver")
+
+#: a gathered error (:meth:`LoadingMixin._all_ok`) that is an I/O error of the read,
+#: not a damaged or missing file
+_IO_ERROR = re.compile(r"^rank \d+: (OSError|PermissionError|TimeoutError|InterruptedError"
+                       r"|BlockingIOError|ConnectionError): ")
 
 declare("flash.load.gather", "state", "load",
         "a rank listed what it holds and is about to gather with the other ranks")
@@ -233,9 +239,10 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
                     storage.verify_step(step_dir, [self.rank], self.world_size)
                 else:
                     storage.verify_step(step_dir)
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, OSError) as exc:
                 err = exc
             errors = self._all_ok(err)
+            self._raise_if_unreadable(s, errors, tried)
             if errors:
                 log.warning("skipping checkpoint step %d: %s", s, "; ".join(errors))
                 tried[s] = "; ".join(errors)
@@ -258,6 +265,7 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
             if errors:
                 if any("LayoutError" in e for e in errors):
                     raise layout.LayoutError("; ".join(errors))
+                self._raise_if_unreadable(s, errors, tried)
                 log.warning("skipping checkpoint step %d: %s", s, "; ".join(errors))
                 tried[s] = "; ".join(errors)
                 self._quarantine_if_damaged(s, errors)
@@ -267,6 +275,19 @@ class LoadingMixin(RelayoutMixin, ReplicaLoadingMixin):
         if tried:
             raise CheckpointLoadError(self.dir, tried)
         return None
+
+    def _raise_if_unreadable(self, step: int, errors: list[str], tried: dict) -> None:
+        """A read that failed with an I/O error (``EIO``, ``EACCES``, a timeout: the
+        step's files are there and may be whole) ends the load with
+        :class:`CheckpointLoadError` on every rank (each sees the same gathered
+        ``errors``): falling back to an older step would resume from the wrong place
+        and throw away the training since, in silence. A damaged or missing file
+        (size, crc32, a prune racing the load) still falls back."""
+        if any(_IO_ERROR.match(e) for e in errors):
+            tried[step] = "; ".join(errors) + (
+                " (an I/O error, not a damaged file: the step was not skipped for an older "
+                "one; fix the storage and restart, or load(step=N) an older step on purpose)")
+            raise CheckpointLoadError(self.dir, tried)
 
     def _quarantine_if_damaged(self, step: int, errors: list[str]) -> None:
         """Rank 0 renames ``step`` to ``step_<n>.corrupt`` when a rank found a file of

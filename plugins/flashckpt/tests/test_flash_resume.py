@@ -237,6 +237,36 @@ def test_after_a_damaged_step_the_memory_load_follows_the_new_lineage(job, tmp_p
     last.close()
 
 
+@pytest.mark.parametrize("point", ["flash.load.verify", "flash.load.disk_read"])
+def test_an_io_error_reading_the_newest_step_raises_instead_of_an_older_step(job, tmp_path,
+                                                                             point):
+    """EIO while the newest committed step is verified or read (its files are whole):
+    the load raises, it does not resume from the older step (it did: 1 instead of 2,
+    the training since thrown away with only a warning). Then a load without the
+    fault resumes 2. The fault is the crash point's EIO, raised where the read is."""
+    from dlrover_core import crashpoints
+
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    for step in (1, 2):
+        s.save(step, state(step))
+        s.wait()
+    assert s.committed_steps() == [1, 2]
+    s.close()
+    hygiene.remove_job("/dev/shm", job)
+    crashpoints.arm(point, "eio")
+    try:
+        with pytest.raises(CheckpointLoadError, match="an I/O error, not a damaged file"):
+            make_saver(job, d).load(blank())
+    finally:
+        crashpoints.arm(None)
+    got = blank()
+    again = make_saver(job, d)
+    assert again.load(got) == 2 and same(got, state(2))
+    assert again.committed_steps() == [1, 2]  # nothing quarantined
+    again.close()
+
+
 def test_plan_takes_rank_zeros_view_and_refuses_to_choose_alone():
     """Item 4: ranks choose from rank 0's listing of the disk (rank 1 listed after a
     commit of 200 landed: it would load 200 while rank 0 loads 100), and a gather
