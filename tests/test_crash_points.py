@@ -6,7 +6,8 @@ crash points it drives (:mod:`dlrover_core.crashpoints`).
 - the harness can fail: its self-test feeds the invariants a removed committed step, a
   wrong resume, a changed state, a silent loss and a wedged restart, and corrupts a
   real committed step and fakes a real wrong resume; each must be caught;
-- the quick subset (one point per area, two faults, 1 / 2 / 4 ranks) has no violation;
+- the disk saver's quick subset (one point per area, two faults, 1 / 2 / 4 ranks) has no
+  violation (the flash and ODL subsets: ``plugins/*/tests/test_crash_points_*.py``);
 - (slow) every point x fault x hit x 1 / 2 / 4 ranks has no violation.
 """
 
@@ -74,8 +75,10 @@ def test_the_harness_catches_each_kind_of_violation():
             "real_corrupt_step", "real_wrong_resume"} <= set(out["caught"])
 
 
-def test_quick_subset_has_no_violation():
-    run, out = harness("--quick", timeout=600)
+def test_quick_subset_of_the_disk_saver_has_no_violation():
+    """One point per area, SIGKILL and ENOSPC, 1 / 2 / 4 ranks (the flash and ODL
+    subsets are in those plugins' tests)."""
+    run, out = harness("--quick", "--savers", "disk", timeout=600)
     assert out["violations"] == 0, run.stdout[-6000:]
     assert run.returncode == 0
     assert out["runs"] > 0 and out["points"] > 0

@@ -89,9 +89,13 @@ QUICK_FAULTS = ("sigkill", "enospc")
 
 def nths(count: int, world: int, quick: bool) -> list[int]:
     """Which hits of a point (``count`` in the fault-free fault phase) are faulted: each
-    of the first 6 (a disk run takes a fraction of a second); the first when
-    ``quick``."""
-    return list(range(1, min(count, 1 if quick else 6) + 1))
+    of the first 5 (a disk run takes a fraction of a second) with 1 and 2 ranks, the
+    first and the last with 4; the first when ``quick``."""
+    if quick or count < 1:
+        return [1] if count >= 1 else []
+    if world == 4:
+        return sorted({1, count})
+    return list(range(1, min(count, 5) + 1))
 
 
 def begin_run(info: dict) -> dict:

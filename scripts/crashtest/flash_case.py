@@ -49,21 +49,19 @@ def target(point) -> str | None:
 
 
 def variants(point, fault: str, world: int, quick: bool) -> list[dict]:
-    """The node's memory kept; with 2 ranks (not ``quick``) also wiped before the
-    restart."""
-    return [{}, {"wipe_shm": True}] if world == 2 and not quick else [{}]
-
-
-#: rank counts of the quick subset (a flash run takes seconds: Ray, the persister)
-QUICK_WORLDS = (2,)
-#: faults of the quick subset
-QUICK_FAULTS = ("sigkill",)
+    """The node's memory kept; for SIGKILL with 2 ranks (not ``quick``) also wiped
+    before the restart."""
+    return [{}, {"wipe_shm": True}] if world == 2 and fault == "sigkill" and not quick \
+        else [{}]
 
 
 def nths(count: int, world: int, quick: bool) -> list[int]:
-    """Which hits of a point (``count`` in the fault-free run) are faulted: the first
-    (a run takes seconds, and the full run must end within 15 minutes on 2 cores)."""
-    return [1] if count >= 1 else []
+    """Which hit of a point (``count`` in the fault-free run) is faulted: the first,
+    and with 4 ranks the last (after the rollback): one run per (point, fault, ranks),
+    so that the whole enumeration ends within 15 minutes on 2 cores."""
+    if count < 1:
+        return []
+    return [count] if world == 4 and not quick else [1]
 
 
 def ensure_ray() -> str:

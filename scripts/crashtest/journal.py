@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from typing import Any
 
 #: float32 elements of a rank's state (4 KiB)
@@ -55,15 +56,16 @@ def expected_digest(rank: int, step: int) -> str:
 
 
 class Journal:
-    """One rank's journal: one JSON line per record, appended, flushed and fsynced
-    before the operation goes on (a record survives a SIGKILL right after it)."""
+    """One rank's journal: one JSON line per record (with ``t``, the unix time in s),
+    appended, flushed and fsynced before the operation goes on (a record survives a
+    SIGKILL right after it)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def write(self, **record: Any) -> None:
         """Append ``record`` durably. Raises ``OSError`` when the file cannot be written."""
-        line = json.dumps(record, sort_keys=True) + "\n"
+        line = json.dumps({**record, "t": round(time.time(), 3)}, sort_keys=True) + "\n"
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line.encode())
