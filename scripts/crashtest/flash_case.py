@@ -181,9 +181,17 @@ def memory_steps(job: str, world: int) -> list[int]:
     return sorted(set.intersection(*held.values())) if held else []
 
 
+def _disarm(actor: Any) -> None:
+    """Run in the persister's process (``__ray_call__``): disarm its crash point."""
+    from dlrover_core import crashpoints
+
+    crashpoints.arm(None)
+
+
 def before_restart(run: dict) -> dict:
     """The persister's errors (``reports``), the steps in memory on every rank
-    (``memory``); with ``wipe_shm`` the job's buffers are removed afterwards."""
+    (``memory``); the persister, when alive, is disarmed; with ``wipe_shm`` the job's
+    buffers are removed afterwards."""
     import ray
 
     from dlrover_plugin_flashckpt import hygiene
@@ -192,6 +200,8 @@ def before_restart(run: dict) -> dict:
     reports: list[str] = []
     try:
         reports = list(ray.get(ctx["persister"].status.remote(), timeout=10)["errors"])
+        # the restart runs disarmed: a hit the fault phase did not reach must not fire now
+        ray.get(ctx["persister"].__ray_call__.remote(_disarm), timeout=10)
     except Exception as exc:  # noqa: BLE001 - a dead persister is itself the report
         reports = [f"persister gone: {type(exc).__name__}"]
     memory = memory_steps(ctx["job"], run["world"])

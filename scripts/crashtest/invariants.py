@@ -137,7 +137,7 @@ def merge_ranks(lines: list[str]) -> list[str]:
     groups: dict[tuple[str, str], list[int]] = {}
     out: list = []
     for line in lines:
-        m = re.match(r"^(\w+): rank (\d+) (.*)$", line)
+        m = re.match(r"^(\w+): rank (\d+) (.*)$", line, re.S)
         if m is None:
             out.append(line)
             continue

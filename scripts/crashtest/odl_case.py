@@ -72,7 +72,7 @@ class Trainer:
 
         self.saver = disk_case.make_saver(spec)
         w = OnlineTrainerWorkload.__new__(OnlineTrainerWorkload)
-        w.checkpointer = Checkpointer(self.saver)
+        w._checkpointer = Checkpointer(self.saver)  # what the checkpointer property returns
         w.model = _model()
         w.optimizer = torch.optim.SGD(w.model.parameters(), lr=0.1)
         w.progress = {"step": 0, "records": 0, "offsets": {}, "prequential": {}}

@@ -94,7 +94,7 @@ def one_run(case, base: str, world: int, point=None, fault: str | None = None,
     run["restart"] = launch.run_phase(specs, PHASE_TIMEOUT_S)
     run["c2"] = case.committed(ckpt)
     run["wedged"] = case.wedged(run)
-    run["fired"] = point is not None and point.name in fault_hits
+    run["fired"] = point is not None and fault_hits.get(point.name, {}).get(target, 0) >= nth
     run.setdefault("reports", [])
     run.setdefault("memory", [])
     violations = check(run)
@@ -105,6 +105,7 @@ def one_run(case, base: str, world: int, point=None, fault: str | None = None,
         restart_hits = hits(restart_trace, pids)
     if not violations:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"violations": [f"{case.NAME} {tag}: {x} [{run_dir}]" for x in violations],
+    return {"violations": [f"{case.NAME} {tag}: {' | '.join(x.split(chr(10)))} [{run_dir}]"
+                           for x in violations],
             "hits": fault_hits, "restart_hits": restart_hits, "fired": run["fired"],
             "seconds": time.monotonic() - t0}
