@@ -48,6 +48,12 @@ def target(point) -> str | None:
     return "persister" if point.area in ("persist", "commit", "prune") else None
 
 
+#: rank counts and faults of the quick subset (a flash run takes seconds: Ray, the
+#: persister)
+QUICK_WORLDS = (2,)
+QUICK_FAULTS = ("sigkill",)
+
+
 def variants(point, fault: str, world: int, quick: bool) -> list[dict]:
     """The node's memory kept; for SIGKILL with 2 ranks (not ``quick``) also wiped
     before the restart."""
