@@ -49,13 +49,13 @@ from dlrover_core.checkpoint.saver import (
     Saver,
     atomic_write_json,
     atomic_write_text,
-    committed_steps,
     fsync_dir,
     prune,
     quarantine,
     replace_dir,
     step_dir_name,
 )
+from dlrover_core.checkpoint import rollback
 from dlrover_core.checkpoint.storage import RemoteSteps, local_path
 from dlrover_core.crashpoints import crashpoint, declare
 
@@ -102,6 +102,7 @@ class DiskSaver(Saver):
         self._pending: Future | None = None   # the background save in flight
         self._pool: ThreadPoolExecutor | None = None
         self._group: Any = None               # the background thread's gloo group
+        self._restored: int | None = None     # the step the last load restored
 
     def _barrier(self, group: Any = None) -> None:
         dist = _dist()
@@ -120,7 +121,7 @@ class DiskSaver(Saver):
         store = self._remote()
         if store is not None:
             return store.committed_steps()
-        return committed_steps(str(local_path(self.config.dir)))
+        return rollback.visible_steps(str(local_path(self.config.dir)))
 
     def _stage_remote(self, store: RemoteSteps, step: int) -> str:
         """Rank 0 clears the store's temporary copy of ``step``; after a barrier, a local
@@ -171,9 +172,12 @@ class DiskSaver(Saver):
         tmp = os.path.join(directory, "." + step_dir_name(step) + ".tmp")
         if self.context.rank == 0:
             os.makedirs(directory, exist_ok=True)
+            if self._restored is not None:  # the first save after a load: a rollback?
+                rollback.begin(directory, self._restored)
             shutil.rmtree(tmp, ignore_errors=True)
             crashpoint("disk.save.tmpdir")
             os.makedirs(tmp)
+        self._restored = None
         self._barrier()
         if self.async_save:
             return self._save_async(step, state_dict, tmp, None)
@@ -305,6 +309,8 @@ class DiskSaver(Saver):
         each failed). A damaged step is quarantined."""
         store = self._remote()
         directory = str(local_path(self.config.dir)) if store is None else ""
+        if directory:
+            rollback.finish(directory)  # one a crash left unfinished
         candidates = [step] if step is not None else self.committed_steps()[::-1]
         tried: dict[int, str] = {}
         for s in candidates:
@@ -373,4 +379,5 @@ class DiskSaver(Saver):
             if scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
         self.last_load_source = "disk"
+        self._restored = chosen  # the next save abandons the steps above it
         return chosen
