@@ -30,7 +30,9 @@ def lineages(run: dict) -> list[list[int]]:
     begun = max((r["i"] + 1 for j in journals for r in j if r["at"] == "begin"), default=0)
     loads = {i for i, op in enumerate(run["ops"]) if op[0] == "load" and op[1] is not None
              and any(_ended(j, i) for j in journals)}
-    cur, other = lineage(run["ops"], begun, loads)
+    settled = {i for i, op in enumerate(run["ops"]) if op[0] == "save"
+               and len(journals) == run["world"] and all(_ended(j, i) for j in journals)}
+    cur, other = lineage(run["ops"], begun, loads, settled)
     return [cur] + ([other] if other is not None else [])
 
 
@@ -109,13 +111,19 @@ def check(run: dict) -> list[str]:
     if len(steps) > 1:
         v.append(f"resume: ranks resumed different steps {sorted(steps, key=str)}")
     keep, c2 = run["keep"], set(run["c2"])
-    in_lineage = set().union(*map(set, lineages(run)))
+    # a step must survive only when every lineage that may be current holds it (after a
+    # rollback whose first save did not settle, the abandoned history may be gone)
+    in_lineage = set.intersection(*map(set, lineages(run)))
+    # a step is pruned by keep when keep newer steps were committed at some moment: those
+    # of an abandoned history count too (saves 10, 20, 30 with keep 2 prune 10 for good,
+    # even after a rollback to 20 sets 30 aside)
+    ever = durable(run) | set(run["c1"]) | c2
     for s in sorted((durable(run) | set(run["c1"])) & in_lineage):
-        if s not in c2 and len([c for c in c2 if c > s]) < keep:
+        if s not in c2 and len([c for c in ever if c > s]) < keep:
             v.append(f"lost: step {s} (committed or promised) is gone after the restart "
                      f"though fewer than keep={keep} newer steps are committed ({sorted(c2)})")
     for s in sorted(durable(run) & in_lineage):
-        if s not in run["c1"] and len([c for c in run["c1"] if c > s]) < keep:
+        if s not in run["c1"] and len([c for c in ever if c > s]) < keep:
             v.append(f"lost: step {s} returned as committed ({run['durable_after']}) but is "
                      f"not committed after the fault ({run['c1']})")
     for o in run["restart"]:

@@ -24,25 +24,33 @@ PHASE_TIMEOUT_S = 60.0
 RESTART_TIMEOUT_S = 45.0
 
 
-def lineage(ops: list[tuple], begun: int, returned_loads: set[int]) -> tuple[list[int],
-                                                                            list[int] | None]:
+def lineage(ops: list[tuple], begun: int, returned_loads: set[int],
+            settled_saves: set[int] | frozenset = frozenset()
+            ) -> tuple[list[int], list[int] | None]:
     """The steps of the current lineage after the first ``begun`` operations of ``ops``
     began somewhere: every save begun, cut back at each rollback ``load(step=N)`` (to
     the steps <= N of the lineage) that returned on some rank (``returned_loads``: the
-    indices of those loads). Returns ``(lineage, other)``: ``other`` is the lineage had
-    the last rollback that began but returned nowhere taken effect (``None`` when
-    none did)."""
+    indices of those loads). A rollback takes effect on disk at the first save after
+    it (a load alone changes nothing: a reader that never saves must not abandon a
+    trainer's history); until a save after it returned on every rank
+    (``settled_saves``: the indices of those saves), the history before it may still
+    be current. Returns ``(lineage, other)``: ``other`` is the lineage had the last
+    rollback that began but returned nowhere taken effect, or the history before a
+    rollback that returned but no save after it settled (``None`` when neither)."""
     steps: list[int] = []
     other: list[int] | None = None
+    unsettled = False  # ``other`` is the history before a returned rollback
     for i, op in enumerate(ops[:begun]):
         if op[0] == "save":
             steps.append(op[1])
-            if other is not None:
+            if other is not None and not unsettled:
                 other.append(op[1])
+            if unsettled and i in settled_saves:
+                other, unsettled = None, False
         elif op[0] == "load" and op[1] is not None:
             cut = [s for s in steps if s <= op[1]]
             if i in returned_loads:
-                steps, other = cut, None
+                steps, other, unsettled = cut, list(steps), True
             else:
-                other = cut
+                other, unsettled = cut, False
     return steps, other
