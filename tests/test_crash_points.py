@@ -85,6 +85,7 @@ def test_quick_subset_of_the_disk_saver_has_no_violation():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the whole enumeration: about 13 min on 2 busy cores
 def test_every_crash_point_fault_and_rank_count_has_no_violation():
     run, out = harness(timeout=1800)
     assert out["violations"] == 0, run.stdout[-12000:]
