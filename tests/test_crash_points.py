@@ -30,7 +30,8 @@ def harness(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, di
     """Run the harness; ``(process, its last line as JSON)``."""
     run = subprocess.run([sys.executable, str(HARNESS), *args], capture_output=True,
                          text=True, timeout=timeout, cwd=REPO)
-    lines = run.stdout.strip().splitlines()
+    # the JSON line; Ray may forward a worker's notice after it (raylet lines)
+    lines = [x for x in run.stdout.strip().splitlines() if x.startswith("{")]
     assert lines, run.stderr[-3000:]
     return run, json.loads(lines[-1])
 
