@@ -120,11 +120,7 @@ def test_two_ranks_never_mix_the_saves_of_two_attempts(job, tmp_path):
     new 200 on rank 0 and the old 200 on rank 1)."""
     d = str(tmp_path / "ckpt")
     actor = ray.remote(SaverRank).options(num_cpus=0)
-    ranks = [actor.remote(job, d, r, 2, {"wait_timeout_s": 60}) for r in range(2)]
-    for step in (100, 200):
-        ray.get([a.save.remote(step) for a in ranks])
-        ray.get([a.wait.remote() for a in ranks])
-    _kill(ranks)
+    _two_ranks_commit(actor, job, d, (100, 200))
     ranks = [actor.remote(job, d, r, 2, {"wait_timeout_s": 60}) for r in range(2)]
     loads = ray.get([a.load.remote(100) for a in ranks], timeout=180)
     assert [x["step"] for x in loads] == [100, 100]
@@ -151,11 +147,7 @@ def test_ranks_without_a_group_choose_from_rank_zeros_listing(job, tmp_path):
     0 is seen (through its crash-point trace) waiting in the gather."""
     d = str(tmp_path / "ckpt")
     actor = ray.remote(SaverRank).options(num_cpus=0)
-    ranks = [actor.remote(job, d, r, 2, {"wait_timeout_s": 60}) for r in range(2)]
-    for step in (100, 200):
-        ray.get([a.save.remote(step) for a in ranks])
-        ray.get([a.wait.remote() for a in ranks])
-    _kill(ranks)
+    _two_ranks_commit(actor, job, d, (100, 200))
     hygiene.remove_job("/dev/shm", job)  # the node lost its memory: disk only
     hidden = os.path.join(d, ".landing")
     os.rename(os.path.join(d, "step_00000200"), hidden)
@@ -313,6 +305,16 @@ def _buffers(job: str, d: str) -> list[tuple[shm.Header, str]]:
 
 def _headers(job: str, d: str) -> list[shm.Header]:
     return [h for h, _ in _buffers(job, d)]
+
+
+def _two_ranks_commit(actor, job: str, d: str, steps: tuple[int, ...]) -> None:
+    """Ranks 0 and 1 of 2 (``actor``: :class:`SaverRank`) save and commit each of
+    ``steps``, then are killed; their buffers stay."""
+    ranks = [actor.remote(job, d, r, 2, {"wait_timeout_s": 60}) for r in range(2)]
+    for step in steps:
+        ray.get([a.save.remote(step) for a in ranks])
+        ray.get([a.wait.remote() for a in ranks])
+    _kill(ranks)
 
 
 def _kill(actors: list) -> None:
