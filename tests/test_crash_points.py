@@ -14,26 +14,15 @@ crash points it drives (:mod:`dlrover_core.crashpoints`).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-HARNESS = REPO / "scripts" / "crash_test.py"
+from dlrover_core.testing.crash_harness import HARNESS, run_harness
 
-
-def harness(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run the harness; ``(process, its last line as JSON)``."""
-    run = subprocess.run([sys.executable, str(HARNESS), *args], capture_output=True,
-                         text=True, timeout=timeout, cwd=REPO)
-    # the JSON line; Ray may forward a worker's notice after it (raylet lines)
-    lines = [x for x in run.stdout.strip().splitlines() if x.startswith("{")]
-    assert lines, run.stderr[-3000:]
-    return run, json.loads(lines[-1])
+harness = run_harness
 
 
 def test_armed_points_fault_for_real(tmp_path):

@@ -4,21 +4,10 @@ whole enumeration runs in ``tests/test_crash_points.py``, marked slow)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[3]
+from dlrover_core.testing.crash_harness import run_harness
 
 
 def test_quick_subset_has_no_violation():
-    run = subprocess.run([sys.executable, str(REPO / "scripts" / "crash_test.py"), "--quick",
-                          "--savers", "odl"], capture_output=True, text=True, timeout=900,
-                         cwd=REPO)
-    # the JSON line; Ray may forward a worker's notice after it (raylet lines)
-    lines = [x for x in run.stdout.strip().splitlines() if x.startswith("{")]
-    assert lines, run.stderr[-3000:]
-    out = json.loads(lines[-1])
+    run, out = run_harness("--quick", "--savers", "odl", timeout=900)
     assert out["violations"] == 0, run.stdout[-6000:]
     assert run.returncode == 0 and out["runs"] > 0 and out["savers"] == ["odl"]
