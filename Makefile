@@ -2,7 +2,7 @@
 #             the core and every plugin (editable, with its `test` extra)
 # make demo:  the nanoGPT pre-training job on the Python reference manual
 # make test:  every test suite, core and each plugin, in two lanes at once, without the
-#             tests marked `slow` (scripts/run_tests.sh: the core's in one lane, the
+#             tests marked `slow` (scripts/run_tests.py: the core's in one lane, the
 #             plugins' in the other)
 # make test SLOW=1: every test (what .ci/run runs): the core's slow tests and
 #             LANE1_PLUGINS in one lane, the core's other tests and the other plugins in
@@ -55,7 +55,7 @@ demo: setup
 	$(BIN)/dlrover submit examples/nanogpt/job.yaml
 
 test: setup
-	SLOW=$(SLOW) scripts/run_tests.sh $(BIN)/python "$(PLUGINS)" "$(LANE1_PLUGINS)" $(PYTEST_ARGS)
+	SLOW=$(SLOW) $(BIN)/python scripts/run_tests.py --plugins "$(PLUGINS)" --lane1 "$(LANE1_PLUGINS)" -- $(PYTEST_ARGS)
 
 cluster-up: setup
 	$(BIN)/dlrover cluster up --nodes $(NODES) --cpus-per-node $(CPUS) $(if $(GCS_FT),--gcs-ft)

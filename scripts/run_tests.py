@@ -1,0 +1,249 @@
+"""`make test`: every test suite (the core's and each plugin's), in two lanes at once.
+
+Run one after another, the suites leave a 2-core machine about 40 % idle (they mostly
+wait for processes, Ray actors and clusters to start), so two lanes take about two thirds
+of the time. Every suite runs, even after one failed; the exit status is 1 when any
+failed.
+
+    [SLOW=1] python scripts/run_tests.py --plugins "PLUGIN_DIRS" --lane1 "NAMES" [-- PYTEST_ARGS...]
+
+Without SLOW=1 (`make test`), the tests marked `slow` (long scenarios: multi-node
+clusters, restarts, the full examples) are left out of every suite: lane 1 runs the
+core's tests, lane 2 every plugin's. With SLOW=1 (`make test SLOW=1`, what .ci/run
+runs), every test runs: lane 1 the core's slow tests, then the plugins named in
+``--lane1``; lane 2 the core's other tests, then every other plugin (a new plugin goes
+here).
+
+Each suite's output goes to a log under ``--logs`` (default ``.test-logs/``, replaced by
+each run), printed whole when both lanes end; while a suite runs, its pytest progress
+(percent done, failures so far) is printed every ``--progress-s`` seconds.
+
+Ctrl-C (SIGINT), SIGTERM or SIGHUP stops the run: every running suite gets SIGINT in its
+own process group (pytest stops and runs its fixtures' teardown, which shuts its Ray
+cluster down), whatever still runs after ``--grace-s`` seconds is SIGKILLed with its
+process group (Ray's processes started by ``ray.init`` die with their driver), no further
+suite starts, the runner says which suites ran and where their logs are, and exits 130
+(128 + the signal number, as a shell does). A second Ctrl-C kills at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+# a pytest -q progress line: outcome letters, then "[ NN%]" once the line is full or ends
+_PROGRESS = re.compile(r"^([.FEsxXp]+)(?:\s+\[\s*(\d+)%\])?\s*$")
+# make test's budget: 15 minutes on a 2-core machine, its setup (about 3) included
+_BUDGET_S = 720
+
+
+@dataclass
+class Suite:
+    """One pytest run: ``name`` (as printed), ``log`` (its output file), ``args``."""
+
+    name: str
+    log: str
+    args: list[str]
+    state: str = "not started"  # not started | running | exit N | interrupted
+    rc: int | None = None
+    seconds: float = 0.0
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+
+def progress(log: str) -> tuple[int, int, int | None]:
+    """``(tests done, failed or errored so far, percent done or None)`` read from the
+    outcome letters of a pytest -q log (pytest prints the percentage only at the end of
+    a line of letters, so the count of letters is the finer figure)."""
+    done = failed = 0
+    pct = None
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = _PROGRESS.match(line)
+                if m:
+                    done += len(m.group(1))
+                    failed += m.group(1).count("F") + m.group(1).count("E")
+                    if m.group(2) is not None:
+                        pct = int(m.group(2))
+    except OSError:
+        pass
+    return done, failed, pct
+
+
+class Runner:
+    def __init__(self, py: str, logs: str, progress_s: float, grace_s: float):
+        self.py, self.logs = py, logs
+        self.progress_s, self.grace_s = progress_s, grace_s
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.suites: list[Suite] = []
+        self.signum: int | None = None
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            print(text, flush=True)
+
+    def run_suite(self, s: Suite) -> None:
+        t0 = time.monotonic()
+        with self.lock:
+            if self.stop.is_set():
+                return
+            s.state = "running"
+            log = open(s.log, "wb")
+            # its own session: a Ctrl-C on the terminal reaches the runner only, and the
+            # runner stops each suite with its whole process group
+            s.proc = subprocess.Popen(
+                [self.py, "-m", "pytest", "-q", *s.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            log.close()
+        self.say(f"== {s.name}: started")
+        last = time.monotonic()
+        shown = None
+        while s.proc.poll() is None:
+            time.sleep(0.5)
+            if time.monotonic() - last >= self.progress_s:
+                last = time.monotonic()
+                done, failed, pct = progress(s.log)
+                if done and (done, failed) != shown:
+                    shown = (done, failed)
+                    of = f" (over {pct} %)" if pct is not None else ""
+                    self.say(f"== {s.name}: {done} tests done{of}, {failed} failed so far")
+        s.rc = s.proc.returncode
+        s.seconds = time.monotonic() - t0
+        s.state = "interrupted" if self.stop.is_set() else f"exit {s.rc}"
+        tail = _last_line(s.log)
+        self.say(f"== {s.name}: {s.state} after {s.seconds:.0f} s: {tail}")
+
+    def lane(self, suites: list[Suite]) -> None:
+        for s in suites:
+            if self.stop.is_set():
+                return
+            self.run_suite(s)
+
+    def interrupt(self, signum, _frame) -> None:
+        if self.stop.is_set():  # a second Ctrl-C: kill at once
+            self._kill_all(signal.SIGKILL)
+            return
+        self.signum = signum
+        with self.lock:
+            self.stop.set()
+        print(
+            f"\n== {signal.Signals(signum).name}: stopping the running suites "
+            f"(SIGKILL after {self.grace_s:.0f} s; Ctrl-C again to kill now)",
+            flush=True,
+        )
+        self._kill_all(signal.SIGINT)
+        threading.Thread(target=self._kill_later, daemon=True).start()
+
+    def _kill_later(self) -> None:
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            if all(s.proc is None or s.proc.poll() is not None for s in self.suites):
+                return
+            time.sleep(0.2)
+        self._kill_all(signal.SIGKILL)
+
+    def _kill_all(self, sig: int) -> None:
+        for s in self.suites:
+            if s.proc is not None:
+                try:
+                    os.killpg(s.proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f if ln.strip()]
+        return lines[-1] if lines else "(no output)"
+    except OSError:
+        return "(no log)"
+
+
+def plan(logs: str, core: str, plugins: list[str], lane1: set[str], slow: bool,
+         extra: list[str]) -> tuple[list[Suite], list[Suite]]:
+    """The suites of lane 1 and lane 2 (see the module docstring)."""
+    lanes: tuple[list[Suite], list[Suite]] = ([], [])
+    only = [] if slow else ["-m", "not slow"]
+    if slow:
+        lanes[0].append(Suite("core (slow)", f"{logs}/1-core.log", [core, "-m", "slow", *extra]))
+        lanes[1].append(Suite("core", f"{logs}/2-core.log", [core, "-m", "not slow", *extra]))
+    else:
+        lanes[0].append(Suite("core", f"{logs}/1-core.log", [core, *only, *extra]))
+    for p in plugins:
+        p = p.rstrip("/") + "/"
+        name = os.path.basename(p.rstrip("/"))
+        n = 1 if (slow and name in lane1) else 2
+        args = [f"{p}tests", "--rootdir", p, "-c", f"{p}pyproject.toml", *only, *extra]
+        lanes[n - 1].append(Suite(p, f"{logs}/{n}-{name}.log", args))
+    return lanes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
+    ap.add_argument("--plugins", default="", help="plugin directories, space-separated")
+    ap.add_argument("--lane1", default="", help="with SLOW=1: plugins run in lane 1")
+    ap.add_argument("--core", default="tests", help="the core's test directory")
+    ap.add_argument("--logs", default=".test-logs", help="where each suite's log goes")
+    ap.add_argument("--progress-s", type=float, default=30.0,
+                    help="seconds between progress lines of a running suite")
+    ap.add_argument("--grace-s", type=float, default=10.0,
+                    help="after Ctrl-C, seconds before the suites still running are SIGKILLed")
+    ap.add_argument("pytest_args", nargs="*", help="after --: passed to every pytest")
+    a = ap.parse_args(argv)
+    slow = os.environ.get("SLOW", "") == "1"
+    shutil.rmtree(a.logs, ignore_errors=True)
+    os.makedirs(a.logs)
+    lanes = plan(a.logs, a.core, a.plugins.split(), set(a.lane1.split()), slow, a.pytest_args)
+    r = Runner(a.python, a.logs, a.progress_s, a.grace_s)
+    r.suites = lanes[0] + lanes[1]
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, r.interrupt)
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=r.lane, args=(lane,)) for lane in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():  # join with a timeout: the main thread keeps taking signals
+            t.join(0.5)
+    elapsed = time.monotonic() - t0
+    if r.signum is not None:
+        print(f"== interrupted after {elapsed:.0f} s", flush=True)
+        for s in r.suites:
+            where = f": {s.log}" if s.state != "not started" else ""
+            print(f"   {s.name}: {s.state}{where}")
+        print(f"== logs: {os.path.abspath(a.logs)}")
+        return 128 + r.signum
+    for s in r.suites:
+        print(f"================ {os.path.basename(s.log)[:-4]}")
+        with open(s.log, errors="replace") as f:
+            sys.stdout.write(f.read())
+    print(f"both lanes ended after {elapsed:.0f} s")
+    failed = [s.name for s in r.suites if s.rc not in (0, 5)]  # 5: no test collected
+    print(f"== logs: {os.path.abspath(a.logs)}")
+    if failed:
+        print("FAILED suites:", " ".join(failed))
+        return 1
+    print("every suite passed")
+    if not slow and elapsed > _BUDGET_S:
+        print("make test took over 12 minutes: mark the tests of 25 s or more `slow` "
+              "(PYTEST_ARGS=--durations=20 names them)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""`make test`'s runner (scripts/run_tests.py), interrupted for real.
+
+The runner is started in its own session and its process group gets SIGINT, as a
+terminal's Ctrl-C sends it. Its suites are small stand-ins (a core suite whose test
+starts a real Ray cluster and waits, a plugin suite that waits), so the test takes
+seconds instead of a whole `make test`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "scripts" / "run_tests.py"
+
+CORE_TEST = '''
+import json, os, time
+import psutil, ray
+
+def test_holds_a_ray_cluster():
+    ray.init(num_cpus=1, include_dashboard=False)
+    kids = [p.pid for p in psutil.Process().children(recursive=True)]
+    with open(os.environ["RUNNER_TEST_PIDS"], "w") as f:
+        json.dump({"pytest": os.getpid(), "ray": kids}, f)
+    print("ready", flush=True)
+    time.sleep(300)
+'''
+
+PLUGIN_TEST = '''
+import time
+
+def test_one():
+    assert 1 + 1 == 2
+
+def test_two():
+    assert 2 + 2 == 4
+
+def test_waits():
+    time.sleep(300)
+'''
+
+PLUGIN_TOML = '''
+[project]
+name = "fake-plugin"
+version = "0"
+[tool.pytest.ini_options]
+markers = ["slow: long"]
+'''
+
+
+def _suites(tmp: Path) -> tuple[Path, Path, Path]:
+    core = tmp / "core_tests"
+    core.mkdir()
+    (core / "test_core_wait.py").write_text(CORE_TEST)
+    later = tmp / "later"  # a second plugin in lane 2: must never start
+    for plugin in (tmp / "fakeplug", later):
+        (plugin / "tests").mkdir(parents=True)
+        (plugin / "pyproject.toml").write_text(PLUGIN_TOML)
+        (plugin / "tests" / "test_plugin_wait.py").write_text(PLUGIN_TEST)
+    return core, tmp / "fakeplug", later
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_ctrl_c_stops_every_suite_and_its_ray_cluster(tmp_path):
+    core, plug, later = _suites(tmp_path)
+    pids_file = tmp_path / "pids.json"
+    logs = tmp_path / "logs"
+    env = dict(os.environ, RUNNER_TEST_PIDS=str(pids_file), SLOW="")
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNNER), "--core", str(core), "--plugins", f"{plug} {later}",
+         "--logs", str(logs), "--progress-s", "1", "--grace-s", "10"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        plug_log = logs / "2-fakeplug.log"
+        while not pids_file.exists() or not plug_log.exists() or ".." not in plug_log.read_text():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the suites never got going"
+            time.sleep(0.5)
+        time.sleep(2)  # a progress line or two
+        pids = json.loads(pids_file.read_text())
+        assert pids["ray"], "the stand-in core test saw no Ray process"
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C on the terminal does
+        out, _ = proc.communicate(timeout=60)
+        stopped_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out
+    assert stopped_s < 30, (stopped_s, out)  # the grace is 10 s: a hang would be minutes
+    assert "core: interrupted" in out, out
+    assert f"{plug}/: interrupted" in out, out
+    assert f"{later}/: not started" in out, out
+    assert f"== logs: {logs}" in out, out
+    # progress while the suites ran: the two quick tests, before the third waits
+    assert f"== {plug}/: 2 tests done, 0 failed so far" in out, out
+    assert not (logs / "2-later.log").exists()  # nothing started after the Ctrl-C
+    time.sleep(1)
+    left = [p for p in [pids["pytest"], *pids["ray"]] if _alive(p)]
+    assert not left, [psutil.Process(p).cmdline() for p in left]
+
+
+def test_the_runner_reports_a_failed_suite_and_keeps_going(tmp_path):
+    core = tmp_path / "core_tests"
+    core.mkdir()
+    (core / "test_fails.py").write_text("def test_no():\n    assert 1 == 2\n")
+    plug = tmp_path / "okplug"
+    (plug / "tests").mkdir(parents=True)
+    (plug / "pyproject.toml").write_text(PLUGIN_TOML)
+    (plug / "tests" / "test_ok.py").write_text("def test_ok():\n    assert True\n")
+    r = subprocess.run(
+        [sys.executable, str(RUNNER), "--core", str(core), "--plugins", str(plug),
+         "--logs", str(tmp_path / "logs")],
+        cwd=tmp_path, env=dict(os.environ, SLOW=""), capture_output=True, text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stdout
+    assert "FAILED suites: core" in r.stdout, r.stdout
+    assert f"== {plug}/: exit 0" in r.stdout, r.stdout
+    assert "1 passed" in r.stdout and "1 failed" in r.stdout, r.stdout
