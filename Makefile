@@ -24,6 +24,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
+SETUP_LOG := $(VENV)/setup.log
 PYTEST_ARGS ?=
 # SLOW=1: make test also runs the tests marked `slow` (long scenarios); .ci/run sets it
 SLOW ?=
@@ -46,9 +47,14 @@ $(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
 	  dpkg -s $$pkg >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $(APT_PACKAGES); break; }; \
 	done
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test]" $(foreach p,$(PLUGINS),-e "$(p:%/=%)[test]")
+	@# pip's own output (setuptools' notes on editable installs, nine blocks) goes to a log,
+	@# printed only when an install fails
+	@echo "setup: pip, torch==2.13.0 (first), the core and every plugin (log: $(SETUP_LOG))"
+	@: >$(SETUP_LOG)
+	@$(BIN)/python -m pip install -q --upgrade pip >>$(SETUP_LOG) 2>&1 || { cat $(SETUP_LOG); exit 1; }
+	@$(BIN)/python -m pip install -q torch==2.13.0 >>$(SETUP_LOG) 2>&1 || { cat $(SETUP_LOG); exit 1; }
+	@$(BIN)/python -m pip install -q -e ".[test]" $(foreach p,$(PLUGINS),-e "$(p:%/=%)[test]") \
+	  >>$(SETUP_LOG) 2>&1 || { cat $(SETUP_LOG); exit 1; }
 	touch $(STAMP)
 
 demo: setup
