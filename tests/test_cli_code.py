@@ -86,3 +86,21 @@ def test_submit_ships_the_working_dir(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout)
     assert summary["status"] == "succeeded" and summary["steps"] == 3
+
+
+def test_submit_checks_imports_as_validate_does_before_anything_starts(tmp_path):
+    """Issue 52 item 2: a job naming a module that does not exist is refused by ``submit``
+    with ``validate``'s exit code and message, before Ray starts, taking no run number."""
+    job = _job(tmp_path, "no_such_pkg.workload:Nope")
+    jd = tmp_path / "jd"
+    cmd = [sys.executable, "-m", "dlrover_core.cli.main"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    val = subprocess.run(cmd + ["validate", job], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    sub = subprocess.run(cmd + ["submit", job, "--job-dir", str(jd)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert val.returncode == 2 and sub.returncode == 2, sub.stderr[-3000:]
+    assert "No module named 'no_such_pkg'" in sub.stderr
+    assert sub.stderr.strip() == val.stderr.strip()
+    assert not jd.exists()  # no job directory, no run number
+    assert "Ray" not in sub.stderr and "raylet" not in sub.stderr

@@ -124,6 +124,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         from dlrover_core.spec.errors import SpecError
 
         raise SpecError("--working-dir", args.working_dir, "an existing directory")
+    if not args.no_import_check:
+        # every check `validate` runs, before anything starts or a run number is taken
+        from dlrover_core.cli.imports import check_imports
+
+        check_imports(spec, args.working_dir)
     if args.no_wait and args.address is None:
         err.print("[bold red]error:[/] --no-wait needs a Ray cluster that outlives this "
                   "command (the default one would stop with it): give --address, e.g. "
@@ -192,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="Ray cluster to join ('auto' or HOST:PORT); default: start a "
                                 "local cluster")
             s.add_argument("--job-dir", default=None, help="job directory (default runs/NAME)")
+            s.add_argument("--no-import-check", action="store_true",
+                           help="do not import the roles' workloads and the driver here "
+                                "before submitting (as `validate` does): for code whose "
+                                "dependencies exist only on the cluster")
             s.add_argument("--fresh", action="store_true",
                            help="start over instead of resuming: the job's checkpoints are "
                                 "moved to <job_dir>/run-<N>/ckpt (kept, not deleted)")
