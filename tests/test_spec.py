@@ -69,6 +69,12 @@ def test_plus_adds_a_key_and_double_plus_sets_either_way(tmp_path):
     with pytest.raises(SpecError, match=r"\+config.max_steps adds a key, but .* has it.*"
                                         r"write config.max_steps=60 to change it"):
         load_spec(str(p), ["+config.max_steps=60"])
+    # a key the file does not set but the schema has (issue 52 item 5): the error says so
+    with pytest.raises(SpecError) as e:
+        load_spec(str(p), ["+observability.tensorboard=true"])
+    msg = str(e.value)
+    assert "observability.tensorboard is a key of every job spec" in msg, msg
+    assert "default False" in msg and "does not set it" in msg and "has it" not in msg, msg
     # environment variables are added without '+'
     assert load_spec(str(p), ["env.MY_FLAG=1"]).env.MY_FLAG == "1"
 

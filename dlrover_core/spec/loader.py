@@ -118,7 +118,7 @@ def load_spec(
         spec = OmegaConf.merge(schema, raw)
     except OmegaConfBaseException as exc:
         raise _convert(exc, label) from None
-    spec = apply_overrides(spec, overrides, label)
+    spec = apply_overrides(spec, overrides, label, given=raw)
 
     _apply_script_roles(spec)
     template_name = spec.template
@@ -165,7 +165,8 @@ def _find_key(spec: DictConfig, key: str) -> tuple[bool, str, list[str], bool]:
 
 
 def apply_overrides(spec: DictConfig, overrides: Iterable[str],
-                    source: str = "the job spec") -> DictConfig:
+                    source: str = "the job spec",
+                    given: DictConfig | None = None) -> DictConfig:
     """Merge ``key=value`` overrides into ``spec``, in order, following Hydra's
     override grammar (https://hydra.cc/docs/advanced/override_grammar/basic/):
 
@@ -181,6 +182,8 @@ def apply_overrides(spec: DictConfig, overrides: Iterable[str],
     added without ``+``.
 
     Values are parsed as OmegaConf's dot-list parses them (YAML scalars, lists, dicts).
+    ``given`` (the file as written, before the schema's defaults were merged in) lets the
+    error of ``+key`` say whether the file has the key or the schema does.
 
     Raises:
         SpecError: an item without ``=``, an unknown key, ``+`` on an existing key, or a
@@ -204,8 +207,14 @@ def apply_overrides(spec: DictConfig, overrides: Iterable[str],
                 f"or +{key}={value} to add it",
                 f"{source} has no key {missing!r} at {where}" + (f"; {hint}" if hint else ""))
         if mode == "+" and found:
+            if given is not None and not _find_key(given, key)[0]:
+                default = OmegaConf.select(spec, key)
+                why = (f"+{key} adds a key, but {key} is a key of every job spec (the "
+                       f"schema's, default {default!r}), though {source} does not set it")
+            else:
+                why = f"+{key} adds a key, but {source} has it"
             raise SpecError(key, value, f"a new key; write {key}={value} to change it, or "
-                            f"++{key}={value}", f"+{key} adds a key, but {source} has it")
+                            f"++{key}={value}", why)
         try:
             spec = OmegaConf.merge(spec, OmegaConf.from_dotlist([f"{key}={value}"]))
         except OmegaConfBaseException as exc:
