@@ -124,3 +124,15 @@ def test_piped_output_of_the_real_command_is_whole():
                           " | head -c 10", shell=True, capture_output=True, text=True,
                           timeout=120)
     assert "Traceback" not in head.stderr
+
+
+def test_plugins_list_names_the_hooks_of_a_plugin_that_registers_nothing(capsys, monkeypatch):
+    """Issue 52 item 7: megatron's and odl's failure classifiers show in the table, not
+    only in --json (megatron's row had only its backend and engine)."""
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["plugins", "list"]) == 0
+    rows = {ln.split("│")[1].strip(): ln for ln in capsys.readouterr().out.splitlines()
+            if ln.count("│") > 3}
+    assert "hook:classify_failure" in rows["megatron"], rows
+    assert "hook:job_health" in rows["flashckpt"], rows
+    assert "hook:" not in rows["sft"], rows  # registers its template, implements nothing else

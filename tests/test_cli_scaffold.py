@@ -80,6 +80,10 @@ def test_command_prints_what_it_wrote(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"created {tmp_path / 'dlrover-plugin-x1'}/" in out
     assert "dlrover_plugin_x1/plugin.py" in out
+    # the hint names the interpreter that runs dlrover (its venv), not a bare pip/python
+    py = os.path.relpath(sys.executable)
+    py = py if not py.startswith("..") else sys.executable
+    assert f"next: {py} -m pip install -e " in out and f"&& {py} -m pytest -q " in out, out
 
 
 @pytest.mark.slow

@@ -57,16 +57,29 @@ def _pm():
     return get_plugin_manager()
 
 
+def provides_cell(info: dict) -> str:
+    """What a plugin provides, for the table: the names it registers (``saver:flash``),
+    then the other hooks it implements (``hook:classify_failure``), so a plugin that
+    only classifies failures does not show an empty cell."""
+    from dlrover_core.plugins.registry import RECORD_KINDS
+
+    registering = {k.hook for k in RECORD_KINDS.values()}
+    other = [h.removeprefix("dlrover_") for h in info.get("hooks", []) if h not in registering]
+    return ", ".join([*info["provides"], *(f"hook:{h}" for h in other)]) or "-"
+
+
 def cmd_plugins_list(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     infos = [i.as_dict() for i in _pm().plugins()]
     if args.json:
         print_json(infos)
         return 0
     style = {"active": "green", "blocked": "yellow", "failed": "red"}
     print_table(("name", "version", "distribution", "status", "provides", "error"),
-                ((i["name"], i["version"], i["distribution"],
-                  f"[{style[i['status']]}]{i['status']}[/]", ", ".join(i["provides"]),
-                  i["error"]) for i in infos), title="dlrover plugins")
+                ((escape(i["name"]), escape(i["version"]), escape(i["distribution"]),
+                  f"[{style[i['status']]}]{i['status']}[/]", escape(provides_cell(i)),
+                  escape(i["error"])) for i in infos), title="dlrover plugins")
     return 0
 
 
