@@ -15,6 +15,7 @@
     dlrover timeline JOB [-o timeline.png] [--job-dir DIR] [--run N] [--json]
     dlrover diagnose JOB [--job-dir DIR] [--json]
     dlrover hooks [--json] [--write FILE]
+    dlrover schema [-o FILE] [--no-plugins]  (the job spec's JSON Schema)
 
 Each ``submit`` is a new run of the job in its job directory (``runs/NAME``): it
 resumes from the job's checkpoints and says from which step, source and path;
@@ -176,6 +177,25 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return EXIT_CODES.get(summary.get("status"), 1)
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from dlrover_core.spec.json_schema import job_spec_schema, registered_names
+
+    schema = job_spec_schema(None if args.no_plugins else registered_names(_pm()))
+    text = json.dumps(schema, indent=1) + "\n"
+    if args.output:
+        from dlrover_core.atomic_io import atomic_write_text
+
+        atomic_write_text(args.output, text)
+        err.print(f"wrote {args.output}; name it in a job file's first line for "
+                  f"yaml-language-server: # yaml-language-server: $schema={args.output}",
+                  highlight=False, markup=False)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlrover", description="control plane for distributed "
                                 "deep-learning jobs on Ray")
@@ -189,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="a sorted JSON list")
     pl.set_defaults(func=cmd_plugins_list)
     plugin_new.add_parser(psub)
+
+    sc = sub.add_parser("schema", help="the job spec's JSON Schema (for an editor's "
+                        "yaml-language-server: completion and checks of job.yaml)")
+    sc.add_argument("-o", "--output", default=None, metavar="FILE",
+                    help="write it to FILE (default: print it)")
+    sc.add_argument("--no-plugins", action="store_true",
+                    help="leave out the names the installed plugins register (templates, "
+                         "savers, backends, placements, tuners) as enums")
+    sc.set_defaults(func=cmd_schema)
 
     templates = sub.add_parser("templates", help="graph templates")
     tsub = templates.add_subparsers(dest="sub", required=True)
