@@ -2,15 +2,20 @@
 
 In a synchronous SPMD job every rank takes the same wall time per step: a slow rank
 makes the others wait for it inside the collectives. So the time of a step is split
-into the rank's own work and its waiting: ``compute_s`` (the rank's forward and
-backward, :mod:`dlrover_core.tuning.metrics`; a report without it uses ``step_s``)
-and ``wait_s = step_s - compute_s`` (data, collectives, the rest). A straggler has a
-large ``compute_s`` and a small ``wait_s``; its peers the opposite.
+into the rank's own work and its waiting: ``compute_s`` (the rank's own work,
+:mod:`dlrover_core.tuning.metrics`; a report without it uses ``step_s``) and
+``wait_s``: the rank's measured collective wait ``comm_wait_s`` where it reports one
+(DDP's gradient all-reduce, timed by the ``ddp`` backend's hook on every rank: from its
+arrival with its last gradients to the all-reduce's completion), else ``step_s -
+compute_s`` (data, collectives, the rest). A straggler has a large ``compute_s`` and a
+small ``wait_s``; its peers the opposite.
 
 Every ``node_health.straggler_window_s`` seconds (master clock) a window closes: for
-each role, each rank's median ``compute_s`` over its reports in the window is
-compared with the median of the other ranks' medians; a rank above
-``straggler_factor`` times that is slow in this window. Slow in
+each role, each rank's median ``compute_s`` and ``wait_s`` over its reports in the
+window are compared with the medians of the other ranks' medians; a rank whose
+``compute_s`` is above ``straggler_factor`` times the others' and whose ``wait_s`` is
+not above the others' (when every rank has one: a rank that waits more than its peers
+is not what they wait for) is slow in this window. Slow in
 ``straggler_windows`` windows in a row, it is a straggler: ``straggler_detected``
 (with every window's per-rank medians as evidence) and the
 ``node_health.straggler_action``: ``report`` (the event only; reported again only
@@ -58,14 +63,21 @@ def window_medians(samples: dict[int, list[tuple[float, float | None]]]) -> dict
 
 def slow_ranks(medians: dict[int, dict], factor: float) -> dict[int, float]:
     """rank -> its ratio to the median of the other ranks' ``compute_s``, for the ranks
-    above ``factor`` (needs two ranks or more)."""
+    above ``factor`` whose ``wait_s`` is not above the median of the other ranks'
+    ``wait_s`` (that test only when every rank has a ``wait_s``; needs two ranks or
+    more)."""
     out = {}
     if len(medians) < 2:
         return out
+    waits_known = all(m.get("wait_s") is not None for m in medians.values())
     for rank, m in medians.items():
         others = statistics.median(o["compute_s"] for r, o in medians.items() if r != rank)
-        if others > 0 and m["compute_s"] > factor * others:
-            out[rank] = m["compute_s"] / others
+        if not (others > 0 and m["compute_s"] > factor * others):
+            continue
+        if waits_known and m["wait_s"] > statistics.median(
+                o["wait_s"] for r, o in medians.items() if r != rank):
+            continue  # it waits more than its peers: they do not wait for it
+        out[rank] = m["compute_s"] / others
     return out
 
 
@@ -95,7 +107,9 @@ class StragglerDetector:
         if not isinstance(busy, (int, float)):
             return
         wait = None
-        if "compute_s" in metrics and isinstance(metrics.get("step_s"), (int, float)):
+        if isinstance(metrics.get("comm_wait_s"), (int, float)):
+            wait = float(metrics["comm_wait_s"])
+        elif "compute_s" in metrics and isinstance(metrics.get("step_s"), (int, float)):
             wait = max(0.0, float(metrics["step_s"]) - float(busy))
         with self._lock:
             self._samples.setdefault(role, {}).setdefault(rank, []).append((float(busy), wait))
@@ -157,7 +171,8 @@ class StragglerDetector:
         if action not in ("replace", "shrink") or inst is None or \
                 inst.state != InstanceState.RUNNING:
             return None
-        message = (f"compute_s {ratio:.2f}x the median of the other ranks for "
+        message = (f"compute_s {ratio:.2f}x the median of the other ranks (its wait no "
+                   f"longer than theirs) for "
                    f"{len(evidence)} windows of {float(nh.straggler_window_s):g} s "
                    f"(straggler_factor={float(nh.straggler_factor):g})")
         return Detection(inst, Failure(FailureKind.STRAGGLER, role, rank, inst.node_id,

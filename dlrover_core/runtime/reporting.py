@@ -12,6 +12,13 @@ so N ranks stepping at R Hz cost the master N x R calls per second. Now:
   collective) still arrives, with the time it ended: the master can blame the rank
   whose progress stopped first.
 
+Before anything is sent, :class:`~dlrover_core.tuning.metrics.StepClock` fills in the
+step's ``step_s``, ``comm_wait_s`` and ``compute_s`` where the report lacks them, once a
+DDP model of this process measures its gradient all-reduce
+(:func:`~dlrover_core.tuning.metrics.measure_comm_wait`; the ``ddp`` backend does it):
+every rank's own compute and collective wait reach the master, from workloads and from
+scripts (``script_api.report_step``) that time nothing themselves.
+
 The master's report rate is then about ``roles + sum(world_size / interval)``; with the
 default budget of :data:`COALESCED_REPORTS_PER_S` per role it stays near that budget
 whatever the world size (up to the :data:`MAX_INTERVAL_S` cap).
@@ -74,10 +81,15 @@ class StepReporter:
         #: what the newest ``send`` returned (in a worker: the ObjectRef of the master's
         #: ``report`` call, which a host waits on before its run returns)
         self.last_sent: Any = None
+        from dlrover_core.tuning.metrics import StepClock
+
+        self._clock = StepClock()
 
     def report(self, step: int, metrics: dict, ts: float | None = None) -> None:
-        """Record that ``step`` ended (``ts``: unix s, default now) with ``metrics``."""
+        """Record that ``step`` ended (``ts``: unix s, default now) with ``metrics``
+        (timing filled in by ``StepClock``: module doc)."""
         ts = time.time() if ts is None else ts
+        metrics = self._clock.fill(step, metrics)
         if self.rank == 0:
             self._deliver(step, metrics, ts)
             return

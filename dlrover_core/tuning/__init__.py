@@ -11,7 +11,7 @@ from dlrover_core.tuning.config import TuningConfig, TuningConfigError
 from dlrover_core.tuning.dataloader import ElasticDataLoader
 from dlrover_core.tuning.guard import Guard
 from dlrover_core.tuning.lr_scaling import LR_SCALING_RULES, scaled_learning_rate
-from dlrover_core.tuning.metrics import StepTimer
+from dlrover_core.tuning.metrics import StepTimer, measure_comm_wait
 from dlrover_core.tuning.parallelism import ActivationCheckpointing, apply_parallelism
 from dlrover_core.tuning.session import TuningSession
 from dlrover_core.tuning.tuner import TunerBase, WindowSummary
@@ -19,4 +19,4 @@ from dlrover_core.tuning.tuner import TunerBase, WindowSummary
 __all__ = ["ActivationCheckpointing", "ElasticDataLoader", "Guard", "LR_SCALING_RULES",
            "StepTimer", "TunerBase", "TuningConfig", "TuningConfigError", "TuningSession",
            "WindowSummary", "apply_parallelism", "grad_accum_steps_for", "gradient_sync",
-           "scaled_learning_rate"]
+           "measure_comm_wait", "scaled_learning_rate"]

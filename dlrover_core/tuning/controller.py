@@ -109,6 +109,8 @@ class TuningController(ControllerState):
         self._window: list[tuple[int, dict]] = []
         self._memory: dict[int, float] = {}
         self._capacity: dict[int, float] = {}
+        #: rank -> the phase metrics of its reports in the open window (every rank)
+        self._phases: dict[int, list[dict]] = {}
         self._last_step: int | None = None  # rank 0's last reported step (restart detection)
         self._lock = threading.RLock()  # reports and config polls come from other threads
         self._restore()
@@ -181,6 +183,9 @@ class TuningController(ControllerState):
                 self._memory[rank] = max(self._memory.get(rank, 0.0), float(mem))
             if "memory_capacity_bytes" in metrics:
                 self._capacity[rank] = float(metrics["memory_capacity_bytes"])
+            if self.applied_step is not None and step >= self.applied_step + \
+                    waves.warmup_steps(self.warmup_steps, self.config):
+                self._phases.setdefault(rank, []).append(metrics)
             return
         restarted = self._last_step is not None and step <= self._last_step
         self._last_step = step
@@ -204,18 +209,19 @@ class TuningController(ControllerState):
         if "memory_capacity_bytes" in metrics:
             self._capacity[0] = float(metrics["memory_capacity_bytes"])
         self._window.append((step, dict(metrics)))
+        self._phases.setdefault(0, []).append(metrics)
         if len(self._window) >= waves.window_steps(self.interval_steps, self.config):
             self._close_window()
 
     # ------------------------------------------------------------------ the loop
     def _reset_window(self) -> None:
-        self._window, self._memory, self._capacity = [], {}, {}
+        self._window, self._memory, self._capacity, self._phases = [], {}, {}, {}
 
     def _close_window(self) -> None:
         assert self.config is not None
         self.windows.append(WindowSummary.from_reports(
             self.config.version, self._window, self._memory, self._capacity,
-            self.world_size))
+            self.world_size, phases_by_rank=self._phases))
         self._reset_window()
         if len(self.windows) < self.guard.windows_to_judge(self.phase == "trial",
                                                            len(self.windows)):

@@ -41,9 +41,26 @@ nearly empty whether or not the step waits), and ``loader_refill``
 (``1.0``, only on a step that took a batch of a change's transition:
 :attr:`ElasticDataLoader.refilling <dlrover_core.tuning.dataloader.ElasticDataLoader.refilling>`).
 
-Units: seconds, bytes, samples/s. Timing uses ``time.perf_counter``; on a GPU the
-phases are synchronised with ``torch.cuda.synchronize`` only when ``cuda_sync=True``
-(otherwise asynchronous kernels are charged to the phase that waits for them).
+Units: seconds, bytes, samples/s. ``data_wait_s`` is host time
+(``time.perf_counter``). Where CUDA is initialised, the ``compute`` and ``optimizer``
+phases are timed with CUDA events on the current stream
+(``torch.cuda.Event(enable_timing=True)``, read at ``end_step`` after waiting for the
+step's last event): the device's time, not the host's, which only queues the kernels;
+``cuda_sync=True`` instead synchronises the device at each phase end and uses the host
+clock.
+
+**The collective wait** (``comm_wait_s``): with :func:`measure_comm_wait` on a
+``DistributedDataParallel`` model (the ``ddp`` backend's ``wrap`` does it), every
+backward's gradient all-reduce is timed per rank: from this rank's arrival with its
+last gradient bucket (the end of its own backward) to the completion of its last
+all-reduce (CUDA events where the gradients are on a GPU). A rank that others wait for
+has a short wait; the ranks waiting for it a long one. :class:`StepTimer` then charges
+that wait to ``comm_wait_s`` instead of ``compute_s`` (DDP's backward contains the
+all-reduce), and :class:`StepClock` (applied to every step report of a process in which
+the hook runs, ``runtime.reporting``) fills in for workloads that time nothing:
+``step_s`` (wall time per step between two reports, after a synchronisation of the
+current CUDA stream where CUDA is initialised), ``comm_wait_s``, and ``compute_s =
+step_s - comm_wait_s - data_wait_s`` (what the rank did on its own).
 """
 
 from __future__ import annotations
@@ -52,6 +69,7 @@ import collections
 import os
 import resource
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -59,9 +77,10 @@ from typing import Iterator
 PHASES = ("data", "compute", "optimizer")
 _PHASE_KEYS = {"data": "data_wait_s", "compute": "compute_s", "optimizer": "optimizer_s"}
 
-#: The metric names :meth:`StepTimer.end_step` reports (``cuda_max_allocated_bytes`` and
-#: ``prefetch_depth``/``prefetch_fill`` only when known, ``loader_refill`` only when set).
-METRIC_NAMES = ("data_wait_s", "compute_s", "optimizer_s", "other_s", "step_s",
+#: The metric names :meth:`StepTimer.end_step` reports (``cuda_max_allocated_bytes``,
+#: ``comm_wait_s`` and ``prefetch_depth``/``prefetch_fill`` only when known,
+#: ``loader_refill`` only when set).
+METRIC_NAMES = ("data_wait_s", "compute_s", "optimizer_s", "comm_wait_s", "other_s", "step_s",
                 "samples", "interval_s", "samples_per_s", "peak_rss_bytes",
                 "cuda_max_allocated_bytes",
                 "memory_capacity_bytes", "prefetch_depth", "prefetch_fill", "loader_refill")
@@ -120,6 +139,159 @@ def cuda_max_allocated_bytes() -> int | None:
     return int(torch.cuda.max_memory_allocated())
 
 
+def _cuda_in_use() -> bool:
+    """torch is imported and CUDA initialised (never initialises CUDA itself)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+class CommWaitMeter:
+    """The time this process's ranks wait in DDP's gradient all-reduce (module doc).
+
+    One backward's wait is from the call of the hook for its last bucket
+    (``GradBucket.is_last()``: this rank's backward is done) to the completion of the
+    latest of its all-reduces (on a GPU: CUDA events, the first recorded on the
+    backward's stream at the last bucket, the others in the all-reduce futures'
+    callbacks, whose streams wait for the collective). :meth:`total` is the sum over
+    the backward passes measured so far, seconds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0.0
+        self._cuda_pending: list[tuple[object, list]] = []
+        self._iteration: dict | None = None
+        #: backward passes measured so far (``0``: the hook never ran here)
+        self.count = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether the hook has measured a backward in this process."""
+        return self.count > 0
+
+    def hook(self, process_group, bucket):  # noqa: ANN001,ANN201 - DDP checks annotations
+        """A DDP communication hook (``process_group``, ``bucket``: a ``GradBucket``;
+        returns a ``Future`` of the reduced bucket): DDP's own all-reduce (the mean over
+        the group, ``ddp_comm_hooks.default_hooks.allreduce_hook``), timed. Register it
+        with :func:`measure_comm_wait`."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        now = time.perf_counter()
+        cuda = bucket.buffer().is_cuda
+        with self._lock:
+            it = self._iteration
+            if it is None:
+                it = self._iteration = {"outstanding": 0, "last": None, "done": 0.0,
+                                        "start_event": None, "end_events": []}
+            it["outstanding"] += 1
+            if bucket.is_last():
+                it["last"] = now
+                self._iteration = None  # the next bucket belongs to the next backward
+                if cuda:
+                    import torch
+
+                    it["start_event"] = torch.cuda.Event(enable_timing=True)
+                    it["start_event"].record()
+
+        def done(fut: object) -> object:
+            try:
+                return fut.value()
+            finally:
+                end = None
+                if cuda:
+                    import torch
+
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                self._finished(it, time.perf_counter(), end)
+
+        return allreduce_hook(process_group, bucket).then(done)
+
+    def _finished(self, it: dict, now: float, end_event: object) -> None:
+        with self._lock:
+            it["outstanding"] -= 1
+            it["done"] = max(it["done"], now)
+            if end_event is not None:
+                it["end_events"].append(end_event)
+            if it["outstanding"] > 0 or it["last"] is None:
+                return
+            self.count += 1
+            if it["start_event"] is not None:
+                self._cuda_pending.append((it["start_event"], it["end_events"]))
+            else:
+                self._total += max(0.0, it["done"] - it["last"])
+
+    def total(self) -> float:
+        """Seconds waited so far (the waits of CUDA backward passes whose events have
+        completed; a CUDA wait not yet complete counts at a later call)."""
+        with self._lock:
+            left = []
+            for start, ends in self._cuda_pending:
+                if all(e.query() for e in ends) and start.query():
+                    self._total += max(0.0, max(start.elapsed_time(e) for e in ends) / 1000)
+                else:
+                    left.append((start, ends))
+            self._cuda_pending = left
+            return self._total
+
+
+#: This process's meter (every DDP model of the process adds to it).
+COMM_WAIT = CommWaitMeter()
+
+
+def measure_comm_wait(ddp_model: object) -> object:
+    """Register :data:`COMM_WAIT`'s hook on a ``torch.nn.parallel.DistributedDataParallel``
+    model (over the model's own process group); returns the model. DDP takes one
+    communication hook per model: a model with a hook of its own cannot have this one.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
+        RuntimeError: the model already has a communication hook (DDP's error).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"measure_comm_wait({type(ddp_model).__name__}): allowed: a "
+                        "torch.nn.parallel.DistributedDataParallel model")
+    ddp_model.register_comm_hook(ddp_model.process_group, COMM_WAIT.hook)
+    return ddp_model
+
+
+class StepClock:
+    """Fills in a step report's timing where the workload timed nothing (module doc),
+    once :data:`COMM_WAIT` has measured a backward in this process; until then
+    :meth:`fill` returns the metrics as they are.
+
+    Args:
+        meter: the collective-wait meter (default :data:`COMM_WAIT`).
+    """
+
+    def __init__(self, meter: CommWaitMeter | None = None) -> None:
+        self.meter = COMM_WAIT if meter is None else meter
+        self._mark: tuple[int, float, float] | None = None  # step, perf_counter, wait
+
+    def fill(self, step: int, metrics: dict) -> dict:
+        """``metrics`` with ``step_s``, ``comm_wait_s`` and ``compute_s`` added where
+        missing (seconds per step: the time since the previous report over the steps
+        since it). The first report, one whose step did not advance (a restart, a
+        rollback) and every report while the hook has not run get nothing added."""
+        active = self.meter.active
+        if active and _cuda_in_use():  # the step's kernels end before its time is read
+            sys.modules["torch"].cuda.current_stream().synchronize()
+        now, waited = time.perf_counter(), self.meter.total()
+        mark, self._mark = self._mark, (int(step), now, waited)
+        if not active or mark is None or step <= mark[0]:
+            return metrics
+        n = step - mark[0]
+        out = dict(metrics)
+        out.setdefault("step_s", (now - mark[1]) / n)
+        out.setdefault("comm_wait_s", (waited - mark[2]) / n)
+        if "compute_s" not in metrics:
+            out["compute_s"] = max(0.0, float(out["step_s"]) - float(out["comm_wait_s"])
+                                   - float(metrics.get("data_wait_s", 0.0)))
+        return out
+
+
 class StepTimer:
     """Accumulates phase times within a step and turns them into metrics.
 
@@ -136,10 +308,13 @@ class StepTimer:
         metrics = timer.end_step(samples=global_batch)   # dict of floats for report()
 
     A phase may be entered several times in a step (once per micro-batch); the times add.
+    Where CUDA is initialised, ``compute`` and ``optimizer`` are timed with CUDA events
+    (module doc). The collective wait :data:`COMM_WAIT` measured during the step is
+    taken out of ``compute_s`` (never below 0) and reported as ``comm_wait_s``.
 
     Args:
-        cuda_sync: call ``torch.cuda.synchronize()`` at each phase end (exact GPU phase
-            times at the cost of a sync).
+        cuda_sync: call ``torch.cuda.synchronize()`` at each phase end and time every
+            phase with the host clock instead of CUDA events.
         local_world_size: ranks on this node (for ``memory_capacity_bytes``).
         rate_window: steps over which ``samples_per_s`` is taken (>= 1).
     """
@@ -159,6 +334,8 @@ class StepTimer:
         self._prefetch: list[int] = []
         self._fill: list[float] = []
         self._refill = False
+        self._events: list[tuple[str, object, object]] = []  # phase, CUDA start, end
+        self._waited = COMM_WAIT.total()  # the collective wait before this step
         self.last: dict[str, float] = {}
 
     def start_step(self) -> None:
@@ -169,6 +346,8 @@ class StepTimer:
             torch.cuda.reset_peak_memory_stats()
         self._t0 = time.perf_counter()
         self._acc = dict.fromkeys(PHASES, 0.0)
+        self._events = []
+        self._waited = COMM_WAIT.total()
         self._prefetch, self._fill = [], []
         self._refill = False
 
@@ -183,6 +362,17 @@ class StepTimer:
             raise ValueError(f"phase {name!r} is unknown; allowed: {', '.join(PHASES)}")
         if self._t0 is None:
             self.start_step()
+        if name != "data" and not self.cuda_sync and _cuda_in_use():
+            torch = sys.modules["torch"]
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((name, start, end))
+            return
         t = time.perf_counter()
         try:
             yield
@@ -204,8 +394,10 @@ class StepTimer:
         in the next step's ``interval_s``, so the wall time is still all counted."""
         self._t0 = None
         self._acc = dict.fromkeys(PHASES, 0.0)
+        self._events = []
         self._prefetch, self._fill = [], []
         self._refill = False
+        self._waited = COMM_WAIT.total()
 
     def note_refill(self, refilling: bool) -> None:
         """Record whether a batch of this step belonged to a loader change's transition
@@ -232,12 +424,22 @@ class StepTimer:
         """
         if self._t0 is None:
             raise RuntimeError("end_step() without start_step() or a phase")
+        if self._events:  # CUDA-timed phases: wait for the step's last kernel
+            self._events[-1][2].synchronize()
+            for name, start, end in self._events:
+                self._acc[name] += start.elapsed_time(end) / 1000.0  # ms -> s
+            self._events = []
+        waited, self._waited = self._waited, COMM_WAIT.total()
+        comm = max(0.0, self._waited - waited)
         now = time.perf_counter()
         step_s = max(now - self._t0, 1e-9)
         interval_s = max(now - (self._t0 if self._last_end is None else self._last_end), 1e-9)
         self._last_end = now
         self._recent.append((float(samples), interval_s))
         out = {_PHASE_KEYS[p]: self._acc[p] for p in PHASES}
+        if COMM_WAIT.active:
+            out["comm_wait_s"] = comm
+            out["compute_s"] = max(0.0, out["compute_s"] - comm)
         out["step_s"] = step_s
         out["other_s"] = max(0.0, step_s - sum(self._acc.values()))
         out["samples"] = float(samples)

@@ -16,10 +16,14 @@ nothing heavy (torch, megatron).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from dlrover_core.tuning.config import TuningConfig
+
+
+#: the per-rank phase metrics a summary keeps (``WindowSummary.ranks``)
+_PHASE_KEYS = ("data_wait_s", "compute_s", "optimizer_s", "comm_wait_s")
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,11 @@ class WindowSummary:
         samples_per_s: ``samples / elapsed_s`` (global samples, or whatever unit the
             workload passes to ``StepTimer.end_step``, per second).
         step_s: ``elapsed_s / steps``: mean wall time per step, seconds.
-        data_wait_s, compute_s, optimizer_s: means per step of rank 0's phases, seconds.
-        data_wait_share: ``sum(data_wait_s) / elapsed_s`` (0..1).
+        data_wait_s, compute_s, optimizer_s, comm_wait_s: per step, seconds: the
+            largest over the ranks of each rank's mean phase (``ranks``); rank 0's alone
+            when no other rank's phases were given. A loader that stalls on one rank
+            shows as that rank's data wait, not as the others' compute.
+        data_wait_share: the largest rank's ``data_wait_s`` over ``step_s`` (0..1).
         memory_bytes: the largest per-step memory peak of any rank (CUDA
             ``max_memory_allocated`` where reported, else peak RSS), bytes.
         memory_capacity_bytes: the smallest capacity any rank reported, bytes (0: unknown).
@@ -50,6 +57,10 @@ class WindowSummary:
             tests; one entry for a single window).
         prefetch_fill: mean share of rank 0's loader queue that was ready (0..1:
             ``prefetch_depth`` over ``num_workers * prefetch_factor``; -1: not reported).
+        ranks: rank (a string) -> ``{"data_wait_s", "compute_s", "optimizer_s",
+            "comm_wait_s", "reports"}``: that rank's mean phases per step over its
+            reports (the non-zero ranks' reports are coalesced, so a sample of their
+            steps), seconds.
     """
 
     version: int
@@ -70,6 +81,8 @@ class WindowSummary:
     elapsed_s: float = 0.0
     window_rates: tuple = ()
     prefetch_fill: float = -1.0
+    comm_wait_s: float = 0.0
+    ranks: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -84,10 +97,13 @@ class WindowSummary:
     @classmethod
     def from_reports(cls, version: int, rank0: list[tuple[int, dict]],
                      memory_by_rank: dict[int, float], capacity_by_rank: dict[int, float],
-                     world_size: int) -> WindowSummary:
+                     world_size: int,
+                     phases_by_rank: dict[int, list[dict]] | None = None) -> WindowSummary:
         """Summarise rank 0's ``(step, metrics)`` reports of one window (each with the
         ``samples`` and ``interval_s`` of :meth:`StepTimer.end_step
-        <dlrover_core.tuning.metrics.StepTimer.end_step>`) and every rank's memory peaks.
+        <dlrover_core.tuning.metrics.StepTimer.end_step>`), every rank's memory peaks
+        and ``phases_by_rank`` (rank -> the metrics of its reports in the window; rank
+        0's own reports when it is missing there).
 
         Raises:
             ValueError: ``rank0`` is empty, or a report lacks ``samples`` or ``interval_s``.
@@ -110,11 +126,20 @@ class WindowSummary:
         fill = [m["prefetch_fill"] for _, m in rank0 if "prefetch_fill" in m]
         caps = [c for c in capacity_by_rank.values() if c > 0]
         rate = samples / elapsed if elapsed > 0 else 0.0
+        phases = dict(phases_by_rank or {})
+        phases.setdefault(0, [m for _, m in rank0])
+        ranks = {str(r): {**{k: sum(float(m.get(k, 0.0)) for m in ms) / len(ms)
+                             for k in _PHASE_KEYS}, "reports": len(ms)}
+                 for r, ms in sorted(phases.items()) if ms}
+        worst = {k: max((v[k] for v in ranks.values()), default=total(k) / n)
+                 for k in _PHASE_KEYS}
         return cls(version=version, steps=n, first_step=rank0[0][0], last_step=rank0[-1][0],
                    samples_per_s=rate, step_s=elapsed / n,
-                   data_wait_s=total("data_wait_s") / n, compute_s=total("compute_s") / n,
-                   optimizer_s=total("optimizer_s") / n,
-                   data_wait_share=min(1.0, total("data_wait_s") / elapsed) if elapsed else 0.0,
+                   data_wait_s=worst["data_wait_s"], compute_s=worst["compute_s"],
+                   optimizer_s=worst["optimizer_s"], comm_wait_s=worst["comm_wait_s"],
+                   ranks=ranks,
+                   data_wait_share=min(1.0, worst["data_wait_s"] * n / elapsed)
+                   if elapsed else 0.0,
                    memory_bytes=max(memory_by_rank.values(), default=0.0),
                    memory_capacity_bytes=min(caps) if caps else 0.0,
                    prefetch_depth=(sum(depth) / len(depth)) if depth else -1.0,
@@ -146,11 +171,22 @@ class WindowSummary:
         depth = [w.prefetch_depth for w in windows if w.prefetch_depth >= 0]
         fill = [w.prefetch_fill for w in windows if w.prefetch_fill >= 0]
         wait = sum(w.data_wait_s * w.steps for w in windows)
+        ranks: dict[str, dict] = {}
+        for w in windows:  # each rank's means, weighted by its reports
+            for r, ph in w.ranks.items():
+                acc = ranks.setdefault(r, {**dict.fromkeys(_PHASE_KEYS, 0.0), "reports": 0})
+                for k in _PHASE_KEYS:
+                    acc[k] += ph.get(k, 0.0) * ph["reports"]
+                acc["reports"] += ph["reports"]
+        for acc in ranks.values():
+            for k in _PHASE_KEYS:
+                acc[k] /= max(1, acc["reports"])
         return cls(version=windows[-1].version, steps=steps, first_step=windows[0].first_step,
                    last_step=windows[-1].last_step,
                    samples_per_s=samples / elapsed if elapsed > 0 else 0.0,
                    step_s=elapsed / steps, data_wait_s=mean("data_wait_s"),
                    compute_s=mean("compute_s"), optimizer_s=mean("optimizer_s"),
+                   comm_wait_s=mean("comm_wait_s"), ranks=ranks,
                    data_wait_share=min(1.0, wait / elapsed) if elapsed else 0.0,
                    memory_bytes=max(w.memory_bytes for w in windows),
                    memory_capacity_bytes=min(caps) if caps else 0.0,

@@ -11,15 +11,25 @@ from dlrover_core.runtime.backend import TorchDistributedSession
 
 
 class DDPSession(TorchDistributedSession):
-    def wrap(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-        """``DistributedDataParallel`` over the role's group (``kwargs`` go to DDP)."""
+    def wrap(self, model: torch.nn.Module, measure_comm_wait: bool = True,
+             **kwargs: Any) -> torch.nn.Module:
+        """``DistributedDataParallel`` over the role's group (``kwargs`` go to DDP).
+
+        With ``measure_comm_wait`` (default), DDP's gradient all-reduce runs through
+        ``dlrover_core.tuning.metrics.measure_comm_wait``'s hook (the same mean
+        all-reduce, timed): every step report of this rank then carries its
+        ``comm_wait_s`` and ``compute_s`` for the straggler detector and the tuner.
+        Pass ``False`` to register a communication hook of your own."""
         from torch.nn.parallel import DistributedDataParallel
+
+        from dlrover_core.tuning.metrics import measure_comm_wait as measure
 
         model = model.to(self.device)
         if self.context.world_size == 1:
             return model
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, **kwargs)
+        ddp = DistributedDataParallel(model, device_ids=ids, **kwargs)
+        return measure(ddp) if measure_comm_wait else ddp
 
 
 class FSDPSession(TorchDistributedSession):
