@@ -38,7 +38,12 @@ from dlrover_core.graph.graph import ComputationGraph
 from dlrover_core.master.context import JobContext
 from dlrover_core.master.elastic import ElasticManager
 from dlrover_core.master.events import EventLog
-from dlrover_core.master.failover import FailoverCoordinator, JobFailed, RecoveryAction
+from dlrover_core.master.failover import (
+    FailoverCoordinator,
+    JobFailed,
+    RecoveryAction,
+    what_was_running,
+)
 from dlrover_core.master.health import HealthWatch
 from dlrover_core.master.instances import InstanceFailure, InstanceState, InstanceTable
 from dlrover_core.master.launcher import Launcher
@@ -234,7 +239,9 @@ class JobController:
         """Record the failure, classify it, pick the action; raise ``JobFailed`` when
         it is fatal."""
         s = self.scope
-        failure = found.failure
+        drv = s.instances.driver
+        failure = what_was_running(found.failure, found.inst.state == InstanceState.RUNNING,
+                                   s.graph, drv.last_step if drv is not None else -1)
         s.instances.set_state(found.inst, InstanceState.FAILED)
         s.emit("instance_failed", role=failure.role, rank=failure.rank, kind=failure.kind,
                exc_type=failure.exc_type, message=failure.message[:2000], step=failure.step,

@@ -45,6 +45,30 @@ def node_attributable(failure: Failure, verdict: FailureVerdict) -> bool:
     return False
 
 
+def what_was_running(failure: Failure, set_up: bool, graph: ComputationGraph,
+                     driver_step: int) -> Failure:
+    """``failure`` with the phase and step of what was really running.
+
+    ``set_up``: the instance had finished its ``setup()`` (the master saw it
+    ``running``): a death or hang of it is in phase ``run`` even when it never reported a step itself (a role
+    that a driver calls, e.g. a rollout worker that served 16 iterations). The step of
+    such a role (which reports none: ``-1``) is the driver's last reported step
+    (``driver_step``), so that the record says which iteration it was serving and the
+    classifier's "same error at the same step" rule compares iterations."""
+    from dataclasses import replace
+
+    changes: dict[str, Any] = {}
+    # a user error carries the phase the worker was in; a death or a hang only the
+    # master's guess from the instance's own step reports
+    phase = "run" if set_up and failure.kind != FailureKind.USER_ERROR else failure.phase
+    if phase != failure.phase:
+        changes["phase"] = phase
+    served = bool(graph.driver) and failure.role in graph.roles
+    if served and phase == "run" and failure.step < 0 and driver_step >= 0:
+        changes["step"] = driver_step
+    return replace(failure, **changes) if changes else failure
+
+
 class JobFailed(RuntimeError):
     """The job cannot go on; the message is the summary's ``error``."""
 

@@ -4,7 +4,9 @@
   ``steps_per_iter`` steps with its copy of the policy, and returns the segment as
   a batch of ``N = envs_per_worker`` rows by ``T = steps_per_iter`` steps
   (see :mod:`dlrover_plugin_ppo.experience`); environments carry on across
-  iterations, so episodes span segments.
+  iterations, so episodes span segments. They are the rollout's state
+  (``state_objects``): checkpointed at each driver commit with the actor's and the
+  critic's, so a restarted job steps on from the same episodes.
 - ``CartPoleCritic``: ``V(s)``; bootstraps the end of each segment (``last_values``)
   and episodes cut by the 500-step time limit (``bootstrap``), so truncation is not
   treated as failure.
@@ -21,7 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrover_plugin_ppo.workloads import ActorWorkload, CriticWorkload, RolloutWorkload
+from dlrover_plugin_ppo.workloads import (
+    ActorWorkload,
+    CriticWorkload,
+    PickledState,
+    RolloutWorkload,
+    TorchRNG,
+)
 from examples.ppo_cartpole.model import OBS_DIM, Policy, Value
 
 ENV_ID = "CartPole-v1"
@@ -49,6 +57,14 @@ class CartPoleRollout(RolloutWorkload):
         self.ep_return = np.zeros(len(self.envs))
         self.finished: list[float] = []
         self.num_env_steps = 0
+
+    def state_objects(self) -> dict[str, Any]:
+        """The environments (mid-episode), their observations and running returns, and
+        the RNG that samples actions: checkpointed at each driver commit, so that a
+        restored rollout steps the same episodes on."""
+        return {"envs": PickledState(self, ["envs", "obs", "ep_return", "finished",
+                                            "num_env_steps"]),
+                "rng": TorchRNG()}
 
     @torch.no_grad()
     def generate(self, iteration: int, prompt_ids: Any = None) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from dlrover_plugin_ppo.workloads import (
     ReferenceWorkload,
     RewardWorkload,
     RolloutWorkload,
+    TorchRNG,
     cpu_state_dict,
 )
 
@@ -98,6 +99,10 @@ class ToyRollout(_Toy, RolloutWorkload):
         self.policy = TablePolicy(self.contexts, self.steps, self.actions)
         self.num_rows = 0
         self.seen_prompts: list[int] = []
+
+    def state_objects(self):
+        """The RNG that samples actions (a restored rollout samples what it would have)."""
+        return {"rng": TorchRNG()}
 
     def set_weights(self, weights):
         if isinstance(weights, list):

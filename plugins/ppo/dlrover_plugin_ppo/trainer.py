@@ -116,13 +116,59 @@ class PPOTrainer(BaseTrainer):
         self.totals: dict[str, float] = {}
         self.start_it, self.final_before = 0, None
         self._share_weights: bool | None = None  # shares_weights(), at the first sync
+        #: roles whose state is checkpointed at each commit (``has_state()`` of rank 0)
+        self.stateful = [r for r in sorted(roles)
+                         if getattr(self, f"RG_{r.upper()}").has_state.options(
+                             target="RANK0", blocking=True)()]
         state = self.load_state()  # a restarted driver resumes where it was
         if state is not None:
             self.start_it = state["it"] + 1
             self.returns.extend(state["returns"])
             self.episodes, self.totals = state["episodes"], state["totals"]
             self.final_before = state["final_before"]
+        #: iterations done as of the last commit (the stateful roles' checkpoint step)
+        self.committed = self.start_it
+        if state is not None or self._context.attempt > 0:
+            self.rollback(state)
         self.sync_weights(initial=state is None)
+
+    # ------------------------------------------------------------------ commits
+    def rollback(self, state: dict | None) -> None:
+        """A restarted driver: put every stateful role back to the last commit (the
+        roles that kept running may be ahead of it: an update of the iteration that was
+        lost), drop what stateless roles counted since, and report the committed
+        iteration again if the master never got it (the driver died between its commit
+        and its report)."""
+        step = self.committed
+        calls = [getattr(self, f"RG_{r.upper()}").restore_state.options(blocking=False)(step)
+                 for r in self.stateful]
+        for c in calls:
+            c.get()
+        if self.has["reward"]:
+            self.RG_REWARD.stats()  # scores of the lost iteration's attempt
+        if state is not None and state.get("metrics"):
+            from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+            master = ray.get_actor(master_actor_name(self._context.job),
+                                   namespace=MASTER_NAMESPACE)
+            if int(ray.get(master.status.remote()).get("step", -1)) < state["it"]:
+                self.report(state["it"], **state["metrics"])
+
+    def commit(self, it: int, metrics: dict[str, float], final: dict[str, float]) -> None:
+        """End of iteration ``it``: every stateful role saves its state as step ``it + 1``
+        (iterations done; all ranks in parallel, each waits for its saver's commit), then
+        the driver's own state is written atomically: that write is the commit. A role's
+        step above the driver's committed one is never loaded (a restart asks for the
+        committed step by number)."""
+        step = it + 1
+        calls = [getattr(self, f"RG_{r.upper()}").save_state.options(blocking=False)(step)
+                 for r in self.stateful]
+        for c in calls:
+            c.get()
+        self.save_state({"it": it, "step": step, "returns": list(self.returns),
+                         "episodes": self.episodes, "totals": self.totals,
+                         "final_before": final, "metrics": metrics})
+        self.committed = step
 
     # ------------------------------------------------------------------ placement
     def record_placement(self) -> dict[str, Any]:
@@ -171,7 +217,7 @@ class PPOTrainer(BaseTrainer):
         actor, sync weights. Returns scalar metrics."""
         t0 = time.perf_counter()
         nb = {"blocking": False}
-        batch = self.gen.generate.options(**nb)(it, self.prompt_ids(it))
+        batch = self.gen.generate_iteration.options(**nb)(it, self.prompt_ids(it))
         scores = self.RG_REWARD.score.options(**nb)(batch) if self.has["reward"] else None
         ref = None
         if self.has["reference"]:
@@ -189,7 +235,9 @@ class PPOTrainer(BaseTrainer):
             c["critic_update_s"] = c.pop("update_s", 0.0)
             metrics.update(c)
         self.sync_weights()
-        gen_stats = aggregate(self.gen.stats())
+        # this iteration's stats only (kept per iteration by the generating ranks), added
+        # to totals that are committed with the iteration: a redone iteration replaces
+        gen_stats = aggregate(self.gen.iteration_stats(it))
         returns = gen_stats.pop("episode_returns", [])
         self.returns.extend(float(r) for r in returns)
         self.episodes += len(returns)
@@ -234,10 +282,10 @@ class PPOTrainer(BaseTrainer):
             metrics = self.iteration(it)
             metrics["elapsed_s"] = time.perf_counter() - t_start
             metrics["target_reached"] = float(self.target_reached())
+            # commit, then report: a redone iteration is never reported twice, and a
+            # report lost to a crash after the commit is sent again (rollback)
+            self.commit(it, {**metrics, **final}, final)
             self.report(it, **{**metrics, **final})
-            self.save_state({"it": it, "returns": list(self.returns),
-                             "episodes": self.episodes, "totals": self.totals,
-                             "final_before": final})
             if self.target_reached():
                 break
             if self.rl.max_time_s and metrics["elapsed_s"] >= self.rl.max_time_s:

@@ -18,16 +18,27 @@ reward     ``reward(batch) -> [N]``                      ``score``, ``stats``
 critic     ``self.value_net``, ``self.optimizer``,       ``values``, ``update``
            ``predict(batch) -> [N, T]``
 =========  ===========================================  ===============================
+
+State (failover): a role whose :meth:`RLWorkload.state_objects` is not ``None`` (the actor
+and the critic by default; a rollout that keeps environments across iterations, as in
+``examples/ppo_cartpole``) is checkpointed with the job's saver at the driver's iteration
+boundary (:meth:`RLWorkload.save_state`, step = iterations done) and restored to the
+driver's last commit after a failure (:meth:`RLWorkload.restore_state`); see
+``docs/ppo.md``, "Failover".
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import pickle
 import time
 from typing import Any
 
 import torch
 
 from dlrover_core import BaseWorkload, trainer_invocation
+from dlrover_core.checkpoint.checkpointer import Checkpointer
 from dlrover_plugin_ppo import algo
 from dlrover_plugin_ppo.config import RLConfig
 from dlrover_plugin_ppo.experience import as_batch, check_batch, compute_advantages, minibatches
@@ -48,6 +59,56 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     already on the CPU are the model's own (no copy: returning them from a Ray call
     serializes them once into the object store, which is the copy the receivers read)."""
     return {k: v.detach().to("cpu") for k, v in unwrap(model).state_dict().items()}
+
+
+class TorchRNG:
+    """The process's torch CPU random generator as a checkpointable object (its
+    ``state_dict`` is ``{"cpu": ByteTensor}``): sampling and minibatch shuffles draw from
+    it, so a role restored to a commit draws what it would have drawn."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+
+
+class OptimizerState:
+    """An optimizer as a checkpointable object keyed by parameter names
+    (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``), so that a
+    freshly made optimizer (no state yet) loads the moments of a trained one."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class PickledState:
+    """Attributes of an object (``names``) checkpointed as one pickled ``bytes`` value
+    (environments, episode counters: small Python objects without ``state_dict``)."""
+
+    def __init__(self, owner: Any, names: list[str]) -> None:
+        self.owner, self.names = owner, list(names)
+
+    def state_dict(self) -> dict[str, bytes]:
+        return {"pickle": pickle.dumps({n: getattr(self.owner, n) for n in self.names})}
+
+    def load_state_dict(self, state: dict[str, bytes]) -> None:
+        for n, v in pickle.loads(state["pickle"]).items():
+            setattr(self.owner, n, v)
+
+
+class StateNotFound(RuntimeError):
+    """A role was asked to restore a committed step that its saver does not have."""
 
 
 class RLWorkload(BaseWorkload):
@@ -97,6 +158,111 @@ class RLWorkload(BaseWorkload):
         torch.manual_seed(s)
         return s
 
+    # ------------------------------------------------------------------ state
+    def state_objects(self) -> dict[str, Any] | None:
+        """What this role checkpoints at the driver's iteration boundary, as
+        ``Checkpointer.save`` objects (``{"policy": module, "optimizer":
+        OptimizerState(...), "rng": TorchRNG()}``), or ``None``: the role is stateless
+        (its replacement needs only the actor's weights). Default ``None``; the actor and
+        the critic return their model, optimizer and RNG. ``roles.<role>.config.stateful:
+        false`` in the job spec turns a role's checkpoint off."""
+        return None
+
+    def _stateful_objects(self) -> dict[str, Any] | None:
+        if not bool(self.config.get("stateful", True)):
+            return None
+        return self.state_objects() or None
+
+    @trainer_invocation(target="RANK0")
+    def has_state(self) -> bool:
+        """Whether :meth:`state_objects` names anything (asked by the driver once)."""
+        return self._stateful_objects() is not None
+
+    @property
+    def state_checkpointer(self) -> Checkpointer:
+        """The checkpointer of :meth:`save_state`: the job's saver (``checkpoint.saver``)
+        under ``<checkpoint.dir>/<role>``; ranks of a role without a process group (each
+        its own state, e.g. rollout workers) get one lineage each, under
+        ``<checkpoint.dir>/by-rank/<rank>/<role>``."""
+        ck = getattr(self, "_state_ck", None)
+        if ck is not None:
+            return ck
+        ctx = self.context
+        if ctx.backend or ctx.world_size == 1:
+            ck = self.checkpointer
+        else:
+            base = ctx.checkpoint.get("dir") or os.path.join(ctx.job_dir, "ckpt")
+            own = dataclasses.replace(
+                ctx, rank=0, world_size=1,
+                checkpoint={**dict(ctx.checkpoint),
+                            "dir": os.path.join(str(base), "by-rank", str(self.rank))})
+            ck = Checkpointer.for_worker(own, self)
+        self._state_ck = ck
+        return ck
+
+    def save_state(self, step: int) -> int | None:
+        """Checkpoint :meth:`state_objects` as ``step`` (iterations done) and wait until
+        the saver committed it. Returns ``step``, or ``None`` for a stateless role."""
+        objs = self._stateful_objects()
+        if objs is None:
+            return None
+        ck = self.state_checkpointer
+        ck.save(int(step), **objs)
+        ck.wait()
+        return int(step)
+
+    def restore_state(self, step: int) -> int | None:
+        """Put this rank back to committed ``step`` (iterations done): step 0 is the state
+        ``setup()`` makes, so ``teardown()`` and ``setup()`` run again; a later step is
+        loaded from the saver. Returns ``step`` (``None`` for a stateless role).
+
+        Raises:
+            StateNotFound: the saver has no step ``step`` (never falls back to another).
+            CheckpointLoadError: the step exists but does not load.
+        """
+        self._iteration_cache = None
+        if self._stateful_objects() is None:
+            return None
+        if int(step) == 0:
+            self.teardown()
+            self.setup()
+            return 0
+        ck = self.state_checkpointer
+        loaded = ck.load(int(step), **self._stateful_objects())
+        if loaded != int(step):
+            raise StateNotFound(
+                f"{self.role}-{self.rank}: the driver committed iteration step {step}, but "
+                f"the checkpoint directory {ck.saver.config.dir} has "
+                f"{ck.saver.committed_steps() or 'no committed steps'}")
+        return loaded
+
+    # ------------------------------------------------------------------ generation
+    _iteration_cache: tuple[int, Any] | None = None
+    _iteration_stats: dict[int, dict[str, Any]] | None = None
+
+    def generate_iteration(self, iteration: int, prompt_ids: list[int] | None = None) -> Any:
+        """What the driver calls: ``generate(iteration, prompt_ids)`` then ``stats()``
+        once, kept as this iteration's stats (:meth:`iteration_stats`; a redone iteration
+        replaces them). Idempotent by iteration: a second call for the iteration just
+        generated (a retried call) returns the same batch without stepping again."""
+        cached = self._iteration_cache
+        if cached is not None and cached[0] == int(iteration):
+            return cached[1]
+        batch = self.generate(int(iteration), prompt_ids)  # type: ignore[attr-defined]
+        stats = getattr(self, "stats", None)
+        if self._iteration_stats is None:
+            self._iteration_stats = {}
+        self._iteration_stats[int(iteration)] = dict(stats() if stats is not None else {})
+        for old in sorted(self._iteration_stats)[:-4]:
+            del self._iteration_stats[old]
+        self._iteration_cache = (int(iteration), batch)
+        return batch
+
+    def iteration_stats(self, iteration: int) -> dict[str, Any]:
+        """The stats of ``iteration``'s :meth:`generate_iteration` (``{}`` when this rank
+        did not generate it)."""
+        return dict((self._iteration_stats or {}).get(int(iteration), {}))
+
 
 def _mean_stats(acc: dict[str, list[float]]) -> dict[str, float]:
     return {k: float(sum(v) / len(v)) for k, v in acc.items() if v}
@@ -113,6 +279,12 @@ class ActorWorkload(RLWorkload):
 
     policy: torch.nn.Module
     optimizer: torch.optim.Optimizer
+
+    def state_objects(self) -> dict[str, Any] | None:
+        """The policy, its optimizer and the RNG (minibatch shuffles)."""
+        model = unwrap(self.policy)
+        return {"policy": model, "optimizer": OptimizerState(model, self.optimizer),
+                "rng": TorchRNG()}
 
     def evaluate_actions(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probabilities (nats) of ``batch["actions"]`` under ``self.policy`` and the
@@ -231,7 +403,10 @@ class RolloutWorkload(RLWorkload):
 
     def stats(self) -> dict[str, Any]:
         """Scalars since the last call; ``episode_returns`` (a list of finished episodes'
-        returns) feeds the driver's ``mean_return``. Default: nothing."""
+        returns) feeds the driver's ``mean_return``; counts named ``num_<x>`` add up to
+        the driver's ``total_<x>``. Called once right after each ``generate`` (by
+        :meth:`generate_iteration`), so a call's stats belong to its iteration. Default:
+        nothing."""
         return {}
 
 
@@ -292,6 +467,12 @@ class CriticWorkload(RLWorkload):
 
     value_net: torch.nn.Module
     optimizer: torch.optim.Optimizer
+
+    def state_objects(self) -> dict[str, Any] | None:
+        """The value net, its optimizer and the RNG (minibatch shuffles)."""
+        model = unwrap(self.value_net)
+        return {"value_net": model, "optimizer": OptimizerState(model, self.optimizer),
+                "rng": TorchRNG()}
 
     def predict(self, batch: dict[str, Any]) -> torch.Tensor:
         """``V(s_t)`` ``[n, t]`` float32 with gradients. Override."""

@@ -1,0 +1,112 @@
+"""Failover of a whole PPO job (examples/ppo_cartpole, shortened) on the real local Ray
+cluster: one process is SIGKILLed from outside mid-run (its pid as the master reports
+it), and the run must end exactly where an unkilled run ends.
+
+The CartPole job is deterministic (seeded, one torch thread per role, environments and
+RNGs in the rollout's checkpointed state), so "exactly" is bit for bit: every
+iteration's reported metrics (timings aside) and the final ones equal the unkilled
+run's. Before the stateful roles were checkpointed, an actor kill restarted the policy
+from its initial weights (``mean_return`` collapsed at the redone iteration) and a
+rollout or driver kill counted the lost iteration's environment steps twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+ITERATIONS = 10
+KILL_AFTER = 4          # the kill comes once the driver reported this iteration
+STEPS_PER_ITERATION = 2 * 8 * 128  # rollout ranks x environments x steps
+
+
+def _rows(job_dir: str) -> list[dict]:
+    with open(os.path.join(job_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("role") == "driver"]
+
+
+def _events(job_dir: str) -> list[dict]:
+    with open(os.path.join(job_dir, "events.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _deterministic(metrics: dict) -> dict:
+    """The metrics that do not measure time."""
+    return {k: v for k, v in metrics.items()
+            if not (k.endswith("_s") or k in ("ts", "time", "event"))}
+
+
+def run_cartpole(job_dir: str, kill: str | None = None) -> dict:
+    """The CartPole example for ``ITERATIONS`` iterations; with ``kill`` (an instance
+    label: ``actor-0``, ``rollout-1``, ``driver``), SIGKILL that process once iteration
+    ``KILL_AFTER`` was reported. Returns the summary."""
+    from dlrover_core import load_spec
+    from dlrover_core.master.client import create_master
+
+    spec = load_spec("examples/ppo_cartpole/job.yaml", [
+        f"config.rl.iterations={ITERATIONS}", "config.rl.target_return=null",
+        "config.rl.max_time_s=0", "config.rl.evaluate=false", f"name=ppo-fo-{kill or 'none'}"])
+    master = create_master(spec, job_dir)
+    ray.get(master.start.remote())
+    try:
+        if kill is not None:
+            deadline = time.time() + 180
+            while True:
+                st = ray.get(master.status.remote())
+                if st["step"] >= KILL_AFTER:
+                    break
+                assert time.time() < deadline, st
+                time.sleep(0.02)
+            pid = st["instances"][kill]["pid"]
+            assert pid, st["instances"]
+            os.kill(pid, signal.SIGKILL)
+        summary = ray.get(master.wait.remote(300))
+    finally:
+        ray.kill(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    return summary
+
+
+@pytest.fixture(scope="module")
+def unkilled(ray_cluster, tmp_path_factory):
+    job_dir = str(tmp_path_factory.mktemp("unkilled"))
+    summary = run_cartpole(job_dir)
+    return summary, _rows(job_dir)
+
+
+def _check_same_as_unkilled(unkilled, summary, job_dir):
+    ref_summary, ref_rows = unkilled
+    m = summary["metrics"]
+    assert m["iterations"] == ITERATIONS
+    # exactly once: every iteration's environment steps counted once
+    assert m["total_env_steps"] == ITERATIONS * STEPS_PER_ITERATION
+    assert _deterministic(m) == _deterministic(ref_summary["metrics"])
+    rows = _rows(job_dir)
+    its = [r["step"] for r in rows if "fit_s" not in r]
+    # each iteration reported once, in order
+    assert its == list(range(ITERATIONS))
+    ref = {r["step"]: _deterministic(r) for r in ref_rows if "fit_s" not in r}
+    got = {r["step"]: _deterministic(r) for r in rows if "fit_s" not in r}
+    assert got == ref  # bit for bit, every iteration: mean_return, losses, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", ["actor-0", "rollout-1", "driver"])
+def test_killed_process_ends_where_the_unkilled_run_ends(unkilled, job_dir, kill):
+    """SIGKILL of the actor (stateful: restored to the driver's last commit, the driver
+    rolls back with it), of a rollout rank (its environments restored) or of the driver
+    (the roles that ran ahead of its commit roll back): the run's metrics, iteration by
+    iteration, equal the unkilled run's, and ``total_env_steps`` is exactly
+    iterations x steps per iteration."""
+    summary = run_cartpole(job_dir, kill)
+    assert summary["restarts"]["total"] == 1
+    _check_same_as_unkilled(unkilled, summary, job_dir)
+    failed = [e for e in _events(job_dir) if e["event"] == "instance_failed"]
+    assert len(failed) == 1
+    # the record says what was running: a served role killed mid-run is not "setup"
+    assert failed[0]["phase"] == "run" and failed[0]["step"] >= KILL_AFTER
