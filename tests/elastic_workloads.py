@@ -24,23 +24,26 @@ def _mse(model, batch):
 
 
 class ElasticRegression(BaseWorkload):
-    """Config: ``global_batch``, ``micro_batch``, ``max_steps``, ``batches_per_shard``
-    (1: each optimizer step reads whole shards, so the ranks read the same samples per
-    step at any world size), ``sleep_s`` per step, ``fault`` ``{rank, step}``: SIGKILL
-    that rank at that step in attempt 0."""
+    """The global batch and micro-batch come from the spec's ``elastic`` section through
+    the context (``self.context.global_batch``, ``micro_batch``, ``grad_accum_steps`` at
+    this world size). Config: ``max_steps``, ``num_samples`` (default ``global_batch x
+    max_steps``), ``batches_per_shard`` (default 1), ``sleep_s`` per step, ``fault``
+    ``{rank, step}``: SIGKILL that rank at that step in attempt 0. Steps come from
+    ``ShardSampler.next_step`` (the same number on every rank); each ids record holds the
+    sampler's generation (a restore's) and the world size."""
 
     def setup(self) -> None:
         torch.set_num_threads(1)
-        c = self.config
+        c, ctx = self.config, self.context
         self.max_steps = int(c.max_steps)
-        self.plan = ElasticBatch(int(c.global_batch), int(c.micro_batch), self.world_size)
+        self.plan = ElasticBatch(ctx.global_batch, ctx.micro_batch, self.world_size)
+        assert self.plan.grad_accum_steps == ctx.grad_accum_steps
         self.model = self.backend.wrap(_model())
         self.opt = make_optimizer(self.model)
         self.extra = {"step": 0}
-        self.x, self.y = _data(int(c.global_batch) * self.max_steps)
-        self.sampler = ShardSampler.for_workload(
-            self, batch_size=int(c.micro_batch), num_samples=len(self.x),
-            batches_per_shard=int(c.get("batches_per_shard", 1)))
+        self.x, self.y = _data(int(c.get("num_samples", ctx.global_batch * self.max_steps)))
+        self.sampler = ShardSampler.for_workload(  # micro-batch, accumulation: the context's
+            self, num_samples=len(self.x), batches_per_shard=int(c.get("batches_per_shard", 1)))
         # the shard state is saved with the model: a restore rewinds the shard service
         loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra,
                                         shards=self.sampler)
@@ -55,33 +58,31 @@ class ElasticRegression(BaseWorkload):
     def run(self) -> dict:
         c = self.config
         fault = c.get("fault")
-        step = self.start
+        step, done = self.start, self.start
         for step in range(self.start, self.max_steps):
             if fault and int(fault.rank) == self.rank and int(fault.step) == step \
                     and self.attempt == 0:
                 self.sampler.flush()  # the master has every report the ids log has
                 os.kill(os.getpid(), signal.SIGKILL)
-            batches, ids = [], []
-            for _ in range(self.plan.grad_accum_steps):
-                idx = self.sampler.next_indices()
-                if idx is None:
-                    break
-                batches.append((self.x[idx], self.y[idx]))
-                ids += idx
-            if len(batches) < self.plan.grad_accum_steps:
+            micro = self.sampler.next_step()  # every rank gets None at the same step
+            if micro is None:
                 break  # the data set is done
+            batches = [(self.x[idx], self.y[idx]) for idx in micro]
+            ids = [i for idx in micro for i in idx]
             loss = accumulation_step(self.model, self.opt, batches, _mse)
             self.sampler.step_done(step)
             with open(os.path.join(self.job_dir, f"ids-{self.rank}.jsonl"), "a") as f:
-                f.write(json.dumps({"attempt": self.attempt, "step": step, "ids": ids}) + "\n")
+                f.write(json.dumps({"attempt": self.attempt, "step": step, "ids": ids,
+                                    "generation": self.sampler.generation,
+                                    "world_size": self.world_size}) + "\n")
             self.report(step, loss=loss, world_size=float(self.world_size))
-            self.extra["step"] = step + 1
+            self.extra["step"] = done = step + 1
             self.checkpointer.maybe_save(step + 1, model=self.model, optimizer=self.opt,
                                          extra=self.extra, shards=self.sampler)
             time.sleep(float(c.get("sleep_s", 0.0)))
         if self.rank == 0:
             open(os.path.join(self.job_dir, "trainer_done"), "w").close()
-        return {"steps": step + 1}
+        return {"steps": done}
 
 
 class Watcher(BaseWorkload):

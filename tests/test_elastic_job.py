@@ -36,7 +36,8 @@ def test_sigkill_trains_each_sample_once_in_the_final_model(ray_cluster, job_dir
         "checkpoint": {"saver": "disk", "every_steps": EVERY, "keep": 2},
         "failover": {"standby": False, "survivor_grace_s": 3, "pg_timeout_s": 30},
         "node_health": {"skip_node_check": True},  # not about node health: no probe
-        "config": {"global_batch": G, "micro_batch": B, "max_steps": STEPS,
+        "elastic": {"global_batch": G, "micro_batch": B},  # reaches the workload's context
+        "config": {"max_steps": STEPS,
                    "batches_per_shard": 2, "sleep_s": 0.05,
                    "fault": {"rank": 1, "step": 10}}})
     summary = run_job(spec, job_dir)
@@ -68,4 +69,8 @@ def test_sigkill_trains_each_sample_once_in_the_final_model(ray_cluster, job_dir
     assert ledger["samples_reread_after_rollback"] == reread
     assert summary["samples_reread_after_rollback"] == reread
     assert ledger["samples_trained"] == ledger["samples_total"] == G * STEPS
+    # the newest checkpoint (step 16) holds every step: every sample is committed
+    assert summary["checkpoint_steps"]["trainer"] == STEPS
+    assert ledger["samples_committed"] == G * STEPS
+    assert summary["samples_not_trained"] == summary["samples_leased_not_trained"] == 0
     assert "world_sizes" not in summary  # no elastic role

@@ -60,3 +60,38 @@ def test_total_must_be_in_range_and_the_role_elastic_capable():
     with pytest.raises(SpecError, match=r"elastic.global_batch: 6 is invalid; allowed: a "
                                         r"multiple of elastic.micro_batch x roles.trainer.total"):
         load_spec(spec("1:2"), ["elastic.global_batch=6", "elastic.micro_batch=2"])
+    with pytest.raises(SpecError, match="elastic.placement_timeout_s: 0"):
+        load_spec(spec("1:2"), ["elastic.placement_timeout_s=0"])
+
+
+def test_global_batch_reaches_the_context_at_every_world_size():
+    from dlrover_core.runtime.context import WorkerContext
+
+    def ctx(world):
+        return WorkerContext(job="j", role="trainer", rank=0, world_size=world, local_rank=0,
+                             local_world_size=1, global_batch=24, micro_batch=4)
+
+    # a resize changes only the world size: the accumulation steps follow it
+    assert [ctx(w).grad_accum_steps for w in (1, 2, 3, 6)] == [6, 3, 2, 1]
+    env = ctx(2).env()
+    assert (env["DLROVER_GLOBAL_BATCH"], env["DLROVER_MICRO_BATCH"],
+            env["DLROVER_GRAD_ACCUM_STEPS"]) == ("24", "4", "3")
+    with pytest.raises(ValueError, match=r"elastic.global_batch=24 is not a multiple of "
+                                         r"elastic.micro_batch=4 x world_size=4 of role "
+                                         r"'trainer'"):
+        ctx(4)
+    plain = WorkerContext(job="j", role="t", rank=0, world_size=3, local_rank=0,
+                          local_world_size=1)
+    assert plain.grad_accum_steps == 0 and "DLROVER_GRAD_ACCUM_STEPS" not in plain.env()
+
+
+def test_global_batch_must_split_on_every_role_with_a_backend():
+    s = {"name": "t", "roles": {"trainer": {"workload": W, "total": 5, "backend": "ddp"},
+                                "other": {"workload": W, "total": 5}},  # no backend: no check
+         "elastic": {"global_batch": 24, "micro_batch": 4}}
+    with pytest.raises(SpecError, match=r"elastic.global_batch: 24 is invalid; allowed: a "
+                                        r"multiple of elastic.micro_batch x "
+                                        r"roles.trainer.total = 4 x 5"):
+        load_spec(s)
+    s["roles"]["trainer"]["total"] = 3
+    assert load_spec(s).elastic.global_batch == 24

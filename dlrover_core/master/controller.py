@@ -323,12 +323,11 @@ class JobController:
             if self.elastic.ranges:  # every size an elastic role ran at
                 self.summary["world_sizes"] = list(self.elastic.history)
             if self.shards.services:  # per-sample ledger of the shard service
-                ledger = self.shards.ledger()
-                self.summary.update(samples_lost=ledger["samples_lost"],
-                                    samples_duplicated=ledger["samples_duplicated"],
-                                    samples_reread_after_rollback=ledger[
-                                        "samples_reread_after_rollback"],
-                                    shards=ledger["roles"])
+                ledger = self.shards.ledger(committed=dict(s.checkpoint_steps))
+                self.summary.update({k: ledger[k] for k in (
+                    "samples_lost", "samples_duplicated", "samples_reread_after_rollback",
+                    "samples_leased_not_trained", "samples_not_trained")},
+                    shards=ledger["roles"])
             if self.progress.tuning is not None:  # the config the job ended on
                 self.summary["tuning"] = self.progress.tuning.summary()
             if self.health.current():  # a plugin's check still failing at the end

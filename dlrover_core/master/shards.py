@@ -22,13 +22,18 @@ positions after the checkpoint are trained again exactly once, whichever reports
 the master. Without a state (a workload that does not save it) the service rolls back
 the reports of steps after the restored step instead.
 
-The ledger (:meth:`ShardService.ledger`) counts per position, over the reports:
-``samples_duplicated`` = kept (not rolled back) reports of a position beyond its first:
-samples whose gradient is in the final model more than once (0 when the service works);
+The ledger (:meth:`ShardService.ledger`) counts per position, over the reports (what the
+ranks' ``step_done`` reported as trained, never what was only handed out):
+``samples_trained`` / ``samples_committed`` = positions in kept reports / of steps in
+the newest checkpoint; ``samples_duplicated`` = kept (not rolled back) reports of a
+position beyond its first: samples whose gradient is in the final model more than once
+(0 when every restore had the checkpoint's shard state; a restore by step alone can
+repeat the reports a killed rank never delivered, up to a checkpoint window);
 ``samples_reread_after_rollback`` = positions of rolled-back reports: training undone by
 a restore and done again (work lost, not duplicates); ``samples_lost`` = positions handed
 out in a lease that are neither in a kept report, nor back in the queue, nor under a
-current lease.
+current lease; ``samples_leased_not_trained`` = positions under a lease open now and not
+trained (at the job's end: handed out, never trained).
 """
 
 from __future__ import annotations
@@ -207,31 +212,53 @@ class ShardService:
         with self._lock:
             return all(s.read >= s.end for s in self.shards.values())
 
-    def ledger(self) -> dict:
-        """``samples_total`` (positions), ``samples_trained`` (distinct positions in kept
-        reports), ``samples_duplicated``, ``samples_reread_after_rollback``,
-        ``samples_lost`` (see the module doc), ``leases_per_rank``, ``generation``."""
+    def ledger(self, committed_step: int | None = None) -> dict:
+        """The per-sample ledger (see the module doc), over the reports:
+
+        - ``samples_total``: positions (``num_samples x num_epochs``);
+        - ``samples_trained``: distinct positions in kept reports (what ``step_done``
+          reported as trained and no restore rolled back);
+        - ``samples_committed``: those of steps below ``committed_step`` (checkpoint
+          ``N`` holds steps ``0..N-1``; ``None`` when no checkpoint is known);
+        - ``samples_duplicated``: kept reports of a position beyond its first;
+        - ``samples_reread_after_rollback``: positions of rolled-back reports;
+        - ``samples_lost``: handed out, not trained, and neither back in the queue nor
+          under a lease open now;
+        - ``samples_leased_not_trained``: under a lease open now and not trained (at the
+          job's end: handed out and never trained, e.g. a tail smaller than a step);
+        - ``samples_not_trained``: ``samples_total - samples_trained``;
+        - ``leases_per_rank``, ``generation``.
+        """
         with self._lock:
             kept: collections.Counter[int] = collections.Counter()
+            committed: set[int] = set()
             rolled_back = 0
-            for _, _, _, _, lo, hi, rolled in self.reports:
+            for _, _, step, _, lo, hi, rolled in self.reports:
                 if rolled:
                     rolled_back += hi - lo
                 else:
                     kept.update(range(lo, hi))
-            out_now = set()
-            for sid in list(self.queue) + list(self.leases):
+                    if committed_step is not None and step < committed_step:
+                        committed.update(range(lo, hi))
+            in_queue, leased = set(), set()
+            for sid in self.queue:
                 sh = self.shards[sid]
-                out_now.update(range(sh.read, sh.end))
+                in_queue.update(range(sh.read, sh.end))
+            for sid in self.leases:
+                sh = self.shards[sid]
+                leased.update(range(sh.read, sh.end))
             handed = set()
             for sid in self.handed_out:
                 sh = self.shards[sid]
                 handed.update(range(sh.start, sh.end))
-            lost = handed - set(kept) - out_now
+            lost = handed - set(kept) - in_queue - leased
             return {"samples_total": self.total, "samples_trained": len(kept),
+                    "samples_committed": None if committed_step is None else len(committed),
                     "samples_duplicated": sum(c - 1 for c in kept.values() if c > 1),
                     "samples_reread_after_rollback": rolled_back,
                     "samples_lost": len(lost),
+                    "samples_leased_not_trained": len(leased - set(kept)),
+                    "samples_not_trained": self.total - len(kept),
                     "leases_per_rank": {str(k): v for k, v in sorted(self.leases_per_rank.items())},
                     "generation": self.generation}
 
@@ -272,10 +299,13 @@ class ShardRegistry:
             raise KeyError(f"role {role!r} has no shard service; open it first "
                            "(ShardSampler.for_workload)") from None
 
-    def ledger(self) -> dict:
-        """Per role (``roles``), :meth:`ShardService.ledger`; plus ``samples_lost``,
-        ``samples_duplicated`` and ``samples_reread_after_rollback`` summed over them."""
-        roles = {role: svc.ledger() for role, svc in self.services.items()}
+    def ledger(self, committed: dict[str, int] | None = None) -> dict:
+        """Per role (``roles``), :meth:`ShardService.ledger` with the role's newest
+        checkpoint step from ``committed`` (role -> step); plus ``samples_lost``,
+        ``samples_duplicated``, ``samples_reread_after_rollback``,
+        ``samples_leased_not_trained`` and ``samples_not_trained`` summed over them."""
+        committed = committed or {}
+        roles = {role: svc.ledger(committed.get(role)) for role, svc in self.services.items()}
         return {key: sum(r[key] for r in roles.values()) for key in
-                ("samples_lost", "samples_duplicated", "samples_reread_after_rollback")} | {
-                    "roles": roles}
+                ("samples_lost", "samples_duplicated", "samples_reread_after_rollback",
+                 "samples_leased_not_trained", "samples_not_trained")} | {"roles": roles}

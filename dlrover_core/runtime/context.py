@@ -34,6 +34,10 @@ class WorkerContext:
             assignment (:mod:`dlrover_core.runtime.devices`).
         run_id: identifies this run of the job (the JobMaster's actor id, hex; the same
             after a master restart, new for every submission).
+        global_batch / micro_batch: the job's ``elastic.global_batch`` and
+            ``elastic.micro_batch`` (samples per optimizer step over all ranks, and per
+            forward/backward on one rank; 0: not set); ``grad_accum_steps`` follows from
+            them and ``world_size`` (so it changes when a resize changes the world size).
     """
 
     job: str
@@ -57,6 +61,32 @@ class WorkerContext:
     run_id: str = ""
     gpu_ids: list = field(default_factory=list)
     cuda_device: int | None = None
+    global_batch: int = 0
+    micro_batch: int = 0
+
+    def __post_init__(self) -> None:
+        self.grad_accum_steps  # noqa: B018 - a bad combination fails where it is made
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step on each rank: ``global_batch / (world_size x
+        micro_batch)`` (0 when ``global_batch`` is not set).
+
+        Raises:
+            ValueError: ``global_batch`` is not a multiple of ``world_size x
+                micro_batch`` (the message names ``elastic.global_batch``,
+                ``elastic.micro_batch`` and the role's world size, with their values).
+        """
+        if not self.global_batch:
+            return 0
+        per_step = self.micro_batch * self.world_size
+        if self.micro_batch < 1 or self.global_batch % per_step:
+            raise ValueError(
+                f"elastic.global_batch={self.global_batch} is not a multiple of "
+                f"elastic.micro_batch={self.micro_batch} x world_size={self.world_size} of "
+                f"role {self.role!r}; allowed: a global batch that splits into whole "
+                "micro-batches on every rank")
+        return self.global_batch // per_step
 
     @property
     def name(self) -> str:
@@ -77,6 +107,10 @@ class WorkerContext:
             "DLROVER_ATTEMPT": str(self.attempt),
             **({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
                if self.master_addr else {}),
+            **({"DLROVER_GLOBAL_BATCH": str(self.global_batch),
+                "DLROVER_MICRO_BATCH": str(self.micro_batch),
+                "DLROVER_GRAD_ACCUM_STEPS": str(self.grad_accum_steps)}
+               if self.global_batch else {}),
             # a script's step reports (dlrover_core.script_api) come at least this often
             **({"DLROVER_HANG_TIMEOUT_S": f"{self.hang_timeout_s:g}"}
                if self.hang_timeout_s > 0 else {}),

@@ -49,16 +49,30 @@ class ShardSampler:
             seeded by ``seed * 1_000_003 + epoch``), the same on every rank.
         wait: ``wait(results)`` waits for what ``call("report", ...)`` returned (Ray
             object refs: ``ray.get``); default: nothing to wait for.
+        micro_batches: batches per optimizer step on this rank (the gradient
+            accumulation steps); :meth:`next_step` hands out that many and
+            :meth:`step_done` reports that many by default. ``None``: not known
+            (``step_done`` then reports every batch handed out since its last call).
+        gather: ``gather(obj)`` returns every rank's ``obj`` in rank order (the ranks of
+            the role); default: ``torch.distributed.all_gather_object`` over the default
+            process group when it is initialized, else ``[obj]``.
 
     Raises:
-        ValueError: ``batch_size < 1``.
+        ValueError: ``batch_size < 1`` or ``micro_batches < 1``.
     """
 
     def __init__(self, call: Callable[..., Any], rank: int, batch_size: int, size: int,
                  shuffle: bool = False, seed: int = 0,
-                 wait: Callable[[list], Any] | None = None) -> None:
+                 wait: Callable[[list], Any] | None = None, micro_batches: int | None = None,
+                 gather: Callable[[Any], list] | None = None) -> None:
         if int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size!r}; allowed: an integer >= 1")
+        if micro_batches is not None and int(micro_batches) < 1:
+            raise ValueError(f"micro_batches={micro_batches!r}; allowed: an integer >= 1 "
+                             "or None")
+        self.micro_batches = None if micro_batches is None else int(micro_batches)
+        self._gather = gather or _all_gather
+        self._held: list[tuple[int, int, int]] = []  # taken by next_step, not yet dealt
         self._call, self._wait = call, wait
         self.rank, self.batch_size, self.size = rank, int(batch_size), int(size)
         self.shuffle, self.seed = shuffle, seed
@@ -72,40 +86,70 @@ class ShardSampler:
         self.leases = 0
 
     @classmethod
-    def for_workload(cls, workload: Any, batch_size: int, num_samples: int = 0,
+    def for_workload(cls, workload: Any, batch_size: int = 0, num_samples: int = 0,
                      files: list[str] | None = None, batches_per_shard: int = 4,
-                     num_epochs: int = 1, shuffle: bool = False, seed: int = 0) -> ShardSampler:
+                     num_epochs: int = 1, shuffle: bool = False, seed: int = 0,
+                     micro_batches: int | None = None) -> ShardSampler:
         """The sampler of ``workload``'s rank over the shard service of its role, opened on
         the JobMaster with these settings (the first rank's settings win; a rank with
         other settings gets a ``ValueError``). Shards are ``batches_per_shard *
-        batch_size`` positions."""
+        batch_size`` positions. ``batch_size`` (0: the context's ``micro_batch``, from
+        ``elastic.micro_batch``) and ``micro_batches`` (``None``: the context's
+        ``grad_accum_steps`` when ``elastic.global_batch`` is set) default to what the
+        job's spec says for this world size.
+
+        Raises:
+            ValueError: no ``batch_size`` given and the spec sets no
+                ``elastic.micro_batch``.
+        """
+        ctx = getattr(workload, "context", None)
+        batch_size = int(batch_size) or int(getattr(ctx, "micro_batch", 0) or 0)
+        if batch_size < 1:
+            raise ValueError("ShardSampler.for_workload: batch_size=0 and the job sets no "
+                             "elastic.micro_batch; allowed: batch_size >= 1, or "
+                             "elastic.global_batch and elastic.micro_batch in the spec")
+        if micro_batches is None and ctx is not None and getattr(ctx, "global_batch", 0):
+            micro_batches = ctx.grad_accum_steps
         return cls._over_master(workload.master_handle, workload.role, workload.rank,
                                 batch_size, num_samples, files, batches_per_shard,
-                                num_epochs, shuffle, seed)
+                                num_epochs, shuffle, seed, micro_batches)
 
     @classmethod
-    def for_script(cls, batch_size: int, num_samples: int = 0,
+    def for_script(cls, batch_size: int = 0, num_samples: int = 0,
                    files: list[str] | None = None, batches_per_shard: int = 4,
                    num_epochs: int = 1, shuffle: bool = False,
-                   seed: int = 0) -> ShardSampler:
+                   seed: int = 0, micro_batches: int | None = None) -> ShardSampler:
         """:meth:`for_workload` for a script run as a script role: joins the job's Ray
         cluster (``ray.init(address=$RAY_ADDRESS)`` unless already joined) and finds the
         JobMaster of ``$DLROVER_JOB``; role ``$DLROVER_ROLE``, rank ``$RANK``
-        (:func:`dlrover_core.script_api.script_master`).
+        (:func:`dlrover_core.script_api.script_master`). ``batch_size`` and
+        ``micro_batches`` default to ``$DLROVER_MICRO_BATCH`` and
+        ``$DLROVER_GRAD_ACCUM_STEPS`` (set when the spec has ``elastic.global_batch``).
 
         Raises:
             NotInDlroverError: one of :data:`SCRIPT_ENV` is not set (not a script role),
                 naming the missing variables, or the job has no JobMaster.
+            ValueError: no ``batch_size`` given and ``$DLROVER_MICRO_BATCH`` is not set.
         """
+        import os
+
         sm = script_master("ShardSampler.for_script",
                            "outside dlrover, use a DistributedSampler")
+        batch_size = int(batch_size) or int(os.environ.get("DLROVER_MICRO_BATCH", "0"))
+        if batch_size < 1:
+            raise ValueError("ShardSampler.for_script: batch_size=0 and DLROVER_MICRO_BATCH "
+                             "is not set (the job sets no elastic.micro_batch); allowed: "
+                             "batch_size >= 1")
+        if micro_batches is None and os.environ.get("DLROVER_GRAD_ACCUM_STEPS"):
+            micro_batches = int(os.environ["DLROVER_GRAD_ACCUM_STEPS"])
         return cls._over_master(sm.master, sm.role, sm.rank, batch_size, num_samples, files,
-                                batches_per_shard, num_epochs, shuffle, seed)
+                                batches_per_shard, num_epochs, shuffle, seed, micro_batches)
 
     @classmethod
     def _over_master(cls, master: Any, role: str, rank: int, batch_size: int,
                      num_samples: int, files: list[str] | None, batches_per_shard: int,
-                     num_epochs: int, shuffle: bool, seed: int) -> ShardSampler:
+                     num_epochs: int, shuffle: bool, seed: int,
+                     micro_batches: int | None = None) -> ShardSampler:
         import ray
 
         config = {"num_samples": int(num_samples), "files": list(files) if files else None,
@@ -123,7 +167,8 @@ class ShardSampler:
                 return fn.remote(role, *args)  # waited for by flush()
             return ray.get(fn.remote(role, *args))
 
-        return cls(call, rank, batch_size, size, shuffle, seed, wait=ray.get)
+        return cls(call, rank, batch_size, size, shuffle, seed, wait=ray.get,
+                   micro_batches=micro_batches)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
@@ -182,7 +227,7 @@ class ShardSampler:
         elif self.rank != 0:
             raise RuntimeError("ShardSampler.restore on rank > 0 needs the role's process group")
         self.generation = int(out[0]["generation"])
-        self._lease, self._batches = None, []
+        self._lease, self._batches, self._held = None, [], []
         self._trained = {int(k): int(v) for k, v in out[0]["read"].items()}
         return self.generation
 
@@ -226,16 +271,93 @@ class ShardSampler:
             perm = self._perms[epoch] = torch.randperm(self.size, generator=g).tolist()
         return perm[i]
 
+    def next_step(self, micro_batches: int | None = None) -> list[list[int]] | None:
+        """Data set indices of this rank's micro-batches for the next optimizer step:
+        ``micro_batches`` (default: the sampler's) lists of ``batch_size`` indices, the
+        same number on every rank; or ``None`` on every rank at once when what is left
+        (in the queue and under every rank's leases) does not fill one more step of the
+        whole role, ``micro_batches x batch_size x world_size`` samples (that tail is
+        not trained; it is reported as not trained by the ledger). So every rank makes
+        the same number of optimizer steps whatever the shard size and whatever resize
+        happened.
+
+        A collective (``gather``: over the default process group; call it on every rank
+        at every step). Each rank first takes up to its share from its own lease and the
+        queue; when some rank came up short (the shards left are under other ranks'
+        leases), the ranks holding more take more, and the positions taken are dealt out
+        again: rank ``r`` trains the ``r``-th share, in order. Report the step with
+        :meth:`step_done`.
+
+        Raises:
+            ValueError: no ``micro_batches`` given and the sampler has none.
+        """
+        k = micro_batches if micro_batches is not None else self.micro_batches
+        if k is None or int(k) < 1:
+            raise ValueError(f"next_step(micro_batches={micro_batches!r}): allowed: an "
+                             "integer >= 1 (or a sampler made with micro_batches)")
+        share = int(k) * self.batch_size
+        have, self._held = self._held, []
+        exhausted = self._take(share - _count(have), have)
+        while True:
+            rem = self._lease["end"] - self._lease["start"] if self._lease else 0
+            infos = self._gather((_count(have), rem, exhausted, have))
+            world = len(infos)
+            total = sum(i[0] for i in infos)
+            deficit = world * share - total
+            if deficit <= 0:
+                break
+            extra = [0] * world  # who takes what is missing: leases first, then the queue
+            for r, (_, r_rem, _, _) in enumerate(infos):
+                extra[r] = min(r_rem, deficit - sum(extra))
+            left = deficit - sum(extra)
+            takers = [r for r, i in enumerate(infos) if not i[2]]
+            if left > 0 and takers:
+                extra[takers[0]] += left
+            if not any(extra):  # nothing left anywhere: the data set is done
+                self._held = have
+                return None
+            exhausted = self._take(extra[self.rank], have) or exhausted
+        pool = [(sid, p) for i in infos for sid, lo, hi in i[3] for p in range(lo, hi)]
+        mine = pool[self.rank * share:(self.rank + 1) * share]
+        out = []
+        for m in range(int(k)):
+            part = mine[m * self.batch_size:(m + 1) * self.batch_size]
+            self._batches.append(_spans(part))
+            out.append([self.index(p) for _, p in part])
+        return out
+
+    def _take(self, n: int, have: list[tuple[int, int, int]]) -> bool:
+        """Append up to ``n`` positions to ``have`` (spans), from this rank's lease, then
+        new leases; True when the queue gave none (nothing left to lease)."""
+        while n > 0:
+            if self._lease is None or self._lease["start"] >= self._lease["end"]:
+                self._lease = self._call("lease", self.rank, self.generation)
+                if self._lease is None:
+                    return True
+                self.leases += 1
+            ls = self._lease
+            take = min(n, ls["end"] - ls["start"])
+            have.append((ls["shard"], ls["start"], ls["start"] + take))
+            ls["start"] += take
+            n -= take
+        return False
+
     def step_done(self, step: int, batches: int | None = None) -> None:
-        """Report the batches handed out since the last call (or the first ``batches``
-        of them: the others, e.g. prefetched by a ``DataLoader``'s workers, are not
-        trained yet) as trained in optimizer ``step`` (non-blocking). Call it after
-        ``optimizer.step()``.
+        """Report batches handed out as trained in optimizer ``step`` (non-blocking):
+        the first ``batches`` not reported yet; by default the step's
+        ``micro_batches`` when the sampler has them (batches read ahead, e.g. by a
+        ``DataLoader``'s workers, stay for a later step), else every batch handed out
+        since the last call. Call it after ``optimizer.step()``: only what it reports
+        is trained for the ledger and the checkpoint's shard state.
 
         Raises:
             ValueError: ``batches`` is negative or more than were handed out.
         """
-        n = len(self._batches) if batches is None else int(batches)
+        if batches is None:
+            n = len(self._batches) if self.micro_batches is None else \
+                min(self.micro_batches, len(self._batches))
+        else:
+            n = int(batches)
         if not 0 <= n <= len(self._batches):
             raise ValueError(f"step_done(batches={batches!r}): allowed: 0.."
                              f"{len(self._batches)} (the batches handed out, not reported)")
@@ -256,6 +378,32 @@ class ShardSampler:
         if self._inflight and self._wait is not None:
             self._wait(self._inflight)
         self._inflight = []
+
+
+def _count(spans: list[tuple[int, int, int]]) -> int:
+    return sum(hi - lo for _, lo, hi in spans)
+
+
+def _spans(items: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(shard, position)`` pairs -> ``(shard, lo, hi)`` spans of consecutive positions."""
+    out: list[list[int]] = []
+    for sid, p in items:
+        if out and out[-1][0] == sid and out[-1][2] == p:
+            out[-1][2] = p + 1
+        else:
+            out.append([sid, p, p + 1])
+    return [tuple(x) for x in out]  # type: ignore[misc]
+
+
+def _all_gather(obj: Any) -> list:
+    """Every rank's ``obj`` over the default process group (``[obj]`` without one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
 
 
 class ShardBatchSampler:

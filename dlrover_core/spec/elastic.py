@@ -93,6 +93,8 @@ def validate_elastic(spec: Any) -> None:
     if e.replacement_timeout_s < 0:
         raise SpecError("elastic.replacement_timeout_s", e.replacement_timeout_s,
                         "seconds >= 0 (0: shrink at once)")
+    if e.placement_timeout_s <= 0:
+        raise SpecError("elastic.placement_timeout_s", e.placement_timeout_s, "seconds > 0")
     if e.poll_interval_s <= 0:
         raise SpecError("elastic.poll_interval_s", e.poll_interval_s, "seconds > 0")
     if e.global_batch < 0 or e.micro_batch < 0 or bool(e.global_batch) != bool(e.micro_batch):
@@ -100,6 +102,13 @@ def validate_elastic(spec: Any) -> None:
                         "both elastic.global_batch and elastic.micro_batch > 0, or both 0")
     collocated = {r for g in spec.collocation for r in g}
     for role, r in spec.roles.items():
+        if e.global_batch and r.get("backend") and r.get("total") and \
+                e.global_batch % (e.micro_batch * r.total):
+            raise SpecError("elastic.global_batch", e.global_batch,
+                            f"a multiple of elastic.micro_batch x roles.{role}.total = "
+                            f"{e.micro_batch} x {r.total} (every role with a backend gets "
+                            "global_batch / (micro_batch x its world size) accumulation "
+                            "steps)")
         if r.get("nodes") is None:
             continue
         k = f"roles.{role}.nodes"
@@ -123,7 +132,3 @@ def validate_elastic(spec: Any) -> None:
                             f"k x per_node={per_node} for k in nodes {lo}..{hi}: "
                             + ", ".join(str(n * per_node) for n in range(lo, min(hi, lo + 7) + 1))
                             + hint)
-        if e.global_batch and e.global_batch % (e.micro_batch * r.total):
-            raise SpecError("elastic.global_batch", e.global_batch,
-                            f"a multiple of elastic.micro_batch x roles.{role}.total = "
-                            f"{e.micro_batch} x {r.total}")

@@ -108,11 +108,15 @@ class ElasticSpec:
     for the cluster to hold the role at its size again before shrinking it.
     ``poll_interval_s``: how often the master looks for room to grow an elastic role
     below its maximum (it grows at the next checkpoint after room appeared).
+    ``placement_timeout_s``: how long a resize waits for the placement groups of a new
+    size (reserved before any rank stops) before it tries the next smaller size (a
+    shrink) or drops the grow.
     ``global_batch`` / ``micro_batch``: when set, a world size is valid only if it splits
     ``global_batch`` into micro-batches (gradient accumulation keeps the global batch)."""
 
     replacement_timeout_s: float = 60.0
     poll_interval_s: float = 5.0
+    placement_timeout_s: float = 30.0
     global_batch: int = 0
     micro_batch: int = 0
 
