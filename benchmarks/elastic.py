@@ -67,7 +67,7 @@ def run_ours(args) -> dict:
         "failover": {"standby": False, "survivor_grace_s": 3, "pg_timeout_s": 30},
         "elastic": {"replacement_timeout_s": args.replacement_timeout_s,
                     "poll_interval_s": 1, "global_batch": G, "micro_batch": B},
-        "config": {"global_batch": G, "micro_batch": B, "max_steps": args.steps,
+        "config": {"max_steps": args.steps,
                    "batches_per_shard": 1, "sleep_s": args.step_s}})
     seen: dict = {"removed_ts": None, "added": None}
     with multinode_cluster(workers=3, cpus=2) as (cluster, by_id):

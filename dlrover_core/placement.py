@@ -36,8 +36,9 @@ class PlacementError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeResources:
-    """One alive Ray node: ``node_id``, ``ip`` and its total resources
-    (``{"CPU": 2.0, "GPU": 0.0, ...}``)."""
+    """One alive Ray node: ``node_id``, ``ip`` and its resources (``{"CPU": 2.0, "GPU":
+    0.0, ...}``): its totals, or what is free on it (``ClusterResources.from_ray(
+    available=True)``)."""
 
     node_id: str
     ip: str
@@ -54,11 +55,21 @@ class ClusterResources:
         return sum(n.resources.get(key, 0.0) for n in self.nodes)
 
     @classmethod
-    def from_ray(cls, exclude: set[str] = frozenset()) -> ClusterResources:  # type: ignore[assignment]
+    def from_ray(cls, exclude: set[str] = frozenset(),  # type: ignore[assignment]
+                 available: bool = False) -> ClusterResources:
+        """The alive nodes not in ``exclude`` (node ids, hex), with their total resources,
+        or with ``available=True`` what is free on each now (Ray's available resources:
+        the totals less what every actor, task and placement group of every job holds)."""
         import ray
 
+        free: dict[str, dict[str, float]] = {}
+        if available:
+            from ray._private.state import available_resources_per_node
+
+            free = available_resources_per_node()
         nodes = [NodeResources(n["NodeID"], n.get("NodeManagerAddress", ""),
-                               dict(n.get("Resources", {})))
+                               dict(free.get(n["NodeID"], {}) if available
+                                    else n.get("Resources", {})))
                  for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in exclude]
         return cls(nodes)
 

@@ -43,7 +43,7 @@ def kill_actor(handle: Any) -> None:
 
 def create_placement_groups(groups: list[tuple[str, Any]], exclude_nodes: list[str],
                             check_stop: Callable[[], None], made: list[Any],
-                            what: str = "") -> list[Any]:
+                            what: str = "", timeout_s: float = PG_READY_TIMEOUT_S) -> list[Any]:
     """Create one detached placement group per ``(Ray name, plan group)`` and wait until
     each is ready: one at a time, the largest first (GPUs, then CPUs: first-fit
     decreasing), each ready before the next is made, so that a small group (a 1-CPU
@@ -58,17 +58,19 @@ def create_placement_groups(groups: list[tuple[str, Any]], exclude_nodes: list[s
         made: every group is appended to it as soon as it exists (so that the caller
             can remove them when this raises).
         what: words after the group's name in the error (e.g. `` of elastic role 'x'``).
+        timeout_s: how long all of them may take to be ready, in s (default
+            ``PG_READY_TIMEOUT_S``, 120).
     Returns:
         The placement groups, in the order of ``groups``.
     Raises:
-        PlacementError: the groups were not all ready within ``PG_READY_TIMEOUT_S``
-            (120 s) of the call.
+        PlacementError: the groups were not all ready within ``timeout_s`` of the call
+            (the groups made so far stay in ``made``: the caller removes them).
         whatever ``check_stop`` raises.
     """
     order = sorted(range(len(groups)), key=lambda i: tuple(
         -sum(b.get(k, 0.0) for b in groups[i][1].bundles) for k in ("GPU", "CPU")))
     out: dict[int, Any] = {}
-    deadline = time.time() + PG_READY_TIMEOUT_S
+    deadline = time.time() + timeout_s
     for i in order:
         name, g = groups[i]
         kwargs: dict[str, Any] = {}
@@ -83,7 +85,7 @@ def create_placement_groups(groups: list[tuple[str, Any]], exclude_nodes: list[s
             if time.time() > deadline:
                 raise PlacementError(
                     f"placement group {g.name} ({g.bundles}, {g.strategy}){what} was not "
-                    f"ready within {PG_READY_TIMEOUT_S:.0f} s: the cluster lacks free "
+                    f"ready within {timeout_s:g} s: the cluster lacks free "
                     "resources")
     return [out[i] for i in range(len(groups))]
 
@@ -199,7 +201,10 @@ class Launcher:
             failover=OmegaConf.to_container(s.spec.failover),
             tuning=OmegaConf.to_container(s.spec.tuning),
             observability=OmegaConf.to_container(s.spec.observability),
-            job_dir=s.job_dir, attempt=attempt, run_id=s.run_id)
+            job_dir=s.job_dir, attempt=attempt, run_id=s.run_id,
+            # the global batch reaches every role with a process group (data parallel)
+            global_batch=int(s.spec.elastic.global_batch) if r.backend else 0,
+            micro_batch=int(s.spec.elastic.micro_batch) if r.backend else 0)
 
     def device_env(self, role: str, gpu: float) -> dict[str, str]:
         """Environment that makes an actor of ``role`` asking for ``gpu`` GPUs see the

@@ -38,7 +38,7 @@ def job_spec(saver: str):
                      "max_restarts": 5},
         "elastic": {"replacement_timeout_s": 2, "poll_interval_s": 1,
                     "global_batch": G, "micro_batch": B},
-        "config": {"global_batch": G, "micro_batch": B, "max_steps": STEPS,
+        "config": {"max_steps": STEPS,
                    "batches_per_shard": 1, "sleep_s": 0.25}})
 
 
