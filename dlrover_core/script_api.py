@@ -35,10 +35,19 @@ optional: the script runs unchanged under plain ``torchrun``, where they do noth
   role grows at it), which would drop step reports still waiting.
 - :func:`script_master`: the JobMaster and this rank's identity, from the environment a
   script role gives its script (:data:`SCRIPT_ENV`); ``ShardSampler.for_script`` uses it.
+- :func:`measure_comm_wait` ``(ddp_model)``: time the gradient all-reduce of the
+  script's ``DistributedDataParallel`` model per rank (a DDP communication hook doing
+  DDP's own mean all-reduce; :mod:`dlrover_core.tuning.metrics`). Every rank's
+  :func:`report_step` then carries ``step_s``, ``comm_wait_s`` (from its arrival with its
+  last gradients to the all-reduce's end) and ``compute_s`` (the rest of the step:
+  its own work), which the straggler detector compares across ranks
+  (docs/node-health.md). Works the same under plain ``torchrun`` (the timing is
+  computed, nothing is sent).
 
 Example (``train.py``, runs the same under ``torchrun``)::
 
-    from dlrover_core.script_api import report_step
+    from dlrover_core.script_api import measure_comm_wait, report_step
+    model = measure_comm_wait(DistributedDataParallel(model))
     for step in range(steps):
         loss = train_step(batch)
         report_step(step, samples=len(batch), loss=loss.item())
@@ -345,6 +354,21 @@ def report_step(step: int, samples: int | None = None, **metrics: float) -> bool
         _swap_sigterm(_on_sigterm, signal.SIG_DFL)
     _Steps.reporter.report(step, clean, now)
     return True
+
+
+def measure_comm_wait(ddp_model: Any) -> Any:
+    """Time the gradient all-reduce of ``ddp_model`` (a
+    ``torch.nn.parallel.DistributedDataParallel``) per rank, so that every
+    :func:`report_step` of this process carries ``step_s``, ``comm_wait_s`` and
+    ``compute_s`` (seconds per step; module doc). Returns the model.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
+        RuntimeError: the model already has a communication hook (DDP's error).
+    """
+    from dlrover_core.tuning.metrics import measure_comm_wait as measure
+
+    return measure(ddp_model)
 
 
 def report_checkpoint(step: int, seconds: float = 0.0) -> bool:

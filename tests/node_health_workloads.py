@@ -118,3 +118,34 @@ def _signal(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
         except OSError:  # gone
             pass
+
+
+class DDPSteps(BaseWorkload):
+    """A plain DDP training loop that times nothing itself: an MLP
+    (``Linear(config.dim, config.hidden)``, ``Tanh``, ``Linear(config.hidden,
+    config.dim)``) wrapped by the role's backend (``ddp``: its gradient all-reduce is
+    timed by the backend's hook), one fixed batch of ``config.batch`` rows, SGD; each
+    step reports only ``samples`` (``config.batch`` per rank) and ``loss``. The phases
+    the master sees come from the reporting layer. Runs ``config.steps`` steps, or
+    ``config.steps_after_restart`` once restarted (attempt >= 1)."""
+
+    def run(self):
+        import torch
+
+        torch.set_num_threads(1)
+        torch.manual_seed(self.rank)
+        dim, hidden = int(self.config.get("dim", 256)), int(self.config.get("hidden", 1024))
+        steps = int(self.config.steps)
+        if self.attempt >= 1:
+            steps = int(self.config.get("steps_after_restart", steps))
+        model = self.backend.wrap(torch.nn.Sequential(
+            torch.nn.Linear(dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, dim)))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(int(self.config.get("batch", 2048)), dim)
+        for step in range(steps):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            self.report(step, samples=float(len(x) * self.world_size), loss=float(loss))
+        return steps

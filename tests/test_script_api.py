@@ -23,7 +23,7 @@ import os, sys, time
 import torch
 import torch.distributed as dist
 
-from dlrover_core.script_api import report_checkpoint, report_step
+from dlrover_core.script_api import measure_comm_wait, report_checkpoint, report_step
 
 STEPS, EVERY = %d, %d
 
@@ -31,10 +31,14 @@ STEPS, EVERY = %d, %d
 def main():
     dist.init_process_group("gloo")  # env:// from the role's torchrun variables
     rank = dist.get_rank()
+    model = measure_comm_wait(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1)))
     for step in range(STEPS):
         t = torch.tensor([float(step + rank)])
         dist.all_reduce(t)
         time.sleep(0.05)
+        if rank == 1:  # late for every gradient all-reduce: rank 0 waits for it
+            time.sleep(0.1)
+        model(torch.ones(2, 4)).sum().backward()
         assert report_step(step, samples=8, loss=t.item()) is True
         if step == 0:  # the first call only starts the join (a thread imports ray)
             is_initialized = getattr(sys.modules.get("ray"), "is_initialized", None)
@@ -266,6 +270,11 @@ def test_script_role_steps_reach_metrics_summary_and_timeline(ray_cluster, tmp_p
     files = JobFiles.read(job_dir)
     assert [(s["role"], s["step"]) for s in files.steps] == [
         ("trainer", k) for k in range(STEPS)]  # rank 0's reports, each once
+    # measure_comm_wait: rank 0's reports carry its wait for the late rank 1 and its
+    # own compute, although the script times nothing (a process's first report: none)
+    waits = sorted(s["comm_wait_s"] for s in files.steps[1:])
+    assert all("compute_s" in s and "step_s" in s for s in files.steps[1:])
+    assert waits[len(waits) // 2] > 0.05, waits
     saved = [e["step"] for e in files.all("checkpoint_saved")]
     assert saved == list(range(EVERY, STEPS + 1, EVERY))
     tl = build_timeline(files)

@@ -8,9 +8,11 @@ code under test:
   removed (``cluster.remove_node``): the job no longer fits without the excluded node,
   so the recovery must take it back and run there; a new node is added afterwards, for
   the parts that follow.
-- ``straggler``: no node check (``skip_node_check``); once the job runs, rank 1's
-  process is duty-cycled to 30% speed; the master must raise ``straggler_detected``
-  and replace rank 1 (``straggler_action: replace``) from the warm standby.
+- ``straggler``: no node check (``skip_node_check``); a plain DDP loop that times
+  nothing (``DDPSteps``: the phases come from the ``ddp`` backend's all-reduce hook and
+  the reporting layer); once the job runs, rank 1's process is duty-cycled to 30%
+  speed; the master must raise ``straggler_detected`` and replace rank 1
+  (``straggler_action: replace``) from the warm standby.
 - ``shrink``: no node check; an elastic 3-rank trainer; rank 1 slowed as in
   ``straggler``; the master must drop rank 1's node (``straggler_action: shrink``) and
   go on at 2 ranks from the newest checkpoint, never growing back onto that node.
@@ -143,9 +145,13 @@ def _rank1_slowed(after_gone: Callable[[dict], None] | None = None) -> tuple:
 
 
 def part_straggler(root: str) -> dict:
-    """Rank 1 runs at 30% speed from step 30 until it is replaced."""
-    # about 50 ms of compute a step: longer than the duty cycle's period
-    job = (base("nh-straggler", 400, steps_after_restart=20, work=300).skip_node_check()
+    """A DDP job that times nothing itself (``DDPSteps``); rank 1 runs at 30% speed
+    from step 30 until it is replaced."""
+    # about 40 ms of compute a step (batch 2048): longer than the duty cycle's period
+    job = (DLJobBuilder().name("nh-straggler")
+           .config({"steps": 400, "steps_after_restart": 20, "batch": 2048})
+           .workload("trainer", W, "DDPSteps").total(2).per_node(1).backend("ddp")
+           .resource(cpu=1).end().skip_node_check()
            .node_health(straggler_action="replace", straggler_window_s=1.5,
                         straggler_windows=3).build())
     seen, watch, cycle = _rank1_slowed()
