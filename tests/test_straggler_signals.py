@@ -187,3 +187,30 @@ def test_the_tuner_window_has_every_ranks_phases():
     assert WindowSummary.from_dict(merged.as_dict()).ranks == merged.ranks
     alone = WindowSummary.from_reports(1, rank0, {}, {}, 2)  # rank 0's only, as before
     assert alone.data_wait_share == 0.0 and alone.compute_s == pytest.approx(0.05)
+
+
+def test_the_tuning_controller_takes_every_ranks_phases():
+    """Rank 1's loader stalls; rank 0 waits for it inside the all-reduce (its
+    ``comm_wait_s``). The window the tuners get names rank 1's data wait, which rank 0's
+    reports alone never show."""
+    from dlrover_core.tuning.builtin_tuners import DataloaderWorkersTuner
+    from dlrover_core.tuning.controller import TuningController
+
+    events: list = []
+    ctl = TuningController([("dataloader_workers", DataloaderWorkersTuner({}))],
+                           role="trainer", world_size=2, interval_steps=4, warmup_steps=1,
+                           store=None, emit=lambda e, **f: events.append((e, f)),
+                           one_change_per_round=False)
+    ctl.sync("trainer", 0, {"dataloader": {"batch_size": 4, "num_workers": 0}})
+    common = {"tuning_version": 0, "samples": 8.0, "interval_s": 0.2, "step_s": 0.2,
+              "optimizer_s": 0.0}
+    for step in range(12):
+        ctl.on_report("trainer", 1, step, {**common, "data_wait_s": 0.15,
+                                           "compute_s": 0.05, "comm_wait_s": 0.0})
+        ctl.on_report("trainer", 0, step, {**common, "data_wait_s": 0.0,
+                                           "compute_s": 0.05, "comm_wait_s": 0.15})
+    windows = [f["window"] for e, f in events if isinstance(f.get("window"), dict)]
+    summaries = windows or [w.as_dict() for w in ctl.windows]
+    assert summaries, events
+    assert summaries[0]["ranks"]["1"]["data_wait_s"] == pytest.approx(0.15)
+    assert summaries[0]["data_wait_share"] == pytest.approx(0.75)
