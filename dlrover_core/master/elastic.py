@@ -48,7 +48,7 @@ from dlrover_core.graph.graph import CollocationGroup
 from dlrover_core.master.failover import JobFailed
 from dlrover_core.master.launcher import create_placement_groups
 from dlrover_core.master.monitor import alive_nodes
-from dlrover_core.placement import ClusterResources
+from dlrover_core.placement import ClusterResources, PlacementError
 from dlrover_core.plugins.records import FailureKind
 from dlrover_core.spec.elastic import NodeRange, node_range
 
@@ -81,6 +81,7 @@ class ElasticManager:
         e = scope.spec.elastic
         self.replacement_timeout_s = float(e.replacement_timeout_s)
         self.poll_interval_s = float(e.poll_interval_s)
+        self.placement_timeout_s = float(e.placement_timeout_s)
         self.global_batch, self.micro_batch = int(e.global_batch), int(e.micro_batch)
         self.history: list[dict] = [
             {"role": role, "world_size": scope.graph.roles[role].total, "step": -1,
@@ -88,6 +89,10 @@ class ElasticManager:
             for role in self.ranges]
         self._last_poll = 0.0
         self._grow_after: dict[str, int] = {}  # role -> checkpoint step when room appeared
+        self._dropped: dict[str, tuple[int, int]] = {}  # role -> (target, node-slots then)
+        self._placements = 0  # placement groups made by resizes (their Ray names)
+        self._wanted: dict[str, int] = {}  # role -> its size before a lost node
+        self._asked: set[str] = set()  # roles with a request_resources in force
         #: role -> nodes kept out of it (a straggler's node, dropped by a shrink); the
         #: standby pool's dict, so that the role's spares keep out of them too
         self.excluded: dict[str, set[str]] = standby.kept_out
@@ -103,18 +108,46 @@ class ElasticManager:
                               self.micro_batch)
 
     def node_slots(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> int:
-        """How many node-slots of ``role`` (``per_node`` ranks each) the alive nodes not
-        marked bad (nor in ``exclude``) hold, by their total resources."""
+        """How many node-slots of ``role`` (``per_node`` ranks each) it could run on now:
+        on each alive node not marked bad (nor in ``exclude``), how many times what is
+        free there (Ray's available resources: less what other roles and other jobs
+        hold) holds ``per_node`` ranks, plus the node-slots the role's own placement
+        groups hold on such nodes (a resize keeps them)."""
+        need = self._slot_need(role)
+        skip = self._skip(role, exclude)
+        slots = 0
+        for node in ClusterResources.from_ray(exclude=skip, available=True).nodes:
+            slots += int(min(node.resources.get(k, 0.0) / v + 1e-9 for k, v in need.items()))
+        return slots + len(self._own_slots(role, skip)) // self.ranges[role].per_node
+
+    def _slot_need(self, role: str) -> dict[str, float]:
         r = self.scope.graph.roles[role]
         need = {k: v * r.per_node for k, v in r.resources.as_ray().items() if v > 0}
-        if not need:
-            need = {"CPU": 0.001 * r.per_node}
-        slots = 0
-        skip = set(self.scope.failover.bad_nodes) | set(exclude) | \
+        return need or {"CPU": 0.001 * r.per_node}
+
+    def _skip(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> set[str]:
+        return set(self.scope.failover.bad_nodes) | set(exclude) | \
             self.excluded.get(role, set())
-        for node in ClusterResources.from_ray(exclude=skip).nodes:
-            slots += int(min(node.resources.get(k, 0.0) / v + 1e-9 for k, v in need.items()))
-        return slots
+
+    def _own_slots(self, role: str, skip: set[str]) -> dict[int, Any]:
+        """rank -> placement group of ``role``'s current ranks whose bundle is ready on an
+        alive node outside ``skip`` (the placement a resize can keep)."""
+        la = self.launcher
+        if la.plan is None:
+            return {}
+        alive = alive_nodes()
+        out: dict[int, Any] = {}
+        tables: dict[int, dict] = {}
+        for (r, rank), slot in la.plan.slots.items():
+            if r != role or slot.pg >= len(la.pgs):
+                continue
+            if slot.pg not in tables:
+                tables[slot.pg] = _pg_table(la.pgs[slot.pg])
+            t = tables[slot.pg]
+            node = (t.get("bundles_to_node_id") or {}).get(slot.bundle)
+            if t.get("state") == "CREATED" and node in alive and node not in skip:
+                out[rank] = la.pgs[slot.pg]
+        return out
 
     # ------------------------------------------------------------------ shrink
     def handles(self, failure: Failure) -> bool:
@@ -170,8 +203,9 @@ class ElasticManager:
                 f"minimum {rng.min_nodes} (or no size in {rng.min_nodes}..{rng.max_nodes} nodes "
                 "splits elastic.global_batch)")
         reason = "replaced" if target >= current else "shrink"
-        phases = self.resize(role, target, reason)
-        return {"replacement_wait_s": waited, **phases}
+        self._wanted[role] = max(self._wanted.get(role, 0), current)
+        phases = self.resize(role, target, reason, exclude=set(lost))
+        return {"replacement_wait_s": waited, **(phases or {})}
 
     def _drop_straggler(self, failure: Failure) -> dict[str, Any]:
         """Drop the straggler's node from its role: restart the role at the largest
@@ -194,12 +228,14 @@ class ElasticManager:
             raise JobFailed(
                 f"role {role!r}: no valid world size below {current} fits on its nodes "
                 f"without straggler node {node[:12]} ({slots} node-slot(s) left)")
-        return {"straggler_node": node, **self.resize(role, target, "straggler")}
+        return {"straggler_node": node, **(self.resize(role, target, "straggler") or {})}
 
     # ------------------------------------------------------------------ grow
     def check_grow(self) -> None:
         """Called by the controller while ``RUNNING``: look for room every
-        ``elastic.poll_interval_s``; grow a role right after its next checkpoint.
+        ``elastic.poll_interval_s``; grow a role right after its next checkpoint. A grow
+        whose placement cannot be reserved is dropped (:meth:`resize`); the same target
+        is not tried again until the room counted changes.
 
         Raises:
             InstanceFailure: a new rank failed to start.
@@ -213,14 +249,23 @@ class ElasticManager:
                 if ck is None or ck <= self._grow_after[role]:
                     continue
                 del self._grow_after[role]
-                target = self.largest_valid(role, self.node_slots(role))
+                slots = self.node_slots(role)
+                target = self.largest_valid(role, slots)
                 if target is not None and target > total:
                     self.resize(role, target, "grow")
+                else:  # taken by someone else since it was counted
+                    self._dropped[role] = (target, slots)
+                    s.emit("elastic_grow_dropped", role=role, world_size=total, target=None,
+                           reason=f"the room seen is gone: {slots} node-slot(s) free or "
+                           "held by the role now")
                 continue
             if now - self._last_poll < self.poll_interval_s or \
                     total >= self.ranges[role].max_ranks:
                 continue
-            target = self.largest_valid(role, self.node_slots(role))
+            slots = self.node_slots(role)
+            target = self.largest_valid(role, slots)
+            if self._dropped.get(role) == (target, slots):
+                continue  # dropped at this room before: wait for the room to change
             if target is not None and target > total:  # node_slots skips excluded nodes
                 self._grow_after[role] = s.checkpoint_steps.get(role, -1)
                 s.emit("elastic_room", role=role, world_size=total, target=target,
@@ -229,72 +274,214 @@ class ElasticManager:
             self._last_poll = now
 
     # ------------------------------------------------------------------ resize
-    def resize(self, role: str, world_size: int, reason: str) -> dict[str, Any]:
-        """Restart ``role`` alone at ``world_size`` ranks (new placement groups, new
-        processes, rendezvous, ``setup()``); record it in :attr:`history` and emit
-        ``elastic_resized``. Returns the phase timings (s)."""
+    def sizes_down(self, role: str, world_size: int, floor: int | None = None) -> list[int]:
+        """The valid sizes of ``role`` from ``world_size`` down to ``floor`` ranks
+        (default: its minimum), largest first."""
+        rng = self.ranges[role]
+        lo = rng.min_ranks if floor is None else max(floor, rng.min_ranks)
+        return [w for w in range(world_size, lo - 1, -rng.per_node) if self.valid(role, w)]
+
+    def resize(self, role: str, world_size: int, reason: str,
+               exclude: set[str] = frozenset(),  # type: ignore[assignment]
+               ) -> dict[str, Any] | None:
+        """Restart ``role`` alone at ``world_size`` ranks (new processes, rendezvous,
+        ``setup()``); record it in :attr:`history` and emit ``elastic_resized``.
+
+        The placement of the new size is reserved before any rank is stopped: the role's
+        placement groups on healthy nodes (alive, not bad, not in ``exclude`` nor kept
+        out of the role) are kept, the missing ones are made and must be ready within
+        ``elastic.placement_timeout_s``. A grow (``world_size`` above the current size)
+        that cannot be reserved tries the smaller grows, and when none fits it is
+        dropped: nothing is stopped, an ``elastic_grow_dropped`` event says why, and this
+        returns ``None``. Any other resize that cannot be reserved tries the next smaller
+        valid sizes down to ``MIN``, first with the ranks running, then (a placement
+        group of the whole role holds the survivors' resources) after stopping them.
+
+        Returns:
+            the phase timings (s) and the ``world_size`` reached, or ``None`` (a grow
+            dropped).
+        Raises:
+            JobFailed: not even ``MIN`` nodes' worth of the role could be placed (only
+                a shrink; the role's ranks are stopped).
+            InstanceFailure: a new rank failed to start.
+        """
         s = self.scope
         t0 = time.time()
         old = s.graph.roles[role].total
+        skip = self._skip(role, exclude)
+        if world_size > old:
+            sizes = self.sizes_down(role, world_size, old + 1)
+        else:
+            sizes = self.sizes_down(role, world_size)
         members = [i for (r, _), i in s.instances.roles.items() if r == role]
         last_step = max((i.last_step for i in members), default=-1)
         attempts = {(role, i.rank): i.attempt + 1 for i in members}
+        tried: list[str] = []
+        got = self._reserve_first(role, sizes, skip, tried)
+        if got is None and world_size > old:
+            self._dropped[role] = (world_size, self.node_slots(role))
+            s.emit("elastic_grow_dropped", role=role, world_size=old, target=world_size,
+                   reason="; ".join(tried) or "no valid size above the current one")
+            return None
+        t_placed = time.time()
         self.standby.drop()
         self.launcher.stop_instances(members)
-        for inst in members:
-            if inst.rank >= world_size:
-                del s.instances.roles[(role, inst.rank)]
-        self._set_total(role, world_size)
         t_stop = time.time()
-        self._replace_placement(role)
-        t_placed = time.time()
-        attempts = {(role, k): attempts.get((role, k), 0) for k in range(world_size)}
+        if got is None:
+            # the role's own groups may hold what the smaller sizes need: stop first
+            self._remove_own(role)
+            got = self._reserve_first(role, sizes, skip, tried)
+            if got is None:
+                rng = self.ranges[role]
+                raise JobFailed(
+                    f"role {role!r} could not be placed at any valid size from "
+                    f"{world_size} down to roles.{role}.nodes minimum {rng.min_nodes} "
+                    f"node(s) of {rng.per_node}: " + "; ".join(tried))
+        size, plan, pgs, unused = got
+        for pg in unused:
+            _remove(pg)
+        for inst in members:
+            if inst.rank >= size:
+                del s.instances.roles[(role, inst.rank)]
+        self._commit(role, size, plan, pgs)
+        t_commit = time.time()
+        attempts = {(role, k): attempts.get((role, k), 0) for k in range(size)}
         self.launcher.start_roles([role], attempts)
         self.standby.ensure()
-        entry = {"role": role, "world_size": world_size, "step": last_step, "reason": reason,
+        if size != world_size:
+            reason = f"{reason} (placed at {size} of {world_size})"
+        entry = {"role": role, "world_size": size, "step": last_step, "reason": reason,
                  "checkpoint_step": s.checkpoint_steps.get(role)}
         self.history.append(entry)
         s.context.set("world_sizes", self.history)
         s.emit("elastic_resized", previous=old, **entry)
-        return {"stop_s": round(t_stop - t0, 3), "place_s": round(t_placed - t_stop, 3),
-                "start_s": round(time.time() - t_placed, 3), "world_size": world_size,
+        self._ask_back(role, size)
+        return {"place_s": round(t_placed - t0, 3), "stop_s": round(t_stop - t_placed, 3),
+                "start_s": round(time.time() - t_commit, 3), "world_size": size,
                 **self.launcher.phases}
+
+    def _reserve_first(self, role: str, sizes: list[int], skip: set[str],
+                       tried: list[str]) -> tuple | None:
+        """The first of ``sizes`` whose placement could be reserved (:meth:`_reserve`),
+        or ``None``; each failure's reason is appended to ``tried``."""
+        for size in sizes:
+            try:
+                return (size, *self._reserve(role, size, skip))
+            except PlacementError as exc:
+                tried.append(f"{size} rank(s): {exc}")
+                self.scope.emit("elastic_placement_failed", role=role, world_size=size,
+                                reason=str(exc))
+        return None
+
+    def _reserve(self, role: str, size: int, skip: set[str]) -> tuple:
+        """Plan the job with ``role`` at ``size`` ranks and hold that placement: the other
+        roles' groups (by name) and ``role``'s groups whose every bundle is on a healthy
+        node (matched by bundles and strategy) are kept, the others are made now and
+        waited for (``elastic.placement_timeout_s``). Changes nothing when it raises.
+        Returns ``(plan, pgs in plan order, role's old groups not kept)``.
+
+        Raises:
+            PlacementError: the plan does not fit, or a new group was not ready in time
+                (the ones made are removed again).
+        """
+        la, s = self.launcher, self.scope
+        old_total = s.graph.roles[role].total
+        self._set_total(role, size)
+        try:
+            plan = la.make_plan()
+        finally:
+            self._set_total(role, old_total)
+        old_plan, old_pgs = la.plan, list(la.pgs)
+        by_name = {g.name: pg for g, pg in zip(old_plan.groups, old_pgs)}
+        mine = [i for i, g in enumerate(old_plan.groups) if g.name.split(":")[0] == role]
+        own = self._own_slots(role, skip)
+        healthy = []  # (plan group, pg): every one of its ranks' bundles is healthy
+        for i in mine:
+            ranks = [rk for (r, rk), sl in old_plan.slots.items() if r == role and sl.pg == i]
+            if ranks and all(rk in own for rk in ranks):
+                healthy.append((old_plan.groups[i], old_pgs[i]))
+        pgs: dict[int, Any] = {}
+        for i, g in enumerate(plan.groups):
+            if g.name.split(":")[0] != role:
+                if g.name in by_name:
+                    pgs[i] = by_name[g.name]
+                continue
+            for j, (hg, pg) in enumerate(healthy):
+                if hg.bundles == g.bundles and hg.strategy == g.strategy:
+                    pgs[i] = pg
+                    del healthy[j]
+                    break
+        self._placements += 1
+        fresh = [(la.pg_name(f"{g.name}@{self._placements}"), g)
+                 for i, g in enumerate(plan.groups) if i not in pgs]
+        made: list[Any] = []
+        alive_bad = sorted((set(la.alive_bad_nodes()) | skip) & alive_nodes())
+        try:
+            new = iter(create_placement_groups(
+                fresh, alive_bad, self.scope.check_stop, made=made,
+                what=f" of elastic role {role!r} at {size} rank(s)",
+                timeout_s=self.placement_timeout_s))
+        except PlacementError:
+            for pg in made:
+                _remove(pg)
+            raise
+        ordered = [pgs[i] if i in pgs else next(new) for i in range(len(plan.groups))]
+        kept = {id(pg) for pg in ordered}
+        unused = [old_pgs[i] for i in mine if id(old_pgs[i]) not in kept]
+        return plan, ordered, unused
+
+    def _remove_own(self, role: str) -> None:
+        """Remove ``role``'s placement groups (its ranks are stopped); a removed group is
+        no longer ``CREATED``, so :meth:`_reserve` keeps none of them."""
+        la = self.launcher
+        for g, pg in zip(la.plan.groups, la.pgs):
+            if g.name.split(":")[0] == role:
+                _remove(pg)
+
+    def _commit(self, role: str, size: int, plan: Any, pgs: list[Any]) -> None:
+        """The reserved placement becomes the job's; the spares' groups are removed."""
+        la = self.launcher
+        for pg in la.pgs[len(la.plan.groups):]:  # spares' groups
+            _remove(pg)
+        self._set_total(role, size)
+        la.plan, la.pgs = plan, pgs
+        self.standby.forget_slots()
+        self.scope.emit("placement", policy=self.scope.spec.placement, groups=plan.describe(),
+                        excluded_nodes=sorted(self.scope.failover.bad_nodes), role=role,
+                        straggler_nodes=sorted(self.excluded.get(role, set())))
+
+    def _ask_back(self, role: str, size: int) -> None:
+        """Ask the cluster for the room ``role`` lost (``ray.autoscaler.sdk.
+        request_resources`` with its node-slot bundle once per node of its size before
+        the loss; a no-op without an autoscaler); withdraw the request once the role is
+        back at that size. Emits ``elastic_resources_requested``."""
+        wanted = self._wanted.get(role, 0)
+        if size < wanted:
+            bundles = [self._slot_need(role)] * (wanted // self.ranges[role].per_node)
+        elif role in self._asked:
+            bundles = []
+        else:
+            return
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=bundles)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - a hint to the autoscaler, never fatal
+            error = f"{type(exc).__name__}: {exc}"
+        if bundles:
+            self._asked.add(role)
+        else:
+            self._asked.discard(role)
+            self._wanted.pop(role, None)
+        self.scope.emit("elastic_resources_requested", role=role, bundles=bundles,
+                        error=error)
 
     def _set_total(self, role: str, total: int) -> None:
         g = self.scope.graph
         g.roles[role] = dataclasses.replace(g.roles[role], total=total)
         g.groups = [CollocationGroup(grp.roles, total, grp.per_node) if grp.roles == (role,)
                     else grp for grp in g.groups]
-
-    def _replace_placement(self, role: str) -> None:
-        """Plan again; remove ``role``'s placement groups (and spares') and make new ones
-        for its new size (one at a time, the largest first: ``create_placement_groups``);
-        keep every other group, by name."""
-        la = self.launcher
-        old_plan, old_pgs = la.plan, list(la.pgs)
-        by_name = {g.name: pg for g, pg in zip(old_plan.groups, old_pgs)}
-        mine = {g.name for g in old_plan.groups if g.name.split(":")[0] == role}
-        extra = old_pgs[len(old_plan.groups):]  # spares' groups
-        for name in mine:
-            _remove(by_name[name])
-        for pg in extra:
-            _remove(pg)
-        plan = la.make_plan()
-        alive_bad = sorted(set(la.alive_bad_nodes()) | (self.excluded.get(role, set())
-                                                         & alive_nodes()))
-        kept = {i: by_name[g.name] for i, g in enumerate(plan.groups)
-                if g.name in by_name and g.name not in mine}
-        # a new name: the removed group of the same plan name may still be going away
-        fresh = [(la.pg_name(f"{g.name}@{len(self.history)}"), g)
-                 for i, g in enumerate(plan.groups) if i not in kept]
-        la.plan, la.pgs = plan, list(kept.values())  # + the new ones as they are made
-        self.standby.forget_slots()
-        made = iter(create_placement_groups(fresh, alive_bad, self.scope.check_stop,
-                                            made=la.pgs, what=f" of elastic role {role!r}"))
-        la.pgs = [kept[i] if i in kept else next(made) for i in range(len(plan.groups))]
-        self.scope.emit("placement", policy=self.scope.spec.placement, groups=plan.describe(),
-                        excluded_nodes=sorted(self.scope.failover.bad_nodes), role=role,
-                        straggler_nodes=sorted(self.excluded.get(role, set())))
 
 
 def _valid(rng: NodeRange, world_size: int, global_batch: int, micro_batch: int) -> bool:
@@ -328,6 +515,17 @@ def straggler_shrink_target(scope: JobScope, role: str) -> tuple[int | None, str
                       f"roles.{role}.nodes min {rng.min_nodes} node(s) of {rng.per_node} "
                       "(or no smaller size splits elastic.global_batch)")
     return target, ""
+
+
+def _pg_table(pg: Any) -> dict:
+    """Ray's placement-group table entry of ``pg`` (``state``, ``bundles_to_node_id``),
+    ``{}`` when Ray does not know it."""
+    import ray
+
+    try:
+        return ray.util.placement_group_table(pg) or {}
+    except Exception:  # noqa: BLE001 - removed, or the GCS does not answer
+        return {}
 
 
 def _remove(pg: Any) -> None:
