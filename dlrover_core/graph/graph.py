@@ -1,6 +1,11 @@
 """The computation graph of a job: roles, data-flow edges and collocation groups.
 
 A *role* is a group of ``total`` identical instances (SPMD ranks) of one workload.
+Its *failover policy* (``roles.<role>.config.failover``, :data:`FAILOVER_POLICIES`)
+says what a failure of it costs in a job with a driver: ``replace`` (a stateless role:
+the failed rank is replaced and the driver, which keeps running, retries its call on
+the replacement) or ``rollback`` (the default: the failed rank is replaced, the driver
+restarts and rolls the roles back to its last commit).
 An *edge* ``(a, b)`` says that results of role ``a`` feed role ``b``; edges must
 form a DAG. A *collocation group* is a set of roles whose instances share
 bundles (devices): bundle ``i`` of the group hosts instance ``i`` of each role.
@@ -13,6 +18,24 @@ from graphlib import CycleError, TopologicalSorter
 from typing import Any
 
 from dlrover_core.spec.errors import SpecError
+
+#: values of ``roles.<role>.config.failover`` (see the module docstring)
+FAILOVER_POLICIES = ("replace", "rollback")
+
+
+def check_failover_policy(role: str, value: object) -> str:
+    """``value`` of ``roles.<role>.config.failover`` (``None``: ``rollback``).
+
+    Raises:
+        SpecError: not one of :data:`FAILOVER_POLICIES`.
+    """
+    if value is None:
+        return "rollback"
+    if value not in FAILOVER_POLICIES:
+        raise SpecError(f"roles.{role}.config.failover", value, ", ".join(FAILOVER_POLICIES),
+                        "replace: a stateless role, replaced while the driver retries its "
+                        "call; rollback: the driver restarts from its last commit")
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -94,6 +117,8 @@ class ComputationGraph:
                     raise SpecError(f"edges[{i}][{j}]", r, f"a role of this job: {names}")
         self.order = self._topological_order()
         self.groups = self._groups(collocation, names)
+        for name in self.roles:
+            self.failover_policy(name)  # raises SpecError for a value not allowed
 
     def _topological_order(self) -> list[str]:
         ts: TopologicalSorter = TopologicalSorter({r: set() for r in self.roles})
@@ -149,6 +174,24 @@ class ComputationGraph:
 
     def downstream(self, role: str) -> list[str]:
         return [d for s, d in self.edges if s == role]
+
+    def depends_on(self, role: str) -> list[str]:
+        """Every role downstream of ``role`` (transitively), in topological order."""
+        seen: set[str] = set()
+        todo = [role]
+        while todo:
+            for d in self.downstream(todo.pop()):
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return [r for r in self.order if r in seen]
+
+    def failover_policy(self, role: str) -> str:
+        """``replace`` or ``rollback`` (``roles.<role>.config.failover``; default
+        ``rollback``). Raises ``SpecError`` for another value."""
+        config = self.roles[role].config or {}
+        return check_failover_policy(role, config.get("failover") if hasattr(config, "get")
+                                     else None)
 
     @classmethod
     def from_spec(cls, spec: Any) -> ComputationGraph:

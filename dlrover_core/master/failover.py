@@ -76,11 +76,56 @@ class JobFailed(RuntimeError):
 @dataclass
 class RecoveryAction:
     """``level``: what the master does; ``roles``: the roles it restarts (for
-    ``process``/``role``); ``verdict``: the classifier's answer that led here."""
+    ``process``/``role``); ``verdict``: the classifier's answer that led here.
+    ``restart_driver``: whether the driver restarts (``False``: it keeps running and
+    retries its call on the replacement); ``scope``: what is restarted, rolled back and
+    retried, and ``why`` (see :func:`graph_scope`), for ``recovery_started``."""
 
     level: FailoverLevel
     verdict: FailureVerdict
     roles: list[str] = field(default_factory=list)
+    restart_driver: bool = True
+    scope: dict = field(default_factory=dict)
+
+
+def graph_scope(failure: Failure, level: FailoverLevel, roles: list[str],
+                graph: ComputationGraph) -> tuple[bool, dict]:
+    """What a ``process``/``role`` recovery of ``failure`` touches, decided by the graph
+    (seed 000's failover topology): ``(restart_driver, scope)``.
+
+    - a role whose policy is ``replace`` (stateless: rollout, reward, reference,
+      :meth:`ComputationGraph.failover_policy`): its failed ranks are replaced, the driver
+      keeps running and retries its in-flight call on the replacement (idempotent by
+      iteration); nothing is rolled back.
+    - a ``rollback`` role (stateful: actor, critic): its failed ranks are replaced and
+      the driver restarts; what depends on the role (its downstream in the graph) and
+      every other ``rollback`` role go back to the driver's last commit with it.
+    - the driver: it restarts and rolls every ``rollback`` role back to its commit.
+
+    ``scope``: ``{"restart": [...], "rollback": [...], "retry": [...], "why": str}``
+    (instance labels / role names)."""
+    role = failure.role
+    if level not in (FailoverLevel.PROCESS, FailoverLevel.ROLE) or graph is None \
+            or not graph.driver:
+        return True, {}
+    what = (f"{role}-{failure.rank}" if level == FailoverLevel.PROCESS else role)
+    stateful = [r for r in graph.order if graph.failover_policy(r) == "rollback"]
+    if role == "driver":
+        return True, {"restart": ["driver"], "rollback": ["driver", *stateful], "retry": [],
+                      "why": "the driver restarts from its last commit and rolls the "
+                             f"stateful roles ({', '.join(stateful) or 'none'}) back to it"}
+    if role in graph.roles and graph.failover_policy(role) == "replace" and roles:
+        return False, {"restart": [what], "rollback": [], "retry": [f"driver -> {role}"],
+                       "why": f"{role} is stateless (roles.{role}.config.failover=replace): "
+                              f"{what} is replaced and the driver retries its call on it, "
+                              "without a restart or a redone iteration"}
+    dependents = graph.depends_on(role) if role in graph.roles else []
+    back = [r for r in graph.order if r == role or r in dependents or r in stateful]
+    return True, {"restart": [what, "driver"], "rollback": ["driver", *back], "retry": [],
+                  "why": f"{role} holds state (roles.{role}.config.failover=rollback): the "
+                         f"driver restarts and rolls {', '.join(back)} (the role, what depends "
+                         "on it in the graph, and the other stateful roles of the commit) "
+                         "back to its last commit"}
 
 
 class FailoverCoordinator:
@@ -128,13 +173,14 @@ class FailoverCoordinator:
             level = FailoverLevel.FATAL
         roles = [failure.role] if failure.role and level in (FailoverLevel.PROCESS,
                                                              FailoverLevel.ROLE) else []
+        restart_driver, scope = graph_scope(failure, level, roles, graph)
         self._log.append({"ts": time.time(), "role": failure.role, "rank": failure.rank,
                           "kind": failure.kind.value, "exc_type": failure.exc_type,
                           "level": level.value, "reason": verdict.reason, "step": failure.step})
         self._t0 = time.time()
         if level != FailoverLevel.FATAL:
             self.counts[level.value] = self.counts.get(level.value, 0) + 1
-        return RecoveryAction(level, verdict, roles)
+        return RecoveryAction(level, verdict, roles, restart_driver, scope)
 
     def snapshot(self) -> dict:
         """JSON-friendly state, persisted in the JobContext."""

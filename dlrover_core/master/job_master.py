@@ -96,6 +96,13 @@ class JobMaster:
         ``summary``."""
         return self.controller.status()
 
+    def role_instance(self, role: str, rank: int) -> dict | None:
+        """The instance now in ``role``'s slot ``rank``: ``{"attempt", "state",
+        "handle"}`` (``None``: no such slot). A driver that keeps running while a
+        stateless role is replaced rebinds to the new handle with it
+        (:meth:`dlrover_core.master.recovery.RecoveryExecutor.current_instance`)."""
+        return self.controller.recovery.current_instance(role, rank)
+
     def stop(self) -> None:
         """Ask the job to stop; it ends in state ``stopped``."""
         self.controller.stop()

@@ -3,8 +3,12 @@ is ``master.failover``).
 
 - ``process`` / ``role``: :meth:`RecoveryExecutor.restart_in_place` replaces the
   failed instances of the role (a role with a process group re-forms it; survivors
-  whose processes are intact are set up again in place), then restarts the driver,
-  which held handles of the replaced actors.
+  whose processes are intact are set up again in place), then restarts the driver
+  (which rolls the stateful roles back to its last commit), unless the action keeps it
+  running (``restart_driver`` false: a stateless role, ``roles.<role>.config.failover:
+  replace``): the driver then finds the replacement (``JobMaster.role_instance``) and
+  retries its call on it. The scope and why are in ``recovery_started``
+  (:func:`dlrover_core.master.failover.graph_scope`).
 - ``node`` / ``job``: :meth:`RecoveryExecutor.tear_down` stops every instance (and,
   for ``node``, removes the placement groups); the controller then re-enters
   ``PLACING`` (node) or ``STARTING`` (job) through its checked transition.
@@ -59,7 +63,7 @@ class RecoveryExecutor:
         """Open a recovery and emit ``recovery_started``."""
         s = self.scope
         s.emit("recovery_started", level=action.level, roles=action.roles, role=failure.role,
-               rank=failure.rank)
+               rank=failure.rank, restart_driver=action.restart_driver, scope=action.scope)
         return OpenRecovery(action, failure, time.time(), s.step)
 
     def tear_down(self, rec: OpenRecovery) -> None:
@@ -87,8 +91,21 @@ class RecoveryExecutor:
                 list(range(s.graph.roles[role].total))
             rec.phases = self.restart_role(role, ranks,
                                            reporter_may_survive=is_broken_collective(failure))
-        if s.graph.driver:  # it held handles of the replaced actors
+        if s.graph.driver and action.restart_driver:  # it held handles of the replaced actors
             self._restart_driver()
+
+    def current_instance(self, role: str, rank: int) -> dict | None:
+        """``{"attempt", "state", "handle"}`` of the instance now in ``role``'s slot
+        ``rank`` (``None``: no such slot): a driver that kept running while a stateless
+        role was replaced rebinds its role group to the new handle once it is
+        ``running``."""
+        s = self.scope
+        with s.lock:
+            inst = s.instances.get(role, rank)
+            if inst is None:
+                return None
+            return {"attempt": inst.attempt, "state": str(inst.state.value),
+                    "handle": inst.handle}
 
     def _restart_driver(self) -> None:
         drv = self.scope.instances.driver

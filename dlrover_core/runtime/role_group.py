@@ -8,6 +8,7 @@ for one call.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import ray
@@ -159,6 +160,48 @@ class RoleGroup:
     @property
     def world_size(self) -> int:
         return len(self.handles)
+
+    def rebind(self, rank: int, handle: Any) -> None:
+        """Point rank ``rank`` at ``handle`` (the actor that replaced a failed one; the
+        driver kept running)."""
+        self.handles[rank] = handle
+
+    def dead_ranks(self, timeout: float = 5.0) -> list[int]:
+        """Ranks whose actor is gone (its ``ping`` raises Ray's actor-death error);
+        a rank that is alive but does not answer within ``timeout`` s is not dead."""
+        probes = {h.ping.remote(): r for r, h in enumerate(self.handles)}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=timeout)
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                dead.append(probes[ref])
+        return sorted(dead)
+
+    def await_replacement(self, master: Any, rank: int, timeout: float = 600.0,
+                          poll_s: float = 0.1) -> Any:
+        """Wait until the JobMaster has replaced rank ``rank`` (a new actor in the slot,
+        set up: ``JobMaster.role_instance`` says ``running``), rebind to it and return
+        its handle.
+
+        Raises:
+            TimeoutError: no replacement within ``timeout`` s (the master chose another
+                recovery, e.g. a restart of the driver, or ran out of restarts).
+        """
+        old = self.handles[rank]
+        deadline = time.monotonic() + timeout
+        while True:
+            info = ray.get(master.role_instance.remote(self.role, rank))
+            handle = (info or {}).get("handle")
+            if (handle is not None and info["state"] == "running"
+                    and handle._actor_id != old._actor_id):
+                self.rebind(rank, handle)
+                return handle
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role}-{rank} was not replaced within {timeout} s "
+                                   f"(the master's slot: {info and info['state']})")
+            time.sleep(poll_s)
 
     def __getattr__(self, method: str) -> RoleMethod:
         if method.startswith("_"):

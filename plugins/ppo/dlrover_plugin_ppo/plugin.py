@@ -10,6 +10,11 @@ policy for the KL penalty), ``reward`` (reward model or rule). The driver
 score, reference log-probs, values, advantages (GAE), update critic, update actor,
 sync weights actor -> rollout.
 
+Failover (see docs/ppo.md): ``roles.<role>.config.failover`` is ``replace`` for rollout,
+reward and reference (a failed rank is replaced while the driver keeps running and
+retries its call) and ``rollback`` for actor and critic (the driver restarts and rolls
+the stateful roles back to its last commit), unless the spec says otherwise.
+
 ``grpo``: the same without a critic; advantages are group-normalised rewards over
 ``samples_per_prompt`` samples of each prompt (Shao et al., 2024).
 """
@@ -29,6 +34,13 @@ _ROLES = {
     "reward": "reward model or rule: score",
     "critic": "value training: values, update",
 }
+
+
+#: failover policy of each role unless ``roles.<role>.config.failover`` says otherwise:
+#: stateless roles are replaced while the driver retries its call; the stateful ones
+#: (their state checkpointed at each commit) roll back to the driver's last commit
+FAILOVER_DEFAULTS = {"rollout": "replace", "reward": "replace", "reference": "replace",
+                     "actor": "rollback", "critic": "rollback"}
 
 
 def generator_role(roles: Any) -> str:
@@ -60,6 +72,15 @@ def _apply(algorithm: str, spec: Any) -> None:
     spec.config.rl = rl.as_dict()
     spec.config.rl_algorithm = algorithm
     roles = spec.roles
+    from dlrover_core.graph.graph import check_failover_policy
+
+    for name, role in roles.items():
+        given = role.config.get("failover") if role.config is not None else None
+        policy = check_failover_policy(name, given) if given is not None else \
+            FAILOVER_DEFAULTS.get(name, "rollback")
+        if role.config is None:
+            role.config = {}
+        role.config.failover = policy
     for producer, consumer in handoffs(roles):
         p, c = roles[producer].total, roles[consumer].total
         if p >= 1 and c >= 1 and p % c:  # totals < 1 are reported by the core's validation

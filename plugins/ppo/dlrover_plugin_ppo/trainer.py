@@ -116,6 +116,11 @@ class PPOTrainer(BaseTrainer):
         self.totals: dict[str, float] = {}
         self.start_it, self.final_before = 0, None
         self._share_weights: bool | None = None  # shares_weights(), at the first sync
+        self._replaceable: list[str] | None = None  # replaceable_roles(), when first needed
+        #: how far the current attempt of an iteration got (see :meth:`iteration`)
+        self.progress = "calls"
+        #: the in-place recoveries of this driver (:meth:`recover_in_place`)
+        self.retries: list[dict] = []
         #: roles whose state is checkpointed at each commit (``has_state()`` of rank 0)
         self.stateful = [r for r in sorted(roles)
                          if getattr(self, f"RG_{r.upper()}").has_state.options(
@@ -133,7 +138,7 @@ class PPOTrainer(BaseTrainer):
         self.sync_weights(initial=state is None)
 
     # ------------------------------------------------------------------ commits
-    def rollback(self, state: dict | None) -> None:
+    def rollback(self, state: dict | None, report: bool = True) -> None:
         """A restarted driver: put every stateful role back to the last commit (the
         roles that kept running may be ahead of it: an update of the iteration that was
         lost), drop what stateless roles counted since, and report the committed
@@ -144,9 +149,11 @@ class PPOTrainer(BaseTrainer):
                  for r in self.stateful]
         for c in calls:
             c.get()
+        if self.has["rollout"] and "rollout" not in self.stateful:
+            self.RG_ROLLOUT.restore_state(step)  # drops what it generated since
         if self.has["reward"]:
             self.RG_REWARD.stats()  # scores of the lost iteration's attempt
-        if state is not None and state.get("metrics"):
+        if report and state is not None and state.get("metrics"):
             from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
 
             master = ray.get_actor(master_actor_name(self._context.job),
@@ -214,8 +221,15 @@ class PPOTrainer(BaseTrainer):
 
     def iteration(self, it: int) -> dict[str, float]:
         """Generate, score, reference log-probs, values, advantages, update critic and
-        actor, sync weights. Returns scalar metrics."""
+        actor, sync weights. Returns scalar metrics. The driver's running counts
+        (``returns``, ``episodes``, ``totals``) change only after every call of the
+        iteration returned, so an attempt that failed part-way counts nothing.
+
+        ``self.progress`` says how far the attempt got: ``calls`` (no update has
+        returned: a stateless role's failure is retried on its replacement as it is) or
+        ``updated`` (an update may have run: a retry first rolls back to the commit)."""
         t0 = time.perf_counter()
+        self.progress = "calls"
         nb = {"blocking": False}
         batch = self.gen.generate_iteration.options(**nb)(it, self.prompt_ids(it))
         scores = self.RG_REWARD.score.options(**nb)(batch) if self.has["reward"] else None
@@ -226,18 +240,31 @@ class PPOTrainer(BaseTrainer):
         adv = self.RG_ACTOR.compute_advantages.options(**nb)(batch, scores, ref, values)
         critic_upd = self.RG_CRITIC.update.options(**nb)(adv) if self.has["critic"] else None
         actor_upd = self.RG_ACTOR.update.options(**nb)(adv)
+        results, error = {}, None
+        for name, call in (("actor", actor_upd), ("critic", critic_upd)):
+            if call is None:
+                continue
+            try:
+                results[name] = call.get()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the others
+                error = error or exc
+        if results:  # an update returned: the stateful roles may be ahead of the commit
+            self.progress = "updated"
+        if error is not None:
+            raise error
         metrics: dict[str, float] = {}
-        a = aggregate(actor_upd.get())
+        a = aggregate(results["actor"])
         a["actor_update_s"] = a.pop("update_s", 0.0)
         metrics.update(a)
-        if critic_upd is not None:
-            c = aggregate(critic_upd.get())
+        if "critic" in results:
+            c = aggregate(results["critic"])
             c["critic_update_s"] = c.pop("update_s", 0.0)
             metrics.update(c)
         self.sync_weights()
         # this iteration's stats only (kept per iteration by the generating ranks), added
         # to totals that are committed with the iteration: a redone iteration replaces
         gen_stats = aggregate(self.gen.iteration_stats(it))
+        reward_stats = aggregate(self.RG_REWARD.stats()) if self.has["reward"] else {}
         returns = gen_stats.pop("episode_returns", [])
         self.returns.extend(float(r) for r in returns)
         self.episodes += len(returns)
@@ -248,9 +275,7 @@ class PPOTrainer(BaseTrainer):
                     total = f"total_{k[4:]}"
                     self.totals[total] = self.totals.get(total, 0.0) + v
         metrics.update(self.totals)
-        if self.has["reward"]:
-            metrics.update({k: v for k, v in aggregate(self.RG_REWARD.stats()).items()
-                            if isinstance(v, float)})
+        metrics.update({k: v for k, v in reward_stats.items() if isinstance(v, float)})
         if self.returns:
             metrics["mean_return"] = sum(self.returns) / len(self.returns)
         if self.episodes:
@@ -258,6 +283,63 @@ class PPOTrainer(BaseTrainer):
         metrics["iteration"] = float(it)
         metrics["iteration_s"] = time.perf_counter() - t0
         return metrics
+
+    # ------------------------------------------------------------------ stateless failover
+    def replaceable_roles(self) -> list[str]:
+        """Roles whose failover policy is ``replace`` (``roles.<role>.config.failover``,
+        asked from rank 0 once): the driver keeps running when one of their ranks dies
+        and retries its call on the replacement."""
+        if self._replaceable is None:
+            self._replaceable = [
+                r for r in self.get_role_groups()
+                if getattr(self, f"RG_{r.upper()}").failover_policy.options(
+                    target="RANK0", blocking=True)() == "replace"]
+        return self._replaceable
+
+    def _master_handle(self) -> Any:
+        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+        return ray.get_actor(master_actor_name(self._context.job), namespace=MASTER_NAMESPACE)
+
+    def recover_in_place(self, exc: BaseException) -> bool:
+        """After a call of the iteration failed: when ranks of ``replace`` roles are dead,
+        wait for the master's replacements, rebind to them, put each replacement at the
+        last commit (its state, when it has any, and the actor's weights) and return True
+        (retry the iteration: survivors answer the retried calls from what they already
+        did, :meth:`RLWorkload.generate_iteration`). When an update had returned
+        (``progress == "updated"``) every stateful role is first rolled back to the
+        commit (the attempt is then redone, still without a driver restart). False: no
+        dead rank of a replaceable role (the failure is someone else's: re-raise)."""
+        dead = {r: getattr(self, f"RG_{r.upper()}").dead_ranks()
+                for r in self.replaceable_roles()}
+        dead = {r: ranks for r, ranks in dead.items() if ranks}
+        if not dead:
+            return False
+        master = self._master_handle()
+        t0 = time.perf_counter()
+        for role, ranks in dead.items():
+            group = getattr(self, f"RG_{role.upper()}")
+            for rank in ranks:
+                group.await_replacement(master, rank)
+        self.__dict__.pop("actor_handles", None)
+        if self.progress == "updated":
+            self.rollback(None, report=False)
+        else:
+            for role, ranks in dead.items():
+                group = getattr(self, f"RG_{role.upper()}")
+                ray.get([group.handles[r].call.remote("restore_state", self.committed)
+                         for r in ranks])
+        if self.has["reward"]:
+            self.RG_REWARD.stats()  # scores of the failed attempt
+        self.sync_weights(initial="reference" in dead)
+        self.retries.append({"roles": {r: list(v) for r, v in dead.items()},
+                             "rolled_back": self.progress == "updated",
+                             "seconds": round(time.perf_counter() - t0, 3),
+                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        print(f"[ppo driver] {dead} replaced; retrying the iteration's calls "
+              f"({'after a rollback to the commit' if self.progress == 'updated' else 'as they were'})"
+              f" after {time.perf_counter() - t0:.2f} s", flush=True)
+        return True
 
     def target_reached(self) -> bool:
         t = self.rl.target_return
@@ -269,6 +351,29 @@ class PPOTrainer(BaseTrainer):
         return {f"{k}_{suffix}": float(v) for k, v in (out or {}).items()}
 
     # ------------------------------------------------------------------ the loop
+    def attempt(self, it: int, final: dict[str, float], t_start: float,
+                max_retries: int = 3) -> dict[str, float]:
+        """Iteration ``it`` and its commit, retried in place (:meth:`recover_in_place`)
+        when a rank of a stateless role died; then the report (after the commit: a
+        redone iteration is never reported twice, and a report lost to a crash after
+        the commit is sent again by :meth:`rollback`)."""
+        for n in range(max_retries + 1):
+            saved = (list(self.returns), self.episodes, dict(self.totals))
+            try:
+                metrics = self.iteration(it)
+                metrics["elapsed_s"] = time.perf_counter() - t_start
+                metrics["target_reached"] = float(self.target_reached())
+                self.progress = "updated"
+                self.commit(it, {**metrics, **final}, final)
+                return metrics
+            except Exception as exc:  # noqa: BLE001 - retried or re-raised
+                self.returns.clear()
+                self.returns.extend(saved[0])
+                self.episodes, self.totals = saved[1], saved[2]
+                if n == max_retries or not self.recover_in_place(exc):
+                    raise
+        raise AssertionError("unreachable")
+
     def fit(self) -> dict[str, float]:
         t_start = time.perf_counter()
         final: dict[str, float] = {}
@@ -279,12 +384,7 @@ class PPOTrainer(BaseTrainer):
         metrics: dict[str, float] = {}
         it = self.start_it - 1
         for it in range(self.start_it, self.rl.iterations):
-            metrics = self.iteration(it)
-            metrics["elapsed_s"] = time.perf_counter() - t_start
-            metrics["target_reached"] = float(self.target_reached())
-            # commit, then report: a redone iteration is never reported twice, and a
-            # report lost to a crash after the commit is sent again (rollback)
-            self.commit(it, {**metrics, **final}, final)
+            metrics = self.attempt(it, final, t_start)
             self.report(it, **{**metrics, **final})
             if self.target_reached():
                 break

@@ -174,6 +174,15 @@ class RLWorkload(BaseWorkload):
         return self.state_objects() or None
 
     @trainer_invocation(target="RANK0")
+    def failover_policy(self) -> str:
+        """``roles.<role>.config.failover``: ``replace`` (stateless: the driver retries
+        its call on a replacement) or ``rollback`` (the default; the ``ppo``/``grpo``
+        templates set ``replace`` for rollout, reward and reference)."""
+        from dlrover_core.graph.graph import check_failover_policy
+
+        return check_failover_policy(self.role, self.config.get("failover"))
+
+    @trainer_invocation(target="RANK0")
     def has_state(self) -> bool:
         """Whether :meth:`state_objects` names anything (asked by the driver once)."""
         return self._stateful_objects() is not None

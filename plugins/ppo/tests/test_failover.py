@@ -106,7 +106,21 @@ def test_killed_process_ends_where_the_unkilled_run_ends(unkilled, job_dir, kill
     summary = run_cartpole(job_dir, kill)
     assert summary["restarts"]["total"] == 1
     _check_same_as_unkilled(unkilled, summary, job_dir)
-    failed = [e for e in _events(job_dir) if e["event"] == "instance_failed"]
+    events = _events(job_dir)
+    failed = [e for e in events if e["event"] == "instance_failed"]
     assert len(failed) == 1
     # the record says what was running: a served role killed mid-run is not "setup"
     assert failed[0]["phase"] == "run" and failed[0]["step"] >= KILL_AFTER
+    # the graph decided the scope, and recovery_started says which and why
+    [started] = [e for e in events if e["event"] == "recovery_started"]
+    scope = started["scope"]
+    driver_starts = [e["attempt"] for e in events
+                     if e["event"] == "instance_started" and e["role"] == "driver"]
+    if kill == "rollout-1":  # stateless role: replaced, the driver kept running
+        assert started["restart_driver"] is False and driver_starts == [0]
+        assert scope["restart"] == ["rollout-1"] and scope["rollback"] == []
+        assert scope["retry"] == ["driver -> rollout"] and "stateless" in scope["why"]
+    else:  # the driver restarts and rolls the stateful roles back to its commit
+        assert started["restart_driver"] is True and driver_starts == [0, 1]
+        assert {"actor", "critic"} <= set(scope["rollback"]), scope
+        assert scope["why"]
