@@ -96,6 +96,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         st = ray.get(master.status.remote(), timeout=30)
     else:
         summary = read_summary(ref.job_dir, args.run)
+        if summary is None and args.run is None and _running_here(ref, args.json):
+            return 0
         if summary is None:
             err.print(f"job {ref.name!r} in {ref.job_dir}: no running master and no summary "
                       "(unfinished: it runs on a cluster this command did not join, or its "
@@ -113,6 +115,33 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             print(status_line(st))
     return 0
+
+
+def _running_here(ref, as_json: bool) -> bool:
+    """Print the status of ``ref`` from its files when the process holding its run lock
+    is alive on this machine though its JobMaster is not on the joined cluster (several
+    Ray clusters on one machine); ``False`` (nothing printed) otherwise."""
+    from dlrover_core.cli.jobs_list import jobs_in_root
+    from dlrover_core.master.dir_lock import live_holder
+
+    holder = live_holder(ref.job_dir)
+    if holder is None:
+        return False
+    row = next((r for r in jobs_in_root(os.path.dirname(ref.job_dir))
+                if r["job_dir"] == ref.job_dir), None)
+    if row is None:
+        return False
+    st = {"name": ref.name, "state": "running", "run": row["run"], "job_dir": ref.job_dir,
+          "step": (row["steps"] or 0) - 1, "elapsed_s": row["wall_s"] or 0.0,
+          "source": "files", "holder": holder}
+    if as_json:
+        print_json(st)
+    else:
+        step = f"step {st['step']}" if st["step"] >= 0 else "no step yet"
+        print(f"{ref.name} run {row['run']} ({ref.job_dir}): running {step} elapsed "
+              f"{st['elapsed_s']:.0f} s (from its files: its JobMaster is on a Ray cluster "
+              "this command did not join; give --address to ask it)")
+    return True
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -89,9 +89,9 @@ def find_job(job: str, job_dir: str | None = None, root: str = "runs",
     1. ``job_dir`` (``--job-dir``) when given;
     2. else ``job`` when it is a job directory (a path holding a run);
     3. else ``job`` is a name: every job directory under ``root`` named ``job`` or
-       holding a job named ``job``, and the directory of the running job named ``job``
-       (``running``: job name -> job directory of the JobMasters alive). Exactly one
-       must match.
+       holding a job named ``job``; when there is none, the directory of the running job
+       named ``job`` (``running``: job name -> job directory of the JobMasters alive).
+       Exactly one must match.
 
     Raises:
         FileNotFoundError: nothing matches (the message says where it looked).
@@ -114,7 +114,10 @@ def find_job(job: str, job_dir: str | None = None, root: str = "runs",
                 name = job_name_of(d)
                 if job in (entry, name):
                     found[d] = name
-    if running and job in running and running[job]:
+    if running and job in running and running[job] and not found:
+        # a running job of the joined cluster counts only when no directory under
+        # ``root`` matches: a job of that name elsewhere (another root, another user's
+        # runs on a shared cluster) never makes a local name ambiguous
         found[os.path.abspath(running[job])] = job
     if len(found) == 1:
         (d, name), = found.items()

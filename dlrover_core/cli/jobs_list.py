@@ -5,8 +5,11 @@ job name are two rows): name, latest run, status, start time, age, steps, restar
 wall time (s), goodput, error (its first line), and where the row came from.
 
 A job found in both places shows the running master's view. A directory without a
-``summary.json`` whose master is not found is ``unfinished`` (it runs on a cluster
-this command did not join, or its master died with the cluster).
+``summary.json`` whose master is not found is ``running`` when the process holding its
+run lock (its submit, or the lock keeper of a detached job) is alive on this machine
+(its JobMaster is on a Ray cluster this command did not join: several clusters on one
+machine), else ``unfinished`` (it runs on another machine's cluster, or its master died
+with the cluster).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def jobs_in_root(root: str) -> list[dict]:
     run: name, run, status, started_at (unix s), steps, restarts, wall_s, goodput, error
     (its first line), job_dir and source."""
     from dlrover_core.cli.job_files import is_job_dir, job_name_of
+    from dlrover_core.master.dir_lock import live_holder
     from dlrover_core.runs import run_paths
 
     rows = []
@@ -94,6 +98,9 @@ def jobs_in_root(root: str) -> list[dict]:
                        error=_first_line(summary.get("error")))
             row["started_at"] = summary.get("started_at", row["started_at"])
         else:
+            if live_holder(d) is not None:  # its submit (or lock keeper) is alive here
+                row["status"] = "running"
+                row["source"] = f"{d} (its JobMaster is on a Ray cluster not joined)"
             if first and first.get("event") == "job_started" and os.path.isfile(paths.events):
                 row["wall_s"] = round(os.path.getmtime(paths.events) - float(first["ts"]), 3)
             last = _tail_step(paths.metrics)

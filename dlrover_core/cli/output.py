@@ -130,11 +130,46 @@ def print_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], title: st
     rows = [["" if c is None else str(c) for c in row] for row in rows]
     keep = [i for i in range(len(columns))
             if keep_empty or not rows or any(r[i] != "" for r in rows)]
+    console = console or console_for()
     t = make_table([columns[i] for i in keep], title)
     for row in rows:
         t.add_row(*(row[i] for i in keep))
-    console = console or console_for()
-    console.print(fit_table(t, console))
+    widths = [c.width for c in fit_table(t, console).columns]
+    # again, with paths longer than their column folded at their separators
+    t = make_table([columns[i] for i in keep], title)
+    for row in rows:
+        t.add_row(*(fold_path(row[i], w or 0) for i, w in zip(keep, widths)))
+    for col, w in zip(t.columns, widths):
+        col.width = w
+    console.print(t)
+
+
+def fold_path(cell: str, width: int) -> str:
+    """``cell`` with each word longer than ``width`` that holds a ``/`` broken into lines
+    after a ``/`` (``/tmp/runs/`` / ``nanogpt``), so that a path folds between its parts
+    rather than inside a name; words with markup (``[green]``) are left as they are,
+    and a part longer than ``width`` is left for the table to fold."""
+    if width <= 0 or len(cell) <= width or "/" not in cell:
+        return cell
+    out = []
+    for word in cell.split(" "):
+        if len(word) <= width or "/" not in word or "[" in word:
+            out.append(word)
+            continue
+        lines, line = [], ""
+        for part in word.split("/")[:-1]:
+            piece = part + "/"
+            if line and len(line) + len(piece) > width:
+                lines.append(line)
+                line = ""
+            line += piece
+        last = word.rsplit("/", 1)[1]
+        if line and len(line) + len(last) > width:
+            lines.append(line)
+            line = ""
+        lines.append(line + last)
+        out.append("\n".join(lines))
+    return " ".join(out)
 
 
 def format_restarts(restarts: Mapping[str, int] | None) -> str:

@@ -270,6 +270,32 @@ def _read_holder(fd: int) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
+def live_holder(directory: str) -> dict | None:
+    """Who holds ``directory``'s run lock, read without taking it: the lock file's
+    record (``pid``, ``host``, ``job``, ``since``) when it names a process of this
+    machine that is alive; ``None`` when the file is missing or unreadable, names another
+    host (nothing here can tell) or a process that is gone (the lock died with it).
+
+    Read only, so that ``dlrover list`` never makes a submit starting at that moment
+    fail with :class:`DirInUseError`; a pid reused since the holder died reads as
+    alive."""
+    try:
+        with open(os.path.join(directory, LOCK_NAME)) as f:
+            holder = json.load(f)
+        pid = int(holder["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, another user's
+    return holder
+
+
 class LockKeeper:
     """Ray actor (threaded) that holds the locks of a job which goes on without its
     submit, until the job's JobMaster (``master_name`` in ``namespace``) reports a
