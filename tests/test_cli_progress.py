@@ -38,6 +38,22 @@ def test_plain_lines_when_stderr_is_not_a_terminal():
     assert "loss 2.210" in lines[-1] and "\x1b[" not in buf.getvalue()
 
 
+def test_the_final_line_once_and_with_the_summarys_status():
+    """Issue 52 item 8: the end was printed twice (the state change, then the same line
+    kept for the end), and an already complete run said ``succeeded``."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=120, force_terminal=False, color_system=None)
+    with JobProgress(console=console, interval_s=3600) as bar:
+        bar.update(_st(99))
+        bar.update(_st(99, "succeeded"))  # a new state: printed
+        bar.update(_st(99, "succeeded"))  # the same, polled until the summary is there
+        done = {**_st(99, "succeeded"), "summary": {"status": "already_complete"}}
+        bar.update(done)
+    lines = [ln.split(" | ")[0] for ln in buf.getvalue().splitlines()]
+    assert lines == ["ng: running step 100/100", "ng: succeeded step 100/100",
+                     "ng: already_complete step 100/100"], lines
+
+
 def test_plain_lines_every_interval():
     buf = io.StringIO()
     console = Console(file=buf, width=120, force_terminal=False, color_system=None)

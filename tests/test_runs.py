@@ -39,7 +39,8 @@ def _submit(capsys, spec_file: str, job_dir: str, *extra: str) -> tuple[int, dic
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tmp_path_factory):
     """(job directory, spec file) for the tests below, which submit in order: 4 steps;
-    6 steps (resumes at 4, after a pause); 6 steps again (nothing left); 6 steps with
+    6 steps (resumes at 4, after a pause); 6 steps again (nothing left: no run); 8 steps;
+    8 again without the last summary (nothing left, found by the run); 6 steps with
     --fresh."""
     tmp = tmp_path_factory.mktemp("runs")
     spec_file = str(tmp / "job.yaml")
@@ -125,13 +126,30 @@ def test_logs_are_per_run_with_a_header(runs, capsys):
 
 
 def test_a_checkpoint_at_max_steps_is_already_complete(runs, results, capsys):
+    """Decided from the checkpoint folder before Ray starts (issue 52 item 8: a resubmit
+    of the demo took 17.7 s to say so): no run is started or numbered, and the job's
+    actors never exist (no new events)."""
     job_dir, spec_file = runs
+    events_before = open(os.path.join(job_dir, "events.jsonl")).read()
     code, summary, err = _submit(capsys, spec_file, job_dir, "config.max_steps=6")
     assert code == 4
-    assert summary["status"] == "already_complete" and summary["run"] == 3
+    assert summary["status"] == "already_complete" and summary["run"] is None
+    assert summary["decided"] == "from the checkpoints, before starting"
     assert summary["resumed_from"]["trainer"]["step"] == 6
     assert "config.max_steps=6" in summary["error"] and "--fresh" in summary["error"]
-    assert "run 3: trainer resumed from step 6 (disk" in err
+    assert "(no run started)" in err
+    assert list_runs(job_dir) == [1, 2]
+    assert open(os.path.join(job_dir, "events.jsonl")).read() == events_before
+    # a checkpoint below max_steps is not complete: the run starts (and trains to 8)
+    code, summary, _ = _submit(capsys, spec_file, job_dir, "config.max_steps=8")
+    assert code == 0 and summary["run"] == 3 and summary["steps"] == 8, summary
+    # the run that is already complete at its start still says so (the JobMaster decides)
+    # without the last run's summary (lost: removed here) nothing is certain before the
+    # start: the run starts, and the JobMaster finds it already complete
+    os.remove(run_paths(job_dir).summary)
+    code, summary, err = _submit(capsys, spec_file, job_dir, "config.max_steps=8")
+    assert code == 4 and summary["status"] == "already_complete" and summary["run"] == 4
+    assert "run 4: trainer resumed from step 8 (disk" in err
 
 
 def test_fresh_moves_the_old_checkpoints_aside(runs, capsys):
@@ -139,12 +157,12 @@ def test_fresh_moves_the_old_checkpoints_aside(runs, capsys):
     code, summary, err = _submit(capsys, spec_file, job_dir, "config.max_steps=6",
                                  "--fresh")
     assert code == 0, summary["error"]
-    assert summary["run"] == 4 and summary["resumed_from"] is None
+    assert summary["run"] == 5 and summary["resumed_from"] is None
     assert summary["steps"] == 6 and "resumed" not in err
-    kept = os.path.join(job_dir, "run-3", "ckpt", "trainer")
-    assert sorted(os.listdir(kept)) == ["latest", "step_00000004", "step_00000006"]
+    kept = os.path.join(job_dir, "run-4", "ckpt", "trainer")
+    assert sorted(os.listdir(kept)) == ["latest", "step_00000006", "step_00000008"]
     assert "step_00000006" in os.listdir(os.path.join(job_dir, "ckpt", "trainer"))
-    assert list_runs(job_dir) == [1, 2, 3, 4]
+    assert list_runs(job_dir) == [1, 2, 3, 4, 5]
 
 
 def test_one_rule_finds_a_job_and_says_when_it_is_ambiguous(runs, monkeypatch, capfd):
@@ -167,12 +185,12 @@ def test_one_rule_finds_a_job_and_says_when_it_is_ambiguous(runs, monkeypatch, c
     now = time.time()
     rows = list_jobs("runs", cluster=False, now=now)
     assert [(r["name"], r["job_dir"], r["run"]) for r in rows] == [
-        ("runs-test", job_dir, 4), ("runs-test", other, 4)]
+        ("runs-test", job_dir, 5), ("runs-test", other, 5)]
     info = json.load(open(os.path.join(job_dir, "run.json")))
     assert rows[0]["started_at"] == json.load(open(os.path.join(job_dir, "summary.json"))
                                               )["started_at"]
     assert rows[0]["age_s"] == round(now - rows[0]["started_at"], 1)
-    assert info["run"] == 4 and info["name"] == "runs-test" and info["fresh"] is True
+    assert info["run"] == 5 and info["name"] == "runs-test" and info["fresh"] is True
     assert rows[0]["status"] == "succeeded" and rows[0]["error"] is None
     shutil.rmtree(other)
 

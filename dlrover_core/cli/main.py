@@ -173,7 +173,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     else:
         print_summary(summary)
     job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
-    err.print(f"job directory: {job_dir} (run {summary.get('run', '?')})")
+    run = summary.get("run")
+    err.print(f"job directory: {job_dir} "
+              + (f"(run {run})" if run is not None else "(no run started)"),
+              highlight=False, markup=False)
     return EXIT_CODES.get(summary.get("status"), 1)
 
 

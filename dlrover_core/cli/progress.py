@@ -43,7 +43,8 @@ class JobProgress:
         self.interval_s = interval_s
         self._t0 = time.monotonic()
         self._last_line: tuple[float, str] | None = None  # (when, state) of the last
-        self._pending: str | None = None  # a line not printed yet
+        self._last_text: str | None = None  # the last line printed, without its time
+        self._pending: tuple[str, str] | None = None  # (line, its text) not printed yet
         columns: list[Any] = [TextColumn("[bold]{task.description}",
                                          table_column=Column(no_wrap=True))]
         if self.console.width >= NARROW_WIDTH:
@@ -61,11 +62,12 @@ class JobProgress:
 
     def __exit__(self, *exc: Any) -> None:
         self._progress.__exit__(*exc)
-        if self._pending is not None:
-            self._print(self._pending)
+        if self._pending is not None and self._pending[1] != self._last_text:
+            self._print(*self._pending)  # the end, unless the last line printed said it
 
-    def _print(self, line: str) -> None:
+    def _print(self, line: str, text: str | None = None) -> None:
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self._last_text = text
         self._pending = None
 
     def _plain(self, st: dict, parts: list[str]) -> None:
@@ -75,21 +77,22 @@ class JobProgress:
         total = st.get("total_steps")
         step = f"step {max(st.get('step', -1) + 1, 0)}" + (f"/{total}" if total else "")
         now = time.monotonic()
-        line = " | ".join([f"{st['name']}: {parts[0]} {step}", *parts[1:],
-                           f"{now - self._t0:.0f} s"])
-        if (self._last_line is None or self._last_line[1] != st["state"]
+        text = " | ".join([f"{st['name']}: {parts[0]} {step}", *parts[1:]])
+        line = f"{text} | {now - self._t0:.0f} s"
+        if (self._last_line is None or self._last_line[1] != parts[0]
                 or now - self._last_line[0] >= self.interval_s):
-            self._last_line = (now, st["state"])
-            self._print(line)
+            self._last_line = (now, parts[0])
+            self._print(line, text)
         else:
-            self._pending = line
+            self._pending = (line, text)
 
     def update(self, st: dict) -> None:
         if self._task is None:
             self._task = self._progress.add_task(st["name"], total=st.get("total_steps"),
                                                  info="")
         m = st.get("metrics", {})
-        parts = [st["state"]]
+        # the summary's status once there is one (``already_complete``, not ``succeeded``)
+        parts = [(st.get("summary") or {}).get("status") or st["state"]]
         for key, fmt in (("loss", "loss {:.3f}"), ("val_loss", "val {:.3f}"),
                          ("mean_return", "return {:.1f}"), ("samples_per_s", "{:.0f} samples/s"),
                          ("tuning_version", "tuning v{:.0f}")):

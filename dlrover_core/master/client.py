@@ -173,8 +173,61 @@ def submit_job(spec: DictConfig, address: str | None = None, job_dir: str | None
                         "a fresh run cannot move the checkpoints of a remote store aside: "
                         "clear that location and submit without --fresh")
     with run_locks(spec, job_dir) as locks:
+        done = None if fresh else complete_from_files(spec, job_dir)
+        if done is not None:
+            return done
         return _submit_locked(spec, address, job_dir, progress, verbose, fresh, working_dir,
                               wait, locks)
+
+
+def complete_from_files(spec: DictConfig, job_dir: str) -> dict | None:
+    """The summary of a submit with nothing to train, decided from the job directory and
+    its checkpoints before Ray starts (a second instead of a cluster's start-up), or
+    ``None`` when that is not certain, and the run must start to find out.
+
+    Certain means: the saver is ``disk`` (whose folder alone says what a resume loads;
+    other savers' memory copies and lineages are left to the run); ``config.max_steps``
+    is set; the latest run ended ``succeeded`` or
+    ``already_complete``; the steps it left (its ``checkpoint_steps``, else where it
+    resumed from) are each at or past ``max_steps``; and each is still the newest
+    committed step of its role's local checkpoint folder (``<ckpt>/<role>/step_<n>``
+    with its manifest), with no rollback marker beside it. Then the JobMaster would
+    resume every role at that step and end at once (``already_complete``). The summary
+    has ``status`` ``already_complete``, ``run`` ``None`` (no run is started, none is
+    numbered), ``resumed_from`` the checkpoint of each role and ``decided`` ``"from the
+    checkpoints, before starting"``."""
+    from dlrover_core.checkpoint.rollback import MARKER
+    from dlrover_core.checkpoint.saver import committed_steps
+
+    max_steps = OmegaConf.select(spec, "config.max_steps")
+    prev = read_summary(job_dir)
+    if OmegaConf.select(spec, "checkpoint.saver") != "disk" \
+            or not isinstance(max_steps, int) or prev is None \
+            or prev.get("status") not in ("succeeded", "already_complete"):
+        return None
+    steps = {role: int(r["step"]) for role, r in (prev.get("resumed_from") or {}).items()}
+    steps.update({role: int(n) for role, n in (prev.get("checkpoint_steps") or {}).items()})
+    ckpt = checkpoint_dir(spec, job_dir)
+    if not steps or "://" in ckpt or not set(steps) <= set(spec.roles):
+        return None
+    resumed = {}
+    for role, step in steps.items():
+        folder = os.path.join(ckpt, role)
+        have = committed_steps(folder)
+        if step < max_steps or not have or have[-1] != step \
+                or os.path.exists(os.path.join(folder, MARKER)):
+            return None
+        resumed[role] = {"step": step, "source": "disk",
+                         "path": os.path.join(folder, f"step_{step:08d}")}
+    first = min(steps.values())
+    return {"name": spec.name, "run": None, "status": "already_complete",
+            "decided": "from the checkpoints, before starting",
+            "error": (f"nothing to train: the checkpoint of step {first} already reaches "
+                      f"config.max_steps={max_steps} (decided from {ckpt} before anything "
+                      "started); raise config.max_steps, or submit with --fresh to start "
+                      "over (the old checkpoints are kept)"),
+            "resumed_from": resumed, "metrics": {}, "steps": 0, "restarts": {"total": 0},
+            "wall_s": 0.0, "job_dir": job_dir}
 
 
 def checkpoint_dir(spec: DictConfig, job_dir: str) -> str:
