@@ -7,12 +7,16 @@ healthy nodes (torchrun's ``--nnodes=MIN:MAX``; Ray Train v2's ``num_workers=(mi
   role alone, at the largest valid world size the nodes can hold (at most its size
   before the loss, at least ``MIN`` nodes; *valid*: ``k * per_node`` ranks that split
   ``elastic.global_batch`` into ``elastic.micro_batch`` micro-batches when those are
-  set). Its ranks restore from the newest checkpoint (the saver restores into another
-  world size; the flash saver from memory). Other roles keep running.
+  set); a size whose placement cannot be reserved gives way to the next smaller one.
+  Its ranks restore from the newest checkpoint (the saver restores into another world
+  size; the flash saver from memory). Other roles keep running. The lost room is asked
+  back from the cluster (``ray.autoscaler.sdk.request_resources``: a no-op without an
+  autoscaler) until the role is back at its size.
 - **Grow** (:meth:`ElasticManager.check_grow`): every ``elastic.poll_interval_s`` the
   master looks for room for more node-slots of a role below ``MAX`` nodes; once there
   is room, the role is restarted at the larger size right after its next checkpoint
-  (rank 0's next ``checkpoint_saved``).
+  (rank 0's next ``checkpoint_saved``). A grow whose placement cannot be reserved then
+  is dropped (``elastic_grow_dropped``): the role keeps running at its size.
 - **Straggler shrink** (``node_health.straggler_action: shrink``;
   :func:`straggler_shrink_target` before, :meth:`ElasticManager.shrink` after): the
   straggler's node is dropped from its role at once (no replacement wait): the role
@@ -25,15 +29,16 @@ healthy nodes (torchrun's ``--nnodes=MIN:MAX``; Ray Train v2's ``num_workers=(mi
   changed and the newest checkpoint step the master knew of then (``world_sizes`` in
   ``summary.json``).
 
-Room is counted in *node-slots*: on each alive node not marked bad, how many times its
-total resources hold ``per_node`` ranks of the role (its CPU, GPU and memory request),
-summed over the nodes. Resources of the job's other roles are not subtracted: an
-elastic role is expected to have its nodes to itself.
+Room is counted in *node-slots*: on each alive node not marked bad, how many times what
+is free on it (Ray's available resources: less what other roles and other jobs hold)
+holds ``per_node`` ranks of the role (its CPU, GPU and memory request), summed over the
+nodes, plus the node-slots the role's own placement groups hold on healthy nodes.
 
-A resize stops every rank of the role (new processes start at the new world size:
-a rank's world size is fixed for its process), drops the role's placement groups and
-makes them again for the new size; the other roles' placement groups and actors are
-kept.
+A resize first reserves the placement of the new size (:meth:`ElasticManager.resize`:
+the role's groups on healthy nodes are kept, the missing ones are made and waited for),
+then stops every rank of the role (new processes start at the new world size: a rank's
+world size is fixed for its process), removes the groups it did not keep and starts the
+ranks; the other roles' placement groups and actors are kept.
 """
 
 from __future__ import annotations

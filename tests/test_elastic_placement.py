@@ -1,0 +1,120 @@
+"""The elastic manager's resize against real placement groups on the session's local Ray
+(4 CPUs): the placement of a new size is reserved before any rank is stopped; a grow
+that cannot be placed is dropped without stopping anything; a shrink that cannot be
+placed at its target tries the next smaller size.
+
+The job around it is a stand-in (``SimpleNamespace`` scope, launcher and standby pool
+that record what is asked of them) so that the test can hold the cluster's CPUs with
+placement groups of "another job" exactly; ``tests/test_elastic_busy.py`` runs it in a
+real job on a several-node cluster."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from dlrover_core import load_spec
+from dlrover_core.builtin.placement import plan_pack
+from dlrover_core.graph.graph import ComputationGraph
+from dlrover_core.master.elastic import ElasticManager
+from dlrover_core.master.launcher import create_placement_groups
+from dlrover_core.master.failover import JobFailed
+from dlrover_core.placement import ClusterResources
+
+
+def _manager(total: int):
+    spec = load_spec({
+        "name": "fb", "roles": {"t": {"workload": "x:Y", "total": total, "per_node": 1,
+                                      "nodes": "1:4", "backend": "ddp",
+                                      "resources": {"cpu": 1}}},
+        "elastic": {"placement_timeout_s": 1}})
+    log: list = []
+    scope = SimpleNamespace(
+        spec=spec, graph=ComputationGraph.from_spec(spec), name="fb",
+        failover=SimpleNamespace(bad_nodes=set()), checkpoint_steps={},
+        instances=SimpleNamespace(roles={}), context=SimpleNamespace(set=lambda *a: None),
+        check_stop=lambda: None, emit=lambda event, **kw: log.append((event, kw)))
+    la = SimpleNamespace(plan=None, pgs=[], phases={},
+                         pg_name=lambda name: f"dlrover-fb-{name}",
+                         alive_bad_nodes=lambda: [],
+                         stop_instances=lambda insts: log.append(("stopped", {})),
+                         start_roles=lambda roles, attempts: log.append(
+                             ("started", {"ranks": sorted(k for _, k in attempts)})))
+    la.make_plan = lambda: plan_pack(scope.graph, ClusterResources.from_ray())
+    la.plan = la.make_plan()
+    la.pgs = create_placement_groups([(f"dlrover-fb-{g.name}", g) for g in la.plan.groups],
+                                     [], lambda: None, made=[])
+    standby = SimpleNamespace(kept_out={}, drop=lambda: None, ensure=lambda: None,
+                              forget_slots=lambda: None)
+    return ElasticManager(scope, la, standby), la, log
+
+
+def _hold(cpus: float):
+    pg = placement_group([{"CPU": cpus}])
+    ray.get(pg.ready(), timeout=30)
+    return pg
+
+
+@pytest.fixture
+def cleanup():
+    made: list = []
+    yield made
+    for pg in made:
+        remove_placement_group(pg)
+
+
+def test_grow_counts_what_is_free_and_a_grow_that_cannot_be_placed_is_dropped(
+        ray_cluster, cleanup):
+    m, la, log = _manager(1)
+    cleanup.extend(la.pgs)
+    other = _hold(2)  # another job: 4 CPUs, 1 ours, 2 theirs -> room for 2 ranks
+    cleanup.append(other)
+    assert m.node_slots("t") == 2
+    assert m.largest_valid("t", m.node_slots("t")) == 2
+    # a grow to 4 that cannot be placed: the grow to 3 cannot either, then 2 fits
+    out = m.resize("t", 4, "grow")
+    cleanup.extend(la.pgs)
+    assert out is not None and out["world_size"] == 2
+    failed = [kw["world_size"] for ev, kw in log if ev == "elastic_placement_failed"]
+    assert failed == [4, 3]
+    assert [ev for ev, _ in log if ev in ("stopped", "started")] == ["stopped", "started"]
+    # the rank that ran keeps its placement group: one new group, two in all
+    assert len(la.pgs) == 2 and la.plan.slots[("t", 1)].pg == 1
+    log.clear()
+    # no more room at all: the grow is dropped and no rank is stopped
+    assert m.resize("t", 3, "grow") is None
+    assert [ev for ev, _ in log if ev in ("stopped", "started")] == []
+    dropped = [kw for ev, kw in log if ev == "elastic_grow_dropped"]
+    assert len(dropped) == 1 and "was not ready within 1 s" in dropped[0]["reason"]
+    assert m.scope.graph.roles["t"].total == 2
+
+
+def test_a_shrink_that_cannot_be_placed_tries_the_next_smaller_size(ray_cluster, cleanup):
+    m, la, log = _manager(2)
+    cleanup.extend(la.pgs)
+    # the role's groups are gone (its node is "lost" for this test) and another job
+    # took 3 of the 4 CPUs: 2 ranks cannot be placed, 1 can
+    for pg in la.pgs:
+        remove_placement_group(pg)
+    cleanup.append(_hold(3))
+    out = m.resize("t", 2, "shrink")
+    cleanup.extend(la.pgs)
+    assert out["world_size"] == 1 and m.scope.graph.roles["t"].total == 1
+    assert [kw["world_size"] for ev, kw in log if ev == "elastic_placement_failed"] == [2]
+    resized = [kw for ev, kw in log if ev == "elastic_resized"]
+    assert resized[0]["reason"] == "shrink (placed at 1 of 2)"
+    # the last rank's group goes too and another job takes its CPU: not even MIN fits,
+    # with the ranks running or after stopping them; the job fails saying what was tried
+    for pg in la.pgs:
+        remove_placement_group(pg)
+    cleanup.append(_hold(1))
+    log.clear()
+    with pytest.raises(JobFailed, match=r"could not be placed at any valid size from 1 "
+                                        r"down to roles.t.nodes minimum 1 node\(s\) of 1: "
+                                        r"1 rank\(s\): placement group t:0"):
+        m.resize("t", 1, "shrink")
+    assert [kw["world_size"] for ev, kw in log if ev == "elastic_placement_failed"] == [1, 1]
+    assert ("stopped", {}) in log and not any(ev == "started" for ev, _ in log)
