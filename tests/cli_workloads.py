@@ -51,3 +51,14 @@ class ChattyDriver(BaseTrainer):
             print(f"driver iteration {it}: worker ranks {[w['rank'] for w in who]}", flush=True)
             self.report(it, it=float(it))
         print("driver done", file=sys.stderr, flush=True)
+
+
+class FlakyChatty(Chatty):
+    """Chatty whose rank ``config.fail_rank`` raises in its first attempt during step
+    ``config.fail_step`` (after reporting the step before it)."""
+
+    def train_step(self, step: int) -> None:
+        if (self.context.attempt == 0 and self.rank == int(self.config.fail_rank)
+                and step == int(self.config.fail_step)):
+            raise RuntimeError(f"flaky rank {self.rank} during step {step}")
+        super().train_step(step)

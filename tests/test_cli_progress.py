@@ -112,3 +112,25 @@ def test_token_notice_once_and_authentication_on(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     buf = io.StringIO()
     assert ray_auth.notice_once(buf) is False and buf.getvalue() == ""
+
+
+def test_the_console_explains_a_failure_and_its_recovery(ray_cluster, tmp_path, capfd):
+    """Issue 52 item 3: the console says which rank failed, where and why, and how it was
+    recovered, from the run's events (it showed only Ray's raylet text, in colour codes
+    when not a terminal). A real 2-rank DDP job whose rank 1 raises during step 2."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(
+        {"name": f"explain-{uuid.uuid4().hex[:6]}",
+         "roles": {"trainer": {"workload": "tests.cli_workloads:FlakyChatty", "total": 2,
+                               "backend": "ddp", "resources": {"cpu": 0.5}}},
+         "failover": {"standby": False},
+         "checkpoint": {"saver": "disk", "every_steps": 1},
+         "node_health": {"skip_node_check": True},
+         "config": {"max_steps": 4, "step_s": 0.05, "fail_rank": 1, "fail_step": 2}}))
+    assert main(["submit", str(job), "--no-progress", "--json",
+                 "--job-dir", str(tmp_path / "jd")]) == 0
+    err = capfd.readouterr().err
+    assert "trainer-1 failed after step 1: RuntimeError: flaky rank 1 during step 2" in err, err
+    assert "recovering at " in err and "recovered in " in err, err
+    assert err.index("failed") < err.index("recovering at ") < err.index("recovered in ")
+    assert "\x1b[" not in err

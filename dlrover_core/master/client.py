@@ -63,6 +63,8 @@ def init_ray(address: str | None = None, verbose: bool = False,
         "env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
     if working_dir:
         runtime_env["working_dir"] = os.path.abspath(working_dir)
+    if not sys.stderr.isatty():  # Ray's own lines ("(raylet) ...") without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         ray.init(address=address or "local", namespace=MASTER_NAMESPACE,
                  runtime_env=runtime_env, log_to_driver=False, include_dashboard=False,
@@ -384,13 +386,76 @@ class _Tail:
             self.tail.finish()
 
 
+class EventLines:
+    """The events of a run that explain what the console shows, read from its
+    ``events.jsonl`` as they are written, one line each: a failed instance (with the
+    step and the error's first line), a recovery's start and end, a warm standby that
+    could not take over (and why). Ray's own lines (``(raylet) A worker died or was
+    killed ...``) are then never the only explanation of a kill."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.offset = path, None
+
+    def poll(self) -> list[str]:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return []
+        if self.offset is None or size < self.offset:
+            self.offset = 0  # the first look, or a new run's file: from its start
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # whole lines only
+        self.offset += end
+        out = []
+        for raw in data[:end].splitlines():
+            try:
+                line = event_line(json.loads(raw))
+            except ValueError:
+                continue
+            if line:
+                out.append(line)
+        return out
+
+
+def event_line(e: dict) -> str | None:
+    """The console line of event ``e`` (:class:`EventLines`), or ``None``."""
+    kind = e.get("event")
+    who = f"{e.get('role')}-{e.get('rank')}" if e.get("rank") is not None else e.get("role")
+    if kind == "instance_failed":
+        step = e.get("step")
+        # ``step``: the last step it reported (the failure came after it)
+        at = (f" after step {step}" if isinstance(step, int) and step >= 0
+              else " before its first reported step")
+        msg = str(e.get("message") or "").strip().splitlines()
+        return (f"{who} failed{at}: {e.get('exc_type') or e.get('kind')}"
+                + (f": {msg[0][:200]}" if msg else ""))
+    if kind == "recovery_started":
+        roles = ", ".join(e.get("roles") or []) or e.get("role")
+        return f"recovering at {e.get('level')} level: {roles}"
+    if kind == "recovery_finished":
+        return f"recovered in {float(e.get('seconds') or 0):.1f} s ({e.get('level')} level)"
+    if kind == "standby_unusable":
+        reason = e.get("reason")
+        why = ("none was ready" if reason == "none" else str(reason or "?").splitlines()[0])
+        return (f"{e.get('role')}: the warm standby could not take over ({why}); a new "
+                "process is started instead")
+    return None
+
+
 def _follow_loop(master: Any, bar: Any, told: set, tail: Any, poll_s: float,
                  job_dir: str | None) -> dict | None:
     import ray
 
+    from dlrover_core.runs import run_paths
+
+    events = EventLines(run_paths(job_dir).events) if job_dir else None
     while True:
         if tail is not None:
             tail.poll()
+        for line in events.poll() if events is not None else []:
+            bar.console.print(line, highlight=False, markup=False)
         try:
             st = ray.get(master.status.remote(), timeout=30)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -405,6 +470,8 @@ def _follow_loop(master: Any, bar: Any, told: set, tail: Any, poll_s: float,
                 bar.console.print(resume_line(st.get("run"), role, r), highlight=False,
                                   markup=False)
         if st["summary"] is not None:
+            for line in events.poll() if events is not None else []:
+                bar.console.print(line, highlight=False, markup=False)
             return st["summary"]
         time.sleep(poll_s)
 
