@@ -106,7 +106,7 @@ def test_spec_errors_before_anything_starts(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["--master-port", "29511", "x.py"], "--master-port"),
+    (["--log-dir", "logs", "x.py"], "--log-dir"),
     (["--no-python", "x.py"], "--no-python"),
     (["--rdzv-backend", "etcd", "x.py"], "--rdzv-backend"),
     (["--tee", "3", "x.py"], "--tee"),

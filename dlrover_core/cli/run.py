@@ -4,60 +4,73 @@
     dlrover-run [torchrun's options] -m pkg.train [script args]
 
 The options are parsed by torch's own ``torch.distributed.run.get_args_parser()``, so
-every torchrun flag is accepted; the job is one script role ``trainer`` (see
-:mod:`dlrover_core.runtime.script`) of ``--nnodes`` x ``--nproc-per-node`` ranks, run on
-the Ray cluster (an embedded one unless ``--address`` is given).
+every torchrun flag is accepted (given on the line or, as torchrun reads them, through
+``PET_<NAME>`` environment variables), plus DLRover's own ``dlrover-run`` flags; the job
+is one script role ``trainer`` (see :mod:`dlrover_core.runtime.script`) of ``--nnodes`` x
+``--nproc-per-node`` ranks, run on the Ray cluster (an embedded one unless ``--address``
+is given). docs/torchrun.md has the table of every option and what it does here; in
+short:
 
-What each torchrun option does here:
-
-- honoured: ``--nnodes N`` (or ``N:N``), ``--nnodes MIN:MAX`` (an elastic role,
-  ``roles.trainer.nodes: "MIN:MAX"``, started at MAX nodes; see below),
-  ``--nproc-per-node`` (an integer, ``cpu``, ``gpu``, ``auto``), ``--max-restarts``
-  (``failover.max_restarts``), ``--rdzv-id`` (the job name and ``TORCHELASTIC_RUN_ID``),
-  ``-m``/``--module``, ``--role`` (the role name, ``trainer`` when not given).
-- accepted, nothing to do: ``--standalone``, ``--rdzv-backend static|c10d`` (the
-  master makes the rendezvous: rank 0's node, a free port), ``--monitor-interval``
-  (the master watches the ranks itself), ``--start-method spawn`` (each rank is a new
-  ``python`` process).
+- honoured: ``--nnodes N`` / ``MIN:MAX`` (an elastic role, docs/elastic.md),
+  ``--nproc-per-node`` (an integer; ``cpu``, ``gpu``, ``auto`` counted on the cluster's
+  nodes), ``--max-restarts``, ``--rdzv-id`` (the job name and ``TORCHELASTIC_RUN_ID``),
+  ``-m``, ``--role`` (``ROLE_NAME``), ``--signals-to-handle``, ``--shutdown-timeout``.
+- a line written for several nodes is run once, on a Ray cluster: ``--node-rank`` 0
+  only (others are refused with that advice); ``--rdzv-endpoint HOST:PORT`` /
+  ``--master-addr HOST`` (not this machine) need ``--address`` (or ``RAY_ADDRESS``), and
+  without it are refused with the advice ``--address HOST:6379``; ``--master-port`` and
+  ``--rdzv-conf`` have nothing to do (the master picks the rendezvous).
+- accepted, nothing to do: ``--standalone``, ``--rdzv-backend static|c10d``,
+  ``--monitor-interval``, ``--start-method spawn``, ``--local-addr``.
 - any other option set to something other than its default (``--no-python``,
-  ``--master-port``, ``--log-dir``, ``--tee``, ``--node-rank`` ...) is refused before
-  anything starts, with an error naming it.
+  ``--log-dir``, ``--tee`` ...) is refused before anything starts, with an error naming
+  it, its value (and the ``PET_*`` variable it came from) and why.
 
-``--nnodes MIN:MAX`` makes the role elastic (docs/elastic.md): it starts at ``MAX`` nodes
-of ``--nproc-per-node`` ranks (all placed before the scripts start: the cluster needs room
-for them), and when a node is lost it restarts at the largest size the nodes left
-hold, down to ``MIN`` nodes (``WORLD_SIZE`` of the restarted scripts is the new size,
-``TORCHELASTIC_RESTART_COUNT`` + 1). It grows back only after rank 0 reports a
-checkpoint, which a plain script does not, so a script role does not grow.
+GPUs: ``--nproc-per-node gpu`` (or ``auto`` on a cluster with GPUs, or ``--accelerator
+nvidia.com/gpu``) reserves one GPU per rank through Ray, and with ``--nnodes N`` puts the
+N node groups on N distinct nodes (``node_num``); each rank's script sees its node's GPUs
+with its own at index ``LOCAL_RANK`` (:func:`dlrover_core.runtime.script.visible_devices`).
 
-dlrover-run's own options: ``--address`` (a Ray cluster to join), ``--job-dir``
-(default ``runs/<job name>``), ``--cpus-per-rank`` (CPUs each rank reserves; default
-``min(1, CPUs of this machine / ranks per node)``) and ``--quiet`` (the ranks' output
-only in the job's log files, ``dlrover logs``, not on the console).
+Signals (as torchrun): SIGTERM, SIGINT, SIGHUP and SIGQUIT (``--signals-to-handle``)
+are forwarded to every rank's script, which gets SIGKILL ``--shutdown-timeout`` s later
+(default 30); dlrover-run then exits 1. ``--detach`` (with ``--address``): Ctrl-C leaves
+the job running instead.
+
+The default job name is :func:`default_job_name`: stable across submits of the same
+script, so a resubmit is the same job (``runs/<name>``).
+
+dlrover-run's own options: ``--address``, ``--job-dir`` (default ``runs/<job name>``),
+``--cpus-per-rank`` (default ``min(1, CPUs of this machine / ranks per node)``),
+``--quiet`` (the ranks' output only in the job's log files), ``--detach``.
 
 Exit code: the job's, through the table ``dlrover submit`` uses
-(:data:`dlrover_core.spec.builder.EXIT_CODES`): 0 when the job succeeded (every rank's
-script exited 0), 1 when it failed or was stopped (as torchrun, which exits 1 when a
-worker fails); 2 for bad input and 3 when another run holds the job directory or the
-checkpoint folder (nothing started in either case). (``submit``'s 4, already complete,
-needs ``config.max_steps``, which a dlrover-run job has not.)
+(:data:`dlrover_core.spec.builder.EXIT_CODES`): 0 when the job succeeded, 1 when it failed
+or was stopped (a forwarded signal included, as torchrun); 2 for bad input (nothing
+started) and 3 when another run holds the job directory or the checkpoint folder, or a
+job of that name runs on the cluster.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
+import signal
+import socket
 import sys
-import uuid
 from typing import Any, Sequence
 
-#: torchrun options dlrover-run acts on (by ``dest``).
+#: torchrun options dlrover-run acts on (by ``dest``); the meeting-place options
+#: (``node_rank``, ``rdzv_endpoint``, ``master_addr``, ``master_port``, ``rdzv_conf``)
+#: are checked by :func:`meeting_place`.
 HONOURED = {"nnodes", "nproc_per_node", "max_restarts", "rdzv_id", "module",
-            "role", "training_script", "training_script_args"}
+            "role", "training_script", "training_script_args", "signals_to_handle",
+            "shutdown_timeout", "node_rank", "rdzv_endpoint", "master_addr",
+            "master_port", "rdzv_conf"}
 #: options with nothing to do here, and the values that are fine (``None``: any).
 ACCEPTED: dict[str, tuple | None] = {
-    "standalone": None, "monitor_interval": None,
+    "standalone": None, "monitor_interval": None, "local_addr": None,
     "rdzv_backend": ("static", "c10d"), "start_method": ("spawn",),
 }
 #: why an option cannot be honoured (the error's reason), by ``dest``; others get a
@@ -65,28 +78,54 @@ ACCEPTED: dict[str, tuple | None] = {
 WHY = {
     "no_python": "each rank runs the script with this Python",
     "run_path": "the script runs as a file or a module (-m)",
-    "master_addr": "the rendezvous address is chosen by dlrover (rank 0's node)",
-    "master_port": "the rendezvous port is chosen by dlrover (a free port on rank 0's node)",
-    "node_rank": "one dlrover-run starts every node's ranks; node ranks are assigned",
-    "rdzv_endpoint": "the rendezvous is made by dlrover's JobMaster",
     "log_dir": "the ranks' output goes to <job_dir>/logs (use --job-dir)",
     "tee": "the ranks' output goes to <job_dir>/logs and the console (use --quiet)",
     "redirects": "the ranks' output goes to <job_dir>/logs and the console (use --quiet)",
+    "local_ranks_filter": "every rank's output goes to the console (use --quiet for none)",
+    "numa_binding": "no NUMA binding here; bind inside the script "
+                    "(os.sched_setaffinity) where it matters",
+    "virtual_local_rank": "LOCAL_RANK is the rank on its node, as torchrun's default",
+    "event_log_handler": "the job's events go to <job_dir>/events.jsonl",
+    "logs_specs": "the ranks' output goes to <job_dir>/logs",
 }
+#: dlrover-run's own options (by ``dest``).
+OWN = {"address", "job_dir", "cpus_per_rank", "quiet", "detach", "help"}
+#: DLRover's ``dlrover-run`` flags (by ``dest``): each mapped below (:func:`dlrover_flags`).
+DLROVER = {"network_check", "precheck", "comm_perf_test", "exclude_straggler",
+           "save_at_breakpoint", "auto_config", "auto_tunning", "accelerator",
+           "training_port", "node_unit", "numa_affinity"}
+#: the signals forwarded to the ranks unless ``--signals-to-handle`` says otherwise
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+#: seconds a rank has between the forwarded signal and its SIGKILL when
+#: ``--shutdown-timeout`` is not given (torchrun's own default)
+SHUTDOWN_TIMEOUT_S = 30.0
+#: Ray's default head port, suggested (``--address HOST:6379``) when a multi-node line
+#: names a meeting place ``HOST`` and no ``--address`` is given
+RAY_HEAD_PORT = 6379
+#: exit code after a forwarded signal, as torchrun's (it exits 1 on a SignalException)
+SIGNAL_EXIT = 1
 
 
 class UsageError(ValueError):
     """Bad command line (exit code 2)."""
 
 
+class Signalled(BaseException):
+    """A forwarded signal ended the wait for the job (``signum``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """torch's torchrun parser plus dlrover-run's own options."""
+    """torch's torchrun parser plus dlrover-run's own options and DLRover's flags."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "dlrover-run"
     parser.description = ("torchrun's command line, run as a dlrover job on Ray "
-                          "(see `dlrover_core/cli/run.py` for what each option does)")
+                          "(docs/torchrun.md says what each option does here)")
     own = parser.add_argument_group("dlrover-run")
     own.add_argument("--address", default=None,
                      help="Ray cluster to join ('auto' or HOST:PORT); default: start one")
@@ -95,35 +134,149 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CPUs each rank reserves (default: min(1, CPUs / ranks per node))")
     own.add_argument("--quiet", action="store_true",
                      help="the ranks' output only in the log files (`dlrover logs`)")
+    own.add_argument("--detach", action="store_true",
+                     help="with --address: Ctrl-C leaves the job running (default: "
+                          "SIGINT is forwarded to the ranks, as every handled signal)")
+    dl = parser.add_argument_group("DLRover's dlrover-run flags (docs/torchrun.md)")
+    dl.add_argument("--network-check", "--network_check", action="store_true",
+                    help="node check before the ranks start (on by default here)")
+    dl.add_argument("--precheck", type=int, default=0, choices=(0, 1, 2),
+                    help="1, 2: the node check (0: the default here, node check on)")
+    dl.add_argument("--comm-perf-test", "--comm_perf_test", action="store_true",
+                    help="the node check (its paired all-gather measures the links)")
+    dl.add_argument("--exclude-straggler", "--exclude_straggler", action="store_true",
+                    help="the node check excludes a slow node (node_health.slow_factor)")
+    dl.add_argument("--save-at-breakpoint", "--save_at_breakpoint", action="store_true",
+                    help="flash checkpoints are persisted after a failure (always, "
+                         "with dlrover_plugin_flashckpt)")
+    dl.add_argument("--auto-config", "--auto_config", action="store_true",
+                    help="refused: give --nnodes and --nproc-per-node gpu|auto")
+    dl.add_argument("--auto-tunning", "--auto_tunning", action="store_true",
+                    help="refused: the tuner needs a BaseWorkload (docs/tuning.md)")
+    dl.add_argument("--accelerator", default=None,
+                    help="nvidia.com/gpu: one GPU per rank; other values are refused")
+    dl.add_argument("--training-port", "--training_port", type=int, default=None,
+                    help="refused: the rendezvous port is chosen by dlrover")
+    dl.add_argument("--node-unit", "--node_unit", type=int, default=1,
+                    help="node groups of this size: --nnodes must be a multiple of it")
+    dl.add_argument("--numa-affinity", "--numa_affinity", action="store_true",
+                    help="refused: no NUMA binding here")
     return parser
 
 
 def _flag(parser: argparse.ArgumentParser, dest: str) -> str:
     for action in parser._actions:
         if action.dest == dest and action.option_strings:
-            return max(action.option_strings, key=len)
+            return max(action.option_strings, key=lambda o: (o.count("-"), len(o)))
     return dest
+
+
+def _given(parser: argparse.ArgumentParser, dest: str, value: Any) -> str:
+    """``--flag=value``, with where it came from when that is torchrun's ``PET_<DEST>``
+    environment variable (Kubeflow's PyTorchJob sets them) rather than the line."""
+    env = "PET_" + dest.upper()
+    text = f"{_flag(parser, dest)}={value!r}"
+    if env in os.environ and str(os.environ[env]) == str(value):
+        text += f" (from the environment variable {env})"
+    return text
+
+
+def _defaults() -> dict[str, Any]:
+    """torchrun's defaults by ``dest``, without the ``PET_*`` variables (torch's parser
+    takes its defaults from them when it is built)."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("PET_")}
+    try:
+        return {a.dest: a.default for a in build_parser()._actions}
+    finally:
+        os.environ.update(saved)
 
 
 def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Raise :class:`UsageError` naming the first torchrun option set to something
-    dlrover-run cannot honour."""
-    own = {"address", "job_dir", "cpus_per_rank", "quiet", "help"}
+    dlrover-run cannot honour (given on the line or through its ``PET_*`` variable)."""
+    defaults = _defaults()
     for action in parser._actions:
         dest = action.dest
-        if dest in HONOURED or dest in own:
+        if dest in HONOURED or dest in OWN or dest in DLROVER:
             continue
         value = getattr(args, dest, None)
+        default = defaults.get(dest, action.default)
         if dest in ACCEPTED:
             allowed = ACCEPTED[dest]
             if allowed is None or value in allowed:
                 continue
-            raise UsageError(f"dlrover-run cannot honour {_flag(parser, dest)}={value!r}; "
+            raise UsageError(f"dlrover-run cannot honour {_given(parser, dest, value)}; "
                              f"allowed: {', '.join(map(str, allowed))}")
-        if value == action.default:
+        if value == default or str(value) == str(default):
             continue
         why = WHY.get(dest, "dlrover-run does not implement it")
-        raise UsageError(f"dlrover-run cannot honour {_flag(parser, dest)}={value!r}: {why}")
+        raise UsageError(f"dlrover-run cannot honour {_given(parser, dest, value)}: {why}")
+
+
+def _is_local(host: str) -> bool:
+    return host in ("", "127.0.0.1", "localhost", "::1", "0.0.0.0") or \
+        host in (socket.gethostname(), socket.getfqdn())
+
+
+def meeting_place(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The host a torchrun line written for several nodes names as the place to meet
+    (``--rdzv-endpoint HOST[:PORT]``, else ``--master-addr HOST``, or their ``PET_*``
+    variables), ``None`` when it names this machine or ``--standalone`` is given (torchrun
+    ignores both then). dlrover-run reads it as where the Ray head is; the ranks meet where dlrover's master says (rank 0's node,
+    a free port), so ``--master-port`` and ``--rdzv-conf`` have nothing to do.
+    :func:`main` refuses a meeting place without ``--address`` or ``RAY_ADDRESS``.
+
+    Raises:
+        UsageError: ``--node-rank`` other than 0 (the line is run once, not per node).
+    """
+    if str(args.node_rank) != "0":
+        raise UsageError(
+            f"dlrover-run cannot honour {_given(parser, 'node_rank', args.node_rank)}: one "
+            "dlrover-run starts the ranks of every node; run this line once, on one "
+            "machine (node rank 0), with --address HOST:PORT of the Ray cluster (or from "
+            "within it), and on the other machines `ray start --address HOST:PORT` instead")
+    if args.standalone:
+        return None
+    endpoint = str(args.rdzv_endpoint or "").strip()
+    if endpoint:
+        host = endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 or \
+            endpoint.startswith("[") else endpoint
+        host = host.strip("[]")
+    else:
+        host = str(args.master_addr or "").strip()
+    return None if _is_local(host) else host
+
+
+def dlrover_flags(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> dict[str, Any]:
+    """What DLRover's ``dlrover-run`` flags set in the job spec (a dict of top-level
+    sections to merge), or :class:`UsageError` naming the flag, its value and the
+    nearest equivalent here."""
+    out: dict[str, Any] = {}
+    if args.network_check or args.comm_perf_test or args.precheck or args.exclude_straggler:
+        out["node_health"] = {"skip_node_check": False}
+    if args.auto_config:
+        raise UsageError("dlrover-run cannot honour --auto-config: give --nnodes N and "
+                         "--nproc-per-node gpu|auto (counted on the cluster's nodes)")
+    if args.auto_tunning:
+        raise UsageError("dlrover-run cannot honour --auto-tunning: the tuner changes a "
+                         "BaseWorkload's settings between steps (tuning.enabled in a job "
+                         "spec, docs/tuning.md); a script role has no such hook")
+    if args.accelerator not in (None, "nvidia.com/gpu"):
+        raise UsageError(f"dlrover-run cannot honour --accelerator={args.accelerator!r}; "
+                         "allowed: nvidia.com/gpu (or leave it out: CPUs)")
+    if args.training_port is not None:
+        raise UsageError(f"dlrover-run cannot honour --training-port={args.training_port!r}: "
+                         "the rendezvous port is chosen by dlrover (a free port on rank "
+                         "0's node)")
+    if args.numa_affinity:
+        raise UsageError("dlrover-run cannot honour --numa-affinity: no NUMA binding here; "
+                         "bind inside the script (os.sched_setaffinity) where it matters")
+    unit = int(args.node_unit)
+    if unit < 1 or (unit > 1 and (min_nodes != max_nodes or max_nodes % unit)):
+        raise UsageError(f"dlrover-run cannot honour --node-unit={unit!r}: allowed: 1, or a "
+                         "divisor of a fixed --nnodes N (an elastic role grows and shrinks "
+                         "one node at a time)")
+    return out
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -144,13 +297,39 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return n, m
 
 
-def local_world_size(value: str) -> int:
-    """``--nproc-per-node``: an integer, or ``cpu``/``gpu``/``auto`` (torch's own
-    ``determine_local_world_size``). Raises :class:`UsageError`."""
+def cluster_devices() -> list[dict[str, float]]:
+    """``{"CPU": n, "GPU": n}`` of each alive node of the Ray cluster this process is
+    connected to."""
+    import ray
+
+    return [{"CPU": float(n["Resources"].get("CPU", 0)),
+             "GPU": float(n["Resources"].get("GPU", 0))}
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def local_world_size(value: str, nodes: list[dict[str, float]] | None = None) -> int:
+    """``--nproc-per-node``: an integer, or ``cpu``/``gpu``/``auto`` counted as torch's
+    ``determine_local_world_size`` counts them, on the cluster's nodes when ``nodes``
+    (:func:`cluster_devices`) is given: the smallest count of a node that has any (so
+    every node group fits on one node), else on this machine.
+
+    Raises:
+        UsageError: not one of these, or ``gpu`` where no node has a GPU.
+    """
     from torch.distributed.run import determine_local_world_size
 
+    value = str(value)
+    if nodes is not None and value in ("cpu", "gpu", "auto"):
+        gpus = [int(n["GPU"]) for n in nodes if n["GPU"] >= 1]
+        cpus = [int(n["CPU"]) for n in nodes if n["CPU"] >= 1]
+        if value == "gpu" and not gpus:
+            raise UsageError(f"--nproc-per-node={value!r}: no node of the Ray cluster has "
+                             "a GPU; allowed there: an integer >= 1, cpu, auto")
+        counts = gpus if value in ("gpu", "auto") and gpus else cpus
+        if counts:
+            return min(counts)
     try:
-        n = determine_local_world_size(str(value))
+        n = determine_local_world_size(value)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"--nproc-per-node={value!r}: {exc}") from None
     if n < 1:
@@ -158,39 +337,171 @@ def local_world_size(value: str) -> int:
     return n
 
 
+def wants_gpus(args: argparse.Namespace, nodes: list[dict[str, float]] | None) -> bool:
+    """Whether each rank reserves one GPU: ``--accelerator nvidia.com/gpu``,
+    ``--nproc-per-node gpu``, or ``auto`` on a cluster with GPUs."""
+    value = str(args.nproc_per_node)
+    has_gpu = any(n["GPU"] >= 1 for n in (nodes or []))
+    return args.accelerator == "nvidia.com/gpu" or value == "gpu" or \
+        (value == "auto" and has_gpu)
+
+
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-def job_spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The job spec (a plain dict, validated by ``load_spec``) for parsed ``args``."""
+def default_job_name(args: argparse.Namespace) -> str:
+    """The job's name when ``--rdzv-id`` is not given: the script's file name without
+    ``.py`` (``-m pkg.mod``: ``pkg.mod``) and 6 hex digits of a hash of where it is (the
+    script's absolute path; for a module, the module name and the current directory).
+    The same script gets the same name at every submit, so a resubmit is the same
+    job (its job directory ``runs/<name>``, its checkpoints); two scripts of the same
+    file name in different folders get different ones."""
+    target = str(args.training_script)
+    if args.module:
+        stem, where = target, f"module:{target}:{os.getcwd()}"
+    else:
+        stem = os.path.basename(target)
+        stem = stem[:-3] if stem.endswith(".py") else stem
+        where = f"script:{os.path.abspath(target)}"
+    base = _NAME_BAD.sub("-", stem).strip("-._") or "script"
+    return f"{base}-{hashlib.sha1(where.encode()).hexdigest()[:6]}"
+
+
+def job_spec(args: argparse.Namespace, nodes: list[dict[str, float]] | None = None) \
+        -> dict[str, Any]:
+    """The job spec (a plain dict, validated by ``load_spec``) for parsed ``args``;
+    ``nodes``: the cluster's nodes (:func:`cluster_devices`) for ``--nproc-per-node
+    gpu|auto`` and ``--accelerator``.
+
+    Raises:
+        UsageError: a value dlrover-run cannot run (names the option, the value and
+            what is allowed).
+    """
     import shlex
 
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
-    nproc = local_world_size(args.nproc_per_node)
+    nproc = local_world_size(args.nproc_per_node, nodes)
     if args.training_script is None:
         raise UsageError("no training script given: dlrover-run [options] train.py [args]")
+    extra = dlrover_flags(args, min_nodes, max_nodes)
     words = (["-m"] if args.module else []) + [args.training_script] + \
         list(args.training_script_args or [])
     run_id = args.rdzv_id if args.rdzv_id not in (None, "none") else None
-    if run_id is None:
-        base = os.path.splitext(os.path.basename(args.training_script))[0]
-        base = _NAME_BAD.sub("-", base).strip("-._") or "script"
-        name = f"{base}-{uuid.uuid4().hex[:6]}"
-    else:
-        name = run_id
+    name = default_job_name(args) if run_id is None else run_id
     cpus = args.cpus_per_rank
     if cpus is None:
         cpus = min(1.0, (os.cpu_count() or 1) / nproc)
     role = "trainer" if args.role == "default" else args.role
+    gpu = wants_gpus(args, nodes)
+    # the environment torchrun gives that a Ray actor's would not: torchrun's role
+    # name, and OMP_NUM_THREADS as torchrun sets it (Ray sets it to the actor's CPUs)
+    env = {"DLROVER_TORCHRUN_ROLE": str(args.role)}
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    elif nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    for key in ("PYTHONBREAKPOINT",):
+        if key in os.environ:
+            env[key] = os.environ[key]
     spec_role: dict[str, Any] = {"command": shlex.join(words), "total": max_nodes * nproc,
-                                 "per_node": nproc, "resources": {"cpu": round(cpus, 3)}}
+                                 "per_node": nproc,
+                                 "resources": {"cpu": round(cpus, 3), "gpu": 1.0 if gpu else 0.0},
+                                 "env": env}
+    spec: dict[str, Any] = {"name": name, "roles": {role: spec_role},
+                            "failover": {"max_restarts": int(args.max_restarts)}, **extra}
     if min_nodes != max_nodes:  # elastic: starts at MAX nodes, shrinks down to MIN
         spec_role["nodes"] = f"{min_nodes}:{max_nodes}"
-    return {
-        "name": name,
-        "roles": {role: spec_role},
-        "failover": {"max_restarts": int(args.max_restarts)},
-    }
+    elif gpu and max_nodes > 1:  # node groups on distinct nodes (set_device(LOCAL_RANK))
+        del spec_role["per_node"]
+        spec["node_num"] = max_nodes
+    return spec
+
+
+def handled_signals(args: argparse.Namespace) -> list[signal.Signals]:
+    """``--signals-to-handle`` (torchrun's, default ``SIGTERM,SIGINT,SIGHUP,SIGQUIT``)
+    as signals; ``--detach`` leaves SIGINT to Python (Ctrl-C detaches).
+
+    Raises:
+        UsageError: a name that is not a signal of this platform.
+    """
+    out = []
+    for name in str(args.signals_to_handle or SIGNALS).split(","):
+        name = name.strip()
+        if not name:
+            continue
+        try:
+            sig = signal.Signals[name]
+        except KeyError:
+            raise UsageError(f"--signals-to-handle={args.signals_to_handle!r}: {name!r} is "
+                             "not a signal; allowed: names such as SIGTERM,SIGINT") from None
+        if sig == signal.SIGINT and args.detach:
+            continue
+        out.append(sig)
+    return out
+
+
+def shutdown_timeout(args: argparse.Namespace) -> float:
+    """``--shutdown-timeout`` in s (torchrun's; default :data:`SHUTDOWN_TIMEOUT_S`).
+
+    Raises:
+        UsageError: not a number >= 0.
+    """
+    value = args.shutdown_timeout
+    if value is None:
+        return SHUTDOWN_TIMEOUT_S
+    try:
+        out = float(value)
+    except ValueError:
+        out = -1.0
+    if not out >= 0:
+        raise UsageError(f"--shutdown-timeout={value!r}: allowed: seconds, a number >= 0")
+    return out
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if not getattr(_on_signal, "fired", False):  # the first one stops the job; later
+        _on_signal.fired = True                   # ones arrive while it stops
+        raise Signalled(signum)
+
+
+def install_handlers(signals: list[signal.Signals]) -> dict:
+    """Make :func:`_on_signal` the handler of ``signals`` (after ``ray.init``, whose own
+    handlers it replaces). Returns the previous handlers."""
+    _on_signal.fired = False
+    return {sig: signal.signal(sig, _on_signal) for sig in signals}
+
+
+def forward_signal(name: str, signum: int, grace_s: float, err: Any) -> dict | None:
+    """Stop job ``name`` after a signal: each rank's script gets ``signum``, then SIGKILL
+    after ``grace_s`` s (:mod:`dlrover_core.runtime.script` reads both from Ray's internal
+    key-value store, :func:`dlrover_core.runtime.script.set_stop_signal`). Returns the
+    job's summary (``None`` when the master never started)."""
+    import ray
+
+    from dlrover_core.master.client import get_master
+    from dlrover_core.runtime.script import set_stop_signal
+
+    err.print(f"dlrover-run: got {signal.Signals(signum).name}: forwarding it to every "
+              f"rank (SIGKILL after {grace_s:g} s)", highlight=False, markup=False)
+    set_stop_signal(name, signum, grace_s)
+    master = get_master(name)
+    if master is None:
+        return None
+    master.stop.remote()
+    try:
+        return ray.get(master.wait.remote(grace_s + 60), timeout=grace_s + 90)
+    finally:
+        try:
+            ray.kill(master, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def _error(err: Any, exc: object) -> None:
+    """``error: <exc>``: the text printed as it is (no rich markup in it)."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,33 +510,103 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     err = console_for(stderr=True)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)  # argparse's own errors: usage on stderr, exit 2
+    except SystemExit as exc:
+        return int(exc.code or 0)
     try:
         check_options(parser, args)
-        spec_dict = job_spec(args)
-        from dlrover_core.spec.loader import load_spec
-
-        spec = load_spec(spec_dict)
+        place = meeting_place(parser, args)
+        signals = handled_signals(args)
+        grace = shutdown_timeout(args)
+        address = args.address
+        if address is None and place is not None and not os.environ.get("RAY_ADDRESS"):
+            raise UsageError(
+                f"this line names {place!r} as the place to meet (--rdzv-endpoint, "
+                "--master-addr or their PET_* variables): dlrover-run runs it once, on a "
+                "Ray cluster; give the Ray head's address, e.g. --address "
+                f"{place}:{RAY_HEAD_PORT} (Ray's default port), or run it on a node of "
+                "the cluster with RAY_ADDRESS set")
+        dlrover_flags(args, *parse_nnodes(args.nnodes))  # bad values: before Ray starts
+        needs_cluster = str(args.nproc_per_node) in ("gpu", "auto") or \
+            args.accelerator is not None
+        spec_dict = job_spec(args) if not needs_cluster else None
     except (UsageError, SpecError) as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(err, exc)
         return 2
-    from dlrover_core.cli.progress import print_summary
-    from dlrover_core.master.client import submit_job
-    from dlrover_core.master.dir_lock import DirInUseError
-    from dlrover_core.spec.builder import EXIT_CODES  # the table of `dlrover submit`
+    return _run(args, parser, err, spec_dict, address, signals, grace)
 
-    job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, err: Any,
+         spec_dict: dict | None, address: str | None, signals: list, grace: float) -> int:
+    import ray
+
+    from dlrover_core.cli.progress import print_summary
+    from dlrover_core.master.client import init_ray, submit_job
+    from dlrover_core.master.dir_lock import DirInUseError, DirLock
+    from dlrover_core.spec.builder import EXIT_CODES  # the table of `dlrover submit`
+    from dlrover_core.spec.errors import SpecError
+    from dlrover_core.spec.loader import load_spec
+
+    spec = job_dir = None
     try:
-        summary = submit_job(spec, address=args.address, job_dir=job_dir, progress=False,
-                             verbose=not args.quiet)
+        if spec_dict is not None:  # bad input and a busy job directory: before Ray starts
+            spec = load_spec(spec_dict)
+            job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
+            with DirLock(job_dir, "job directory", spec.name):
+                pass
+    except (UsageError, SpecError) as exc:
+        _error(err, exc)
+        return 2
     except DirInUseError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(err, exc)
         return 3
+    try:
+        started_here = init_ray(address, verbose=not args.quiet)
+    except Exception as exc:  # noqa: BLE001 - a bad --address, a refused token
+        _error(err, f"cannot start or join Ray (--address={address!r}): {exc}")
+        return 2
+    previous = install_handlers(signals)
+    try:
+        if spec is None:
+            try:
+                spec = load_spec(job_spec(args, cluster_devices()))
+            except (UsageError, SpecError) as exc:
+                _error(err, exc)
+                return 2
+            job_dir = os.path.abspath(args.job_dir or os.path.join("runs", spec.name))
+        from dlrover_core.runtime.script import set_stop_signal
+
+        set_stop_signal(spec.name, None)
+        try:
+            summary = submit_job(spec, address=address, job_dir=job_dir, progress=False,
+                                 verbose=not args.quiet)
+        except Signalled as sig:
+            summary = forward_signal(spec.name, sig.signum, grace, err)
+            if summary is not None:
+                print_summary(summary, console=err)
+            return SIGNAL_EXIT
+        except KeyboardInterrupt:  # --detach: submit_job detached (or stopped) the job
+            return 130
+        except DirInUseError as exc:
+            _error(err, exc)
+            return 3
+        except RuntimeError as exc:  # a job of that name is already running
+            if "already running" not in str(exc):
+                raise
+            _error(err, exc)
+            return 3
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if started_here and ray.is_initialized():
+            ray.shutdown()
     if summary is None:
-        err.print("the job ended without a summary")
+        err.print("the job ended without a summary", highlight=False, markup=False)
         return 1
-    print_summary(summary)
-    err.print(f"job directory: {job_dir}  (logs: dlrover logs {spec.name} --job-dir {job_dir})")
+    print_summary(summary, console=err)
+    err.print(f"job directory: {job_dir}  (logs: dlrover logs {spec.name} --job-dir "
+              f"{job_dir})", highlight=False, markup=False)
     return EXIT_CODES.get(summary.get("status"), 1)
 
 

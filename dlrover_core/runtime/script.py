@@ -14,8 +14,16 @@ its workers (``torch/distributed/run.py`` and
 ``TORCHELASTIC_USE_AGENT_STORE`` (``False`` at the first start: the script's
 ``init_process_group()`` makes its own store at ``MASTER_ADDR:MASTER_PORT``, rank 0
 hosting it; ``True`` after a restart, when rank 0's actor hosts it, see
-:class:`ScriptSession`) and ``OMP_NUM_THREADS=1``
-when several ranks share a node and it is not set (as torchrun does).
+:class:`ScriptSession`), ``TORCHELASTIC_ERROR_FILE`` (``<job_dir>/logs/<role>-<rank>/
+attempt-<N>.error.json``: torch's ``@record`` writes the script's error there, and the
+failure's message is taken from it), ``TORCHELASTIC_SIGNALS_TO_HANDLE``,
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (unless set) and ``OMP_NUM_THREADS=1``
+when several ranks share a node and it is not set (as torchrun does). ``ROLE_NAME`` is
+torchrun's ``--role`` under ``dlrover-run`` (``default``), else the role's name. Ray's
+remote debugger in ``PYTHONBREAKPOINT`` (``ray.util...``) is not passed on: ``breakpoint()``
+in a script is ``pdb``'s, as under torchrun. A rank with a GPU sees its node's GPUs with
+its own at index ``LOCAL_RANK`` (:func:`visible_devices`), so that
+``torch.cuda.set_device(LOCAL_RANK)`` picks the GPU Ray reserved for it.
 
 The child inherits the actor's stdout and stderr, which the job's log capture already
 sends to ``<job_dir>/logs/<role>-<rank>/attempt-<N>.log`` (``dlrover logs``). Exit code
@@ -27,7 +35,9 @@ group, ``TORCHELASTIC_RESTART_COUNT`` + 1): survivors stop their child at once
 and start a new one in the same actor, inside the same placement group bundle.
 
 The child gets ``PR_SET_PDEATHSIG`` = ``SIGKILL`` (Linux), so it never outlives its
-actor when the actor is killed.
+actor when the actor is killed. A stopped child gets SIGTERM, then SIGKILL 5 s later;
+``dlrover-run`` forwarding a signal sets another signal and grace for the job
+(:func:`set_stop_signal`), as torchrun forwards the signal it got.
 """
 
 from __future__ import annotations
@@ -139,6 +149,57 @@ def torchrun_env(ctx: object, max_restarts: int) -> dict[str, str]:
     return env
 
 
+#: the signals torchrun's workers are told it handles (``--signals-to-handle``'s default)
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+#: the role variable through which ``dlrover-run`` passes torchrun's ``--role``
+TORCHRUN_ROLE_VAR = "DLROVER_TORCHRUN_ROLE"
+_KV_NAMESPACE = "dlrover-script-stop"
+
+
+def set_stop_signal(job: str, signum: int | None, grace_s: float = 5.0) -> None:
+    """Make every rank of job ``job`` stop its script with ``signum`` and SIGKILL after
+    ``grace_s`` s (``None``: back to SIGTERM and 5 s), through Ray's internal key-value
+    store (this process must be connected to the job's cluster). ``dlrover-run`` calls
+    it before stopping the job when it got a signal."""
+    from ray.experimental import internal_kv
+
+    key = job.encode()
+    if signum is None:
+        internal_kv._internal_kv_del(key, namespace=_KV_NAMESPACE)
+        return
+    internal_kv._internal_kv_put(key, f"{int(signum)} {float(grace_s)}".encode(),
+                                 overwrite=True, namespace=_KV_NAMESPACE)
+
+
+def stop_signal(job: str) -> tuple[int, float]:
+    """The signal and grace (s) a rank of ``job`` stops its script with:
+    :func:`set_stop_signal`'s, else ``(SIGTERM, 5.0)``."""
+    try:
+        from ray.experimental import internal_kv
+
+        value = internal_kv._internal_kv_get(job.encode(), namespace=_KV_NAMESPACE)
+        if value:
+            sig, grace = value.decode().split()
+            return int(sig), float(grace)
+    except Exception:  # noqa: BLE001 - not connected to Ray: the default
+        pass
+    return int(signal.SIGTERM), 5.0
+
+
+def visible_devices(gpu_ids: list, local_rank: int, node_gpus: list[str]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a rank that Ray gave ``gpu_ids`` (the first is its
+    GPU), on a node whose GPUs are ``node_gpus`` (ids): every GPU of the node, its own at
+    index ``local_rank`` and the others in order around it, so that
+    ``cuda:<LOCAL_RANK>`` is the GPU Ray reserved for it while the other ranks' GPUs
+    stay visible (as under torchrun). When the node lists fewer than ``local_rank + 1``
+    GPUs, only its own ids."""
+    own = [str(i) for i in gpu_ids]
+    others = [str(g) for g in node_gpus if str(g) not in own]
+    if not own or len(others) + 1 <= local_rank:
+        return ",".join(own)
+    return ",".join(others[:local_rank] + [own[0]] + others[local_rank:] + own[1:])
+
+
 def describe_exit(returncode: int) -> str:
     """``"exit code 3"`` or ``"signal SIGKILL (9)"``."""
     if returncode < 0:
@@ -205,7 +266,68 @@ class ScriptWorkload(BaseWorkload):
                 pass
         if int(self.context.local_world_size) > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"
+        env["ROLE_NAME"] = os.environ.get(TORCHRUN_ROLE_VAR) or env["ROLE_NAME"]
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", SIGNALS_TO_HANDLE)
+        if str(env.get("PYTHONBREAKPOINT", "")).startswith("ray."):
+            del env["PYTHONBREAKPOINT"]  # Ray's remote debugger: a script gets pdb
+        path = self.error_file()
+        if path:
+            env["TORCHELASTIC_ERROR_FILE"] = path
+        env.update(self._device_env(env))
         return env
+
+    def error_file(self) -> str | None:
+        """``<job_dir>/logs/<role>-<rank>/attempt-<N>.error.json`` (torchrun's
+        ``TORCHELASTIC_ERROR_FILE``; ``None`` without a job directory)."""
+        from dlrover_core.runtime.log_capture import instance_dir
+
+        ctx = self.context
+        if not ctx.job_dir:
+            return None
+        return os.path.join(instance_dir(ctx.job_dir, ctx.role, ctx.rank),
+                            f"attempt-{ctx.attempt}.error.json")
+
+    def _device_env(self, env: dict[str, str]) -> dict[str, str]:
+        """``CUDA_VISIBLE_DEVICES`` (:func:`visible_devices`) and ``DLROVER_NODE_ID`` for
+        a rank in a Ray worker; ``{}`` elsewhere."""
+        try:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()
+            gpu_ids = ray.get_gpu_ids()
+        except Exception:  # noqa: BLE001 - not in a Ray worker
+            return {}
+        out = {"DLROVER_NODE_ID": str(node)}
+        if not gpu_ids:
+            return out
+        listed = env.get("CUDA_VISIBLE_DEVICES")
+        if listed is not None:
+            node_gpus = [v.strip() for v in listed.split(",") if v.strip()]
+        else:
+            count = next((int(n["Resources"].get("GPU", 0)) for n in ray.nodes()
+                          if n.get("NodeID") == node), 0)
+            node_gpus = [str(i) for i in range(count)]
+        out["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, int(self.context.local_rank),
+                                                      node_gpus)
+        return out
+
+    def recorded_error(self) -> str:
+        """The first line of the error torch's ``@record`` wrote to this attempt's
+        :meth:`error_file` (``RuntimeError: boom``), at most 300 characters; ``""`` when
+        there is none."""
+        import json
+
+        path = self.error_file()
+        try:
+            with open(path or "", encoding="utf-8") as f:
+                message = json.load(f)["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        lines = [ln for ln in str(message).strip().splitlines() if ln.strip()]
+        return lines[0][:300] if lines else ""
 
     def run(self) -> int:
         """Start the command, wait for it; returns 0.
@@ -244,7 +366,7 @@ class ScriptWorkload(BaseWorkload):
         if code != 0:
             # no pid in the message: the classifier compares messages across restarts to
             # find a deterministic error (the pid is in the log line above)
-            last = self.last_error_line()
+            last = self.recorded_error() or self.last_error_line()
             raise ScriptExitError(f"{self.context.name}: script {cmd.target!r} ended with "
                                   f"{describe_exit(code)}" + (f"; its last error: {last}"
                                                               if last else ""), code, proc.pid)
@@ -277,18 +399,24 @@ class ScriptWorkload(BaseWorkload):
                 return line[:300]
         return ""
 
-    def stop_script(self, timeout: float = 5.0) -> str:
-        """Stop the child (SIGTERM, then SIGKILL after ``timeout`` s), as torchrun's
-        agent stops every worker of the group when one fails. Returns what was done."""
+    def stop_script(self, timeout: float | None = None) -> str:
+        """Stop the child (SIGTERM, or the job's :func:`stop_signal`, then SIGKILL after
+        ``timeout`` s, default the stop signal's grace), as torchrun's agent stops every
+        worker of the group when one fails. Returns what was done."""
         with self._lock:
             self._stopped = True
             proc = self._proc
         if proc is None or proc.poll() is not None:
             return "script not running"
-        proc.terminate()
+        signum, grace = stop_signal(str(self.context.job))
+        name = signal.Signals(signum).name
         try:
-            proc.wait(timeout)
-            return "script stopped (SIGTERM)"
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            return "script not running"
+        try:
+            proc.wait(grace if timeout is None else timeout)
+            return f"script stopped ({name})"
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -12,7 +12,8 @@ and waits for one JSON line on it:
 "args": [str]}``. Then it replaces its whole environment by ``env``, changes to ``cwd``,
 sets ``sys.argv`` and ``sys.path[0]`` as ``python file``, ``python -m module`` and
 ``python -c`` would, and runs the command in this process as ``__main__``
-(``runpy.run_path`` / ``runpy.run_module``; ``module:function`` is imported and called,
+(:func:`run_script`, with an absolute ``__file__``, / ``runpy.run_module``;
+``module:function`` is imported and called,
 an int it returns being the exit code). The exit code is Python's own: 0 when the
 command returns, 1 on an uncaught exception (traceback on stderr), ``sys.exit``'s code.
 
@@ -43,6 +44,7 @@ if __name__ == "__main__" and not sys.flags.safe_path:
 import atexit  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
+import importlib.machinery  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -111,7 +113,7 @@ def run_command(go: dict) -> None:
         sys.path.insert(0, path0)
     if kind == "script":
         sys.argv = [target, *args]
-        runpy.run_path(target, run_name="__main__")
+        run_script(target)
     elif kind == "module":
         sys.argv = [target, *args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -119,6 +121,28 @@ def run_command(go: dict) -> None:
         module, function = target.split(":")
         sys.argv = [module, *args]
         sys.exit(getattr(importlib.import_module(module), function)())
+
+
+def run_script(target: str) -> None:
+    """Run the file ``target`` as ``python target`` runs it: ``__main__`` with an
+    absolute ``__file__`` (as Python >= 3.9 gives it; ``runpy.run_path`` would give
+    ``target`` as written) while ``sys.argv[0]`` stays as written. A directory or a zip
+    file with a ``__main__.py`` runs through ``runpy.run_path``."""
+    import builtins
+    import types
+
+    path = os.path.abspath(target)
+    if not os.path.isfile(path) or path.endswith((".zip", ".pyz")):
+        runpy.run_path(target, run_name="__main__")
+        return
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    loader = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
+                         __loader__=loader, __spec__=None, __package__=None)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 def _exit_code(code: object) -> int:
@@ -136,7 +160,9 @@ def _flush_open_files() -> None:
     """Flush every open Python file object (the interpreter's teardown would close
     them, writing what they buffer); errors are ignored, as the teardown ignores them."""
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # type(), not isinstance(): isinstance reads obj.__class__, and some objects
+        # warn on any attribute read (torch.distributed.reduce_op: a FutureWarning)
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()
