@@ -24,6 +24,7 @@ from dlrover_plugin_ppo.workloads import (
     ReferenceWorkload,
     RewardWorkload,
     RolloutWorkload,
+    TorchRNG,
 )
 from examples.grpo_arith.policy import (
     build_model,
@@ -74,6 +75,11 @@ class ArithRollout(_Arith, RolloutWorkload):
         self.problems = Problems(self.digits, int(self.config.arith.heldout),
                                  int(self.config.get("seed", 0)))
         self.num_samples = 0
+
+    def state_objects(self):
+        """The RNG that samples the answers, checkpointed at each driver commit (a
+        restored rollout samples what it would have)."""
+        return {"rng": TorchRNG()}
 
     def generate(self, iteration, prompt_ids=None):
         if not prompt_ids:

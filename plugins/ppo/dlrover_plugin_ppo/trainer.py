@@ -116,15 +116,15 @@ class PPOTrainer(BaseTrainer):
         self.totals: dict[str, float] = {}
         self.start_it, self.final_before = 0, None
         self._share_weights: bool | None = None  # shares_weights(), at the first sync
-        self._replaceable: list[str] | None = None  # replaceable_roles(), when first needed
         #: how far the current attempt of an iteration got (see :meth:`iteration`)
         self.progress = "calls"
         #: the in-place recoveries of this driver (:meth:`recover_in_place`)
         self.retries: list[dict] = []
         #: roles whose state is checkpointed at each commit (``has_state()`` of rank 0)
-        self.stateful = [r for r in sorted(roles)
-                         if getattr(self, f"RG_{r.upper()}").has_state.options(
-                             target="RANK0", blocking=True)()]
+        self.stateful = [r for r in sorted(roles) if self._ask(r, "has_state", False)]
+        #: roles whose failover policy is ``replace`` (asked now, while all are alive)
+        self.replaceable = [r for r in sorted(roles)
+                            if self._ask(r, "failover_policy", "rollback") == "replace"]
         state = self.load_state()  # a restarted driver resumes where it was
         if state is not None:
             self.start_it = state["it"] + 1
@@ -285,16 +285,13 @@ class PPOTrainer(BaseTrainer):
         return metrics
 
     # ------------------------------------------------------------------ stateless failover
-    def replaceable_roles(self) -> list[str]:
-        """Roles whose failover policy is ``replace`` (``roles.<role>.config.failover``,
-        asked from rank 0 once): the driver keeps running when one of their ranks dies
-        and retries its call on the replacement."""
-        if self._replaceable is None:
-            self._replaceable = [
-                r for r in self.get_role_groups()
-                if getattr(self, f"RG_{r.upper()}").failover_policy.options(
-                    target="RANK0", blocking=True)() == "replace"]
-        return self._replaceable
+    def _ask(self, role: str, method: str, default: Any) -> Any:
+        """``method()`` of ``role``'s rank 0, or ``default`` when its workload class has
+        no such method (a role that does not subclass the RL base classes)."""
+        if not callable(getattr(self.actor_classes.get(role), method, None)):
+            return default
+        return getattr(self, f"RG_{role.upper()}").__getattr__(method).options(
+            target="RANK0", blocking=True)()
 
     def _master_handle(self) -> Any:
         from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
@@ -302,7 +299,8 @@ class PPOTrainer(BaseTrainer):
         return ray.get_actor(master_actor_name(self._context.job), namespace=MASTER_NAMESPACE)
 
     def recover_in_place(self, exc: BaseException) -> bool:
-        """After a call of the iteration failed: when ranks of ``replace`` roles are dead,
+        """After a call of the iteration failed: when ranks of ``replace`` roles
+        (:attr:`replaceable`: ``roles.<role>.config.failover``) are dead,
         wait for the master's replacements, rebind to them, put each replacement at the
         last commit (its state, when it has any, and the actor's weights) and return True
         (retry the iteration: survivors answer the retried calls from what they already
@@ -311,7 +309,7 @@ class PPOTrainer(BaseTrainer):
         commit (the attempt is then redone, still without a driver restart). False: no
         dead rank of a replaceable role (the failure is someone else's: re-raise)."""
         dead = {r: getattr(self, f"RG_{r.upper()}").dead_ranks()
-                for r in self.replaceable_roles()}
+                for r in self.replaceable}
         dead = {r: ranks for r, ranks in dead.items() if ranks}
         if not dead:
             return False
@@ -331,7 +329,8 @@ class PPOTrainer(BaseTrainer):
                          for r in ranks])
         if self.has["reward"]:
             self.RG_REWARD.stats()  # scores of the failed attempt
-        self.sync_weights(initial="reference" in dead)
+        # a replaced reference has its frozen initial policy from its own setup()
+        self.sync_weights()
         self.retries.append({"roles": {r: list(v) for r, v in dead.items()},
                              "rolled_back": self.progress == "updated",
                              "seconds": round(time.perf_counter() - t0, 3),

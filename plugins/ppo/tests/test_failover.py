@@ -124,3 +124,60 @@ def test_killed_process_ends_where_the_unkilled_run_ends(unkilled, job_dir, kill
         assert started["restart_driver"] is True and driver_starts == [0, 1]
         assert {"actor", "critic"} <= set(scope["rollback"]), scope
         assert scope["why"]
+
+
+TOY = "dlrover_plugin_ppo.toy"
+
+
+def run_toy_grpo(job_dir: str, kill: str | None = None) -> dict:
+    """The toy GRPO job (all four GRPO roles, two rollout ranks) for 12 iterations;
+    ``kill``: an instance label to SIGKILL once iteration 3 was reported."""
+    from dlrover_core.master.client import create_master
+    from dlrover_plugin_ppo.builder import RLJobBuilder
+
+    job = (RLJobBuilder("grpo").name(f"grpo-fo-{kill or 'none'}")
+           .rl(iterations=12, prompts_per_iter=8, samples_per_prompt=4, kl_coef=0.01)
+           .actor(TOY, "ToyActor").resource(cpu=0.25)
+           .rollout(TOY, "ToyRollout").total(2).resource(cpu=0.25)
+           .reference(TOY, "ToyReference").resource(cpu=0.25)
+           .reward(TOY, "ToyReward").resource(cpu=0.25)
+           .build())
+    master = create_master(job.spec, job_dir)
+    ray.get(master.start.remote())
+    try:
+        if kill is not None:
+            deadline = time.time() + 120
+            while (st := ray.get(master.status.remote()))["step"] < 3:
+                assert time.time() < deadline, st
+                time.sleep(0.02)
+            os.kill(st["instances"][kill]["pid"], signal.SIGKILL)
+        summary = ray.get(master.wait.remote(180))
+    finally:
+        ray.kill(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    return summary
+
+
+@pytest.mark.slow
+def test_stateless_reward_and_reference_are_replaced_under_a_running_driver(
+        ray_cluster, tmp_path):
+    """GRPO with a reward and a reference role: SIGKILL of either is recovered by
+    replacing that rank alone; the driver keeps running (never restarted), retries its
+    calls on the replacement, and the run's metrics equal an unkilled run's."""
+    ref = run_toy_grpo(str(tmp_path / "none"))
+    ref_rows = {r["step"]: _deterministic(r) for r in _rows(str(tmp_path / "none"))
+                if "fit_s" not in r}
+    for kill in ("reward-0", "reference-0"):
+        job_dir = str(tmp_path / kill)
+        summary = run_toy_grpo(job_dir, kill)
+        assert summary["restarts"]["total"] == 1
+        assert _deterministic(summary["metrics"]) == _deterministic(ref["metrics"])
+        rows = [r for r in _rows(job_dir) if "fit_s" not in r]
+        assert [r["step"] for r in rows] == list(range(12))
+        assert {r["step"]: _deterministic(r) for r in rows} == ref_rows
+        events = _events(job_dir)
+        [started] = [e for e in events if e["event"] == "recovery_started"]
+        assert started["restart_driver"] is False
+        assert started["scope"]["restart"] == [kill]
+        assert [e["attempt"] for e in events if e["event"] == "instance_started"
+                and e["role"] == "driver"] == [0]
