@@ -7,7 +7,10 @@
 # make test SLOW=1: every test (what .ci/run runs): the core's slow tests and
 #             LANE1_PLUGINS in one lane, the core's other tests and the other plugins in
 #             the other
-# make gpu-check: on a CUDA machine, nanoGPT on cuda for 200 steps, the flash D2H figure and
+# make gpu-check: first the node check's probes on this machine's GPUs (every GPU's
+#             bf16 batched matmul, an all-gather per GPU pair; on a machine without CUDA
+#             the CPU path; one JSON line: python -m dlrover_core.runtime.node_probe), then
+#             on a CUDA machine nanoGPT on cuda for 200 steps, the flash D2H figure and
 #             the gpu-marked tests, each with time reserved within 10 minutes, one JSON
 #             report (scripts/gpu_check.py); without CUDA it prints "no CUDA device", exits 0
 # make cluster-up NODES=2 [CPUS=2] [GCS_FT=1]: a head and NODES worker nodes, each its own
@@ -70,6 +73,7 @@ cluster-down:
 	$(BIN)/dlrover cluster down
 
 gpu-check: setup
+	timeout 300 $(BIN)/python -m dlrover_core.runtime.node_probe
 	$(BIN)/python scripts/gpu_check.py
 
 .PHONY: crash-test

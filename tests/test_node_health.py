@@ -277,6 +277,7 @@ def test_a_restarted_master_can_still_take_back_the_nodes_a_check_excluded(tmp_p
 
 @pytest.mark.parametrize("key,value", [("straggler_action", "shrink"),
                                        ("slow_factor", 1.0), ("matmul_size", 0),
+                                       ("gpu_allgather_mb", 0), ("gpu_warmup_iters", 0),
                                        ("stack_dump", "gdb")])
 def test_spec_rejects_bad_node_health(key, value):
     from dlrover_core import DLJobBuilder

@@ -2,11 +2,15 @@
 controller after every placement, before the ranks start.
 
 On every node that holds a bundle of a role with a process group, a
-:class:`~dlrover_core.runtime.node_probe.NodeProbe` runs in that bundle and measures
+:class:`~dlrover_core.runtime.node_probe.NodeProbe` runs in each of its GPU bundles (in
+one of its bundles when none has a GPU; :func:`probe_bundles`) and measures
 
-1. **compute**: a timed matmul (GFLOP/s), all nodes at once;
+1. **compute**: a timed batched matmul (GFLOP/s) on every probe, all at once; a
+   node's figure is its slowest device's;
 2. **network, round 1**: the nodes (in a fixed order) in disjoint pairs, each pair a
-   timed all-gather (bus bandwidth, GB/s); an odd node out waits for round 2;
+   timed all-gather between the nodes' first probes, second probes, ... (every GPU
+   of the pair's nodes, at once; the pair's bus bandwidth, GB/s, is the lowest of
+   them); an odd node out waits for round 2;
 3. **network, round 2**: every node of a pair that failed or was slow (below the
    round-1 median over ``slow_factor``) is paired again with a node of a good pair, so
    the bad one of a pair is found: a node that fails (or is slow) again is bad, its
@@ -14,14 +18,18 @@ On every node that holds a bundle of a role with a process group, a
 
 Verdicts (:func:`judge`): ``ok``; ``failed`` (the probe did not start, its matmul
 failed or took longer than ``check_timeout_s``, its all-gather never returned, or it
-failed both rounds); ``slow_compute`` (GFLOP/s below the median of the other nodes
-over ``slow_factor``); ``slow_network`` (slow in both rounds); ``unverified`` (its
+failed both rounds); ``slow_compute`` (its slowest device's GFLOP/s below the median
+of the other nodes' devices over ``slow_factor``); ``slow_network`` (slow in both rounds); ``unverified`` (its
 pair failed and no good node was left to pair it with: kept). ``failed``,
 ``slow_compute`` and ``slow_network`` nodes are marked bad (the failover
 coordinator's ``bad_nodes``, which the placement keeps out) and the job is placed
 again without them; when that placement is impossible they are taken back
 (``node_check_kept``) and the job runs where it can. So are they when a later placement
 (a recovery's, after a node was lost) is impossible without them: :meth:`NodeCheck.place`.
+
+The sizes (``node_health``: bfloat16 matmuls and all-gathers of tens of MiB on a GPU,
+small float32 ones on a CPU) and the clocks (CUDA events on a GPU) are the probe's:
+:mod:`dlrover_core.runtime.node_probe`.
 
 Everything goes to one ``node_check`` event per check; ``dlrover diagnose`` prints it.
 A cluster of one alive node is not checked (``node_check_skipped``): with no peer no
@@ -43,7 +51,7 @@ from dlrover_core.master.launcher import kill_actor
 from dlrover_core.master.monitor import alive_nodes
 from dlrover_core.placement import PlacementError
 from dlrover_core.runtime.context import MASTER_NAMESPACE
-from dlrover_core.runtime.node_probe import remote_node_probe
+from dlrover_core.runtime.node_probe import probe_sizes, remote_node_probe
 
 if TYPE_CHECKING:
     from dlrover_core.master.launcher import Launcher
@@ -77,12 +85,35 @@ class NodeResult:
     #: set when its probe stopped answering during an all-gather: ``failed``, whatever
     #: the pairs say
     no_answer: str = ""
+    #: one ``{"bundle", "device", "dtype", "gflops", "matmul_s"}`` per probe of the node
+    #: (``gflops``/``matmul_s`` above: the slowest device's)
+    devices: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"node_id": self.node_id, "ip": self.ip,
                 "gflops": None if self.gflops is None else round(self.gflops, 3),
                 "matmul_s": None if self.matmul_s is None else round(self.matmul_s, 4),
-                "pairs": self.pairs, "verdict": self.verdict, "reason": self.reason}
+                "devices": self.devices, "pairs": self.pairs, "verdict": self.verdict,
+                "reason": self.reason}
+
+
+def probe_bundles(bundles: list[tuple[str, Any, int, dict]]) -> dict[str, list[tuple]]:
+    """node id -> the ``(placement group, bundle index, resources)`` to probe there,
+    from ``(node id, placement group, bundle index, resources)`` of the bundles of
+    roles with a process group, in placement order: every bundle with a GPU (each
+    holds its own), else the node's first bundle (its CPUs are shared by its ranks)."""
+    out: dict[str, list[tuple]] = {}
+    for node, pg, bundle, res in bundles:
+        have = out.setdefault(node, [])
+        if any(h[0] is pg and h[1] == bundle for h in have):
+            continue  # two ranks of one bundle
+        if float(res.get("GPU", 0) or 0) > 0:
+            if have and float(have[0][2].get("GPU", 0) or 0) <= 0:
+                have.clear()  # a GPU bundle replaces a CPU one taken first
+            have.append((pg, bundle, res))
+        elif not have:
+            have.append((pg, bundle, res))
+    return out
 
 
 def round1_pairs(nodes: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -108,7 +139,8 @@ def judge(results: dict[str, NodeResult], slow_factor: float) -> None:
 
     A pair counts as slow when its bandwidth is below the median of the round-1 pairs
     that worked over ``slow_factor`` (only with two or more such pairs)."""
-    flops = {n: r.gflops for n, r in results.items() if r.gflops is not None}
+    flops = {n: [d["gflops"] for d in r.devices if d.get("gflops") is not None]
+             or [r.gflops] for n, r in results.items() if r.gflops is not None}
     r1 = {}
     for r in results.values():
         for p in r.pairs:
@@ -130,12 +162,12 @@ def judge(results: dict[str, NodeResult], slow_factor: float) -> None:
             r.verdict, r.reason = "failed", r.no_answer
             continue
         r.verdict, r.reason = "ok", ""
-        others = [f for n, f in flops.items() if n != r.node_id]
+        others = [f for n, fs in flops.items() if n != r.node_id for f in fs]
         med_flops = statistics.median(others) if others else None
         if med_flops and r.gflops < med_flops / slow_factor:
             r.verdict = "slow_compute"
             r.reason = (f"{r.gflops:.2f} GFLOP/s < {med_flops:.2f} (median of the other "
-                        f"nodes) / slow_factor {slow_factor:g}")
+                        f"nodes' devices) / slow_factor {slow_factor:g}")
             continue
         rounds = {1: [bad_pair(p) for p in r.pairs if p["round"] == 1],
                   2: [bad_pair(p) for p in r.pairs if p["round"] == 2]}
@@ -176,11 +208,11 @@ class NodeCheck:
             any(r.backend for r in self.scope.graph.roles.values())
 
     # ------------------------------------------------------------------ placement
-    def placement_nodes(self) -> dict[str, tuple[Any, int, dict]]:
-        """node id -> (placement group, bundle index, resources) of one bundle of a
-        role with a process group on that node."""
+    def placement_nodes(self) -> dict[str, list[tuple[Any, int, dict]]]:
+        """node id -> the (placement group, bundle index, resources) to probe there:
+        :func:`probe_bundles` of the bundles of the roles with a process group."""
         plan, pgs = self.launcher.plan, self.launcher.pgs
-        out: dict[str, tuple[Any, int, dict]] = {}
+        bundles: list[tuple[str, Any, int, dict]] = []
         tables: dict[int, dict] = {}
         for (role, _rank), slot in sorted(plan.slots.items()):
             if not self.scope.graph.roles[role].backend:
@@ -188,9 +220,9 @@ class NodeCheck:
             if slot.pg not in tables:
                 tables[slot.pg] = ray.util.placement_group_table(pgs[slot.pg])
             node = tables[slot.pg].get("bundles_to_node_id", {}).get(slot.bundle)
-            if node and node not in out:
-                out[node] = (pgs[slot.pg], slot.bundle, dict(slot.resources))
-        return out
+            if node:
+                bundles.append((node, pgs[slot.pg], slot.bundle, dict(slot.resources)))
+        return probe_bundles(bundles)
 
     def after_placement(self) -> None:
         """Check the placement's nodes; exclude bad ones and place again (up to
@@ -251,10 +283,11 @@ class NodeCheck:
                reason=f"the job cannot be placed without them: {exc}")
 
     # ------------------------------------------------------------------ the check
-    def check(self, nodes: dict[str, tuple[Any, int, dict]]) -> dict[str, NodeResult]:
+    def check(self, nodes: dict[str, list[tuple[Any, int, dict]]]) -> dict[str, NodeResult]:
         """Probe ``nodes`` (from :meth:`placement_nodes`); emits ``node_check`` (with
-        ``seconds``, the whole check's wall time, and ``phases``: s of the probes' start,
-        the matmul, round 1 and round 2) and returns node id -> result."""
+        ``seconds``, the whole check's wall time, ``phases``: s of the probes' start,
+        the matmul, round 1 and round 2, and ``settings``: the sizes) and returns node
+        id -> result."""
         s, o = self.scope, self.options
         t0 = time.time()
         timeout = float(o.check_timeout_s)
@@ -269,7 +302,7 @@ class NodeCheck:
         probes = self._start_probes(nodes, results)
         lap("start_s")
         try:
-            self._matmul(probes, results, timeout)
+            self._matmul(probes, results, timeout, nodes)
             lap("matmul_s")
             order = [n for n in sorted(nodes) if n in probes]
             pairs, odd = round1_pairs(order)
@@ -285,88 +318,123 @@ class NodeCheck:
             lap("round2_s")
             judge(results, float(o.slow_factor))
         finally:
-            for h in probes.values():
-                kill_actor(h)
+            for handles in probes.values():
+                for h, _gpu in handles:
+                    kill_actor(h)
         self.results.update(results)
+        keys = ("slow_factor", "matmul_size", "matmul_batch", "matmul_iters", "allgather_kb",
+                "allgather_iters", "warmup_iters", "gpu_matmul_size", "gpu_matmul_batch",
+                "gpu_matmul_iters", "gpu_allgather_mb", "gpu_allgather_iters",
+                "gpu_warmup_iters", "check_timeout_s")
         s.emit("node_check", nodes=[r.as_dict() for r in results.values()],
                excluded=sorted(n for n, r in results.items() if r.verdict in BAD_VERDICTS),
                seconds=round(time.time() - t0, 3), phases=phases,
-               settings={k: o[k] for k in ("slow_factor", "matmul_size", "matmul_iters",
-                                           "allgather_kb", "allgather_iters",
-                                           "check_timeout_s")})
+               probes=sum(len(v) for v in probes.values()),
+               settings={k: o[k] for k in keys})
         return results
 
-    def _start_probes(self, nodes: dict, results: dict[str, NodeResult]) -> dict[str, Any]:
-        """One probe per node in its bundle; nodes whose probe does not answer within
-        :data:`PROBE_START_S` fail."""
+    def _start_probes(self, nodes: dict,
+                      results: dict[str, NodeResult]) -> dict[str, list[tuple[Any, bool]]]:
+        """One probe per bundle to probe; node id -> ``[(handle, on_gpu)]``. A node one
+        of whose probes does not answer within :data:`PROBE_START_S` fails."""
         s = self.scope
-        handles = {}
-        for node, (pg, bundle, res) in nodes.items():
-            handles[node] = remote_node_probe().options(
-                name=f"dlrover-{s.name}-nodecheck-{node[:12]}-{uuid.uuid4().hex[:6]}",
-                namespace=MASTER_NAMESPACE,
-                num_cpus=res.get("CPU", 0.0), num_gpus=res.get("GPU", 0.0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle)).remote(
-                        len(nodes) > 1)
-        infos = self._gather({n: h.info.remote() for n, h in handles.items()}, PROBE_START_S)
-        probes = {}
-        for node, (ok, info) in infos.items():
-            if ok:
-                results[node].ip = info["ip"]
-                probes[node] = handles[node]
-            else:
-                results[node].verdict, results[node].reason = "failed", f"probe: {info}"
-                kill_actor(handles[node])
+        handles: dict[tuple[str, int], Any] = {}
+        for node, bundles in nodes.items():
+            for i, (pg, bundle, res) in enumerate(bundles):
+                handles[(node, i)] = remote_node_probe().options(
+                    name=f"dlrover-{s.name}-nodecheck-{node[:12]}-{i}-{uuid.uuid4().hex[:6]}",
+                    namespace=MASTER_NAMESPACE,
+                    num_cpus=res.get("CPU", 0.0), num_gpus=res.get("GPU", 0.0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=bundle)).remote(
+                            len(nodes) > 1)
+        infos = self._gather({k: h.info.remote() for k, h in handles.items()}, PROBE_START_S)
+        probes: dict[str, list[tuple[Any, bool]]] = {}
+        for node in nodes:
+            keys = sorted(k for k in handles if k[0] == node)
+            failed = [infos[k][1] for k in keys if not infos[k][0]]
+            if failed:
+                results[node].verdict, results[node].reason = "failed", f"probe: {failed[0]}"
+                for k in keys:
+                    kill_actor(handles[k])
+                continue
+            results[node].ip = infos[keys[0]][1]["ip"]
+            probes[node] = [(handles[k], infos[k][1]["device"] == "cuda") for k in keys]
         return probes
 
-    def _matmul(self, probes: dict, results: dict[str, NodeResult], timeout: float) -> None:
+    def _matmul(self, probes: dict, results: dict[str, NodeResult], timeout: float,
+                bundles: dict) -> None:
         o = self.options
-        out = self._gather({n: h.matmul.remote(int(o.matmul_size), int(o.matmul_iters))
-                            for n, h in probes.items()}, timeout)
-        for node, (ok, res) in out.items():
-            if ok:
-                results[node].gflops, results[node].matmul_s = res["gflops"], res["seconds"]
-            else:
-                results[node].verdict, results[node].reason = "failed", f"matmul: {res}"
-                kill_actor(probes.pop(node))
+        calls = {}
+        for node, handles in probes.items():
+            for i, (h, gpu) in enumerate(handles):
+                calls[(node, i)] = h.matmul.remote(**probe_sizes(o, gpu)["matmul"])
+        out = self._gather(calls, timeout)
+        for node in list(probes):
+            done = [(i, out[(node, i)]) for i in range(len(probes[node]))]
+            bad = [res for _, (ok, res) in done if not ok]
+            if bad:
+                results[node].verdict, results[node].reason = "failed", f"matmul: {bad[0]}"
+                for h, _gpu in probes.pop(node):
+                    kill_actor(h)
+                continue
+            nodes = bundles.get(node, [])
+            devices = []
+            for i, (_ok, res) in done:
+                bundle = nodes[i][1] if i < len(nodes) else i
+                devices.append({"bundle": bundle, "device": res["device"],
+                                "dtype": res["dtype"], "gflops": round(res["gflops"], 3),
+                                "matmul_s": round(res["seconds"], 5)})
+            worst = min(done, key=lambda d: d[1][1]["gflops"])[1][1]
+            results[node].gflops, results[node].matmul_s = worst["gflops"], worst["seconds"]
+            results[node].devices = devices
 
     def _run_pairs(self, pairs: list[tuple[str, str]], rnd: int, probes: dict,
                    results: dict[str, NodeResult], timeout: float) -> None:
-        """Run the all-gathers of disjoint ``pairs`` at once; record each pair's
-        outcome on both nodes. A probe that did not answer is dropped."""
+        """Run the all-gathers of disjoint ``pairs`` at once, between the nodes' k-th
+        probes for every k both have; record each pair's outcome (its lowest bandwidth)
+        on both nodes. A probe that did not answer is dropped with its node."""
         o = self.options
         pairs = [(a, b) for a, b in pairs if a in probes and b in probes]
         if not pairs:
             return
-        ports = self._gather({a: probes[a].free_port.remote() for a, _ in pairs}, timeout)
+        links = [(a, b, k) for a, b in pairs for k in range(min(len(probes[a]),
+                                                                 len(probes[b])))]
+        ports = self._gather({(a, b, k): probes[a][k][0].free_port.remote()
+                              for a, b, k in links}, timeout)
         calls = {}
-        for a, b in pairs:
-            ok, port = ports[a]
+        for a, b, k in links:
+            ok, port = ports[(a, b, k)]
             if not ok:
                 continue
+            gpu = probes[a][k][1] and probes[b][k][1]
+            sizes = probe_sizes(o, gpu)
             for rank, node in enumerate((a, b)):
-                calls[(a, b, rank)] = probes[node].allgather.remote(
-                    results[a].ip, int(port), rank, int(o.allgather_kb),
-                    int(o.allgather_iters), timeout)
+                calls[(a, b, k, rank)] = probes[node][k][0].allgather.remote(
+                    results[a].ip, int(port), rank, sizes["allgather_kb"],
+                    sizes["allgather_iters"], timeout, sizes["warmup"], gpu)
         # both ranks wait at most ``timeout`` for the rendezvous and each collective
         out = self._gather(calls, 2 * timeout + 5)
         for a, b in pairs:
-            r0, r1 = out.get((a, b, 0), (False, "no port")), out.get((a, b, 1), (False, ""))
-            ok = r0[0] and r1[0]
-            bw = min(r0[1]["busbw_gbps"], r1[1]["busbw_gbps"]) if ok else None
-            err = "" if ok else "; ".join(str(r[1])[:200] for r in (r0, r1) if not r[0])
+            ks = [k for x, y, k in links if (x, y) == (a, b)]
+            rs = [(out.get((a, b, k, 0), (False, "no port")), out.get((a, b, k, 1), (False, "")))
+                  for k in ks]
+            ok = bool(rs) and all(r0[0] and r1[0] for r0, r1 in rs)
+            bw = min(min(r0[1]["busbw_gbps"], r1[1]["busbw_gbps"]) for r0, r1 in rs) \
+                if ok else None
+            err = "" if ok else "; ".join(str(r[1])[:200] for pair in rs for r in pair
+                                         if not r[0] and r[1])
             for node, peer in ((a, b), (b, a)):
                 results[node].pairs.append({"round": rnd, "peer": peer, "ok": ok,
                                             "busbw_gbps": None if bw is None else round(bw, 4),
-                                            "error": err})
+                                            "links": len(ks), "error": err})
         for key, (ok, res) in out.items():
             if not ok and res == "no answer":  # stuck: it cannot take part any more
-                node = key[0] if key[2] == 0 else key[1]
+                node = key[0] if key[3] == 0 else key[1]
                 results[node].no_answer = (f"its all-gather (round {rnd}) did not return "
                                            f"within {2 * timeout + 5:g} s")
-                if node in probes:
-                    kill_actor(probes.pop(node))
+                for h, _gpu in probes.pop(node, []):
+                    kill_actor(h)
 
     @staticmethod
     def _gather(refs: dict, timeout: float) -> dict:

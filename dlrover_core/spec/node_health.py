@@ -29,12 +29,18 @@ class NodeHealthSpec:
     """Node health settings.
 
     Pre-flight check (before the ranks of roles with a process group start, on every
-    node of their placement): ``skip_node_check`` turns it off; ``slow_factor`` (k): a
-    node whose matmul GFLOP/s is below the median of the other nodes over k, or whose
-    pair bandwidth is below the median over k in both rounds, is excluded; ``matmul_size`` (n of the
-    n x n float32 matmul) and ``matmul_iters``; ``allgather_kb`` (KiB each rank gives to
-    the all-gather) and ``allgather_iters``; ``check_timeout_s``: seconds one step
-    (matmul, or one pair's all-gather) may take before the node or pair fails.
+    GPU bundle of every node of their placement, or one bundle of a node without GPUs):
+    ``skip_node_check`` turns it off; ``slow_factor`` (k): a node whose slowest
+    device's matmul GFLOP/s is below the median of the other nodes' devices over k, or
+    whose pair bandwidth is below the median over k in both rounds, is excluded;
+    ``check_timeout_s``: seconds one step (matmul, or one pair's all-gather) may take
+    before the node or pair fails. Sizes, on a GPU (bfloat16, timed with CUDA events):
+    ``gpu_matmul_batch`` matrices of ``gpu_matmul_size`` x ``gpu_matmul_size`` per
+    batched matmul, ``gpu_matmul_iters`` of them; all-gathers of ``gpu_allgather_mb``
+    MiB per rank, ``gpu_allgather_iters`` timed after ``gpu_warmup_iters`` untimed
+    (the matmul too). On a CPU (float32, host clock) the same code with
+    ``matmul_batch`` x ``matmul_size`` x ``matmul_size``, ``matmul_iters``,
+    ``allgather_kb`` KiB per rank, ``allgather_iters``, after ``warmup_iters``.
 
     Stragglers: ``straggler_action`` (:data:`STRAGGLER_ACTIONS`; ``shrink`` only when
     the roles are elastic: :func:`validate_node_health`); every
@@ -50,9 +56,17 @@ class NodeHealthSpec:
     skip_node_check: bool = False
     slow_factor: float = 2.0
     matmul_size: int = 256
+    matmul_batch: int = 1
     matmul_iters: int = 20
     allgather_kb: int = 1024
     allgather_iters: int = 5
+    warmup_iters: int = 1
+    gpu_matmul_size: int = 2048
+    gpu_matmul_batch: int = 10
+    gpu_matmul_iters: int = 200
+    gpu_allgather_mb: int = 64
+    gpu_allgather_iters: int = 40
+    gpu_warmup_iters: int = 20
     check_timeout_s: float = 10.0
     straggler_action: str = "report"
     straggler_factor: float = 2.0
@@ -74,8 +88,10 @@ def validate_node_health(spec: DictConfig) -> None:
     for key, low in positive.items():
         if not float(nh[key]) > low:
             raise SpecError(f"node_health.{key}", nh[key], f"a number > {low:g}")
-    for key in ("matmul_size", "matmul_iters", "allgather_kb", "allgather_iters",
-                "straggler_windows"):
+    for key in ("matmul_size", "matmul_batch", "matmul_iters", "allgather_kb",
+                "allgather_iters", "warmup_iters", "gpu_matmul_size", "gpu_matmul_batch",
+                "gpu_matmul_iters", "gpu_allgather_mb", "gpu_allgather_iters",
+                "gpu_warmup_iters", "straggler_windows"):
         if int(nh[key]) < 1:
             raise SpecError(f"node_health.{key}", nh[key], "an integer >= 1")
     for key in ("check_timeout_s", "straggler_window_s"):
