@@ -95,3 +95,31 @@ class Watcher(BaseWorkload):
             step += 1
             time.sleep(0.2)
         return step
+
+
+def read_ids(job_dir: str) -> dict:
+    """The per-rank sample-id logs of :class:`ElasticRegression` in ``job_dir``, sorted
+    out by restore: ``start`` (shard-service generation -> its first step); ``final``
+    (a ``Counter`` of the ids of the steps no later restore rolled back: the final
+    model's history), ``reread`` (ids of the steps a later restore rolled back: done
+    again), ``steps`` ((generation, rank) -> the steps of the final history)."""
+    import collections
+
+    records = []
+    for name in sorted(os.listdir(job_dir)):
+        if name.startswith("ids-") and name.endswith(".jsonl"):
+            with open(os.path.join(job_dir, name)) as f:
+                records += [dict(json.loads(line), rank=int(name[4:-6])) for line in f
+                            if line.strip()]
+    start: dict[int, int] = {}
+    for r in records:
+        start[r["generation"]] = min(start.get(r["generation"], r["step"]), r["step"])
+    final: collections.Counter = collections.Counter()
+    reread, steps = 0, collections.defaultdict(set)
+    for r in records:
+        if any(g > r["generation"] and s <= r["step"] for g, s in start.items()):
+            reread += len(r["ids"])
+        else:
+            final.update(r["ids"])
+            steps[(r["generation"], r["rank"])].add(r["step"])
+    return {"start": start, "final": final, "reread": reread, "steps": dict(steps)}

@@ -37,3 +37,19 @@ def test_runs_report_median_spread_and_every_run(bench):
     assert out["ratio"] == 0.25
     assert out["goodput"] is None and out["spread"]["goodput"]["n"] == 0
     assert out["runs"] == runs and len(out["world_sizes"]) == 3
+
+
+def test_both_sides_remove_the_highest_ranks_node_and_same_settings_is_earned(bench):
+    nodes = {0: "n0", 1: "n1", 2: "n2"}
+    assert bench.victim(nodes) == ("n2", 2)
+    assert bench.victim(nodes, avoid="n2") == ("n1", 1)  # ours: not the JobMaster's node
+    run = {"replacement_timeout_s": 60.0, "removed_highest_rank": True,
+           "ray_train_removed_highest_rank": True,
+           "ray_train_settings": {"worker_group_start_timeout_s": 60.0}}
+    assert bench.same_settings([run, dict(run)]) is True
+    assert bench.same_settings([run, dict(run, removed_highest_rank=False)]) is False
+    assert bench.same_settings([dict(run, ray_train_error="not installed")]) is False
+    assert bench.same_settings([dict(run, ray_train_settings={
+        "worker_group_start_timeout_s": 2.0})]) is False
+    assert bench.same_settings([]) is False
+    assert bench.summarize([dict(run, world_sizes=[[3, -1]])])["same_settings"] is True

@@ -13,7 +13,6 @@ back by the two restores, reported apart, are what the ledger counts as re-read.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import subprocess
@@ -21,17 +20,8 @@ import sys
 
 import pytest
 
+from tests.elastic_workloads import read_ids
 from tests.scenarios.elastic_busy import EVERY, RELEASE_AT, REMOVE_AT, STEPS, G
-
-
-def _records(job_dir: str) -> list[dict]:
-    out = []
-    for name in sorted(os.listdir(job_dir)):
-        if name.startswith("ids-") and name.endswith(".jsonl"):
-            with open(os.path.join(job_dir, name)) as f:
-                out += [dict(json.loads(line), rank=int(name[4:-6])) for line in f
-                        if line.strip()]
-    return out
 
 
 @pytest.mark.slow
@@ -56,17 +46,8 @@ def test_busy_node_is_not_counted_and_a_lost_node_is_asked_back(tmp_path):
     assert asked[0]["error"] is None  # a no-op without an autoscaler, not an error
     # per restore (shard-service generation): where it started; a step at or after a
     # later start was rolled back (re-read), the others are the final history
-    records = _records(str(job_dir))
-    start: dict[int, int] = {}
-    for r in records:
-        start[r["generation"]] = min(start.get(r["generation"], r["step"]), r["step"])
-    final, reread, steps_per_rank = collections.Counter(), 0, collections.defaultdict(set)
-    for r in records:
-        if any(g > r["generation"] and s <= r["step"] for g, s in start.items()):
-            reread += len(r["ids"])
-        else:
-            final.update(r["ids"])
-            steps_per_rank[(r["generation"], r["rank"])].add(r["step"])
+    ids = read_ids(str(job_dir))
+    start, final, reread, steps_per_rank = ids["start"], ids["final"], ids["reread"], ids["steps"]
     assert len(start) == 3, start  # the first start, the grow and the shrink
     committed = summary["checkpoint_steps"]["trainer"]
     assert committed == STEPS and committed % EVERY == 0
