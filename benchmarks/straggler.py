@@ -1,11 +1,16 @@
-"""Straggler benchmark: a ``--ranks``-rank (default 4) gloo job (``tests.node_health_workloads.SyncSteps``: a
-timed matmul loop, then an ``all_reduce``), one rank slowed from outside to about
+"""Straggler benchmark: a ``--ranks``-rank (default 2) gloo job, one rank slowed from outside to about
 ``--speed`` (default 40%) of its speed at step ``--slow-at`` by SIGSTOP/SIGCONT duty
 cycling, with ``node_health.straggler_action`` (``--action``): ``replace`` (default:
-the straggler is replaced from the warm standby; the 4 ranks on one Ray node of 5
-CPUs) or ``shrink`` (an elastic role, ``nodes: "MIN:4"``, one rank on each node of a
-4-node ``ray.cluster_utils.Cluster`` of 1 CPU per node: the straggler's node is dropped
-and the role goes on at 3 ranks).
+the straggler is replaced from the warm standby; the ranks on one Ray node of
+``ranks + 1`` CPUs) or ``shrink`` (an elastic role, ``nodes: "MIN:RANKS"``, one rank on
+each node of a ``ray.cluster_utils.Cluster`` of 1 CPU per node: the straggler's node is
+dropped and the role goes on with one rank less).
+
+``--workload ddp`` (default): ``tests.node_health_workloads.DDPSteps``, a plain DDP loop
+that times nothing itself (the ``ddp`` backend's all-reduce hook and the reporting
+layer give the detector each rank's ``compute_s`` and ``comm_wait_s``, as in a user's
+job); ``--workload sync``: ``SyncSteps``, a matmul loop that times its own
+``compute_s`` outside its ``all_reduce``.
 
 Figures, per run (the JSON line holds the median over ``--runs`` runs):
 
@@ -19,15 +24,17 @@ Figures, per run (the JSON line holds the median over ``--runs`` runs):
   ``recovery_finished`` after the detection to the end (``None`` when nothing was
   replaced or shrunk);
 - ``recovered_ratio``: ``throughput_after_action / throughput_healthy``. A step's
-  samples are 8 per rank, so after a shrink from 4 to 3 ranks the ratio is about 0.75
-  at best (nothing grows back: the straggler's node is kept out of the role);
+  samples are the same per rank, so after a shrink from 4 to 3 ranks the ratio is about
+  0.75 at best (nothing grows back: the straggler's node is kept out of the role);
 - ``action``: the action the ``straggler_detected`` event names (``report`` when a
   shrink fell back); ``configured_action``: ``--action``; per run, ``world_sizes``
   (the elastic role's history, ``None`` without one).
 
-The last stdout line is one JSON object with these keys (plus ``runs``: every run's
-figures). Smoke run: ``python benchmarks/straggler.py --runs 1 --steps 150
---steps-after 40 --window-s 1.5``.
+The last stdout line is one JSON object with the medians of these keys over the runs,
+``spread`` (key -> ``[min, max]`` over the runs), the settings (``workload``, ``ranks``,
+``window_s``, ``windows``, ``factor``, ``speed``) and ``runs``: every run's figures.
+Smoke run: ``python benchmarks/straggler.py --runs 1 --steps 150 --steps-after 40
+--window-s 1.5``.
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ def job_spec(args: argparse.Namespace) -> Any:
     nodes (``nodes: "MIN_NODES:RANKS"``, no standby: a shrink does not use it)."""
     from dlrover_core import load_spec
 
-    trainer = {"workload": "tests.node_health_workloads:SyncSteps", "total": args.ranks,
+    workload = {"ddp": "DDPSteps", "sync": "SyncSteps"}[args.workload]
+    trainer = {"workload": f"tests.node_health_workloads:{workload}", "total": args.ranks,
                "per_node": args.ranks, "backend": "ddp", "resources": {"cpu": 1}}
     failover = {}
     if args.action == "shrink":
@@ -75,7 +83,8 @@ def job_spec(args: argparse.Namespace) -> Any:
                         "straggler_windows": args.windows,
                         "straggler_factor": args.factor},
         "config": {"steps": args.steps, "steps_after_restart": args.steps_after,
-                   "size": 128, "work": args.work, "batch": 8}})
+                   "size": 128, "work": args.work,
+                   "batch": args.batch if args.workload == "ddp" else 8}})
 
 
 def one_run(args: argparse.Namespace, job_dir: str) -> dict:
@@ -140,17 +149,27 @@ def median(runs: list[dict], key: str) -> float | None:
     return round(statistics.median(xs), 4) if xs else None
 
 
+def spread(runs: list[dict], key: str) -> list[float] | None:
+    """``[min, max]`` of ``key`` over the runs that have it."""
+    xs = [r[key] for r in runs if r[key] is not None]
+    return [round(min(xs), 4), round(max(xs), 4)] if xs else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--ranks", type=int, default=4,
+    p.add_argument("--workload", default="ddp", choices=("ddp", "sync"),
+                   help="ddp: a DDP loop that times nothing (DDPSteps); sync: SyncSteps")
+    p.add_argument("--batch", type=int, default=2048,
+                   help="ddp: rows of the batch (about 40 ms of compute per step here)")
+    p.add_argument("--ranks", type=int, default=2,
                    help="ranks of the job; on a machine with fewer cores than ranks + 1 a "
                         "duty-cycled rank frees a core for the others and barely slows "
                         "the step (2 cores: use --ranks 2)")
     p.add_argument("--steps", type=int, default=600, help="steps of a run (attempt 0)")
     p.add_argument("--steps-after", type=int, default=300,
                    help="steps after the straggler was replaced")
-    p.add_argument("--work", type=int, default=300, help="matmuls per step")
+    p.add_argument("--work", type=int, default=300, help="sync: matmuls per step")
     p.add_argument("--slow-at", type=int, default=50)
     p.add_argument("--rank", type=int, default=1, help="the rank that is slowed")
     p.add_argument("--speed", type=float, default=0.4)
@@ -184,12 +203,15 @@ def main() -> None:
             runs.append(one_run(args, os.path.join(root, f"run{i}")))
             print(json.dumps(runs[-1]), file=sys.stderr)
     actions = {r["action"] for r in runs}
-    out = {k: median(runs, k) for k in ("detected_after_s", "throughput_healthy",
-                                        "throughput_slowed", "throughput_after_action",
-                                        "recovered_ratio")}
+    keys = ("detected_after_s", "throughput_healthy", "throughput_slowed",
+            "throughput_after_action", "recovered_ratio")
+    out: dict[str, Any] = {k: median(runs, k) for k in keys}
+    out["spread"] = {k: spread(runs, k) for k in keys}
     out["action"] = actions.pop() if len(actions) == 1 else sorted(map(str, actions))
     out["configured_action"] = args.action
     out["ranks"] = args.ranks
+    out.update(workload=args.workload, window_s=args.window_s, windows=args.windows,
+               factor=args.factor, speed=args.speed)
     out["runs"] = runs
     print(json.dumps(out))
 
