@@ -93,6 +93,7 @@ def test_every_local_gpu_is_probed_with_cuda_events():
     assert all(p["ok"] and p["busbw_gbps"] > 0 for p in res["pairs"]), res["pairs"]
 
 
+@pytest.mark.slow  # a Ray cluster and 4 probes importing torch: 20 s here, more when busy
 def test_the_check_probes_every_gpu_bundle_of_every_node():
     """Two ``cluster_utils`` nodes declaring 2 GPUs each (declared only: no GPU here, so
     each probe takes its CPU path, gloo), a placement of 4 one-GPU bundles (2 per
