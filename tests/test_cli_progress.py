@@ -134,3 +134,14 @@ def test_the_console_explains_a_failure_and_its_recovery(ray_cluster, tmp_path, 
     assert "recovering at " in err and "recovered in " in err, err
     assert err.index("failed") < err.index("recovering at ") < err.index("recovered in ")
     assert "\x1b[" not in err
+    # diagnose names the failure, its classification and the tail of the rank's log
+    assert main(["diagnose", str(tmp_path / "jd")]) == 0
+    out = capfd.readouterr().out
+    assert "run 1: succeeded after 4 steps" in out, out
+    assert ("trainer-1 attempt 0 failed after step 1 (run): RuntimeError: flaky rank 1 "
+            "during step 2") in out, out
+    assert "classified process by builtin" in out and "restarted at process level" in out
+    log = str(tmp_path / "jd" / "logs" / "trainer-1" / "attempt-0.log")
+    assert f"last lines of {log}:" in out, out
+    tail = out.split(f"last lines of {log}:")[1]
+    assert "rank 1 step 1 loss" in tail, out  # the rank's own output, up to its failure
