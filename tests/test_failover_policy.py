@@ -50,3 +50,14 @@ def test_node_attributable():
     assert node_attributable(user, FailureVerdict("node", "a plugin knows this error"))
     assert node_attributable(oom, FailureVerdict("process", "r"))
     assert node_attributable(Failure.node_lost("t", 0, A), FailureVerdict("node", "gone"))
+
+
+def test_reasons_name_the_step_after_the_last_reported_one():
+    """Issue 52 item 4: ``step`` is the last step the rank reported, so the user's code
+    failed in the step after it; a reason said "at step 2" for an error during step 3."""
+    from dlrover_core.builtin.failure import classify
+
+    during_3 = Failure.user_error("trainer", 0, "ValueError", "bad", step=2)
+    assert classify(during_3, []).reason == "ValueError in user code after step 2"
+    first = Failure.user_error("trainer", 0, "ValueError", "bad", step=-1)
+    assert classify(first, []).reason == "ValueError in user code before its first reported step"

@@ -43,6 +43,12 @@ def _short(exc_type: str) -> str:
     return exc_type.rsplit(".", 1)[-1]
 
 
+def _when(step: int) -> str:
+    """Where the user's code was: ``step`` is the last step the instance reported, so
+    the failure came in the step after it."""
+    return f"after step {step}" if step >= 0 else "before its first reported step"
+
+
 def classify(failure: Failure, history: list[Failure]) -> FailureVerdict:
     if failure.kind == "node_lost":
         return FailureVerdict("node", f"node {failure.node_id[:12]} left the cluster")
@@ -57,15 +63,15 @@ def classify(failure: Failure, history: list[Failure]) -> FailureVerdict:
                 and f.step == failure.step and f.attempt < failure.attempt]
         if len(same) >= 2:
             return FailureVerdict(
-                "fatal", f"{failure.exc_type} at step {failure.step} repeated after "
+                "fatal", f"{failure.exc_type} {_when(failure.step)} repeated after "
                 f"{len(same)} restarts: deterministic")
         if same:
             return FailureVerdict(
-                "role", f"{failure.exc_type} at step {failure.step} happened again after a "
+                "role", f"{failure.exc_type} {_when(failure.step)} happened again after a "
                 "restart; restarting the whole role once more")
         if is_broken_collective(failure):
             return FailureVerdict("process", f"broken collective: {failure.message[:120]}")
-        return FailureVerdict("process", f"{failure.exc_type} in user code at step {failure.step}")
+        return FailureVerdict("process", f"{failure.exc_type} in user code {_when(failure.step)}")
     if failure.kind == "straggler":
         return FailureVerdict("process", f"{failure.role}-{failure.rank} is a straggler: "
                               f"{failure.message[:160]}")
