@@ -239,7 +239,11 @@ def run_ray_train(args, timeout_s: float) -> dict:
         th = threading.Thread(target=fit, daemon=True)
         th.start()
         removed_ts, removed = None, {"rank": None, "world": None}
+        deadline = time.time() + args.timeout_s  # the same limit as our job's
         while th.is_alive():
+            if time.time() > deadline:
+                state["error"] = f"timed out after --timeout-s={args.timeout_s:g} s"
+                break
             recs = _read(log)
             if removed_ts is None and any(r["step"] >= args.remove_at for r in recs):
                 last = max(recs, key=lambda r: r["ts"])["world"]
