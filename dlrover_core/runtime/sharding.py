@@ -1,21 +1,23 @@
 """``ShardSampler``: a rank's side of the master's shard service (dynamic data sharding,
 :mod:`dlrover_core.master.shards`).
 
-A workload asks for sample indices batch by batch; the sampler leases shards of a few
-batches from the JobMaster as it needs them, and after each optimizer step tells the
-master which positions that step trained (one non-blocking call per step). The sampler
+A workload asks for the sample indices of each optimizer step (:meth:`ShardSampler.next_step`:
+the same number of micro-batches on every rank, a collective) or batch by batch
+(:meth:`ShardSampler.next_indices`); the sampler leases shards of a few batches from the
+JobMaster as it needs them, and after each optimizer step tells the master which
+positions that step trained (one non-blocking call per step). The sampler
 is also a checkpoint object: its :meth:`~ShardSampler.state_dict` (the trained prefix of
 every shard) is saved with the model, and after a load :meth:`ShardSampler.restore`
 rewinds the service to it, so the samples after the checkpoint are trained exactly once
 in the final model. Example (inside a workload)::
 
-    sampler = ShardSampler.for_workload(self, num_samples=len(ds), batch_size=8)
+    sampler = ShardSampler.for_workload(self, num_samples=len(ds))  # elastic.micro_batch
     extra = {"step": 0}
     loaded = self.checkpointer.load(model=model, extra=extra, shards=sampler)
     sampler.restore(extra["step"] - 1 if loaded is not None else -1)
     for step in range(extra["step"], max_steps):
-        idx = sampler.next_indices()          # None: the data set is done
-        ...
+        micro = sampler.next_step()           # None on every rank: the data set is done
+        ...                                   # one micro-batch per list, then optimizer.step()
         sampler.step_done(step)
         extra["step"] = step + 1
         self.checkpointer.maybe_save(step + 1, model=model, extra=extra, shards=sampler)
