@@ -43,6 +43,11 @@ dlrover-run's own options: ``--address``, ``--job-dir`` (default ``runs/<job nam
 ``--cpus-per-rank`` (default ``min(1, CPUs of this machine / ranks per node)``),
 ``--quiet`` (the ranks' output only in the job's log files), ``--detach``.
 
+Output (as torchrun): each rank's stdout goes to dlrover-run's stdout and its stderr to
+its stderr, unlabelled (:class:`RankOutput`); dlrover-run's own lines (the summary, where
+the job directory is) go to stderr, so ``dlrover-run ... > out.txt`` holds what the
+scripts printed. Each rank's output is also in its log (``dlrover logs``).
+
 Exit code: the job's, through the table ``dlrover submit`` uses
 (:data:`dlrover_core.spec.builder.EXIT_CODES`): 0 when the job succeeded, 1 when it failed
 or was stopped (a forwarded signal included, as torchrun); 2 for bad input (nothing
@@ -497,6 +502,87 @@ def forward_signal(name: str, signum: int, grace_s: float, err: Any) -> dict | N
             pass
 
 
+class RankOutput:
+    """The ranks' stdout on this process's stdout and their stderr on its stderr, as
+    torchrun leaves them (no labels): the ``<job_dir>/logs/<role>-<rank>/attempt-<N>.stdout``
+    and ``.stderr`` files (:class:`dlrover_core.runtime.script.ScriptStreams`), whole
+    lines at a time, polled every ``poll_s`` s by a thread. What those files held before
+    :meth:`start` (an earlier run's) is not printed."""
+
+    SUFFIXES = {".stdout": 1, ".stderr": 2}
+
+    def __init__(self, job_dir: str, poll_s: float = 0.1) -> None:
+        import threading
+
+        self.job_dir, self.poll_s = job_dir, poll_s
+        self._at: dict[str, tuple[int, int]] = {}  # path -> (inode, bytes read)
+        self._partial: dict[str, bytes] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dlrover-run-output",
+                                        daemon=True)
+
+    def _files(self) -> list[str]:
+        import glob
+
+        found = glob.glob(os.path.join(glob.escape(self.job_dir), "logs", "*", "attempt-*.std*"))
+        return sorted(p for p in found if os.path.splitext(p)[1] in self.SUFFIXES)
+
+    def start(self) -> None:
+        for path in self._files():  # an earlier run's output
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            self._at[path] = (st.st_ino, st.st_size)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self, final: bool = False) -> None:
+        """Print what the files gained since the last poll (``final``: the last
+        unterminated lines too)."""
+        for path in self._files():
+            try:
+                st = os.stat(path)
+                ino, done = self._at.get(path, (st.st_ino, 0))
+                if ino != st.st_ino or st.st_size < done:  # a new file in its place
+                    done = 0
+                with open(path, "rb") as f:
+                    f.seek(done)
+                    data = f.read()
+            except OSError:
+                continue
+            self._at[path] = (st.st_ino, done + len(data))
+            data = self._partial.pop(path, b"") + data
+            cut = len(data) if final else data.rfind(b"\n") + 1
+            if cut < len(data):
+                self._partial[path] = data[cut:]
+            if cut:
+                self._write(self.SUFFIXES[os.path.splitext(path)[1]], data[:cut])
+
+    @staticmethod
+    def _write(fd: int, data: bytes) -> None:
+        stream = sys.stdout if fd == 1 else sys.stderr
+        try:
+            stream.flush()
+            stream.buffer.write(data)
+            stream.buffer.flush()
+        except (AttributeError, ValueError):  # a stream without bytes (a test's capture)
+            stream.write(data.decode("utf-8", "replace"))
+            stream.flush()
+        except OSError:
+            pass
+
+    def finish(self) -> None:
+        """Stop polling and print the rest."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.poll(final=True)
+
+
 def _error(err: Any, exc: object) -> None:
     """``error: <exc>``: the text printed as it is (no rich markup in it)."""
     from rich.markup import escape
@@ -548,7 +634,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, err: Any,
     from dlrover_core.spec.errors import SpecError
     from dlrover_core.spec.loader import load_spec
 
-    spec = job_dir = None
+    spec = job_dir = output = None
     try:
         if spec_dict is not None:  # bad input and a busy job directory: before Ray starts
             spec = load_spec(spec_dict)
@@ -562,7 +648,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, err: Any,
         _error(err, exc)
         return 3
     try:
-        started_here = init_ray(address, verbose=not args.quiet)
+        started_here = init_ray(address)
     except Exception as exc:  # noqa: BLE001 - a bad --address, a refused token
         _error(err, f"cannot start or join Ray (--address={address!r}): {exc}")
         return 2
@@ -578,9 +664,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, err: Any,
         from dlrover_core.runtime.script import set_stop_signal
 
         set_stop_signal(spec.name, None)
+        output = None if args.quiet else RankOutput(job_dir)
+        if output is not None:
+            output.start()
         try:
             summary = submit_job(spec, address=address, job_dir=job_dir, progress=False,
-                                 verbose=not args.quiet)
+                                 verbose=False)
         except Signalled as sig:
             summary = forward_signal(spec.name, sig.signum, grace, err)
             if summary is not None:
@@ -597,6 +686,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, err: Any,
             _error(err, exc)
             return 3
     finally:
+        if output is not None:
+            output.finish()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if started_here and ray.is_initialized():

@@ -25,8 +25,10 @@ in a script is ``pdb``'s, as under torchrun. A rank with a GPU sees its node's G
 its own at index ``LOCAL_RANK`` (:func:`visible_devices`), so that
 ``torch.cuda.set_device(LOCAL_RANK)`` picks the GPU Ray reserved for it.
 
-The child inherits the actor's stdout and stderr, which the job's log capture already
-sends to ``<job_dir>/logs/<role>-<rank>/attempt-<N>.log`` (``dlrover logs``). Exit code
+The child's stdout and stderr reach the actor's, which the job's log capture sends to
+``<job_dir>/logs/<role>-<rank>/attempt-<N>.log`` (``dlrover logs``), and are also kept
+apart in ``attempt-<N>.stdout`` / ``attempt-<N>.stderr`` beside it
+(:class:`ScriptStreams`), which ``dlrover-run`` prints to its stdout and stderr. Exit code
 0 is the rank's success; any other code, or a signal, raises :class:`ScriptExitError`
 in the actor, which the master classifies like any workload failure. The master's
 recovery then restarts the role's processes (torchrun's semantics: all ranks of the
@@ -232,6 +234,75 @@ def wait_output_written(path: str, limit_s: float, poll_s: float = 0.01) -> None
         time.sleep(poll_s)
 
 
+class ScriptStreams:
+    """The stdout and stderr of one attempt's script, kept apart: two pipes whose write
+    ends (:attr:`fds`) the script gets as its file descriptors 1 and 2; a thread per pipe
+    copies what it reads to this process's own descriptor of the same stream (the job's
+    log capture: the attempt's log, both streams interleaved as before) and to
+    ``<base>.stdout`` / ``<base>.stderr`` (rotated at ``max_bytes``, one old part kept),
+    which ``dlrover-run`` prints to its own stdout and stderr. A file left by an earlier
+    run is replaced (a new file, so that a reader sees it is new)."""
+
+    def __init__(self, base: str, max_bytes: int) -> None:
+        from dlrover_core.runtime.log_capture import RotatingFile
+
+        self.fds: tuple[int, ...] = ()
+        self._threads: list[threading.Thread] = []
+        fds = []
+        for name, own in (("stdout", 1), ("stderr", 2)):
+            path = f"{base}.{name}"
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            out = RotatingFile(path, max_bytes, 1)
+            r, w = os.pipe()
+            t = threading.Thread(target=self._pump, args=(r, own, out), daemon=True,
+                                 name=f"dlrover-script-{name}")
+            t.start()
+            fds.append(w)
+            self._threads.append(t)
+        self.fds = tuple(fds)
+
+    @staticmethod
+    def _pump(r: int, own: int, out: Any) -> None:
+        try:
+            while True:
+                data = os.read(r, 65536)
+                if not data:
+                    return
+                view = memoryview(data)
+                try:
+                    while view:
+                        view = view[os.write(own, view):]
+                except OSError:
+                    pass
+                try:
+                    out.write(data)
+                except OSError:
+                    pass
+        finally:
+            os.close(r)
+            out.close()
+
+    def handed_over(self) -> None:
+        """Close this process's copies of the write ends (the script holds them now)."""
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = ()
+
+    def drain(self, timeout: float = 2.0) -> None:
+        """Wait (at most ``timeout`` s) until every byte the script wrote has been
+        copied: the pipes are closed by the script's end (a child of it that still holds
+        them keeps its pipe open; its later output is still copied)."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
 class ScriptWorkload(BaseWorkload):
     """Runs the role's ``command`` as a child process (see the module doc).
 
@@ -276,6 +347,20 @@ class ScriptWorkload(BaseWorkload):
             env["TORCHELASTIC_ERROR_FILE"] = path
         env.update(self._device_env(env))
         return env
+
+    def _streams(self) -> ScriptStreams | None:
+        """This attempt's :class:`ScriptStreams` (``<job_dir>/logs/<role>-<rank>/
+        attempt-<N>.stdout``/``.stderr``); ``None`` without a job directory or with
+        ``observability.worker_logs`` off."""
+        from dlrover_core.runtime.log_capture import DEFAULT_MAX_BYTES, instance_dir
+
+        ctx = self.context
+        obs = getattr(ctx, "observability", None) or {}
+        if not ctx.job_dir or not obs.get("worker_logs", True):
+            return None
+        base = os.path.join(instance_dir(ctx.job_dir, ctx.role, ctx.rank),
+                            f"attempt-{ctx.attempt}")
+        return ScriptStreams(base, int(obs.get("log_max_bytes") or DEFAULT_MAX_BYTES))
 
     def error_file(self) -> str | None:
         """``<job_dir>/logs/<role>-<rank>/attempt-<N>.error.json`` (torchrun's
@@ -350,7 +435,13 @@ class ScriptWorkload(BaseWorkload):
             if self._stopped:
                 raise ScriptExitError(f"{self.context.name}: stopped before its script "
                                       "started", -int(signal.SIGTERM), 0)
-            self._proc, how = warm_script.start(cmd, cwd, env, shown)
+            streams = self._streams()
+            try:
+                self._proc, how = warm_script.start(cmd, cwd, env, shown,
+                                                    streams.fds if streams else None)
+            finally:
+                if streams is not None:
+                    streams.handed_over()
         proc = self._proc
         print(f"[dlrover] {self.context.name}: started pid {proc.pid}: "
               f"{' '.join(shlex.quote(a) for a in shown)} (restart count "
@@ -363,6 +454,8 @@ class ScriptWorkload(BaseWorkload):
         else:
             warm_script.drop_spare()
         code = proc.wait()
+        if streams is not None:
+            streams.drain()
         if code != 0:
             # no pid in the message: the classifier compares messages across restarts to
             # find a deterministic error (the pid is in the log line above)

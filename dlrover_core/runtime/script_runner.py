@@ -27,7 +27,9 @@ on a 2-core machine; with or without DDP and ``destroy_process_group``, with a T
 a file store), 0 of 60 when the script ended this way; through this runner 4 of 40
 before, 0 of 40 after.
 An empty line or a closed socket instead of the JSON line ends the process with 0
-(the spare was not needed).
+(the spare was not needed). A go message that starts with :data:`STREAMS_MARK` comes
+with two file descriptors (``socket.send_fds``): they become the command's stdout and
+stderr (file descriptors 1 and 2) before it starts.
 
 ``--idle``: it runs under ``SCHED_IDLE`` (only CPU time nobody else wants) until the
 go message arrives; every thread of the process is then put back to ``SCHED_OTHER``.
@@ -59,6 +61,9 @@ import traceback  # noqa: E402
 #: as long as ``import torch`` itself)
 PRELOAD = ("torch", "torch._dynamo")
 PRELOAD_VAR = "DLROVER_WARM_PRELOAD"
+#: the byte a go message starts with when it carries two file descriptors (the
+#: command's stdout and stderr, ``socket.send_fds``)
+STREAMS_MARK = b"F"
 
 
 def preload_names() -> list[str]:
@@ -79,15 +84,20 @@ def set_normal_priority() -> None:
 
 def _receive(sock: socket.socket, box: list, got: threading.Event, idle: bool) -> None:
     buf = b""
+    fds: list[int] = []
     try:
         while not buf.endswith(b"\n"):
-            chunk = sock.recv(65536)
+            chunk, new_fds, _flags, _addr = socket.recv_fds(sock, 65536, 2)
+            fds += new_fds
             if not chunk:
                 break
             buf += chunk
     except OSError:
         buf = b""
+    if buf.startswith(STREAMS_MARK):  # the go message came with stdout and stderr
+        buf = buf[len(STREAMS_MARK):]
     box.append(buf)
+    box.append(fds)
     if idle and buf.strip():
         set_normal_priority()
     got.set()
@@ -237,6 +247,10 @@ def main() -> None:
         os._exit(0)
     go = json.loads(box[0])
     sock.close()
+    if len(box[1]) == 2:  # the command's stdout and stderr, given with the go message
+        for fd, target in zip(box[1], (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
     finish(lambda: run_command(go))
 
 

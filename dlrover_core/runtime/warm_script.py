@@ -142,14 +142,21 @@ class Runner:
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def go(self, env: dict[str, str], cwd: str, kind: str, target: str,
-           args: list[str]) -> subprocess.Popen:
+           args: list[str], streams: tuple[int, int] | None = None) -> subprocess.Popen:
         """Send the go message; returns the process, which now runs the command.
+        ``streams``: file descriptors (stdout, stderr) the command writes to instead of
+        the runner's own (sent with the message, ``socket.send_fds``).
 
         Raises:
             OSError: the runner is gone (its socket is closed).
         """
         msg = {"env": env, "cwd": cwd, "kind": kind, "target": target, "args": list(args)}
-        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        payload = json.dumps(msg).encode() + b"\n"
+        if streams is not None:
+            from dlrover_core.runtime.script_runner import STREAMS_MARK
+
+            socket.send_fds(self.sock, [STREAMS_MARK], list(streams))
+        self.sock.sendall(payload)
         self.sock.close()
         return self.proc
 
@@ -167,11 +174,13 @@ _spare: Runner | None = None
 _spare_lock = threading.Lock()
 
 
-def start(cmd: Any, cwd: str, env: dict[str, str], shown: list[str]) -> tuple[Any, str]:
+def start(cmd: Any, cwd: str, env: dict[str, str], shown: list[str],
+          streams: tuple[int, int] | None = None) -> tuple[Any, str]:
     """Run ``cmd`` (a ``ScriptCommand``) with ``env`` in ``cwd``: in this actor's spare
-    when it fits, else in a new runner. Returns ``(Popen, how)``, ``how`` being
-    ``"warm"`` (a spare that had imported its modules), ``"warming"`` (a spare still
-    importing) or ``"new"``.
+    when it fits, else in a new runner; ``streams``: the command's stdout and stderr
+    (file descriptors; default the runner's, this process's). Returns ``(Popen, how)``,
+    ``how`` being ``"warm"`` (a spare that had imported its modules), ``"warming"`` (a
+    spare still importing) or ``"new"``.
 
     Raises:
         OSError: a new runner could not be started.
@@ -183,12 +192,13 @@ def start(cmd: Any, cwd: str, env: dict[str, str], shown: list[str]) -> tuple[An
         if spare.fits(env):
             how = "warm" if spare.ready() else "warming"
             try:
-                return spare.go(env, cwd, cmd.kind, cmd.target, list(cmd.args)), how
+                return spare.go(env, cwd, cmd.kind, cmd.target, list(cmd.args),
+                                streams), how
             except OSError:
                 pass
         spare.discard()
     new = Runner(shown, cwd, env, preload=False)
-    return new.go(env, cwd, cmd.kind, cmd.target, list(cmd.args)), "new"
+    return new.go(env, cwd, cmd.kind, cmd.target, list(cmd.args), streams), "new"
 
 
 def keep_spare(shown: list[str], cwd: str, env: dict[str, str], idle: bool) -> None:
