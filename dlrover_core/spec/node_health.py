@@ -46,8 +46,9 @@ class NodeHealthSpec:
     the roles are elastic: :func:`validate_node_health`); every
     ``straggler_window_s`` s, each rank's median ``compute_s`` (else ``step_s``) of its
     reports in the window is compared with the median of the other ranks of its role;
-    a rank above ``straggler_factor`` times that for ``straggler_windows`` windows in a
-    row is a straggler.
+    a rank above ``straggler_factor`` times that, whose wait (``comm_wait_s``, else
+    ``step_s - compute_s``) is not above the others', for ``straggler_windows`` windows
+    in a row is a straggler (``dlrover_core.master.stragglers``).
 
     Hangs: ``stack_dump`` (:data:`STACK_METHODS`), the stacks of the hung ranks written
     to ``<job dir>/stacks/`` when ``failover.hang_timeout_s`` blames a hang.
