@@ -184,7 +184,11 @@ def test_a_tail_smaller_than_a_global_batch_ends_every_rank_together():
     assert ledger["samples_not_trained"] == 5 and ledger["samples_lost"] == 0
 
 
-def test_next_step_without_micro_batches_is_named():
+def test_next_step_without_micro_batches_or_a_process_group_is_named():
     svc = ShardService(num_samples=8, shard_size=4)
     with pytest.raises(ValueError, match="micro_batches"):
         _sampler(svc, 0).next_step()
+    with pytest.raises(RuntimeError, match="rank 1 of 1: it needs the role's process group"):
+        _sampler(svc, 1, k=1).next_step()
+    one = ShardService(num_samples=8, shard_size=4)
+    assert _sampler(one, 0, k=2).next_step() == [[0, 1], [2, 3]]  # one rank: no group

@@ -292,6 +292,7 @@ class ShardSampler:
 
         Raises:
             ValueError: no ``micro_batches`` given and the sampler has none.
+            RuntimeError: a rank above 0 without the role's process group.
         """
         k = micro_batches if micro_batches is not None else self.micro_batches
         if k is None or int(k) < 1:
@@ -304,6 +305,10 @@ class ShardSampler:
             rem = self._lease["end"] - self._lease["start"] if self._lease else 0
             infos = self._gather((_count(have), rem, exhausted, have))
             world = len(infos)
+            if self.rank >= world:
+                raise RuntimeError(f"ShardSampler.next_step on rank {self.rank} of {world}: "
+                                   "it needs the role's process group (initialized on "
+                                   "every rank)")
             total = sum(i[0] for i in infos)
             deficit = world * share - total
             if deficit <= 0:
