@@ -19,11 +19,13 @@ over the runs. The last stdout line is one JSON object::
      "recovery_ratio": y, "runs": n, ...}
 
 with ``steady_steps_per_s_ratio`` = dlrover-run's / torchrun's steady steps/s and
-``recovery_ratio`` = dlrover-run's / torchrun's recovery seconds. A run whose restarted
-group did not finish (the launcher exited non-zero after the kill) gives no
-``recovery_s`` (its log is kept and named in ``per_run``) and counts in
-``failed_runs``; medians are over the runs that gave a figure, a ratio is ``null``
-when a side has none. Each dlrover-run entry of ``per_run`` has ``recovery_phases``:
+``recovery_ratio`` = dlrover-run's / torchrun's recovery seconds. A run whose launcher
+ended early, whose restarted group did not finish (the launcher exited non-zero after
+the kill) or that hung past ``--timeout`` s (stopped: SIGTERM to the launcher, then
+SIGKILL to its whole session) gives no ``recovery_s`` and is listed in each launcher's
+``failed_runs`` (``{"run", "failed": why, "log": its output}``, the log kept); the
+benchmark itself never fails for a launcher's failure. Medians are over the runs that
+gave a figure, a ratio is ``null`` when a side has none. Each dlrover-run entry of ``per_run`` has ``recovery_phases``:
 when the master saw the failure and when it told the scripts to start again (s after
 the SIGKILL), and the ``recovery_finished`` event's phases. Goals (issue 22):
 ratio of steady steps/s >= 0.97 and recovery ratio <= 0.5, medians of 3 runs.
@@ -102,8 +104,30 @@ def _script_pid(record: Path, rank: int) -> int | None:
     return int(path.read_text()) if path.exists() else None
 
 
+def _stop(proc: subprocess.Popen, grace_s: float = 45.0) -> None:
+    """Stop a launcher that is still running: SIGTERM to the launcher alone (both
+    forward it to their ranks; a SIGTERM to its whole session would also end the Ray
+    processes that dlrover-run is about to stop the job through), then, after
+    ``grace_s`` s, SIGKILL to every process of its session (its workers, an embedded
+    Ray). Processes left in the session are SIGKILLed too."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def run_once(launcher: str, args: argparse.Namespace, work: Path) -> dict:
-    """One run of ``launcher`` (``torchrun`` or ``dlrover_run``); its three figures."""
+    """One run of ``launcher`` (``torchrun`` or ``dlrover_run``): its three figures, or
+    what it has of them with ``failed`` (why) and ``log`` (the launcher's output) when
+    the launcher ended early, failed after the kill, or hung past ``--timeout`` s (then
+    it is stopped, :func:`_stop`). Never raises for a launcher's failure."""
     run_id = f"bench-{launcher.replace('_', '-')}-{uuid.uuid4().hex[:6]}"
     d = work / run_id
     d.mkdir()
@@ -122,8 +146,10 @@ def run_once(launcher: str, args: argparse.Namespace, work: Path) -> dict:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     t0 = time.time()
+    t_kill = code = failed = None
     with open(d / "launcher.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             deadline = t0 + args.timeout
             while time.time() < deadline:
@@ -131,30 +157,46 @@ def run_once(launcher: str, args: argparse.Namespace, work: Path) -> dict:
                 if recs and recs[-1][0] >= args.kill_at:
                     break
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{launcher} ended early ({proc.returncode}); see {d}")
+                    break
                 time.sleep(0.01)
             pid = _script_pid(record, 1)
-            if pid is None:
-                raise RuntimeError(f"{launcher}: rank 1's script process not found")
-            t_kill = time.time()
-            os.kill(pid, signal.SIGKILL)
-            code = proc.wait(timeout=max(1.0, deadline - time.time()))
+            if proc.poll() is not None:
+                failed = f"ended before step {args.kill_at} (exit code {proc.returncode})"
+            elif not (_records(record) and _records(record)[-1][0] >= args.kill_at):
+                failed = f"no step {args.kill_at} within --timeout {args.timeout:g} s"
+            elif pid is None:
+                failed = "rank 1's script process not found"
+            else:
+                t_kill = time.time()
+                os.kill(pid, signal.SIGKILL)
+                try:
+                    code = proc.wait(timeout=max(1.0, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    failed = f"hung after the kill: still running at --timeout {args.timeout:g} s"
+        except OSError as exc:  # the script process went away before the kill
+            failed = f"{type(exc).__name__}: {exc}"
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            _stop(proc)
+    if code is None:
+        code = proc.returncode
     recs = _records(record)
-    first = recs[0][1]
     steady = [(s, t) for s, t, r in recs if r == 0 and args.warmup <= s <= args.kill_at]
-    (s0, ta), (s1, tb) = steady[0], steady[-1]
     after = [t for s, t, r in recs if r >= 1]
-    out = {"start_to_first_step_s": round(first - t0, 3),
-           "steady_steps_per_s": round((s1 - s0) / (tb - ta), 2),
-           "recovery_s": round(after[0] - t_kill, 3) if after else None,
-           "exit_code": code}
-    if launcher == "dlrover_run":
+    out = {"start_to_first_step_s": round(recs[0][1] - t0, 3) if recs else None,
+           "steady_steps_per_s": None, "recovery_s": None, "exit_code": code}
+    if len(steady) >= 2 and steady[-1][1] > steady[0][1]:
+        (s0, ta), (s1, tb) = steady[0], steady[-1]
+        out["steady_steps_per_s"] = round((s1 - s0) / (tb - ta), 2)
+    if launcher == "dlrover_run" and t_kill is not None:
         out["recovery_phases"] = _recovery_phases(d / "job" / "events.jsonl", t_kill)
-    if code != 0:  # the restarted group did not finish: no recovery figure from this run
-        out["recovery_s"] = None
+    if failed is None and code != 0:
+        failed = f"the restarted group did not finish (exit code {code})"
+    if failed is None and after and t_kill is not None:
+        out["recovery_s"] = round(after[0] - t_kill, 3)
+    elif failed is None:
+        failed = "no step after the kill"
+    if failed is not None:  # no recovery figure from this run
+        out["failed"] = failed
         out["log"] = str(d / "launcher.log")
     return out
 
@@ -211,12 +253,13 @@ def main() -> None:
             res = run_once(launcher, args, Path(tmp))
             print(f"run {i} {launcher}: {res}", file=sys.stderr, flush=True)
             out[launcher].append(res)
-    if all(r["exit_code"] == 0 for v in out.values() for r in v):
+    if not any("failed" in r for v in out.values() for r in v):
         shutil.rmtree(tmp, ignore_errors=True)
     metrics = ("start_to_first_step_s", "steady_steps_per_s", "recovery_s")
     med = {k: {m: _median([r[m] for r in v]) for m in metrics} for k, v in out.items()}
     for k, v in out.items():
-        med[k]["failed_runs"] = sum(r["exit_code"] != 0 for r in v)
+        med[k]["failed_runs"] = [{"run": i, "failed": r["failed"], "log": r["log"]}
+                                 for i, r in enumerate(v) if "failed" in r]
     print(json.dumps({
         "torchrun": med["torchrun"], "dlrover_run": med["dlrover_run"],
         "steady_steps_per_s_ratio": _ratio(med["dlrover_run"]["steady_steps_per_s"],
