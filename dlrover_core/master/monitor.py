@@ -52,6 +52,21 @@ def failure_from_exception(inst: Instance, exc: BaseException) -> Failure:
                               step=inst.last_step, **where)
 
 
+#: calls of a method a rank must have finished before its default hang bound applies
+CALL_HANG_MIN_CALLS = 5
+
+
+def call_hang_bound(activity: dict, floor_s: float) -> float | None:
+    """The default hang bound (s) of a driver's call that a rank is running, from
+    ``WorkloadHost.activity()``: max(``floor_s``, 10 x the p99 of that method's recent
+    durations on the rank), or ``None`` (no bound: ``floor_s`` is 0, or fewer than
+    :data:`CALL_HANG_MIN_CALLS` calls of the method finished, e.g. a first evaluation)."""
+    recent = activity.get("recent")
+    if floor_s <= 0 or not recent or recent["calls"] < CALL_HANG_MIN_CALLS:
+        return None
+    return max(floor_s, 10.0 * float(recent["p99_s"]))
+
+
 @dataclass(frozen=True)
 class Detection:
     """A failure the monitor found: ``inst`` is the instance to blame."""
@@ -218,15 +233,17 @@ class Monitor:
         """
         s = self.scope
         hang_s = float(s.spec.failover.hang_timeout_s or 0)
-        if hang_s <= 0:
+        floor_s = float(s.failover_option("call_hang_min_s") or 0)
+        if hang_s <= 0 and not (s.graph.driver and floor_s > 0):
             return None
         now = time.time()
-        if now - self._last_hang_check < min(1.0, hang_s / 4):
+        if now - self._last_hang_check < (min(1.0, hang_s / 4) if hang_s > 0
+                                          else min(5.0, floor_s / 4)):
             return None
         self._last_hang_check = now
         running = [i for i in s.instances.roles.values() if i.state == InstanceState.RUNNING]
         if s.graph.driver:
-            return self._stuck_calls(running, hang_s)
+            return self._stuck_calls(running, hang_s, floor_s)
         quiet_since = max(s.failover.last_recovery_end, s.started_at)
         by_role: dict[str, list[Instance]] = {}
         for inst in running:
@@ -264,20 +281,29 @@ class Monitor:
             return ""
         return f"; stacks: {files[inst.label]}" if inst.label in files else ""
 
-    def _stuck_calls(self, running: list[Instance], hang_s: float) -> Detection | None:
-        """Driver jobs: role instances whose current call runs longer than ``hang_s``."""
+    def _stuck_calls(self, running: list[Instance], hang_s: float,
+                     floor_s: float = 0.0) -> Detection | None:
+        """Driver jobs: role instances whose current call runs longer than ``hang_s``,
+        or, with ``hang_s`` 0, than :func:`call_hang_bound` (the default bound from the
+        method's recent durations on that rank, at least ``floor_s``)."""
         acts = self.activities(running)
-        stuck = [i for i in running if acts.get(i.key) and acts[i.key]["busy"]
-                 and acts[i.key]["busy_s"] > hang_s]
+        bounds = {i.key: hang_s if hang_s > 0 else call_hang_bound(acts[i.key], floor_s)
+                  for i in running if acts.get(i.key) and acts[i.key]["busy"]}
+        stuck = [i for i in running if bounds.get(i.key) is not None
+                 and acts[i.key]["busy_s"] > bounds[i.key]]
         if not stuck:
             return None
         inst, why = self.blame(stuck, acts)
         a = acts[inst.key]
+        bound = bounds[inst.key]
+        rule = (f"hang_timeout_s={hang_s:g}" if hang_s > 0 else
+                f"bound {bound:.1f} s = max(failover.call_hang_min_s={floor_s:g}, 10 x p99 "
+                f"{a['recent']['p99_s']:.3f} s of its last {a['recent']['calls']} calls)")
         return Detection(inst, replace(Failure.hang(
-            inst.role, inst.rank, a["busy_s"], hang_s, node_id=inst.node_id,
+            inst.role, inst.rank, a["busy_s"], bound, node_id=inst.node_id,
             step=inst.last_step, attempt=inst.attempt),
             message=f"call {inst.role}.{a['busy']} has run for {a['busy_s']:.1f} s "
-                    f"(hang_timeout_s={hang_s:g}); {why}{self._stacks(inst, stuck)}"))
+                    f"({rule}); {why}{self._stacks(inst, stuck)}"))
 
     def activities(self, insts: list[Instance],
                    timeout: float = 5.0) -> dict[tuple[str, int], dict]:

@@ -316,6 +316,7 @@ class WorkloadHost(HostBase):
             self._raise(exc, self.context.role, self.context.rank,
                         self.workload._last_step if self.workload else -1)
         finally:
+            self._call_done(str(method), time.time() - self._busy[1])
             self._busy = None
 
     @ray.method(concurrency_group="monitor")

@@ -8,6 +8,8 @@ turns its exception into a :class:`~dlrover_core.runtime.errors.WorkloadError`.
 
 from __future__ import annotations
 
+import collections
+
 import os
 import socket
 import sys
@@ -59,6 +61,8 @@ class HostBase:
         self._run_outcome: tuple[bool, Any] = (True, None)
         # what user code runs now: (``"run"`` or the called method, unix s, thread id)
         self._busy: tuple[str, float, int] | None = None
+        #: method -> durations (s) of its last 64 calls by a driver (activity's ``recent``)
+        self._call_durations: dict[str, collections.deque] = {}
         #: a promoted GPU-less standby's GPU ids (its lease on the failed rank's GPU)
         self._gpu_ids: list[str] | None = None
         self._lease: Any = None  # its ResourceLease actor
@@ -105,7 +109,7 @@ class HostBase:
         its peers) and ``stack`` (the formatted stack of that thread, innermost last)."""
         busy = self._busy
         if busy is None:
-            return {"busy": None, "busy_s": 0.0, "in_torch": False, "stack": ""}
+            return {"busy": None, "busy_s": 0.0, "in_torch": False, "stack": "", "recent": None}
         what, since, tid = busy
         frame = sys._current_frames().get(tid)
         stack = traceback.format_stack(frame) if frame is not None else []
@@ -115,7 +119,19 @@ class HostBase:
         in_torch = bool(frame is not None and torch_dir
                         and frame.f_code.co_filename.startswith(torch_dir))
         return {"busy": what, "busy_s": round(time.time() - since, 3), "in_torch": in_torch,
-                "stack": "".join(stack[-12:])}
+                "stack": "".join(stack[-12:]), "recent": self.recent_durations(what)}
+
+    def _call_done(self, method: str, seconds: float) -> None:
+        self._call_durations.setdefault(method, collections.deque(maxlen=64)).append(seconds)
+
+    def recent_durations(self, method: str) -> dict | None:
+        """``{"calls", "p99_s"}`` of the last (up to 64) finished calls of ``method``
+        (``None``: none yet): the master's default hang bound for driver calls."""
+        d = self._call_durations.get(method)
+        if not d:
+            return None
+        xs = sorted(d)
+        return {"calls": len(xs), "p99_s": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
 
     @ray.method(concurrency_group="monitor")
     def abort_collectives(self) -> str:

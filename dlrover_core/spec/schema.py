@@ -80,7 +80,10 @@ class FailoverSpec:
     ``max_restarts``: restarts of the job's actors allowed in all (process, role and
     job level together) before the job fails. ``max_node_failures``: failures on one
     node before it is marked bad. ``hang_timeout_s``: seconds without a step report
-    from a running role before it counts as hung (0 disables). ``pg_timeout_s``:
+    from a running role before it counts as hung (0 disables). ``call_hang_min_s``: in
+    a job with a driver and ``hang_timeout_s`` 0, a role call counts as hung once it has
+    run for max(``call_hang_min_s``, 10 x the p99 of the last 64 durations of that
+    method on that rank), after 5 of them (0 turns this default off). ``pg_timeout_s``:
     torch.distributed collective timeout in s. ``in_place``: on a ``process``-level
     failure in a role with a process group, keep the surviving ranks' processes and
     re-form the group in them (False: restart every rank of the role).
@@ -95,6 +98,7 @@ class FailoverSpec:
     max_restarts: int = 3
     max_node_failures: int = 2
     hang_timeout_s: float = 0.0
+    call_hang_min_s: float = 60.0
     pg_timeout_s: float = 120.0
     in_place: bool = True
     survivor_grace_s: float = 10.0

@@ -122,6 +122,9 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
         raise SpecError("failover.max_restarts", spec.failover.max_restarts, "an integer >= 0")
     if spec.failover.hang_timeout_s < 0:
         raise SpecError("failover.hang_timeout_s", spec.failover.hang_timeout_s, "seconds >= 0 (0 = off)")
+    if spec.failover.call_hang_min_s < 0:
+        raise SpecError("failover.call_hang_min_s", spec.failover.call_hang_min_s,
+                        "seconds >= 0 (0 = no default hang bound for driver calls)")
     if spec.failover.pg_timeout_s <= 0:
         raise SpecError("failover.pg_timeout_s", spec.failover.pg_timeout_s, "seconds > 0")
     from dlrover_core.spec.elastic import validate_elastic

@@ -9,7 +9,9 @@ A learner should go from ``reward_mean`` = 1/actions to near 1 in a few iteratio
 
 Settings under ``config.toy``: ``contexts`` (4), ``steps`` (3), ``actions`` (4),
 ``rows`` (16: rows per rollout rank when the driver hands out no prompt ids), ``lr``
-(0.2, Adam), and ``trace_dir``: when set, each rollout batch and each weights message carries
+(0.2, Adam), ``hang_at`` / ``hang_rank`` (a test's fault: rollout rank ``hang_rank``'s
+first attempt sleeps for an hour in ``generate`` of iteration ``hang_at``), and
+``trace_dir``: when set, each rollout batch and each weights message carries
 a tracer that appends ``<tag> <pid>`` to ``<trace_dir>/trace.log`` in every process
 that deserialises it, so a test can check which processes the data went through.
 """
@@ -112,6 +114,12 @@ class ToyRollout(_Toy, RolloutWorkload):
 
     @torch.no_grad()
     def generate(self, iteration, prompt_ids=None):
+        c = self.config.get("toy", {}) or {}
+        if (c.get("hang_at") == iteration and int(c.get("hang_rank", 0)) == self.rank
+                and self.attempt == 0):
+            import time
+
+            time.sleep(3600)  # a hung call (the master's hang bound ends it)
         if prompt_ids is None:
             g = torch.Generator().manual_seed(iteration * 1009 + self.rank)
             ids = torch.randint(0, 10_000, (self.rows,), generator=g)

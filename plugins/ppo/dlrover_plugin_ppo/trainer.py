@@ -149,7 +149,8 @@ class PPOTrainer(BaseTrainer):
                  for r in self.stateful]
         for c in calls:
             c.get()
-        if self.has["rollout"] and "rollout" not in self.stateful:
+        if (self.has["rollout"] and "rollout" not in self.stateful
+                and callable(getattr(self.actor_classes.get("rollout"), "restore_state", None))):
             self.RG_ROLLOUT.restore_state(step)  # drops what it generated since
         if self.has["reward"]:
             self.RG_REWARD.stats()  # scores of the lost iteration's attempt

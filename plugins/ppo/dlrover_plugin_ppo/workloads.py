@@ -11,8 +11,9 @@ role       you provide (in ``setup``)                   the driver calls
 =========  ===========================================  ===============================
 actor      ``self.policy``, ``self.optimizer``,          ``compute_advantages``, ``update``,
            ``evaluate_actions(batch)``                   ``get_weights``, ``evaluate``
-rollout    ``self.policy``, ``generate(iteration,        ``generate``, ``set_weights``,
-           prompt_ids)``                                 ``stats``
+rollout    ``self.policy``, ``generate(iteration,        ``generate_iteration`` (``generate``
+           prompt_ids)``, ``stats()``                    then ``stats``), ``iteration_stats``,
+                                                         ``set_weights``
 reference  ``self.policy``, ``evaluate_actions``         ``log_probs``, ``set_weights``
 reward     ``reward(batch) -> [N]``                      ``score``, ``stats``
 critic     ``self.value_net``, ``self.optimizer``,       ``values``, ``update``

@@ -129,14 +129,20 @@ def test_killed_process_ends_where_the_unkilled_run_ends(unkilled, job_dir, kill
 TOY = "dlrover_plugin_ppo.toy"
 
 
-def run_toy_grpo(job_dir: str, kill: str | None = None) -> dict:
+def run_toy_grpo(job_dir: str, kill: str | None = None, hang: bool = False) -> dict:
     """The toy GRPO job (all four GRPO roles, two rollout ranks) for 12 iterations;
-    ``kill``: an instance label to SIGKILL once iteration 3 was reported."""
+    ``kill``: an instance label to SIGKILL once iteration 3 was reported; ``hang``:
+    rollout rank 1 hangs in iteration 6 (its first attempt) and the default hang bound
+    of driver calls is 2 s."""
     from dlrover_core.master.client import create_master
     from dlrover_plugin_ppo.builder import RLJobBuilder
 
-    job = (RLJobBuilder("grpo").name(f"grpo-fo-{kill or 'none'}")
-           .rl(iterations=12, prompts_per_iter=8, samples_per_prompt=4, kl_coef=0.01)
+    builder = (RLJobBuilder("grpo").name(f"grpo-fo-{kill or ('hang' if hang else 'none')}")
+               .rl(iterations=12, prompts_per_iter=8, samples_per_prompt=4, kl_coef=0.01))
+    if hang:
+        builder = builder.config({"toy": {"hang_at": 6, "hang_rank": 1}}).failover(
+            call_hang_min_s=2)
+    job = (builder
            .actor(TOY, "ToyActor").resource(cpu=0.25)
            .rollout(TOY, "ToyRollout").total(2).resource(cpu=0.25)
            .reference(TOY, "ToyReference").resource(cpu=0.25)
@@ -158,26 +164,61 @@ def run_toy_grpo(job_dir: str, kill: str | None = None) -> dict:
     return summary
 
 
+@pytest.fixture(scope="module")
+def toy_unkilled(ray_cluster, tmp_path_factory):
+    job_dir = str(tmp_path_factory.mktemp("toy-unkilled"))
+    summary = run_toy_grpo(job_dir)
+    return summary, {r["step"]: _deterministic(r) for r in _rows(job_dir) if "fit_s" not in r}
+
+
+def _check_same_as_toy_unkilled(toy_unkilled, summary, job_dir):
+    ref, ref_rows = toy_unkilled
+    assert _deterministic(summary["metrics"]) == _deterministic(ref["metrics"])
+    rows = [r for r in _rows(job_dir) if "fit_s" not in r]
+    assert [r["step"] for r in rows] == list(range(12))
+    assert {r["step"]: _deterministic(r) for r in rows} == ref_rows
+
+
+def _driver_kept_running(job_dir: str, label: str) -> list[dict]:
+    events = _events(job_dir)
+    [started] = [e for e in events if e["event"] == "recovery_started"]
+    assert started["restart_driver"] is False
+    assert started["scope"]["restart"] == [label]
+    assert [e["attempt"] for e in events if e["event"] == "instance_started"
+            and e["role"] == "driver"] == [0]
+    return events
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("kill", ["reward-0", "reference-0"])
 def test_stateless_reward_and_reference_are_replaced_under_a_running_driver(
-        ray_cluster, tmp_path):
+        toy_unkilled, job_dir, kill):
     """GRPO with a reward and a reference role: SIGKILL of either is recovered by
     replacing that rank alone; the driver keeps running (never restarted), retries its
     calls on the replacement, and the run's metrics equal an unkilled run's."""
-    ref = run_toy_grpo(str(tmp_path / "none"))
-    ref_rows = {r["step"]: _deterministic(r) for r in _rows(str(tmp_path / "none"))
-                if "fit_s" not in r}
-    for kill in ("reward-0", "reference-0"):
-        job_dir = str(tmp_path / kill)
-        summary = run_toy_grpo(job_dir, kill)
-        assert summary["restarts"]["total"] == 1
-        assert _deterministic(summary["metrics"]) == _deterministic(ref["metrics"])
-        rows = [r for r in _rows(job_dir) if "fit_s" not in r]
-        assert [r["step"] for r in rows] == list(range(12))
-        assert {r["step"]: _deterministic(r) for r in rows} == ref_rows
-        events = _events(job_dir)
-        [started] = [e for e in events if e["event"] == "recovery_started"]
-        assert started["restart_driver"] is False
-        assert started["scope"]["restart"] == [kill]
-        assert [e["attempt"] for e in events if e["event"] == "instance_started"
-                and e["role"] == "driver"] == [0]
+    summary = run_toy_grpo(job_dir, kill)
+    assert summary["restarts"]["total"] == 1
+    _check_same_as_toy_unkilled(toy_unkilled, summary, job_dir)
+    _driver_kept_running(job_dir, kill)
+
+
+@pytest.mark.slow
+def test_a_hung_role_call_is_a_failure_with_stacks_by_the_default_bound(toy_unkilled,
+                                                                        job_dir):
+    """No ``failover.hang_timeout_s``: a rollout call that runs far beyond its recent
+    durations (bound max(call_hang_min_s=2 s, 10 x p99)) is a hang, with the stuck
+    rank's stacks; the rank is replaced, the driver retries, the run ends as an
+    unkilled one."""
+    summary = run_toy_grpo(job_dir, hang=True)
+    assert summary["restarts"]["total"] == 1
+    _check_same_as_toy_unkilled(toy_unkilled, summary, job_dir)
+    events = _driver_kept_running(job_dir, "rollout-1")
+    [failed] = [e for e in events if e["event"] == "instance_failed"]
+    assert (failed["role"], failed["rank"], failed["kind"]) == ("rollout", 1, "hang")
+    assert "call rollout.generate_iteration has run for" in failed["message"]
+    assert "call_hang_min_s=2" in failed["message"] and "p99" in failed["message"]
+    assert "stacks:" in failed["message"]
+    stacks = failed["message"].split("stacks: ")[1].split()[0].rstrip(";")
+    with open(stacks if os.path.isabs(stacks) else os.path.join(job_dir, stacks)) as f:
+        text = f.read()
+    assert "rollout-1" in text and "generate" in text and "toy.py" in text  # where it hung
