@@ -62,7 +62,7 @@ def one_run(kill: str | None, kill_after: int, base: str) -> dict:
         "kill": kill, "status": summary["status"], "restarts": summary["restarts"]["total"],
         "driver_restarted": any(e["event"] == "instance_started" and e["role"] == "driver"
                                 and e["attempt"] > 0 for e in events),
-        "scope": started[0]["scope"] if started else None,
+        "scope": started[0].get("scope") if started else None,
         "recovery_s": rec[0]["seconds"] if rec else None,
         "mean_return_before": by_step.get(kill_after, {}).get("mean_return"),
         "mean_return_next": by_step.get(kill_after + 1, {}).get("mean_return"),
