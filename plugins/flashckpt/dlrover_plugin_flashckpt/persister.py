@@ -22,20 +22,24 @@ Work loop (one background thread, so one persist at a time per node):
    disk) is tried again; failures back off (0.5 s doubling to 30 s) and the status
    says since when persisting fails (``failing``), and when it recovered.
 
-The loop is :mod:`.persisting`'s, the copies to a peer node :mod:`.replica`'s; the
-functions that find the persisters from outside are :mod:`.handles`'.
+The actor is composed of parts, each an object with its own state
+(docs/architecture.md, "The flash persister"): :class:`.node_ranks.NodeRanks` (the
+registrations, the mappings of the ranks' buffers, the lock), :class:`.persisting.PersistLoop`
+(the ``flash-persister`` thread: claim, write, release), :class:`.committer.Committer`
+(the commit, in that thread), :class:`.replica.ReplicaSender` (the ``flash-replicate``
+thread) and :class:`.replica.ReplicaHolder` (the replicas this node holds for its peer).
+The actor's methods run in its call threads (``max_concurrency=16``); the functions
+that find the persisters from outside are :mod:`.handles`'.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any
 
 from dlrover_plugin_flashckpt import hygiene, shm, storage
-from dlrover_plugin_flashckpt.failures import PersistFailures
 
 # re-exported: callers reach the persisters through this module
 from dlrover_plugin_flashckpt.handles import (  # noqa: F401
@@ -48,8 +52,9 @@ from dlrover_plugin_flashckpt.handles import (  # noqa: F401
     persister_name,
     persisters_of,
 )
-from dlrover_plugin_flashckpt.persisting import POLL_S, PersistMixin, Registration  # noqa: F401
-from dlrover_plugin_flashckpt.replica import ReplicaMixin
+from dlrover_plugin_flashckpt.node_ranks import NodeRanks
+from dlrover_plugin_flashckpt.persisting import POLL_S, PersistLoop, Registration  # noqa: F401
+from dlrover_plugin_flashckpt.replica import ReplicaHolder, ReplicaSender
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,7 @@ log = logging.getLogger(__name__)
 FINISH_GRACE_S = 10.0
 
 
-class FlashPersister(ReplicaMixin, PersistMixin):
+class FlashPersister:
     """Ray actor (threaded): see the module docstring. Create through
     :func:`get_persister`."""
 
@@ -69,34 +74,16 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         self.session = session
         self.node_id = node_id
         self.pid, self.start = shm.my_identity()
-        self._lock = threading.RLock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._regs: dict[tuple[str, int], Registration] = {}
-        self._segs: dict[str, shm.Segment] = {}
-        self._retired: list[shm.Segment] = []
-        self._forced: dict[str, set[int]] = {}
-        #: checkpoint directories this persister is committing a step to now
-        self._committing: set[str] = set()
-        self.current: dict | None = None
-        self.history: list[dict] = []
-        self.errors: list[str] = []
-        #: failures in a row of the persist loop, and its backoff
-        self.failures = PersistFailures()
+        self.ranks = NodeRanks(job, self.pid, self.start)
+        self.loop = PersistLoop(self.ranks)
+        self.sender = ReplicaSender(self.ranks, node_id, self._peer, self.loop.error)
+        self.holder = ReplicaHolder(self.ranks, job, session, node_id)
+        self._lock = self.ranks.lock
         #: shared-memory directories already swept for stale buffers
         self._swept: set[str] = set()
         self.removed_stale = self._sweep(shm_dir)
-        #: (role, rank) -> (step, seq) of the last save replicated to the peer
-        self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
-        self._ray_only_peers: set[str] = set()   # peers the TCP replica path failed for
-        #: finished replications: role, rank, step, peer, bytes, seconds
-        self.replica_history: list[dict] = []
-        self._repl_wake = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="flash-persister", daemon=True)
-        self._thread.start()
-        self._repl_thread = threading.Thread(target=self._replicate_loop,
-                                             name="flash-replicate", daemon=True)
-        self._repl_thread.start()
+        self.loop.thread.begin()
+        self.sender.thread.begin()
 
     # ================================================================== actor API
     def ready(self) -> dict:
@@ -108,20 +95,11 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         r = Registration(**reg)
         if r.shm_dir not in self._swept:  # a directory first seen here: swept once
             self.removed_stale += self._sweep(r.shm_dir)
-        with self._lock:
-            for key, old in list(self._regs.items()):
-                # the role came back with another world size (or directory): the ranks
-                # of its earlier run must not hold back the new run's persistence
-                if old.role == r.role and (old.world_size != r.world_size or old.dir != r.dir):
-                    del self._regs[key]
-            self._regs[(r.role, r.rank)] = r
-            for path in r.slots:
-                seg = self._seg(path)
-                if seg is not None:
-                    self._stamp(seg)
-        self._wake.set()
+        self.ranks.register(r)
+        self.loop.thread.wake()
         if r.replicas:
-            self._repl_wake.set()
+            self.sender.thread.wake()
+
     def _sweep(self, shm_dir: str) -> list[str]:
         """Remove the stale buffers in ``shm_dir`` (:func:`hygiene.remove_stale`) unless
         this persister did already; returns their names."""
@@ -135,57 +113,43 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         """The persister actor of ``node_id`` (created there when missing, sweeping
         the shared-memory directory of this node's ranks)."""
         with self._lock:
-            shm_dir = next((r.shm_dir for r in self._regs.values()), DEFAULT_SHM_DIR)
+            shm_dir = next((r.shm_dir for r in self.ranks.regs.values()), DEFAULT_SHM_DIR)
         return get_persister(self.job, node_id=node_id, shm_dir=shm_dir)
 
-    # ------------------------------------------------------------ allowed paths
-    def _allowed_shm_dir(self, shm_dir: str) -> str:
-        """``shm_dir`` when it is ``/dev/shm`` or the shared-memory directory of a rank
-        registered here, as an absolute path without symlinks.
+    # ------------------------------------------------------------ replicas (holder, sender)
+    def store_replica(self, info: dict, data: Any) -> str:
+        """:meth:`.replica.ReplicaHolder.store` (called by another node's persister)."""
+        return self.holder.store(info, data)
 
-        Raises:
-            ValueError: any other directory (a caller-chosen path)."""
-        with self._lock:
-            allowed = {"/dev/shm"} | {r.shm_dir for r in self._regs.values()}
-        if not isinstance(shm_dir, str) or shm_dir not in allowed \
-                or os.path.realpath(shm_dir) != os.path.normpath(shm_dir):
-            raise ValueError(f"flash persister of job {self.job!r}: shm_dir {shm_dir!r} is not "
-                             f"allowed; allowed: {sorted(allowed)} (no symlinks)")
-        return shm_dir
+    def pull_replica(self, info: dict, addr: tuple[str, int], token: bytes) -> str | None:
+        """:meth:`.replica.ReplicaHolder.pull` (called by another node's persister)."""
+        return self.holder.pull(info, addr, token)
 
-    def _allowed_dir(self, directory: str) -> str:
-        """``directory`` when it can be the checkpoint directory of a role of this
-        job: an absolute, normalized path; where ranks registered here, one of theirs
-        or a sibling (another role under the job's checkpoint folder). A node that
-        only holds replicas (no rank of the job) cannot tell more; the directory is
-        only hashed into buffer names and recorded, never opened.
+    def replicas(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
+        """:meth:`.replica.ReplicaHolder.listed`."""
+        return self.holder.listed(directory, shm_dir)
 
-        Raises:
-            ValueError: any other path."""
-        with self._lock:
-            dirs = {r.dir for r in self._regs.values()}
-        ok = isinstance(directory, str) and os.path.isabs(directory) \
-            and os.path.normpath(directory) == directory \
-            and (not dirs or directory in dirs
-                 or os.path.dirname(directory) in {os.path.dirname(d) for d in dirs})
-        if not ok:
-            raise ValueError(f"flash persister of job {self.job!r}: checkpoint dir "
-                             f"{directory!r} is not this job's; registered: {sorted(dirs)}")
-        return directory
+    def read_replica(self, path: str, step: int) -> dict:
+        """:meth:`.replica.ReplicaHolder.read` (for a trainer on another node)."""
+        return self.holder.read(path, step)
+
+    def replica_status(self) -> dict:
+        """:meth:`.replica.ReplicaSender.status`."""
+        return self.sender.status()
 
     def held(self, role: str) -> dict:
         """Complete saves held in memory on this node for ``role``:
         ``{"world_size", "dir", "committed": newest committed step or None,
         "ranks": {rank: [steps]}}``."""
         with self._lock:
-            regs = [r for (ro, _), r in self._regs.items() if ro == role]
+            regs = self.ranks.of_role(role)
             if not regs:
                 return {"world_size": 0, "dir": "", "committed": None, "ranks": {}}
             out: dict[int, list[int]] = {}
             for r in regs:
                 steps = []
                 for path in r.slots:
-                    seg = self._seg(path)
+                    seg = self.ranks.seg(path)
                     if seg is not None:
                         h = seg.read_header()
                         if shm.holds_step(h):
@@ -199,9 +163,9 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         slots holding it now, so the restarted trainers cannot overwrite them, and queue
         it ahead of everything. Returns the ranks claimed."""
         with self._lock:
-            claims = self._claim(role, step)
-            self._forced.setdefault(role, set()).add(step)
-        self._wake.set()
+            claims = self.loop.claim(role, step)
+            self.loop.force(role, step)
+        self.loop.thread.wake()
         log.warning("breakpoint save of %s step %d: claimed ranks %s", role, step,
                     [c.rank for c in claims])
         return [c.rank for c in claims]
@@ -222,25 +186,24 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         if reg is not None:
             self.saved(reg)
         with self._lock:
-            regs = [r for (ro, _), r in self._regs.items() if ro == role]
+            regs = self.ranks.of_role(role)
             if not regs:
                 return None
             directory, world = regs[0].dir, regs[0].world_size
             if step is None:
-                common = self._common_steps(regs)
+                common = self.ranks.common_steps(regs)
                 if not common:
                     return storage.newest_committed(directory)
                 step = max(common)
-            self._forced.setdefault(role, set()).add(step)
-        self._wake.set()
+            self.loop.force(role, step)
+        self.loop.thread.wake()
         if not wait:
             return None
         deadline = time.monotonic() + timeout
         while True:
             newest = storage.newest_committed(directory)
             latest = storage.latest_step(directory)  # moved forward right after the rename
-            with self._lock:
-                committing = directory in self._committing
+            committing = self.loop.committer.is_committing(directory)
             if newest is not None and newest >= step and latest is not None and \
                     latest >= step and not committing:
                 return newest
@@ -251,7 +214,7 @@ class FlashPersister(ReplicaMixin, PersistMixin):
                 raise TimeoutError(
                     f"flash checkpoint step {step} of role {role!r} was not committed within "
                     f"{timeout:g} s: {len(have)} of {world} ranks written ({', '.join(have)}); "
-                    f"failing: {self.failures.state()}; errors: {self.errors[-3:]}")
+                    f"failing: {self.loop.failures.state()}; errors: {self.loop.errors[-3:]}")
             time.sleep(0.05)
 
     def status(self) -> dict:
@@ -261,11 +224,12 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         "retry_in_s"}``, times in unix seconds) and ``recovered`` (the last failing
         state that ended: ``{"what", "error", "since", "at", "tries"}``, or ``None``)."""
         with self._lock:
-            return {"pid": self.pid, "current": dict(self.current) if self.current else None,
-                    "history": list(self.history), "errors": list(self.errors),
-                    "failing": self.failures.state(), "recovered": self.failures.recovered,
-                    "registered": sorted(f"{r}-{k}" for r, k in self._regs),
-                    "forced": {k: sorted(v) for k, v in self._forced.items()}}
+            loop = self.loop
+            return {"pid": self.pid, "current": dict(loop.current) if loop.current else None,
+                    "history": list(loop.history), "errors": list(loop.errors),
+                    "failing": loop.failures.state(), "recovered": loop.failures.recovered,
+                    "registered": sorted(f"{r}-{k}" for r, k in self.ranks.regs),
+                    "forced": {k: sorted(v) for k, v in loop.forced.items()}}
 
     def finish(self, run_id: str | None = None, timeout: float = 300.0) -> dict:
         """The job ends: persist the newest step every local rank holds when it is not
@@ -281,26 +245,26 @@ class FlashPersister(ReplicaMixin, PersistMixin):
         under ``not_committed`` (and logged) with the reason."""
         flushed: dict[str, int] = {}
         with self._lock:
-            roles = sorted({ro for ro, _ in self._regs})
-            for role in roles:
-                regs = [r for (ro, _), r in self._regs.items() if ro == role]
-                common = self._common_steps(regs)
+            for role in self.ranks.roles():
+                regs = self.ranks.of_role(role)
+                common = self.ranks.common_steps(regs)
                 newest = storage.newest_committed(regs[0].dir)
                 if common and (newest is None or max(common) > newest):
                     flushed[role] = max(common)
-                    self._forced.setdefault(role, set()).add(max(common))
-        self._wake.set()
+                    self.loop.force(role, max(common))
+        self.loop.thread.wake()
         deadline = time.monotonic() + timeout
         incomplete_since: float | None = None
         left: list[tuple[str, int]] = []
-        while flushed and time.monotonic() < deadline and self._thread.is_alive():
+        while flushed and time.monotonic() < deadline and self.loop.thread.alive():
             with self._lock:
-                left = [(ro, st) for ro, st in flushed.items() if self._needs_persist(ro, st)]
-                waiting = [(ro, st) for ro, st in left if not self._written_here(ro, st)]
+                left = [(ro, st) for ro, st in flushed.items() if self.ranks.needs_persist(ro, st)]
+                waiting = [(ro, st) for ro, st in left if not self.ranks.written_here(ro, st)]
             if not left:
                 break
-            if waiting or self.failures.state() or any(
-                    storage.committable(self._reg_of(ro).dir, st, self._reg_of(ro).world_size)
+            if waiting or self.loop.failures.state() or any(
+                    storage.committable(self.ranks.reg_of(ro).dir, st,
+                                        self.ranks.reg_of(ro).world_size)
                     for ro, st in left):
                 incomplete_since = None  # writing, failing (backing off) or committing
             elif incomplete_since is None:
@@ -308,16 +272,15 @@ class FlashPersister(ReplicaMixin, PersistMixin):
             elif time.monotonic() - incomplete_since > FINISH_GRACE_S:
                 break  # written here; the other nodes' ranks do not come
             time.sleep(0.05)
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+        self.sender.thread.end(timeout=0)
+        self.loop.thread.end(timeout=max(1.0, deadline - time.monotonic()))
         not_committed = []
         with self._lock:
             for role, step in sorted(flushed.items()):
-                if not self._needs_persist(role, step):
+                if not self.ranks.needs_persist(role, step):
                     continue
-                reg = self._reg_of(role)
-                failing = self.failures.state()
+                reg = self.ranks.reg_of(role)
+                failing = self.loop.failures.state()
                 have = len([m for m in storage.read_markers(storage.tmp_dir(reg.dir, step))
                             if m.get("step") == step])
                 reason = (f"persisting fails since {time.ctime(failing['since'])}: "
@@ -327,11 +290,8 @@ class FlashPersister(ReplicaMixin, PersistMixin):
                                       "reason": reason})
                 log.error("flash checkpoint step %d of %s was not committed at the job's "
                           "end: %s", step, role, reason)
-            shm_dirs = {r.shm_dir for r in self._regs.values()} or {DEFAULT_SHM_DIR}
-            for seg in list(self._segs.values()) + self._retired:
-                seg.close()
-            self._segs.clear()
-            self._retired.clear()
+            shm_dirs = {r.shm_dir for r in self.ranks.regs.values()} or {DEFAULT_SHM_DIR}
+            self.ranks.close_all()
         removed: list[str] = []
         kept: list[dict] = []
         for d in sorted(shm_dirs):
@@ -339,15 +299,7 @@ class FlashPersister(ReplicaMixin, PersistMixin):
                                           keep_unpersisted=True, kept=kept)
         return {"flushed": flushed, "not_committed": not_committed, "removed": removed,
                 "not_persisted": kept, "shm_dirs": sorted(shm_dirs),
-                "errors": list(self.errors), "failing": self.failures.state()}
-
-    def _reg_of(self, role: str) -> Registration:
-        return next(r for (ro, _), r in self._regs.items() if ro == role)
-
-    def _written_here(self, role: str, step: int) -> bool:
-        """Whether every local rank's save of ``step`` is written (or committed)."""
-        regs = [r for (ro, _), r in self._regs.items() if ro == role]
-        return self._pending(regs, step) in ([], None)
+                "errors": list(self.loop.errors), "failing": self.loop.failures.state()}
 
 
 def remote_class() -> Any:

@@ -1,12 +1,20 @@
-"""The work loop of the per-node persister (a mixin of :class:`.persister.FlashPersister`):
-pick the next step, claim its slots, write the local ranks' files, release, commit.
+"""The persist loop of the per-node persister (:class:`PersistLoop`), in the
+persister actor's process: pick the next step, claim its slots, write the local
+ranks' files, release, commit (:class:`.committer.Committer`). Imports no torch.
+
+It owns the ``flash-persister`` thread (one persist at a time per node), the steps
+forced ahead of the schedule (breakpoint, ``wait()``, job end), the persist in
+progress, the history, the errors and the failure state (:mod:`.failures`). It
+claims the slots of the :class:`.node_ranks.NodeRanks` (PERSISTING) under each
+buffer's header lock and writes the step's files (:func:`.storage.write_shard`);
+its bookkeeping is guarded by the lock of the ``NodeRanks``.
 
 Order: per role, the steps that every local rank holds in a READY slot, not yet
 written, and due (``persist_every_steps``) or forced (breakpoint, ``wait()``, job
 end); forced steps first, then steps another node already started, then the newest.
 When nothing is to be written, the commit of a step whose files are written but not
 committed (another node's ranks came later, or a commit was interrupted: a kill,
-``ENOSPC``, a lock lost) is tried again (:meth:`PersistMixin._commit_candidates`).
+``ENOSPC``, a lock lost) is tried again (:meth:`.committer.Committer.candidates`).
 
 A save counts as persisted (``persisted_seq``) only once its step (or a newer one of
 the lineage) is committed; a save whose files are in the temp directory (a marker, or
@@ -17,13 +25,16 @@ retried after a backoff (:mod:`.failures`); the status says that persisting fail
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import traceback
 
 from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_plugin_flashckpt import shm, storage
 from dlrover_plugin_flashckpt.failures import PersistFailures
+from dlrover_plugin_flashckpt.loopthread import LoopThread
+
+from dlrover_plugin_flashckpt.committer import Committer
+from dlrover_plugin_flashckpt.node_ranks import NodeRanks
 
 # re-exported: the persister and the tests reach the registration through this module
 from dlrover_plugin_flashckpt.registration import (  # noqa: F401
@@ -40,113 +51,48 @@ declare("flash.persist.claim", "state", "persist",
         "the persister marked a rank's slot PERSISTING (claimed it)")
 declare("flash.persist.release", "state", "persist",
         "the persister gave a claimed slot back (READY, its files written or not)")
-declare("flash.persist.committed", "state", "persist",
-        "the persister marked a save persisted: its step (or a newer one) is committed")
 
 
-class PersistMixin:
-    """The persist loop and the slot claims of :class:`.persister.FlashPersister` (which
-    provides the registrations, the locks and events, and the history)."""
+class PersistLoop:
+    """The persist loop of one node (see the module docstring).
 
-    # provided by FlashPersister
-    job: str
-    pid: int
-    start: int
-    _lock: threading.RLock
-    _wake: threading.Event
-    _stop: threading.Event
-    _regs: dict[tuple[str, int], Registration]
-    _segs: dict[str, shm.Segment]
-    _retired: list[shm.Segment]
-    _forced: dict[str, set[int]]
-    _committing: set[str]
-    current: dict | None
-    history: list[dict]
-    errors: list[str]
-    failures: PersistFailures
+    Args:
+        ranks: the node's registrations and buffers (and the lock).
+    """
 
-    def _seg(self, path: str) -> shm.Segment | None:
-        seg = self._segs.get(path)
-        if seg is not None and seg.replaced():
-            self._retired.append(self._segs.pop(path))
-            seg = None
-        if seg is None:
-            seg = shm.Segment.attach(path)
-            if seg is not None:
-                self._segs[path] = seg
-        return seg
+    def __init__(self, ranks: NodeRanks) -> None:
+        self.ranks = ranks
+        self.pid, self.start = ranks.pid, ranks.start
+        self._lock = ranks.lock
+        #: role -> steps persisted next, whether due or not
+        self.forced: dict[str, set[int]] = {}
+        #: the persist in progress: role, step, rank, bytes, total
+        self.current: dict | None = None
+        #: finished persists (the last 50)
+        self.history: list[dict] = []
+        #: the last 20 errors
+        self.errors: list[str] = []
+        #: failures in a row of the persist loop, and its backoff
+        self.failures = PersistFailures()
+        self.committer = Committer(ranks, self.failures, self._failed, self._landed)
+        #: the ``flash-persister`` thread (woken by a save, a forced step)
+        self.thread = LoopThread("flash-persister", self._loop)
 
-    def _stamp(self, seg: shm.Segment) -> None:
-        """Record this process as the buffer's persister (for staleness and claims)."""
-        h = seg.read_header()
-        if (h.persister_pid, h.persister_start) != (self.pid, self.start):
-            with seg.locked():
-                h = seg.read_header()
-                h.persister_pid, h.persister_start = self.pid, self.start
-                seg.write_header(h)
+    def force(self, role: str, step: int) -> None:
+        """Persist ``step`` of ``role`` next, even when not due (call under the lock)."""
+        self.forced.setdefault(role, set()).add(step)
 
-    def _rank_steps(self, r: Registration, pending_only: bool
-                    ) -> dict[int, tuple[shm.Segment, shm.Header]]:
-        out: dict[int, tuple[shm.Segment, shm.Header]] = {}
-        for path in r.slots:
-            seg = self._seg(path)
-            if seg is None:
-                continue
-            h = seg.read_header()
-            if not shm.holds_step(h):
-                continue
-            # a slot's name has no world size: after a resize, this rank's buffers
-            # still hold the saves of the old world (another rank's shard of another
-            # layout); they are only read by a resharding load, never persisted or
-            # replicated as this registration's
-            if h.rank != r.rank or h.world_size != r.world_size:
-                continue
-            if pending_only and h.persisted_seq == h.seq:
-                continue
-            if h.step not in out or out[h.step][1].seq < h.seq:
-                out[h.step] = (seg, h)
-        return out
+    def _landed(self, role: str, step: int) -> None:
+        self.forced.get(role, set()).discard(step)
 
-    def _common_steps(self, regs: list[Registration], pending_only: bool = False) -> set[int]:
-        common: set[int] | None = None
-        for r in regs:
-            steps = set(self._rank_steps(r, pending_only))
-            common = steps if common is None else common & steps
-        return common or set()
-
-    def _pending(self, regs: list[Registration], step: int) -> list[shm.Header] | None:
-        """Headers of the local ranks whose save of ``step`` is neither committed nor
-        written into the step's temp directory, or ``None`` when some local rank does
-        not hold ``step``."""
-        out = []
-        written: set | None = None
-        for r in regs:
-            found = self._rank_steps(r, pending_only=False).get(step)
-            if found is None:
-                return None
-            h = found[1]
-            if h.persisted_seq == h.seq:
-                continue
-            if written is None:
-                written = storage.written_saves(r.dir, step)
-            if (r.rank, h.seq, h.saved_at) not in written:
-                out.append(h)
-        return out
-
-    def _needs_persist(self, role: str, step: int) -> bool:
-        """Whether ``step`` of ``role`` is not committed yet."""
-        regs = [r for (ro, _), r in self._regs.items() if ro == role]
-        newest = storage.newest_committed(regs[0].dir) if regs else None
-        return newest is None or newest < step
-
-    def _claim(self, role: str, step: int) -> list[Claim]:
+    def claim(self, role: str, step: int) -> list[Claim]:
         """Mark every local rank's slot holding ``step`` PERSISTING; all or nothing."""
-        regs = sorted((r for (ro, _), r in self._regs.items() if ro == role),
+        regs = sorted(self.ranks.of_role(role),
                       key=lambda r: r.rank)
         claims: list[Claim] = []
         written = storage.written_saves(regs[0].dir, step) if regs else set()
         for r in regs:
-            found = self._rank_steps(r, pending_only=True).get(step)
+            found = self.ranks.rank_steps(r, pending_only=True).get(step)
             if found is None or (r.rank, found[1].seq, found[1].saved_at) in written:
                 continue
             seg, _ = found
@@ -167,7 +113,7 @@ class PersistMixin:
     def _release(self, claims: list[Claim], results: dict[int, dict]) -> None:
         """Give the claimed slots back (READY); for those written (``results``), the
         data crc32 is recorded (``crc_seq``); they count as persisted only once the
-        step is committed (:meth:`_retire_obsolete`)."""
+        step is committed (:meth:`.committer.Committer.retire`)."""
         for c in claims:
             with c.seg.locked():
                 h = c.seg.read_header()
@@ -181,43 +127,22 @@ class PersistMixin:
                 c.seg.write_header(h)
                 crashpoint("flash.persist.release", path=c.seg.path)
 
-    def _retire_obsolete(self, regs: list[Registration], newest: int | None) -> None:
-        """Mark saves at or below the newest committed step as persisted: that step
-        is on disk, or they will never be written, and a save must not keep them as
-        "waiting for the disk"."""
-        if newest is None:
-            return
-        for r in regs:
-            for path in r.slots:
-                seg = self._seg(path)
-                if seg is None:
-                    continue
-                h = seg.read_header()
-                if h.state != shm.READY or h.persisted_seq == h.seq or h.step > newest:
-                    continue
-                with seg.locked():
-                    h = seg.read_header()
-                    if h.state == shm.READY and h.step <= newest:
-                        h.persisted_seq = h.seq
-                        seg.write_header(h)
-                        crashpoint("flash.persist.committed", path=seg.path)
-
     def _pick(self) -> tuple[str, int] | None:
         """The next (role, step) to persist, or ``None``."""
-        roles = sorted({ro for ro, _ in self._regs})
+        roles = self.ranks.roles()
         best: tuple[tuple, str, int] | None = None
         for role in roles:
-            regs = [r for (ro, _), r in self._regs.items() if ro == role]
+            regs = self.ranks.of_role(role)
             newest = storage.newest_committed(regs[0].dir)
-            self._retire_obsolete(regs, newest)
-            forced = self._forced.get(role, set())
+            self.committer.retire(regs, newest)
+            forced = self.forced.get(role, set())
             if newest is not None:
                 forced.difference_update({s for s in forced if s <= newest})
             started = set(storage.pending_tmp_steps(regs[0].dir))
-            for step in self._common_steps(regs):
+            for step in self.ranks.common_steps(regs):
                 if newest is not None and step <= newest:
                     continue
-                pending = self._pending(regs, step)
+                pending = self.ranks.pending(regs, step)
                 if not pending:
                     continue
                 if not (all(h.due for h in pending) or step in forced):
@@ -228,23 +153,19 @@ class PersistMixin:
         return None if best is None else (best[1], best[2])
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.failures.wait_s(POLL_S))
-            self._wake.clear()
+        while not self.thread.stopping:
+            self.thread.pause(self.failures.wait_s(POLL_S))
             if not self.failures.due():
                 continue  # backing off after a failure: a save's wake-up is no retry
             try:
-                with self._lock:
-                    for seg in self._retired:
-                        seg.close()
-                    self._retired.clear()
-                while not self._stop.is_set() and self.failures.due() \
+                self.ranks.close_retired()
+                while not self.thread.stopping and self.failures.due() \
                         and self._persist_one():
                     pass
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
                 self._failed("the persister loop", exc, traceback.format_exc(limit=5))
 
-    def _error(self, msg: str) -> None:
+    def error(self, msg: str) -> None:
         log.error(msg)
         with self._lock:
             self.errors.append(msg)
@@ -263,9 +184,9 @@ class PersistMixin:
     def _release_other_claims(self, keep: tuple[str, int] | None) -> None:
         """Give back this process's claims except those on ``keep`` (role, step): a
         breakpoint claim whose step got committed elsewhere must not pin a slot."""
-        for r in list(self._regs.values()):
+        for r in list(self.ranks.regs.values()):
             for path in r.slots:
-                seg = self._seg(path)
+                seg = self.ranks.seg(path)
                 if seg is None:
                     continue
                 h = seg.read_header()
@@ -287,17 +208,17 @@ class PersistMixin:
             picked = self._pick()
             self._release_other_claims(picked)
             if picked is None:
-                todo = self._commit_candidates()
+                todo = self.committer.candidates()
             else:
                 role, step = picked
-                claims = self._claim(role, step)
-                regs = {r.rank: r for (ro, _), r in self._regs.items() if ro == role}
+                claims = self.claim(role, step)
+                regs = {r.rank: r for r in self.ranks.of_role(role)}
         if picked is None:
             for c in todo:
-                done = self._commit(*c)
+                done = self.committer.commit(*c)
                 if done is not False:
                     return bool(done)  # landed: go on; failed (None): back off
-            self._check_recovered()
+            self.committer.check_recovered()
             return False
         if not claims:
             return False
@@ -334,66 +255,10 @@ class PersistMixin:
                 self.current = None
         committed = None
         if len(results) == len(claims):
-            committed = self._commit(role, step, first, attempts[0])
+            committed = self.committer.commit(role, step, first, attempts[0])
         with self._lock:
             self.history.append({"role": role, "step": step, "ranks": sorted(results),
                                  "committed": bool(committed),
                                  "seconds": round(time.monotonic() - t0, 4)})
             del self.history[:-50]
         return committed is not None
-
-    def _commit(self, role: str, step: int, reg: Registration,
-                attempt: dict | None) -> bool | None:
-        """Try the commit of ``step`` (``attempt``'s files, or an interrupted commit);
-        True when it landed now, False when it cannot yet (ranks missing, another
-        committer), ``None`` when it failed (recorded, backing off)."""
-        with self._lock:  # a flush waits for the rename, ``latest`` and the prune
-            self._committing.add(reg.dir)
-        try:
-            storage.finish_tail(reg.dir, reg.keep)
-            committed = storage.try_commit(reg.dir, step, reg.world_size, reg.keep,
-                                           attempt=attempt, markers=attempt is not None)
-        except Exception as exc:  # noqa: BLE001
-            self._failed(f"committing {role} step {step}", exc, where=(reg.dir, step))
-            return None
-        finally:
-            with self._lock:
-                self._committing.discard(reg.dir)
-        newest = storage.newest_committed(reg.dir)
-        if newest is not None and newest >= step:
-            self.failures.succeeded()
-            with self._lock:
-                self._forced.get(role, set()).discard(step)
-                self._retire_obsolete([r for (ro, _), r in self._regs.items() if ro == role],
-                                      newest)
-        return committed
-
-    def _commit_candidates(self) -> list[tuple[str, int, Registration, dict | None]]:
-        """Steps newer than the newest commit whose local files are all written, and
-        temp directories holding an interrupted commit's intent; newest first."""
-        out = []
-        for role in sorted({ro for ro, _ in self._regs}):
-            regs = [r for (ro, _), r in self._regs.items() if ro == role]
-            newest = storage.newest_committed(regs[0].dir)
-            found: dict[int, dict | None] = {}
-            for step in sorted(self._common_steps(regs), reverse=True):
-                if (newest is None or step > newest) and self._pending(regs, step) == []:
-                    seg, h = self._rank_steps(regs[0], pending_only=False)[step]
-                    found[step] = save_attempt(seg.meta_bytes(h), regs[0])
-            for step in storage.pending_tmp_steps(regs[0].dir):  # an intent: finish it
-                if (newest is None or step > newest) and step not in found and \
-                        storage.read_intent(storage.tmp_dir(regs[0].dir, step)) is not None:
-                    found[step] = None
-            if not found and storage.tail_pending(regs[0].dir, newest):
-                found[newest] = None  # a crash stopped a commit after its move
-            out += [(role, s, regs[0], found[s]) for s in sorted(found, reverse=True)]
-        return out
-
-    def _check_recovered(self) -> None:
-        """End the failing state when the step that failed is committed now."""
-        failing = self.failures.state()
-        if failing is None or failing.get("dir") is None:
-            return
-        newest = storage.newest_committed(failing["dir"])
-        if newest is not None and newest >= failing["step"]:
-            self.failures.succeeded()

@@ -1,15 +1,19 @@
-"""Loading a save of another world size or layout (a mixin of
-:class:`.saver.FlashSaver`, used by :mod:`.loading`): find the complete saves in this
-node's buffers of any world size (the ranks' own slots and the replicas this node
-holds), and restore one resharded (:mod:`.reshard`) from every saved rank's buffer or
-data file.
+"""The resharding part of a load of :class:`.saver.FlashSaver` (:class:`Relayout`,
+used by the :class:`.loading.Loader`): find the complete saves in this node's buffers
+of any world size (the ranks' own slots and the replicas this node holds), and
+restore one resharded (:mod:`.reshard`) from every saved rank's buffer or data file.
+
+It owns no buffer: it maps the buffers it reads for the length of one restore (read
+only, checked against their sequence numbers afterwards) and opens the step's data
+files. It runs in the training thread; its reads run in the pool of
+:func:`.reader.read_pool`.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Callable
 
 from dlrover_core.checkpoint.manifest import CorruptCheckpointError
 from dlrover_core.checkpoint.saver import step_dir_name
@@ -23,18 +27,22 @@ from dlrover_plugin_flashckpt.reshard import RankSource, restore_resharded
 _SLOT_RE = re.compile(r"-r\d{5}-s\d+$")
 
 
-class RelayoutMixin:
-    """Restores of another world size or layout for :class:`.saver.FlashSaver` (which
-    provides the rank, the options and :meth:`_all_ok`, the collective check)."""
+class Relayout:
+    """Restores of another world size or layout (see the module docstring).
 
-    # provided by FlashSaver
-    rank: int
-    world_size: int
-    job: str
-    dir: str
-    opts: Any
+    Args:
+        job, directory, shm_dir: whose buffers, and where they are.
+        rank, world_size: this rank.
+        all_ok: the collective check of every rank's error (:meth:`.group.RankGroup.all_ok`).
+    """
 
-    def _node_saves(self) -> dict[int, dict[tuple[int, str], dict[int, str]]]:
+    def __init__(self, job: str, directory: str, shm_dir: str, rank: int, world_size: int,
+                 all_ok: Callable[[BaseException | None], list[str]]) -> None:
+        self.job, self.dir, self.shm_dir = job, directory, shm_dir
+        self.rank, self.world_size = rank, world_size
+        self._all_ok = all_ok
+
+    def node_saves(self) -> dict[int, dict[tuple[int, str], dict[int, str]]]:
         """Complete saves in this node's buffers of :attr:`dir`, of any world size:
         ``{saved world size: {(step, attempt tag): {saved rank: buffer path}}}`` (saves
         that every saved rank of one attempt holds here). The buffers are the ranks' own
@@ -54,7 +62,7 @@ class RelayoutMixin:
             return bool(_SLOT_RE.search(name)) or bool(rep and holder and rep[2] == holder)
 
         found: dict[int, dict[tuple[int, str], dict[int, tuple[int, str]]]] = {}
-        for path, h in folder_buffers(self.opts.shm_dir, self.job, self.dir, here):
+        for path, h in folder_buffers(self.shm_dir, self.job, self.dir, here):
             if not shm.holds_step(h):
                 continue
             key = (h.step, buffer_tag_at(path, h))
@@ -65,23 +73,24 @@ class RelayoutMixin:
                 if (full := {k: {r: p for r, (_, p) in ranks.items()}
                              for k, ranks in saves.items() if len(ranks) == world})}
 
-    def _other_world_steps(self) -> tuple[int, dict[tuple[int, str], dict[int, str]]]:
+    def other_world_steps(self) -> tuple[int, dict[tuple[int, str], dict[int, str]]]:
         """The complete saves of another world size in this node's buffers:
         ``(saved world size, {(step, attempt tag): {saved rank: buffer path}})`` of the
         world size with the newest step (0 and ``{}`` when none)."""
         best: tuple[int, dict[tuple[int, str], dict[int, str]]] = (0, {})
-        for world, full in self._node_saves().items():
+        for world, full in self.node_saves().items():
             if world != self.world_size and (not best[1] or max(full) > max(best[1])):
                 best = (world, full)
         return best
 
-    def _relayout(self, state_dict: dict, step: int, where: str,
+    def relayout(self, state_dict: dict, step: int, where: str,
                   errors: list[str], tag: str | None = None) -> bool:
         """After every rank failed to load ``step`` in place and one of them with a
         ``LayoutError`` (same world size, another layout: TP=2 -> TP=1 x DP=2), restore
         it resharded from every saved rank's buffer on this node of the save of attempt
-        ``tag`` (``where="memory"``) or data file (``"disk"``). Collective: every rank calls it. Returns whether all
-        ranks did (``False``: a buffer or file is not here or is damaged).
+        ``tag`` (``where="memory"``) or data file (``"disk"``). Collective: every rank
+        calls it. Returns whether all ranks did (``False``: a buffer or file is not here
+        or is damaged).
 
         Raises:
             LayoutError: the saved state cannot be placed into the live one at all
@@ -92,7 +101,7 @@ class RelayoutMixin:
         err: BaseException | None = None
         try:
             if where == "memory":
-                paths = self._node_saves().get(self.world_size, {}).get((step, tag or ""))
+                paths = self.node_saves().get(self.world_size, {}).get((step, tag or ""))
                 if paths is None:
                     raise FileNotFoundError(
                         f"step {step} has another layout and not every saved rank's flash "
@@ -101,7 +110,7 @@ class RelayoutMixin:
                 step_dir = os.path.join(self.dir, step_dir_name(step))
                 paths = {r: os.path.join(step_dir, storage.rank_files(r)[0])
                          for r in range(self.world_size)}
-            self._load_other_world(state_dict, step, paths, where=where)
+            self.load_other_world(state_dict, step, paths, where=where)
         except (TornRead, CorruptCheckpointError, OSError, ValueError) as exc:
             err = exc
         again = self._all_ok(err)
@@ -111,7 +120,7 @@ class RelayoutMixin:
             raise layout.LayoutError("; ".join(errors + again))
         return False
 
-    def _load_other_world(self, state_dict: dict, step: int, paths: dict[int, str],
+    def load_other_world(self, state_dict: dict, step: int, paths: dict[int, str],
                           where: str) -> None:
         """Restore ``step`` saved by ``len(paths)`` ranks (buffer or data-file paths by
         saved rank) into this rank of another world size (:mod:`.reshard`)."""

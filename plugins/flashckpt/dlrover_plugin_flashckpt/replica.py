@@ -18,16 +18,21 @@ connection to the holder's persister, which receives it straight into its buffer
 overwrote it) the replica is dropped, never marked READY. When the TCP path fails
 (no connection: a firewall between the nodes), the source puts the data area into
 the Ray object store instead and the holder copies it out after Ray's object
-transfer (``transport`` in :meth:`ReplicaMixin.replica_status`'s history says which).
+transfer (``transport`` in :meth:`ReplicaSender.status`'s history says which).
 A trainer reads a replica by path on its own node, else through the holder's
-persister (:meth:`read_replica`, a Ray object; :mod:`.replica_loading`).
+persister (:meth:`ReplicaHolder.read`, a Ray object; :mod:`.replica_loading`).
+
+Parts, both in the persister actor's process: :class:`ReplicaSender` owns the
+``flash-replicate`` thread and the record of what it replicated (it reads this node's
+slots through the :class:`.node_ranks.NodeRanks`, never writes them);
+:class:`ReplicaHolder` owns nothing but the replica buffers it writes (:func:`store`,
+in the actor's call threads) and checks every path a caller names.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import traceback
 import zlib
@@ -35,6 +40,8 @@ from typing import Any, Callable
 
 from dlrover_plugin_flashckpt import shm
 from dlrover_plugin_flashckpt.handles import alive_nodes
+from dlrover_plugin_flashckpt.loopthread import LoopThread
+from dlrover_plugin_flashckpt.node_ranks import NodeRanks
 from dlrover_plugin_flashckpt.persisting import POLL_S
 from dlrover_plugin_flashckpt.replica_buffers import (  # noqa: F401 - re-exported
     buffer_tag_at,
@@ -138,25 +145,18 @@ def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dic
                 s.close()
 
 
-class ReplicaMixin:
-    """The replica side of :class:`.persister.FlashPersister` (which provides the
-    registrations, the locks, the allowed directories and :meth:`_peer`, the persister
-    actor of another node): hold, list and hand out replicas of other nodes' saves, and
-    copy this node's newest saves to the peer node in a background thread."""
+class ReplicaHolder:
+    """The holder side (see the module docstring): hold, list and hand out replicas
+    of other nodes' saves.
 
-    # provided by FlashPersister
-    job: str
-    session: str
-    node_id: str
-    _lock: threading.RLock
-    _stop: threading.Event
-    _repl_wake: threading.Event
-    _regs: dict[tuple[str, int], Any]
-    _replicated: dict[tuple[str, int], tuple[int, int]]
-    _ray_only_peers: set[str]
-    replica_history: list[dict]
-    # and the methods _peer, _allowed_shm_dir, _allowed_dir (FlashPersister),
-    # _rank_steps and _error (PersistMixin)
+    Args:
+        ranks: this node's registrations (they say which directories are allowed).
+        job, session, node_id: this persister's.
+    """
+
+    def __init__(self, ranks: NodeRanks, job: str, session: str, node_id: str) -> None:
+        self.ranks = ranks
+        self.job, self.session, self.node_id = job, session, node_id
 
     def _allowed_replica(self, path: str) -> str:
         """``path`` when it names a replica buffer of this job in an allowed shared-
@@ -166,7 +166,7 @@ class ReplicaMixin:
             ValueError: any other path."""
         name = os.path.basename(path) if isinstance(path, str) else ""
         try:
-            self._allowed_shm_dir(os.path.dirname(path))
+            self.ranks.allowed_shm_dir(os.path.dirname(path))
         except (ValueError, TypeError):
             raise ValueError(f"flash persister of job {self.job!r}: replica path {path!r} "
                              "is not in an allowed shared-memory directory") from None
@@ -180,13 +180,13 @@ class ReplicaMixin:
 
         Raises:
             ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's."""
-        self._allowed_dir(info.get("dir"))
-        self._allowed_shm_dir(info.get("shm_dir", "/dev/shm"))
+        self.ranks.allowed_dir(info.get("dir"))
+        self.ranks.allowed_shm_dir(info.get("shm_dir", "/dev/shm"))
         return {"job": self.job, "role": info.get("role", ""), "rank": info["rank"],
                 "world_size": info["world_size"], "dir": info["dir"], "session": self.session,
                 "run_id": info.get("run_id", ""), "replica_of": info.get("source", "")}
 
-    def store_replica(self, info: dict, data: Any) -> str:
+    def store(self, info: dict, data: Any) -> str:
         """Hold a replica of another node's save (called by that node's persister;
         ``data`` arrives through Ray's object transfer). Returns the buffer name.
 
@@ -196,7 +196,7 @@ class ReplicaMixin:
         return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
                      data, ident)  # type: ignore[return-value]
 
-    def pull_replica(self, info: dict, addr: tuple[str, int], token: bytes) -> str | None:
+    def pull(self, info: dict, addr: tuple[str, int], token: bytes) -> str | None:
         """Hold a replica of another node's save, received over TCP from that node's
         persister listening at ``addr`` (:mod:`.replica_stream`) straight into the
         buffer. Returns the buffer name, or ``None`` when the source's slot changed
@@ -212,16 +212,16 @@ class ReplicaMixin:
         return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info, None,
                      ident, fill=lambda dst: receive(where, bytes(token), dst))
 
-    def replicas(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
+    def listed(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
         """Replicas of ``directory`` held on this node: ``{"node_id", "held": [{"name",
         "path", "rank", "world_size", "step", "bytes"}]}``."""
         if not isinstance(directory, str) or not os.path.isabs(directory):
             raise ValueError(f"replicas: directory {directory!r} is not an absolute path")
-        self._allowed_shm_dir(shm_dir)  # listed; ``directory`` is only compared
+        self.ranks.allowed_shm_dir(shm_dir)  # listed; ``directory`` is only compared
         return {"node_id": self.node_id,
                 "held": held(shm_dir, self.job, directory, self.node_id)}
 
-    def read_replica(self, path: str, step: int) -> dict:
+    def read(self, path: str, step: int) -> dict:
         """The bytes of a replica held here (for a trainer on another node):
         ``{"meta", "data" (numpy uint8), "step"}``.
 
@@ -230,17 +230,43 @@ class ReplicaMixin:
                 buffer of this job."""
         return read(self._allowed_replica(path), step)
 
-    def replica_status(self) -> dict:
+
+
+class ReplicaSender:
+    """The sender side (see the module docstring): copy this node's newest saves to
+    the peer node, one at a time, in the ``flash-replicate`` thread.
+
+    Args:
+        ranks: this node's registrations and buffers.
+        node_id: this node.
+        peer: the persister actor of another node (created there when missing).
+        error: records an error.
+    """
+
+    def __init__(self, ranks: NodeRanks, node_id: str, peer: Callable[[str], Any],
+                 error: Callable[[str], None]) -> None:
+        self.ranks, self.node_id = ranks, node_id
+        self._peer, self._error = peer, error
+        self._lock = ranks.lock
+        #: (role, rank) -> (step, seq) of the last save replicated to the peer
+        self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
+        self._ray_only_peers: set[str] = set()   # peers the TCP replica path failed for
+        #: finished replications: role, rank, step, peer, bytes, seconds
+        self.history: list[dict] = []
+        #: the ``flash-replicate`` thread (woken by a registration asking for replicas)
+        self.thread = LoopThread("flash-replicate", self._replicate_loop)
+
+    def status(self) -> dict:
+        """``replicated`` (``"role-rank"`` -> (step, seq)) and ``history``."""
         with self._lock:
             return {"replicated": {f"{k[0]}-{k[1]}": v for k, v in self._replicated.items()},
-                    "history": list(self.replica_history)}
+                    "history": list(self.history)}
 
     def _replicate_loop(self) -> None:
-        while not self._stop.is_set():
-            self._repl_wake.wait(POLL_S * 4)
-            self._repl_wake.clear()
+        while not self.thread.stopping:
+            self.thread.pause(POLL_S * 4)
             try:
-                while not self._stop.is_set() and self._replicate_one():
+                while not self.thread.stopping and self._replicate_one():
                     pass
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
                 self._error(f"replication: {type(exc).__name__}: {exc}\n"
@@ -253,10 +279,10 @@ class ReplicaMixin:
 
         todo = None
         with self._lock:
-            for (role, rank), r in sorted(self._regs.items()):
+            for (role, rank), r in sorted(self.ranks.regs.items()):
                 if not r.replicas:
                     continue
-                steps = self._rank_steps(r, pending_only=False)
+                steps = self.ranks.rank_steps(r, pending_only=False)
                 if not steps:
                     continue
                 step = max(steps)
@@ -306,10 +332,10 @@ class ReplicaMixin:
             return True  # the newer save is replicated next
         with self._lock:
             self._replicated[(r.role, r.rank)] = (h.step, h.seq)
-            self.replica_history.append({"role": r.role, "rank": r.rank, "step": h.step,
+            self.history.append({"role": r.role, "rank": r.rank, "step": h.step,
                                          "peer": peer, "name": name, "bytes": h.data_len,
                                          "transport": transport,
                                          "seconds": round(time.monotonic() - t0, 4),
                                          "done_at": time.time()})
-            del self.replica_history[:-50]
+            del self.history[:-50]
         return True

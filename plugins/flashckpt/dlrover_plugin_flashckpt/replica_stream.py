@@ -12,7 +12,7 @@ Protocol (one connection per replica; the source listens, the holder connects, s
 only the source's port needs to be reachable):
 
 1. the source binds an ephemeral port on its node's IP and asks the holder's
-   persister to :meth:`pull <.replica.ReplicaMixin.pull_replica>` from it, with a
+   persister to :meth:`pull <.replica.ReplicaHolder.pull>` from it, with a
    16-byte random token;
 2. the holder connects and sends the token; the source compares it (a connection
    with another token is closed, the source keeps waiting until its deadline);

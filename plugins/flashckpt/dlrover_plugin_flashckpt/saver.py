@@ -1,5 +1,22 @@
 """``FlashSaver``: the ``flash`` checkpoint saver, in the training process.
 
+It is composed of parts, each an object with its own state (docs/architecture.md):
+
+- :class:`.slots.SlotPool` (``pool``): this rank's shared-memory buffers, their
+  mappings, views, page locks and lock, and the ``flash-reserve`` background thread
+  that lays them out and finds the persister;
+- :class:`.writer.SlotWriter` (``writer``): one save into a slot of the pool, with
+  its pinned staging buffers;
+- :class:`.group.RankGroup` (``group``): the gather of the role's ranks (a process
+  group, else the gather board actor); :class:`.group.Attempts` (``attempts``): the
+  attempt every save names, agreed at a load, written as the lineage at the first save;
+- :class:`.loading.Loader` (``loader``): choose the step with the other ranks, read it
+  (own slot, :class:`.replica_loading.ReplicaSource`, :class:`.relayout.Relayout`,
+  disk).
+
+The saver itself owns the persister's handle and the records of the last save and
+load. Every part runs in the training thread except the pool's background thread.
+
 Save (blocking only for the copy):
 
 0. before the first save, a background thread finds the node's persister and lays
@@ -34,32 +51,26 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import threading
 import time
-import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
-from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_core.spec.errors import SpecError
-from dlrover_plugin_flashckpt import layout, shm, staging, storage
-from dlrover_plugin_flashckpt.loading import LoadingMixin
+from dlrover_plugin_flashckpt import layout, shm, storage
+from dlrover_plugin_flashckpt.group import Attempts, RankGroup
+from dlrover_plugin_flashckpt.loading import Loader
 from dlrover_plugin_flashckpt.meta import pack_meta
 from dlrover_plugin_flashckpt.options import FlashOptions, local_dir
-from dlrover_plugin_flashckpt.slots import META_MIN, SlotsMixin
+from dlrover_plugin_flashckpt.relayout import Relayout
+from dlrover_plugin_flashckpt.replica_loading import ReplicaSource
+from dlrover_plugin_flashckpt.slots import META_MIN, SlotPool
+from dlrover_plugin_flashckpt.writer import SlotWriter
 
 log = logging.getLogger(__name__)
 
-declare("flash.save.copied", "state", "save",
-        "the state is copied into the WRITING slot; its meta block is not written yet")
-declare("flash.save.ready", "state", "save", "the slot is about to be marked READY")
 
-#: seconds a rank without a process group waits for the others at a load's gather
-GATHER_TIMEOUT_S = 60.0
-
-
-class FlashSaver(LoadingMixin, SlotsMixin, Saver):
+class FlashSaver(Saver):
     """The ``flash`` saver (see the module docstring).
 
     Args:
@@ -89,99 +100,70 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
 
         record_shm_dir(self.job, self.opts.shm_dir)  # for `dlrover delete` on this machine
         self.rank, self.world_size = context.rank, context.world_size
-        self.paths = [os.path.join(self.opts.shm_dir,
-                                   shm.slot_name(self.job, self.dir, self.rank, s))
-                      for s in range(self.opts.slots)]
-        self._segs: list[shm.Segment | None] = [None] * self.opts.slots
-        #: slot -> (layout signature, segment, tensor views into it)
-        self._views: dict[int, tuple[bytes, shm.Segment, list[Any]]] = {}
-        self._pinned: list[Any] = []
-        self._pinned_segs: list[int] = []
-        self._staging = staging.HostStaging()
-        self._data_len = 0
-        self._persister: Any = None
-        #: one background thread: finds the persister, lays out the buffers
-        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-reserve")
-        self._reserving: Future | None = None
-        self._growing = False
-        self._closing = threading.Event()
-        #: held by a save, and by the background thread while it swaps a buffer in
-        self._lock = threading.RLock()
-        self._persister_future: Future | None = None
-        #: ``{"data_bytes", "meta_bytes", "seconds"}`` of the last finished reservation
-        self.last_reserve: dict = {}
-        self._notified: Any = None
+        paths = [os.path.join(self.opts.shm_dir,
+                              shm.slot_name(self.job, self.dir, self.rank, s))
+                 for s in range(self.opts.slots)]
         self._run_id: str | None = None
-        #: gather board and round of ranks without a process group (``_gather``)
-        self._board: Any = None
-        self._gather_round = 0
-        self._newest_saved: int | None = None
-        #: this incarnation's attempt (storage.make_attempt), set by load() or the
-        #: first save; every save's meta block names it
-        self._attempt: dict | None = None
-        self._next_attempt: tuple[dict, int | None] | None = None
+        # the parts (docs/architecture.md, "The flash saver")
+        self.pool = SlotPool(self.opts, paths, self.rank, self.world_size, self.dir,
+                             context.role, self._ident)
+        self.writer = SlotWriter(self.pool)
+        self.group = RankGroup(self.job, self.dir, self.rank, self.world_size,
+                               context.distributed)
+        self.attempts = Attempts(self.group, lambda: self._ident()["run_id"])
+        self.loader = Loader(
+            self.pool, self.group,
+            ReplicaSource(self.job, self.dir, self.opts.shm_dir, self.rank, self.world_size)
+            if self.opts.replicas else None,
+            Relayout(self.job, self.dir, self.opts.shm_dir, self.rank, self.world_size,
+                     self.group.all_ok), self.opts, self.dir)
+        self._persister: Any = None
+        self._persister_future: Future | None = None
+        self._notified: Any = None
         #: where the last :meth:`load` came from: ``memory``, ``disk`` or ``None``
         self.last_load_source: str | None = None
         #: ``{"step", "slot", "copy_s", "total_s", "bytes"}`` of the last save
         self.last_save: dict = {}
-        #: ``(step, reason)`` of skipped saves
-        self.skipped: list[tuple[int, str]] = []
         try:
             import ray
 
             if ray.is_initialized():  # found (or started) while the trainer sets up
-                self._persister_future = self._bg.submit(self._find_persister)
+                self._persister_future = self.pool.background(self._find_persister)
         except ImportError:
             pass
         if self.opts.reserve_mib:
             self.reserve(int(self.opts.reserve_mib * 2**20))
 
+    # ================================================================== the pool's
+    @property
+    def paths(self) -> list[str]:
+        """The paths of this rank's buffers, one per slot."""
+        return self.pool.paths
+
+    @property
+    def skipped(self) -> list[tuple[int, str]]:
+        """``(step, reason)`` of skipped saves."""
+        return self.pool.skipped
+
+    @property
+    def last_reserve(self) -> dict:
+        """``{"data_bytes", "meta_bytes", "seconds"}`` of the last finished reservation."""
+        return self.pool.last_reserve
+
+    def reserve(self, data_bytes: int, meta_bytes: int = META_MIN, wait: bool = False,
+                grow: bool = False) -> Future:
+        """:meth:`.slots.SlotPool.reserve`."""
+        return self.pool.reserve(data_bytes, meta_bytes, wait, grow)
+
+    def reserve_for(self, state_dict: dict, wait: bool = False) -> Future:
+        """:meth:`.slots.SlotPool.reserve_for`."""
+        return self.pool.reserve_for(state_dict, wait)
+
+    def wait_reserved(self) -> None:
+        """Block until the background layout of the buffers (if any) is done."""
+        self.pool.wait_reserved()
+
     # ================================================================== helpers
-    def _dist(self) -> Any:
-        if not self.context.distributed:
-            return None
-        import torch.distributed as dist
-
-        return dist if dist.is_available() and dist.is_initialized() else None
-
-    def _gather(self, obj: Any) -> list[Any]:
-        """``obj`` of every rank of the role, in rank order: ``all_gather_object`` with a
-        process group, else through the role's gather board (:mod:`.agreement`), so
-        ranks without a group still choose the same step at load. ``[obj]`` alone when
-        this is the only rank, or when the board cannot be reached or the others do
-        not post within ``GATHER_TIMEOUT_S`` (logged)."""
-        dist = self._dist()
-        if dist is not None:
-            out: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(out, obj)
-            return out
-        if self.world_size <= 1:
-            return [obj]
-        try:
-            import ray
-
-            from dlrover_plugin_flashckpt.agreement import board_for
-
-            if not ray.is_initialized():
-                raise RuntimeError("this process is not connected to Ray")
-            if self._board is None:
-                self._board = board_for(self.job, self.dir)
-            self._gather_round += 1
-            got = ray.get(self._board.gather.remote(self._gather_round, self.rank, obj,
-                                                    self.world_size, GATHER_TIMEOUT_S),
-                          timeout=GATHER_TIMEOUT_S + 30)
-        except Exception as exc:  # noqa: BLE001 - deciding alone is what it did before
-            self._board = None
-            log.warning("flash saver rank %d could not agree with the other ranks (%s: %s); "
-                        "it decides alone", self.rank, type(exc).__name__, exc)
-            return [obj]
-        if got is None:
-            log.warning("flash saver rank %d: not every rank of %d reached gather %d within "
-                        "%g s; it decides alone", self.rank, self.world_size,
-                        self._gather_round, GATHER_TIMEOUT_S)
-            return [obj]
-        return got
-
     def _ident(self) -> dict:
         from dlrover_plugin_flashckpt import hygiene
 
@@ -193,7 +175,7 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
 
     def _registration(self) -> dict:
         return {"role": self.context.role, "rank": self.rank, "world_size": self.world_size,
-                "dir": self.dir, "keep": self.config.keep, "slots": list(self.paths),
+                "dir": self.dir, "keep": self.config.keep, "slots": list(self.pool.paths),
                 "persist_every_steps": self.opts.persist_every_steps,
                 "throttle_mib_s": self.opts.throttle_mib_s, "run_id": self._run_id or "",
                 "shm_dir": self.opts.shm_dir, "replicas": self.opts.replicas,
@@ -267,88 +249,74 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
             raise ValueError(f"step {step!r} is invalid: use an integer >= 0")
         step = operator.index(step)
         t0 = time.perf_counter()
-        if not self._growing:  # the first layout: wait for it rather than do it twice
-            self._wait_reserve()
-        with self._lock:
+        if not self.pool.growing:  # the first layout: wait for it rather than do it twice
+            self.pool.wait_reserved()
+        with self.pool.lock:
             self._save(step, state_dict, t0)
 
     def _save(self, step: int, state_dict: dict, t0: float) -> None:
         table, sources, skeleton = layout.build_table(state_dict)
-        sig = layout.signature(table)
-        if self._attempt is None:  # the first save of this attempt
-            self._start_attempt()
-        assert self._attempt is not None
+        attempt = self.attempts.current
+        if attempt is None:  # the first save of this attempt
+            attempt = self.attempts.start()
         meta = pack_meta(step, table, skeleton,
-                                {"rank": self.rank, "world_size": self.world_size}) \
-            + storage.attempt_trailer(self._attempt)
-        data_len = layout.data_size(table)
+                         {"rank": self.rank, "world_size": self.world_size}) \
+            + storage.attempt_trailer(attempt)
         persister = self.persister()
-        due = self.opts.is_due(step)
-        picked = self._pick_slot(step, due)
-        if picked is None:
+        written = self.writer.write(step, table, sources, meta, self.opts.is_due(step))
+        if written is None:
             return
-        slot, before = picked
-        seg = self._segs[slot]
-        laid_out = seg is None or not self._fits(seg, data_len, len(meta))
-        if laid_out:
-            t_grow = time.perf_counter()
-            # room for a little growth, so that a slightly larger state does not pay again
-            try:
-                seg = self._ensure_slot(slot, data_len + data_len // 8,
-                                        2 * len(meta) + META_MIN, claimed=seg is not None)
-            except BaseException:
-                if seg is not None and before is not None:  # nothing was written into it
-                    self._unpick(slot, seg, before)
-                raise
-            if seg.read_header().state != shm.WRITING:  # a new buffer: claim it
-                with seg.locked():
-                    h = seg.read_header()
-                    h.state, h.seq = shm.WRITING, h.seq + 1
-                    h.writer_pid, h.writer_start = shm.my_identity()
-                    seg.write_header(h)
-            log.warning("flash save of step %d laid out buffer %d itself (%.2f s; %d bytes): "
-                        "%s; the others grow in the background. load() before the first "
-                        "save, or checkpoint.options.reserve_mib, avoids this", step, slot,
-                        time.perf_counter() - t_grow, data_len,
-                        "no buffer was reserved" if self._segs.count(None) + 1 >= len(
-                            self._segs) and not self.last_reserve else
-                        "the state outgrew the reserved buffer")
-        assert seg is not None
-        t1 = time.perf_counter()
-        views = self._views_for(slot, seg, table, sig)
-        if self._pin(sources):
-            # the buffers are page-locked: one DMA per tensor straight into shared
-            # memory (50-51 GiB/s on an H100, docs/flash-checkpoint.md)
-            for dst, src in zip(views, sources):
-                dst.copy_(src, non_blocking=True)
-            import torch
-
-            torch.cuda.synchronize()
-        else:
-            # CPU tensors directly; GPU tensors, when cudaHostRegister refused the
-            # buffers, through pinned staging buffers on a side stream
-            self._staging.copy(views, sources)
-        copy_s = time.perf_counter() - t1
-        crashpoint("flash.save.copied")
-        seg.write_meta(meta)
-        with seg.locked():
-            crashpoint("flash.save.ready")
-            h = seg.read_header()
-            h.step, h.state, h.due = step, shm.READY, int(due)
-            h.meta_len, h.meta_crc = len(meta), zlib.crc32(meta)
-            h.data_len, h.saved_at = data_len, time.time()
-            h.crc_seq, h.sig = 0, sig
-            seg.write_header(h)
-        self._newest_saved = step
-        self._data_len = data_len
         self._notified = persister.saved.remote(self._registration(), step)
-        self.last_save = {"step": step, "slot": slot, "copy_s": copy_s, "laid_out": laid_out,
-                          "total_s": time.perf_counter() - t0, "bytes": data_len}
-        if laid_out and self.opts.slots > 1:
-            fut = self._reserving
-            if fut is not None and not fut.done():  # an older growth: let it finish
-                return
-            self.reserve(data_len + data_len // 8, 2 * len(meta) + META_MIN, grow=True)
+        self.last_save = {"step": step, "slot": written["slot"], "copy_s": written["copy_s"],
+                          "laid_out": written["laid_out"], "total_s": time.perf_counter() - t0,
+                          "bytes": written["bytes"]}
+        if written["laid_out"] and self.opts.slots > 1 and not self.pool.reserving():
+            # the others grow in the background (an older growth: let it finish)
+            data_len = written["bytes"]
+            self.pool.reserve(data_len + data_len // 8, 2 * len(meta) + META_MIN, grow=True)
+
+    def load(self, state_dict: dict, step: int | None = None) -> int | None:
+        """Load the newest step (or ``step``) into ``state_dict`` in place: from shared
+        memory when every rank holds it (its own buffer, a replica in a peer's memory,
+        or every rank's buffer of another world size on this node), else from the
+        newest committed step on disk whose files match its manifest (resharded when
+        it was saved by another world size, or by this one in another layout, such as
+        TP=2 -> TP=1 x DP=2, when every saved rank's buffer or file is readable here).
+        Sets :attr:`last_load_source` (``memory``, ``replica``, ``memory-resharded``,
+        ``disk``, ``disk-resharded``).
+        Then reserves the buffers for this state in the background (first save at
+        steady speed).
+
+        A committed step whose files fail their check (size, crc32) is quarantined
+        (renamed ``step_<n>.corrupt``) and the next older one is tried. A load draws
+        a new attempt token shared by every rank; the first save after it makes it
+        the lineage of :attr:`dir` with the loaded step as its base (a load alone
+        changes nothing on disk but quarantines).
+
+        Returns the step, or ``None`` when there is none (no committed step and no
+        complete save in memory).
+        Raises:
+            LayoutError: the saved state does not fit the live one (another model or
+                world size), from memory and from disk alike.
+            CheckpointLoadError: saves exist but none loaded (``tried``: each step and
+                why); the live state may have been partly overwritten, so training
+                must not go on from it.
+        """
+        self.last_load_source = None
+        self.pool.wait_reserved()
+        try:
+            loaded, self.last_load_source = self.loader.load(state_dict, step)
+            self.attempts.agree(loaded)
+            return loaded
+        finally:
+            # the persister is looked up (or started: it removes stale buffers of dead
+            # jobs) in the background thread since the saver was made; a load reads
+            # the buffers by name and does not wait for it (the first save does), and
+            # the reservation below runs in the same thread after it
+            try:  # lay out the buffers for this state before the first save
+                self.pool.reserve_for(state_dict)
+            except Exception as exc:  # noqa: BLE001 - the first save lays them out then
+                log.warning("could not reserve the flash buffers: %s", exc)
 
     def committed_steps(self) -> list[int]:
         """Committed steps of the current lineage, oldest first: not quarantined, of
@@ -364,12 +332,13 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
         Raises:
             TimeoutError: not committed within ``options.wait_timeout_s``.
         """
-        if self._newest_saved is None:
+        newest = self.pool.newest_saved
+        if newest is None:
             return
         import ray
 
         timeout = self.opts.wait_timeout_s
-        ray.get(self.persister().flush.remote(self.context.role, self._newest_saved, timeout,
+        ray.get(self.persister().flush.remote(self.context.role, newest, timeout,
                                               reg=self._registration()), timeout=timeout + 30)
 
     def close(self) -> None:
@@ -377,17 +346,15 @@ class FlashSaver(LoadingMixin, SlotsMixin, Saver):
         the write: the job's end must find the save registered in the threaded actor,
         whose calls may run out of order) and unmap the buffers. The buffers stay for a
         restart; the job's end removes them."""
-        if self._persister is not None and self._newest_saved is not None:
+        newest = self.pool.newest_saved
+        if self._persister is not None and newest is not None:
             try:
                 import ray
 
-                ray.get(self._persister.flush.remote(self.context.role, self._newest_saved,
+                ray.get(self._persister.flush.remote(self.context.role, newest,
                                                      wait=False, reg=self._registration()),
                         timeout=30)
             except Exception as exc:  # noqa: BLE001 - Ray may be shutting down
                 log.warning("asking the flash persister to persist step %s at close "
-                            "failed: %s", self._newest_saved, exc)
-        self._closing.set()
-        self._wait_reserve()
-        self._bg.shutdown(wait=True)
-        self._release_slots()
+                            "failed: %s", newest, exc)
+        self.pool.close()

@@ -1,8 +1,17 @@
-"""The shared-memory slots of one rank of :class:`.saver.FlashSaver` (a mixin of it):
-laying out its ``options.slots`` buffers (in a background thread, sized from
-``options.reserve_mib`` or from the state a load restores into, :mod:`.capacity`),
-growing a buffer a save outgrew, mapping and page-locking them, and picking the slot
-a save writes into.
+"""The slot pool of one rank of :class:`.saver.FlashSaver` (:class:`SlotPool`).
+
+It owns this rank's ``options.slots`` shared-memory buffers (:mod:`.shm`): their
+paths, their mappings, the tensor views into them, their page locks for CUDA copies,
+the lock a save holds while it writes (and the background thread while it swaps a
+buffer in), the background thread (``flash-reserve``) that lays the buffers out
+(sized from ``options.reserve_mib`` or from the state a load restores into,
+:mod:`.capacity`) and grows those a save outgrew, and the record of skipped saves.
+
+Threads: the training thread picks and claims a slot (:meth:`SlotPool.pick`) and, for
+a buffer too small, lays it out itself (:meth:`SlotPool.ensure`); the
+``flash-reserve`` thread runs :meth:`SlotPool.reserve` and the saver's search for
+its persister (:meth:`SlotPool.background`). The node's persister reads and claims
+the same buffers from its own process, under each buffer's header lock.
 
 A save picks an empty slot, else the one with the oldest step that is neither being
 persisted nor waiting to be; a step that is due for persistence may also replace a
@@ -18,7 +27,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_plugin_flashckpt import capacity, layout, shm
@@ -36,33 +45,68 @@ class _Superseded(Exception):
     """A background replacement of a buffer is no longer wanted."""
 
 
-class SlotsMixin:
-    """Buffer bookkeeping of :class:`.saver.FlashSaver` (which provides the options,
-    the identity of the rank and the locks)."""
+class SlotPool:
+    """This rank's buffers (see the module docstring).
 
-    # provided by FlashSaver
-    opts: Any
-    context: Any
-    rank: int
-    world_size: int
-    dir: str
-    paths: list[str]
-    skipped: list[tuple[int, str]]
-    last_reserve: dict
-    _segs: list[shm.Segment | None]
-    _views: dict[int, tuple[bytes, shm.Segment, list[Any]]]
-    _pinned: list[Any]
-    _pinned_segs: list[int]
-    _bg: ThreadPoolExecutor
-    _reserving: Future | None
-    _growing: bool
-    _closing: threading.Event
-    _lock: threading.RLock
-    _newest_saved: int | None
-    # and _ident() (FlashSaver)
+    Args:
+        opts: the saver's :class:`.options.FlashOptions` (``slots``, ``shm_dir``,
+            ``wait_timeout_s``).
+        paths: the buffers' paths, one per slot.
+        rank, world_size, directory, role: whose buffers they are (a buffer of
+            another rank, world size or directory is never reused).
+        ident: the identity written into a new buffer (called at each layout).
+    """
 
+    def __init__(self, opts: Any, paths: list[str], rank: int, world_size: int,
+                 directory: str, role: str, ident: Callable[[], dict]) -> None:
+        self.opts = opts
+        self.paths = list(paths)
+        self.rank, self.world_size, self.dir, self.role = rank, world_size, directory, role
+        self._ident = ident
+        #: slot -> its mapping (``None``: not mapped yet)
+        self.segs: list[shm.Segment | None] = [None] * len(self.paths)
+        #: slot -> (layout signature, segment, tensor views into it)
+        self._views: dict[int, tuple[bytes, shm.Segment, list[Any]]] = {}
+        self._pinned: list[Any] = []
+        self._pinned_segs: list[int] = []
+        #: one background thread: finds the persister, lays out the buffers
+        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-reserve")
+        self._reserving: Future | None = None
+        #: whether the running reservation is a growth (a save does not wait for it)
+        self.growing = False
+        self._closing = threading.Event()
+        #: held by a save, and by the background thread while it swaps a buffer in
+        self.lock = threading.RLock()
+        #: ``{"data_bytes", "meta_bytes", "seconds"}`` of the last finished reservation
+        self.last_reserve: dict = {}
+        #: ``(step, reason)`` of skipped saves
+        self.skipped: list[tuple[int, str]] = []
+        #: the newest step saved into the pool (a growth may replace older ones)
+        self.newest_saved: int | None = None
 
-    def _wait_reserve(self) -> None:
+    def background(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` in the pool's background thread (after any reservation)."""
+        return self._bg.submit(fn, *args)
+
+    def reserving(self) -> bool:
+        """Whether a reservation is still running."""
+        fut = self._reserving
+        return fut is not None and not fut.done()
+
+    def close(self) -> None:
+        """Wait for the background thread and unmap the buffers (they stay in
+        ``shm_dir`` for a restart)."""
+        self._closing.set()
+        self.wait_reserved()
+        self._bg.shutdown(wait=True)
+        self._unpin()
+        self._views.clear()
+        for i, seg in enumerate(self.segs):
+            if seg is not None:
+                seg.close()
+            self.segs[i] = None
+
+    def wait_reserved(self) -> None:
         """Wait for a background reservation (at most one runs; every method that
         touches the buffers calls this first)."""
         fut, self._reserving = self._reserving, None
@@ -73,10 +117,6 @@ class SlotsMixin:
         except Exception as exc:  # noqa: BLE001 - the next save lays the buffer out itself
             log.warning("laying out the flash buffers in the background failed (%s); the "
                         "next save lays them out", exc)
-
-    def wait_reserved(self) -> None:
-        """Block until the background layout of the buffers (if any) is done."""
-        self._wait_reserve()
 
     def reserve(self, data_bytes: int, meta_bytes: int = META_MIN,
                 wait: bool = False, grow: bool = False) -> Future:
@@ -96,11 +136,11 @@ class SlotsMixin:
         """
         if data_bytes < 0 or meta_bytes < 0:
             raise ValueError(f"reserve({data_bytes}, {meta_bytes}): sizes are bytes >= 0")
-        self._wait_reserve()
+        self.wait_reserved()
         fut = self._bg.submit(self._reserve_all, int(data_bytes), int(meta_bytes), grow)
-        self._reserving, self._growing = fut, grow
+        self._reserving, self.growing = fut, grow
         if wait:
-            self._wait_reserve()
+            self.wait_reserved()
         return fut
 
     def reserve_for(self, state_dict: dict, wait: bool = False) -> Future:
@@ -115,33 +155,25 @@ class SlotsMixin:
             if grow:  # wait (off the critical path) until the slot may be replaced
                 deadline = time.monotonic() + self.opts.wait_timeout_s
                 while not self._closing.is_set() and time.monotonic() < deadline:
-                    with self._lock:
-                        seg = self._attach(i)
-                        if seg is None or self._fits(seg, data, meta) or self._replaceable(seg):
+                    with self.lock:
+                        seg = self.attach(i)
+                        if seg is None or self.fits(seg, data, meta) or self._replaceable(seg):
                             break
                     time.sleep(0.05)
-            self._ensure_slot(i, data, meta, claimed=False)
+            self.ensure(i, data, meta, claimed=False)
         self.last_reserve = {"data_bytes": data, "meta_bytes": meta,
                              "seconds": time.perf_counter() - t0}
 
-    def _release_slots(self) -> None:
-        self._unpin()
-        self._views.clear()
-        for i, seg in enumerate(self._segs):
-            if seg is not None:
-                seg.close()
-            self._segs[i] = None
-
-    def _attach(self, i: int) -> shm.Segment | None:
-        seg = self._segs[i]
+    def attach(self, i: int) -> shm.Segment | None:
+        seg = self.segs[i]
         if seg is not None and seg.replaced():
             seg.close()
-            seg = self._segs[i] = None
+            seg = self.segs[i] = None
         if seg is None:
-            seg = self._segs[i] = shm.Segment.attach(self.paths[i])
+            seg = self.segs[i] = shm.Segment.attach(self.paths[i])
         return seg
 
-    def _fits(self, seg: shm.Segment, data: int, meta: int) -> bool:
+    def fits(self, seg: shm.Segment, data: int, meta: int) -> bool:
         h = seg.read_header()
         return (seg.data_cap >= data and h.meta_cap >= meta and h.rank == self.rank
                 and h.world_size == self.world_size and seg.ident().get("dir") == self.dir)
@@ -153,12 +185,12 @@ class SlotsMixin:
         h = seg.read_header()
         if not shm.holds_step(h):
             return True
-        if self._newest_saved is None or h.step >= self._newest_saved:
+        if self.newest_saved is None or h.step >= self.newest_saved:
             return False
         st = shm.effective_state(h)
         return st == shm.READY and not (h.due and h.persisted_seq != h.seq)
 
-    def _ensure_slot(self, i: int, data: int, meta: int, claimed: bool) -> shm.Segment:
+    def ensure(self, i: int, data: int, meta: int, claimed: bool) -> shm.Segment:
         """The mapped buffer of slot ``i``, with room for ``data`` + ``meta`` bytes:
         the existing one when it fits, else a new one replacing it (``claimed``: the
         caller holds the slot in WRITING, so it is replaced whatever it held).
@@ -166,16 +198,16 @@ class SlotsMixin:
         Raises:
             ShmSpaceError: too little shared memory (says how much).
         """
-        with self._lock:
-            seg = self._attach(i)
-            if seg is not None and self._fits(seg, data, meta):
+        with self.lock:
+            seg = self.attach(i)
+            if seg is not None and self.fits(seg, data, meta):
                 if not seg.populated:  # a buffer of an earlier process of this rank
                     again = shm.Segment.attach(self.paths[i], populate=True)
                     if again is not None and again.inode == seg.inode:
                         shm.prefault_write(again.mm, shm.HEADER_SIZE,
                                            again.size - shm.HEADER_SIZE)
                         seg.close()
-                        seg = self._segs[i] = again
+                        seg = self.segs[i] = again
                         self._views.pop(i, None)
                     elif again is not None:
                         again.close()
@@ -186,16 +218,16 @@ class SlotsMixin:
         meta_cap = shm.round_up(max(META_MIN, meta))
         size = shm.HEADER_SIZE + meta_cap + data_cap
         shm.check_space(self.opts.shm_dir, size,
-                        f"buffer {i} of {self.context.role or 'rank'} rank {self.rank} "
+                        f"buffer {i} of {self.role or 'rank'} rank {self.rank} "
                         f"({data} bytes of tensors)")
         # the slow part (allocation, page faults) runs without the lock: a save may go on
         new = shm.Segment.create(self.paths[i], meta_cap, data_cap, self._ident(), bytes(16),
                                  self.rank, self.world_size, install=False)
         try:
-            with self._lock:
-                seg = self._attach(i)
+            with self.lock:
+                seg = self.attach(i)
                 if seg is not None and not claimed and (
-                        self._fits(seg, data, meta) or not self._replaceable(seg)):
+                        self.fits(seg, data, meta) or not self._replaceable(seg)):
                     raise _Superseded  # a save grew it meanwhile, or took it
                 if seg is not None:
                     with seg.locked():
@@ -210,7 +242,7 @@ class SlotsMixin:
                     seg.close()
                 else:
                     new.install()
-                self._segs[i] = new
+                self.segs[i] = new
                 self._views.pop(i, None)
                 return new
         except BaseException as exc:
@@ -220,10 +252,10 @@ class SlotsMixin:
             except OSError:
                 pass
             if isinstance(exc, _Superseded):
-                return self._segs[i]  # type: ignore[return-value]
+                return self.segs[i]  # type: ignore[return-value]
             raise
 
-    def _views_for(self, i: int, seg: shm.Segment, table: list[layout.TensorEntry],
+    def views_for(self, i: int, seg: shm.Segment, table: list[layout.TensorEntry],
                    sig: bytes) -> list[Any]:
         cached = self._views.get(i)
         if cached is not None and cached[0] == sig and cached[1] is seg:
@@ -233,12 +265,12 @@ class SlotsMixin:
         self._views[i] = (sig, seg, views)
         return views
 
-    def _pin(self, sources: list[Any]) -> bool:
+    def pin(self, sources: list[Any]) -> bool:
         """Page-lock the buffers for CUDA when the state is on a GPU, so the
         device-to-host copies are DMA transfers. Returns whether they are pinned."""
         if not any(getattr(t, "is_cuda", False) for t in sources):
             return False
-        segs = [s for s in self._segs if s is not None]
+        segs = [s for s in self.segs if s is not None]
         if self._pinned and self._pinned_segs != [id(s) for s in segs]:
             self._unpin()  # a buffer was replaced
         if not self._pinned:
@@ -251,12 +283,12 @@ class SlotsMixin:
                 return False
         return True
 
-    def _unpick(self, i: int, seg: shm.Segment, before: shm.Header) -> None:
-        """Give back slot ``i`` that :meth:`_pick_slot` claimed, as it was, when the save
+    def unpick(self, i: int, seg: shm.Segment, before: shm.Header) -> None:
+        """Give back slot ``i`` that :meth:`pick` claimed, as it was, when the save
         failed before writing into it (a new buffer that could not be allocated:
         ``ShmSpaceError``): the step it held stays loadable. Left alone when the slot
         is no longer the buffer claimed or another claim followed."""
-        if self._segs[i] is not seg or seg.replaced():
+        if self.segs[i] is not seg or seg.replaced():
             return
         with seg.locked():
             h = seg.read_header()
@@ -269,14 +301,14 @@ class SlotsMixin:
             shm.unpin_buffers(self._pinned)
         self._pinned_segs = []
 
-    def _pick_slot(self, step: int, due: bool) -> tuple[int, shm.Header | None] | None:
+    def pick(self, step: int, due: bool) -> tuple[int, shm.Header | None] | None:
         """Claim the slot the save of ``step`` writes into (WRITING, the sequence number
         raised): ``(slot, the header it had before)`` (``None``: not laid out yet), or
         ``None`` when the save is skipped (logged, in :attr:`skipped`)."""
         free, done, waiting = [], [], []
         states = []
         for i in range(self.opts.slots):
-            seg = self._segs[i]
+            seg = self.segs[i]
             if seg is None:
                 free.append((-2, i))
                 continue
@@ -291,7 +323,7 @@ class SlotsMixin:
         if due:
             order += [i for _, i in sorted(waiting)]
         for i in order:
-            seg = self._segs[i]
+            seg = self.segs[i]
             if seg is None:
                 return i, None
             with seg.locked():

@@ -1,8 +1,18 @@
+import os
+import sys
 import uuid
 
 import pytest
 
 from dlrover_core.testing import *  # noqa: F401,F403
+
+# the suite's workloads (flash_workloads.py, not installed) are imported as
+# ``plugins.flashckpt.tests.flash_workloads``, here and by the Ray workers (whose
+# PYTHONPATH has the current directory: run the suite from the repository's root)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 
 @pytest.fixture

@@ -64,11 +64,8 @@ def persister(shm_dir: str, job: str, directory: str, world: int, keep: int = 2)
 
 def stop(p) -> None:
     """End ``p``'s threads without removing the buffers (a node's persister that dies)."""
-    p._stop.set()
-    p._wake.set()
-    p._repl_wake.set()
-    p._thread.join(10)
-    p._repl_thread.join(10)
+    p.loop.thread.end(10)
+    p.sender.thread.end(10)
 
 
 def wait_for(cond, timeout: float, what: str):

@@ -26,7 +26,7 @@ from dlrover_core.checkpoint.saver import committed_steps
 from dlrover_core.master.client import init_ray
 from dlrover_plugin_flashckpt import shm
 from dlrover_plugin_flashckpt.persister import NAMESPACE, finish_job, persister_name
-from dlrover_plugin_flashckpt.testing_workloads import SaverRank
+from plugins.flashckpt.tests.flash_workloads import SaverRank
 
 
 def main(work: str, transport: str = "tcp") -> None:

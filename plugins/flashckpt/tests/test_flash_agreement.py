@@ -18,7 +18,7 @@ import ray
 from dlrover_core.testing import kill_actors
 from dlrover_plugin_flashckpt import shm, storage
 from dlrover_plugin_flashckpt.persister import finish_job
-from dlrover_plugin_flashckpt.testing_workloads import SaverRank
+from plugins.flashckpt.tests.flash_workloads import SaverRank
 
 
 @pytest.fixture
@@ -113,8 +113,8 @@ def test_ranks_that_cannot_gather_draw_attempts_of_their_own(tmp_path):
             s = FlashSaver(SaverConfig(dir={str(tmp_path / "ckpt")!r}, keep=1, job="nogather",
                                        options={{"shm_dir": {str(tmp_path)!r}}}),
                            SaverContext(rank=rank, world_size=2, role="trainer"))
-            s._agree_attempt(None)
-            out.append(s._next_attempt[0])
+            s.attempts.agree(None)
+            out.append(s.attempts.next[0])
             s.close()
         print(json.dumps(out))
     """)

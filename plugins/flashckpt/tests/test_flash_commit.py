@@ -211,9 +211,9 @@ def test_full_checkpoint_folder_fails_the_write_and_commits_nothing(small_tmpfs,
     p = persister(shm_dir, "full", d, 1)
     try:
         assert p.flush("trainer", 1, timeout=20) == 1
-        p.failures.min_s = p.failures.max_s = 5.0  # no retry while the folder is listed
+        p.loop.failures.min_s = p.loop.failures.max_s = 5.0  # no retry while the folder is listed
         make_slot(shm_dir, "full", d, 0, 1, 2, b"b" * (2 << 20), seg=seg)
-        p._wake.set()
+        p.loop.thread.wake()
         failing = wait_for(lambda: p.status()["failing"], 20, "persisting fails")
         assert "step 2" in failing["what"] and os.strerror(errno.ENOSPC) in failing["error"]
         assert os.listdir(storage.tmp_dir(d, 2)) == []  # the partial data file removed

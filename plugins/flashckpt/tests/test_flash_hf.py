@@ -16,7 +16,7 @@ pytest.importorskip("accelerate")
 
 
 def run(directory: str, job: str, max_steps: int, every_steps: int, kill_at: int = -1) -> dict:
-    from dlrover_plugin_flashckpt.testing_workloads import hf_train
+    from plugins.flashckpt.tests.flash_workloads import hf_train
 
     task = ray.remote(num_cpus=0, max_retries=0)(hf_train)
     return ray.get(task.remote(directory, job, max_steps, every_steps, kill_at), timeout=600)

@@ -17,7 +17,7 @@ from dlrover_core.master.client import create_master, submit_job
 from dlrover_plugin_flashckpt import hygiene, shm
 from dlrover_plugin_flashckpt.persister import persisters_of
 
-WORKLOAD = "dlrover_plugin_flashckpt.testing_workloads:CrashAfterSave"
+WORKLOAD = "plugins.flashckpt.tests.flash_workloads:CrashAfterSave"
 
 
 def spec(name: str, ckpt_dir: str, in_place: bool = True, **config):

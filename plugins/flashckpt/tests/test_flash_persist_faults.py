@@ -209,7 +209,7 @@ def test_a_full_target_backs_off_leaks_nothing_and_recovers_when_space_returns(
         assert tries <= 5, tries  # it spun at thousands of tries a second
         gaps = [last[k + 1] - last[k] for k in (1, 2, 3)]
         assert gaps[0] >= 0.45 and gaps[1] >= 0.95 and gaps[2] >= 1.95, gaps  # doubling
-        p.failures.min_s = p.failures.max_s = 3.0  # after the next try, none for 3 s
+        p.loop.failures.min_s = p.loop.failures.max_s = 3.0  # after the next try, none for 3 s
         wait_for(lambda: p.status()["failing"]["tries"] > tries, 5, "one more try")
         tmp = storage.tmp_dir(d, 1)
         assert not os.path.isdir(tmp) or os.listdir(tmp) == []  # no partial file kept

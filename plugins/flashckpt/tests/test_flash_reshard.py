@@ -10,7 +10,7 @@ import torch
 from dlrover_core.testing import call_all, kill_actors, spawn_role
 from dlrover_plugin_flashckpt import hygiene
 
-WORKLOAD = "dlrover_plugin_flashckpt.testing_workloads:TorchTrainer"
+WORKLOAD = "plugins.flashckpt.tests.flash_workloads:TorchTrainer"
 
 
 def assert_full_equal(got: dict, want: dict) -> None:

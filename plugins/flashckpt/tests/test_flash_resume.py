@@ -15,7 +15,7 @@ from test_flash_saver import blank, make_saver, same, state
 
 from dlrover_core.checkpoint.manifest import CheckpointLoadError
 from dlrover_plugin_flashckpt import choice, hygiene, shm, storage
-from dlrover_plugin_flashckpt.testing_workloads import SaverRank
+from plugins.flashckpt.tests.flash_workloads import SaverRank
 
 
 def lineage_of(d: str) -> dict:

@@ -38,7 +38,7 @@ def round_trip(job: str, workload: str, backend: str, config: dict) -> None:
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_torch_state_round_trip(job, tmp_path, backend):
     ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}
-    round_trip(job, "dlrover_plugin_flashckpt.testing_workloads:TorchTrainer", backend,
+    round_trip(job, "plugins.flashckpt.tests.flash_workloads:TorchTrainer", backend,
                {"ckpt": ckpt})
 
 
@@ -46,5 +46,5 @@ def test_torch_state_round_trip(job, tmp_path, backend):
 def test_deepspeed_zero2_round_trip(job, tmp_path):
     pytest.importorskip("deepspeed")
     ckpt = {"saver": "flash", "dir": str(tmp_path / "ckpt"), "keep": 2}
-    round_trip(job, "dlrover_plugin_flashckpt.testing_workloads:ZeroTrainer", "deepspeed",
+    round_trip(job, "plugins.flashckpt.tests.flash_workloads:ZeroTrainer", "deepspeed",
                {"ckpt": ckpt, "stage": 2})

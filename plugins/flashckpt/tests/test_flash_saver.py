@@ -153,7 +153,7 @@ def test_save_never_overwrites_a_buffer_being_persisted(job, tmp_path):
     s.save(3, state(3, n))  # not due: the free slot 1
     s.save(4, state(4, n))  # due: may replace step 3 (not waiting for persistence)
     s.save(5, state(5, n))  # not due, slot 1 holds step 4 waiting: skipped, logged
-    slots = {seg.read_header().step: shm.effective_state(seg.read_header()) for seg in s._segs}
+    slots = {seg.read_header().step: shm.effective_state(seg.read_header()) for seg in s.pool.segs}
     assert slots == {2: shm.PERSISTING, 4: shm.READY}
     assert [st for st, _ in s.skipped] == [5]
     assert "being persisted" in s.skipped[0][1]

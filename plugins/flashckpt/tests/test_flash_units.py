@@ -155,9 +155,8 @@ def test_a_resized_rank_never_persists_or_replicates_the_old_worlds_save(shm_pat
     holds the 2-rank save of step 3 (half the shards). The persister of the 1-rank
     registration must not take it as its own (it would commit half a model as world 1,
     or replicate it labelled world 1); the 2-rank registration still sees it."""
-    import threading
-
-    from dlrover_plugin_flashckpt.persisting import PersistMixin, Registration
+    from dlrover_plugin_flashckpt.node_ranks import NodeRanks
+    from dlrover_plugin_flashckpt.persisting import PersistLoop, Registration
 
     seg = shm.Segment.create(shm_path, 100, 100, {"job": "j", "dir": "/x"}, b"\0" * 16, 0, 2)
     with seg.locked():
@@ -165,23 +164,18 @@ def test_a_resized_rank_never_persists_or_replicates_the_old_worlds_save(shm_pat
         h.state, h.step, h.seq = shm.READY, 3, 1
         seg.write_header(h)
 
-    class Persister(PersistMixin):
-        def __init__(self):
-            self._segs, self._retired, self._lock = {}, [], threading.RLock()
-
-    p = Persister()
+    ranks = NodeRanks("j", *shm.my_identity())
     old = Registration(role="trainer", rank=0, world_size=2, dir="/x", keep=2,
                        slots=[shm_path])
     new = Registration(role="trainer", rank=0, world_size=1, dir="/x", keep=2,
                        slots=[shm_path])
-    assert set(p._rank_steps(old, pending_only=True)) == {3}
-    assert p._rank_steps(new, pending_only=False) == {}
-    assert p._pending([new], 3) is None
-    p._regs, p.pid, p.start = {("trainer", 0): new}, *shm.my_identity()
-    assert p._claim("trainer", 3) == []
+    assert set(ranks.rank_steps(old, pending_only=True)) == {3}
+    assert ranks.rank_steps(new, pending_only=False) == {}
+    assert ranks.pending([new], 3) is None
+    ranks.register(new)
+    assert PersistLoop(ranks).claim("trainer", 3) == []  # its thread is not started
     assert seg.read_header().state == shm.READY  # not claimed for persistence
-    for s in p._segs.values():
-        s.close()
+    ranks.close_all()
     seg.close()
 
 

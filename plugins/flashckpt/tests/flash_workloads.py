@@ -1,5 +1,6 @@
-"""Workloads used by this plugin's tests (imported by Ray workers, so they live in the
-installed package). Not part of the public API."""
+"""Workloads used by this plugin's tests; not installed (the workers of a test's Ray
+cluster import them as ``plugins.flashckpt.tests.flash_workloads``: the current
+directory, the repository's root, is on their ``PYTHONPATH``)."""
 
 from __future__ import annotations
 
@@ -45,24 +46,22 @@ def toy_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-class _CheckpointSpecMixin:
+def use_ckpt_config(workload: BaseWorkload) -> None:
     """Tests started with ``spawn_role`` have no job spec: ``config.ckpt`` stands in for
     the job's ``checkpoint`` section."""
+    ck = workload.config.get("ckpt")
+    if ck is not None:
+        from omegaconf import OmegaConf
 
-    def _use_ckpt_config(self) -> None:
-        ck = self.config.get("ckpt")  # type: ignore[attr-defined]
-        if ck is not None:
-            from omegaconf import OmegaConf
-
-            self.context.checkpoint = OmegaConf.to_container(ck)  # type: ignore[attr-defined]
+        workload.context.checkpoint = OmegaConf.to_container(ck)
 
 
-class TorchTrainer(_CheckpointSpecMixin, BaseWorkload):
+class TorchTrainer(BaseWorkload):
     """``Net`` + AdamW under the role's backend (``ddp`` or ``fsdp``), driven by the
     tests through ``call``."""
 
     def setup(self) -> None:
-        self._use_ckpt_config()
+        use_ckpt_config(self)
         torch.manual_seed(0)
         net = Net()
         if self.context.backend == "fsdp":
@@ -128,7 +127,7 @@ class ZeroTrainer(TorchTrainer):
     ``deepspeed`` backend; the state dict comes from the ``deepspeed`` engine."""
 
     def setup(self) -> None:
-        self._use_ckpt_config()
+        use_ckpt_config(self)
         torch.manual_seed(0)
         net = Net()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -148,7 +147,7 @@ class ZeroTrainer(TorchTrainer):
         return {"model": self.model, "extra": self.extra}
 
 
-class CrashAfterSave(_CheckpointSpecMixin, BaseWorkload):
+class CrashAfterSave(BaseWorkload):
     """A job workload (``run()``): trains ``config.max_steps`` steps of ``Net`` under
     DDP and saves every ``checkpoint.every_steps``. On its first attempt, rank
     ``config.kill_rank`` SIGKILLs itself right after the save of ``config.kill_step``
@@ -211,8 +210,9 @@ def rank_state(rank: int, step: int, n: int = 1 << 16) -> dict:
 
 class SaverRank:
     """One rank's ``FlashSaver`` in its own Ray actor, without a process group (the
-    ranks agree at load through the gather board, :mod:`.agreement`); for tests that
-    place ranks on nodes themselves."""
+    ranks agree at load through the gather board,
+    :mod:`dlrover_plugin_flashckpt.agreement`); for tests that place ranks on nodes
+    themselves."""
 
     def __init__(self, job: str, directory: str, rank: int, world_size: int,
                  options: dict) -> None:
@@ -236,8 +236,8 @@ class SaverRank:
 
     def attempt(self) -> dict | None:
         """The attempt this rank's saves will name (drawn by the last load)."""
-        s = self.saver
-        return s._attempt or (s._next_attempt[0] if s._next_attempt else None)
+        a = self.saver.attempts
+        return a.current or (a.next[0] if a.next else None)
 
     def load(self, step: int | None = None) -> dict:
         got = rank_state(self.rank, -1)
