@@ -129,6 +129,9 @@ def test_pet_variables_as_torchrun_reads_them(work, monkeypatch, capsys):
     assert dlrover_run.main(["x.py"]) == 2  # no --address: where is the Ray head?
     err = " ".join(capsys.readouterr().err.split())
     assert "'head-svc' as the place to meet" in err and "--address head-svc:6379" in err
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "rdzv-svc:29400")  # before PET_MASTER_ADDR
+    args = dlrover_run.build_parser().parse_args(["--address", "auto", "x.py"])
+    assert dlrover_run.meeting_place(parser, args) == "rdzv-svc"
     monkeypatch.setenv("PET_TEE", "3")
     assert dlrover_run.main(["x.py"]) == 2
     assert "PET_TEE" in capsys.readouterr().err

@@ -5,7 +5,8 @@ computes ``CUDA_VISIBLE_DEVICES`` from (never from CUDA). Checked: the rank coun
 from the cluster's nodes (the submitting host has no GPU), the two node groups land on
 two distinct nodes, each rank holds one GPU of its own, and ``CUDA_VISIBLE_DEVICES``
 lists its node's GPUs with the rank's own at index ``LOCAL_RANK`` (so that
-``set_device(LOCAL_RANK)`` picks it)."""
+``set_device(LOCAL_RANK)`` picks it). The command line is a torchrun line written for
+two nodes (``--node-rank 0 --rdzv-endpoint HOST:PORT``), given once with ``--address``."""
 
 from __future__ import annotations
 
@@ -54,7 +55,10 @@ def test_two_gpu_node_groups_on_two_nodes_one_gpu_per_rank(gpu_cluster, tmp_path
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     (tmp_path / "probe.py").write_text(SCRIPT)
+    # a torchrun line written for 2 nodes (rendezvous at the head), given once
     code = dlrover_run.main(["--address", cluster.address, "--nnodes", "2",
+                             "--node-rank", "0", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", "head-node:29400",
                              "--nproc-per-node", "gpu", "--cpus-per-rank", "0.5",
                              "--job-dir", str(tmp_path / "job"), "--quiet",
                              "probe.py", str(tmp_path)])
