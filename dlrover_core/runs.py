@@ -186,3 +186,12 @@ def begin_run(job_dir: str, run_id: str = "", fresh: bool = False,
                       {"run": number, "name": name, "started_at": time.time(),
                        "run_id": run_id, "fresh": bool(fresh)})
     return RunPaths(job_dir, number, job_dir)
+
+
+def read_summary(job_dir: str, run: str | int | None = None) -> dict | None:
+    """The summary of run ``run`` of ``job_dir`` (default: the latest), or ``None``."""
+    path = run_paths(job_dir, run).summary
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
