@@ -26,7 +26,12 @@ from dlrover_core.checkpoint.saver import committed_steps
 from dlrover_core.master.client import init_ray
 from dlrover_plugin_flashckpt import shm
 from dlrover_plugin_flashckpt.persister import NAMESPACE, finish_job, persister_name
-from plugins.flashckpt.tests.flash_workloads import SaverRank
+
+# run as a script: the repository's root on the path, so that the test workloads import
+# as the Ray workers import them (their PYTHONPATH has the current directory, the root)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))
+from plugins.flashckpt.tests.flash_workloads import SaverRank  # noqa: E402
 
 
 def main(work: str, transport: str = "tcp") -> None:
