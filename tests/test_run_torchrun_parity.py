@@ -73,6 +73,8 @@ def _launch(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     for key in [k for k in env if k.startswith(("PET_", "TORCHELASTIC_"))] + ["RAY_ADDRESS"]:
         env.pop(key, None)
+    if env.get("PYTHONBREAKPOINT", "").startswith("ray."):  # ray.init in this process
+        del env["PYTHONBREAKPOINT"]  # (an earlier test) set it; a user's shell has not
     env["PWD"] = str(cwd)  # as a shell in that folder has it
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
