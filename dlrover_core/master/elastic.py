@@ -47,13 +47,12 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from ray.util.placement_group import remove_placement_group
-
 from dlrover_core.graph.graph import CollocationGroup
 from dlrover_core.master.failover import JobFailed
-from dlrover_core.master.launcher import create_placement_groups
+from dlrover_core.master.elastic_room import (_largest_valid, _pg_table, _remove, _valid,
+                                               ask_back, reserve_first)
 from dlrover_core.master.monitor import alive_nodes
-from dlrover_core.placement import ClusterResources, PlacementError
+from dlrover_core.placement import ClusterResources
 from dlrover_core.plugins.records import FailureKind
 from dlrover_core.spec.elastic import NodeRange, node_range
 
@@ -322,7 +321,7 @@ class ElasticManager:
         last_step = max((i.last_step for i in members), default=-1)
         attempts = {(role, i.rank): i.attempt + 1 for i in members}
         tried: list[str] = []
-        got = self._reserve_first(role, sizes, skip, tried)
+        got = reserve_first(self, role, sizes, skip, tried)
         if got is None and world_size > old:
             self._dropped[role] = (world_size, self.node_slots(role))
             s.emit("elastic_grow_dropped", role=role, world_size=old, target=world_size,
@@ -335,7 +334,7 @@ class ElasticManager:
         if got is None:
             # the role's own groups may hold what the smaller sizes need: stop first
             self._remove_own(role)
-            got = self._reserve_first(role, sizes, skip, tried)
+            got = reserve_first(self, role, sizes, skip, tried)
             if got is None:
                 rng = self.ranges[role]
                 raise JobFailed(
@@ -360,84 +359,14 @@ class ElasticManager:
         self.history.append(entry)
         s.context.set("world_sizes", self.history)
         s.emit("elastic_resized", previous=old, **entry)
-        self._ask_back(role, size)
+        ask_back(self, role, size)
         return {"place_s": round(t_placed - t0, 3), "stop_s": round(t_stop - t_placed, 3),
                 "start_s": round(time.time() - t_commit, 3), "world_size": size,
                 **self.launcher.phases}
 
-    def _reserve_first(self, role: str, sizes: list[int], skip: set[str],
-                       tried: list[str]) -> tuple | None:
-        """The first of ``sizes`` whose placement could be reserved (:meth:`_reserve`),
-        or ``None``; each failure's reason is appended to ``tried``."""
-        for size in sizes:
-            try:
-                return (size, *self._reserve(role, size, skip))
-            except PlacementError as exc:
-                tried.append(f"{size} rank(s): {exc}")
-                self.scope.emit("elastic_placement_failed", role=role, world_size=size,
-                                reason=str(exc))
-        return None
-
-    def _reserve(self, role: str, size: int, skip: set[str]) -> tuple:
-        """Plan the job with ``role`` at ``size`` ranks and hold that placement: the other
-        roles' groups (by name) and ``role``'s groups whose every bundle is on a healthy
-        node (matched by bundles and strategy) are kept, the others are made now and
-        waited for (``elastic.placement_timeout_s``). Changes nothing when it raises.
-        Returns ``(plan, pgs in plan order, role's old groups not kept)``.
-
-        Raises:
-            PlacementError: the plan does not fit, or a new group was not ready in time
-                (the ones made are removed again).
-        """
-        la, s = self.launcher, self.scope
-        old_total = s.graph.roles[role].total
-        self._set_total(role, size)
-        try:
-            plan = la.make_plan()
-        finally:
-            self._set_total(role, old_total)
-        old_plan, old_pgs = la.plan, list(la.pgs)
-        by_name = {g.name: pg for g, pg in zip(old_plan.groups, old_pgs)}
-        mine = [i for i, g in enumerate(old_plan.groups) if g.name.split(":")[0] == role]
-        own = self._own_slots(role, skip)
-        healthy = []  # (plan group, pg): every one of its ranks' bundles is healthy
-        for i in mine:
-            ranks = [rk for (r, rk), sl in old_plan.slots.items() if r == role and sl.pg == i]
-            if ranks and all(rk in own for rk in ranks):
-                healthy.append((old_plan.groups[i], old_pgs[i]))
-        pgs: dict[int, Any] = {}
-        for i, g in enumerate(plan.groups):
-            if g.name.split(":")[0] != role:
-                if g.name in by_name:
-                    pgs[i] = by_name[g.name]
-                continue
-            for j, (hg, pg) in enumerate(healthy):
-                if hg.bundles == g.bundles and hg.strategy == g.strategy:
-                    pgs[i] = pg
-                    del healthy[j]
-                    break
-        self._placements += 1
-        fresh = [(la.pg_name(f"{g.name}@{self._placements}"), g)
-                 for i, g in enumerate(plan.groups) if i not in pgs]
-        made: list[Any] = []
-        alive_bad = sorted((set(la.alive_bad_nodes()) | skip) & alive_nodes())
-        try:
-            new = iter(create_placement_groups(
-                fresh, alive_bad, self.scope.check_stop, made=made,
-                what=f" of elastic role {role!r} at {size} rank(s)",
-                timeout_s=self.placement_timeout_s))
-        except PlacementError:
-            for pg in made:
-                _remove(pg)
-            raise
-        ordered = [pgs[i] if i in pgs else next(new) for i in range(len(plan.groups))]
-        kept = {id(pg) for pg in ordered}
-        unused = [old_pgs[i] for i in mine if id(old_pgs[i]) not in kept]
-        return plan, ordered, unused
-
     def _remove_own(self, role: str) -> None:
         """Remove ``role``'s placement groups (its ranks are stopped); a removed group is
-        no longer ``CREATED``, so :meth:`_reserve` keeps none of them."""
+        no longer ``CREATED``, so :func:`~dlrover_core.master.elastic_room.reserve` keeps none of them."""
         la = self.launcher
         for g, pg in zip(la.plan.groups, la.pgs):
             if g.name.split(":")[0] == role:
@@ -455,86 +384,8 @@ class ElasticManager:
                         excluded_nodes=sorted(self.scope.failover.bad_nodes), role=role,
                         straggler_nodes=sorted(self.excluded.get(role, set())))
 
-    def _ask_back(self, role: str, size: int) -> None:
-        """Ask the cluster for the room ``role`` lost (``ray.autoscaler.sdk.
-        request_resources`` with its node-slot bundle once per node of its size before
-        the loss; a no-op without an autoscaler); withdraw the request once the role is
-        back at that size. Emits ``elastic_resources_requested``."""
-        wanted = self._wanted.get(role, 0)
-        if size < wanted:
-            bundles = [self._slot_need(role)] * (wanted // self.ranges[role].per_node)
-        elif role in self._asked:
-            bundles = []
-        else:
-            return
-        try:
-            from ray.autoscaler.sdk import request_resources
-
-            request_resources(bundles=bundles)
-            error = None
-        except Exception as exc:  # noqa: BLE001 - a hint to the autoscaler, never fatal
-            error = f"{type(exc).__name__}: {exc}"
-        if bundles:
-            self._asked.add(role)
-        else:
-            self._asked.discard(role)
-            self._wanted.pop(role, None)
-        self.scope.emit("elastic_resources_requested", role=role, bundles=bundles,
-                        error=error)
-
     def _set_total(self, role: str, total: int) -> None:
         g = self.scope.graph
         g.roles[role] = dataclasses.replace(g.roles[role], total=total)
         g.groups = [CollocationGroup(grp.roles, total, grp.per_node) if grp.roles == (role,)
                     else grp for grp in g.groups]
-
-
-def _valid(rng: NodeRange, world_size: int, global_batch: int, micro_batch: int) -> bool:
-    if world_size % rng.per_node or not rng.min_ranks <= world_size <= rng.max_ranks:
-        return False
-    return not global_batch or global_batch % (micro_batch * world_size) == 0
-
-
-def _largest_valid(rng: NodeRange, node_slots: int, global_batch: int,
-                   micro_batch: int) -> int | None:
-    for nodes in range(min(node_slots, rng.max_nodes), rng.min_nodes - 1, -1):
-        if _valid(rng, nodes * rng.per_node, global_batch, micro_batch):
-            return nodes * rng.per_node
-    return None
-
-
-def straggler_shrink_target(scope: JobScope, role: str) -> tuple[int | None, str]:
-    """``(world size, "")`` that dropping one node of ``role`` (a straggler's) would
-    shrink it to (the largest valid size of at most its size less ``per_node``
-    ranks), or ``(None, why not)``: the role is not elastic, or no valid size is left
-    between that and its minimum (it is at its minimum)."""
-    rng = node_range(scope.spec, role)
-    if rng is None:
-        return None, f"role {role!r} is not elastic (no roles.{role}.nodes)"
-    current = scope.graph.roles[role].total
-    e = scope.spec.elastic
-    target = _largest_valid(rng, current // rng.per_node - 1, int(e.global_batch),
-                            int(e.micro_batch))
-    if target is None:
-        return None, (f"role {role!r} runs {current} rank(s), at its minimum of "
-                      f"roles.{role}.nodes min {rng.min_nodes} node(s) of {rng.per_node} "
-                      "(or no smaller size splits elastic.global_batch)")
-    return target, ""
-
-
-def _pg_table(pg: Any) -> dict:
-    """Ray's placement-group table entry of ``pg`` (``state``, ``bundles_to_node_id``),
-    ``{}`` when Ray does not know it."""
-    import ray
-
-    try:
-        return ray.util.placement_group_table(pg) or {}
-    except Exception:  # noqa: BLE001 - removed, or the GCS does not answer
-        return {}
-
-
-def _remove(pg: Any) -> None:
-    try:
-        remove_placement_group(pg)
-    except Exception:  # noqa: BLE001 - already gone
-        pass

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from dlrover_core.master.elastic import straggler_shrink_target
+from dlrover_core.master.elastic_room import straggler_shrink_target
 from dlrover_core.master.instances import InstanceState
 from dlrover_core.master.monitor import Detection
 from dlrover_core.plugins.records import Failure, FailureKind
