@@ -281,13 +281,6 @@ class TuningController(ControllerState):
         self.trial_changes, self.windows = {}, []
         self._reset_window()
 
-    def _is_rejected(self, settings: dict) -> bool:
-        return any(r["settings"] == settings for r in self.rejected)
-
-    def _over_ceiling(self, cfg: TuningConfig) -> bool:
-        return self.memory_ceiling is not None and \
-            cfg.dataloader.batch_size >= self.memory_ceiling
-
     # ------------------------------------------------------------------ out of memory
     def on_out_of_memory(self, role: str, rank: int, version: int, error: str = "") -> dict | None:
         """Rank ``rank`` of ``role`` ran out of memory in a step under ``version``.
@@ -397,10 +390,3 @@ class TuningController(ControllerState):
         if picked is not None:
             self._publish(*picked, window, "retry")
         return picked is not None
-
-    def _mark(self, version: int, status: str, window: WindowSummary | None) -> None:
-        for h in self.history:
-            if h["version"] == version:
-                h["status"] = status
-                if window is not None:
-                    h["samples_per_s"] = round(window.samples_per_s, 3)

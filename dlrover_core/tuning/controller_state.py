@@ -106,3 +106,17 @@ class ControllerState:
             "reverted": sum(1 for h in self.history if h.get("status") == "reverted"),
             "history": self.history,
         }
+
+    def _is_rejected(self, settings: dict) -> bool:
+        return any(r["settings"] == settings for r in self.rejected)
+
+    def _over_ceiling(self, cfg: TuningConfig) -> bool:
+        return self.memory_ceiling is not None and \
+            cfg.dataloader.batch_size >= self.memory_ceiling
+
+    def _mark(self, version: int, status: str, window: WindowSummary | None) -> None:
+        for h in self.history:
+            if h["version"] == version:
+                h["status"] = status
+                if window is not None:
+                    h["samples_per_s"] = round(window.samples_per_s, 3)
