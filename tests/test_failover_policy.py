@@ -61,3 +61,22 @@ def test_reasons_name_the_step_after_the_last_reported_one():
     assert classify(during_3, []).reason == "ValueError in user code after step 2"
     first = Failure.user_error("trainer", 0, "ValueError", "bad", step=-1)
     assert classify(first, []).reason == "ValueError in user code before its first reported step"
+
+
+def test_a_script_killed_by_a_signal_is_said_to_come_from_outside():
+    """Issue 52 item 4: a script rank SIGKILLed from outside was 'ScriptExitError in user
+    code'. The message is the one runtime/script.py raises."""
+    from dlrover_core.builtin.failure import classify
+
+    msg = ("trainer-1: script 'train.py' ended with signal SIGKILL (9); its last error: "
+           "nothing")
+    killed = Failure.user_error("trainer", 1, "dlrover_core.runtime.script.ScriptExitError",
+                                msg, step=4)
+    verdict = classify(killed, [])
+    assert verdict.level == "process"
+    assert verdict.reason == ("trainer-1's script was killed by SIGKILL after step 4, from "
+                              "outside the job (another process, or the kernel's OOM killer): "
+                              "not an error in its code")
+    exited = Failure.user_error("trainer", 1, "dlrover_core.runtime.script.ScriptExitError",
+                                "trainer-1: script 'train.py' ended with exit code 3", step=4)
+    assert "in user code" in classify(exited, []).reason

@@ -9,12 +9,16 @@ Rules, in order:
 3. The same exception type and message at the same step as an earlier failure of
    the same role -> the error is deterministic: ``role`` the first time it repeats
    (a clean restart of the whole role), ``fatal`` when it repeats again.
-4. A broken collective (gloo/NCCL connection closed or reset, timeout) -> ``process``.
+4. A script role's script ended by a signal (``ScriptExitError``: SIGKILL, SIGTERM ...)
+   -> ``process``, said to come from outside the job (not an error in its code).
+   A broken collective (gloo/NCCL connection closed or reset, timeout) -> ``process``.
 5. A dead actor or process, a hang, a straggler (``node_health.straggler_action:
    replace``), any other exception -> ``process``.
 """
 
 from __future__ import annotations
+
+import re
 
 from dlrover_core.plugins.records import Failure, FailureVerdict
 
@@ -37,6 +41,11 @@ def is_broken_collective(failure: Failure) -> bool:
     before the peer's own death is seen."""
     return failure.kind == "user_error" and any(m in failure.message
                                                  for m in COLLECTIVE_MARKERS)
+
+
+#: a script role's exit by a signal (``ScriptExitError``: "... ended with signal SIGKILL (9)")
+_SCRIPT_SIGNAL = re.compile(r"ended with signal (SIGKILL|SIGTERM|SIGINT|SIGHUP|SIGQUIT|SIGABRT"
+                            r"|SIGSEGV|SIGBUS) \(")
 
 
 def _short(exc_type: str) -> str:
@@ -69,6 +78,12 @@ def classify(failure: Failure, history: list[Failure]) -> FailureVerdict:
             return FailureVerdict(
                 "role", f"{failure.exc_type} {_when(failure.step)} happened again after a "
                 "restart; restarting the whole role once more")
+        signalled = _SCRIPT_SIGNAL.search(failure.message)
+        if _short(failure.exc_type) == "ScriptExitError" and signalled:
+            return FailureVerdict(
+                "process", f"{failure.role}-{failure.rank}'s script was killed by "
+                f"{signalled.group(1)} {_when(failure.step)}, from outside the job (another "
+                "process, or the kernel's OOM killer): not an error in its code")
         if is_broken_collective(failure):
             return FailureVerdict("process", f"broken collective: {failure.message[:120]}")
         return FailureVerdict("process", f"{failure.exc_type} in user code {_when(failure.step)}")

@@ -73,6 +73,7 @@ _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
 
+
 class ScriptExitError(RuntimeError):
     """A script role's child process ended with a non-zero exit code or a signal.
 
