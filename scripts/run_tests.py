@@ -9,7 +9,8 @@ failed.
 
 Without SLOW=1 (`make test`), the tests marked `slow` (long scenarios: multi-node
 clusters, restarts, the full examples) are left out of every suite: lane 1 runs the
-core's tests, lane 2 every plugin's. With SLOW=1 (`make test SLOW=1`, what .ci/run
+core's tests, then the plugins named in ``--lane1-fast``, lane 2 every other plugin's.
+With SLOW=1 (`make test SLOW=1`, what .ci/run
 runs), every test runs: lane 1 the core's slow tests, then the plugins named in
 ``--lane1``; lane 2 the core's other tests, then every other plugin (a new plugin goes
 here).
@@ -174,8 +175,9 @@ def _last_line(path: str) -> str:
 
 
 def plan(logs: str, core: str, plugins: list[str], lane1: set[str], slow: bool,
-         extra: list[str]) -> tuple[list[Suite], list[Suite]]:
-    """The suites of lane 1 and lane 2 (see the module docstring)."""
+         extra: list[str], lane1_fast: set[str] = frozenset()) -> tuple[list[Suite], list[Suite]]:
+    """The suites of lane 1 and lane 2 (see the module docstring); without ``slow`` the
+    plugins named in ``lane1_fast`` run in lane 1 after the core's tests."""
     lanes: tuple[list[Suite], list[Suite]] = ([], [])
     only = [] if slow else ["-m", "not slow"]
     if slow:
@@ -186,7 +188,7 @@ def plan(logs: str, core: str, plugins: list[str], lane1: set[str], slow: bool,
     for p in plugins:
         p = p.rstrip("/") + "/"
         name = os.path.basename(p.rstrip("/"))
-        n = 1 if (slow and name in lane1) else 2
+        n = 1 if (name in lane1 if slow else name in lane1_fast) else 2
         args = [f"{p}tests", "--rootdir", p, "-c", f"{p}pyproject.toml", *only, *extra]
         lanes[n - 1].append(Suite(p, f"{logs}/{n}-{name}.log", args))
     return lanes
@@ -197,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
     ap.add_argument("--plugins", default="", help="plugin directories, space-separated")
     ap.add_argument("--lane1", default="", help="with SLOW=1: plugins run in lane 1")
+    ap.add_argument("--lane1-fast", default="",
+                    help="without SLOW=1: plugins run in lane 1 after the core's tests")
     ap.add_argument("--core", default="tests", help="the core's test directory")
     ap.add_argument("--logs", default=".test-logs", help="where each suite's log goes")
     ap.add_argument("--progress-s", type=float, default=30.0,
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     slow = os.environ.get("SLOW", "") == "1"
     shutil.rmtree(a.logs, ignore_errors=True)
     os.makedirs(a.logs)
-    lanes = plan(a.logs, a.core, a.plugins.split(), set(a.lane1.split()), slow, a.pytest_args)
+    lanes = plan(a.logs, a.core, a.plugins.split(), set(a.lane1.split()), slow, a.pytest_args,
+                 set(a.lane1_fast.split()))
     r = Runner(a.python, a.logs, a.progress_s, a.grace_s)
     r.suites = lanes[0] + lanes[1]
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -89,11 +89,15 @@ def test_cli_submit_exit_codes(ray_cluster, tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "roles.trainer.per_node" in bad.stderr and "not divisible" in bad.stderr
-    failing = subprocess.run(
-        cli + ["submit", "examples/nanogpt/job.yaml", *TINY, "config.max_steps=2",
+    missing = ["submit", "examples/nanogpt/job.yaml", *TINY, "config.max_steps=2",
                "roles.trainer.workload=examples.nanogpt.workload:NoSuchClass",
-               "--job-dir", str(tmp_path / "j"), "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+               "--job-dir", str(tmp_path / "j"), "--no-progress"]
+    refused = subprocess.run(cli + missing, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2  # submit imports the workload as validate does
+    assert "has no 'NoSuchClass'" in refused.stderr and not (tmp_path / "j").exists()
+    # without that check, the ranks find it at setup: fatal, no restart loop, exit 1
+    failing = subprocess.run(cli + missing + ["--no-import-check"], capture_output=True,
+                             text=True, timeout=300)
     assert failing.returncode == 1
     summary = json.load(open(tmp_path / "j" / "summary.json"))
     assert summary["status"] == "failed"

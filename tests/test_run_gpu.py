@@ -41,6 +41,8 @@ def gpu_cluster():
     try:
         gpu_nodes = {cluster.add_node(num_cpus=2, num_gpus=2).node_id for _ in range(2)}
         cluster.wait_for_nodes()
+        if ray.is_initialized():  # the session's shared test cluster: not this one
+            ray.shutdown()
         init_ray(cluster.address)
         yield cluster, gpu_nodes
     finally:

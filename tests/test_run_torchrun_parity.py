@@ -35,8 +35,11 @@ def main():
             "path0": sys.path[0], "cwd": os.getcwd(), "sum": t.item()}
     with open(os.path.join(sys.argv[1], "seen-%s.json" % os.environ["RANK"]), "w") as f:
         json.dump(seen, f)
-    print("OUT rank", os.environ["RANK"], flush=True)
-    print("ERR rank", os.environ["RANK"], file=sys.stderr, flush=True)
+    # one write each: two ranks' print()s of several parts interleave (seen under torchrun)
+    sys.stdout.write("OUT rank %s\\n" % os.environ["RANK"])
+    sys.stdout.flush()
+    sys.stderr.write("ERR rank %s\\n" % os.environ["RANK"])
+    sys.stderr.flush()
     dist.barrier()
     if os.environ["RANK"] == "1":
         raise RuntimeError("boom [/x] in rank 1")

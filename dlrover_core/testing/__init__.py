@@ -47,7 +47,8 @@ from dlrover_core.testing.tensors import (assert_states_equal, check_collective_
 __all__ = ["assert_states_equal", "call_all", "check_collective_devices", "dlrover_json",
            "end_rank_process", "fake_dist", "flatten_state", "gloo", "heavy_modules_after",
            "job_dir", "kill_actors", "make_fake_dist", "master_node_id", "multinode_cluster",
-           "plugin_manager", "plugin_row", "poll_status", "ray_cluster", "run_job",
+           "plugin_manager", "plugin_row", "poll_status", "ray_cluster", "_test_ray_dirs",
+           "run_job",
            "spawn_role", "start_test_ray", "torchrun_script_pid"]
 
 
@@ -85,6 +86,8 @@ def multinode_cluster(workers: int, cpus: float, head_cpus: float = 0,
             nodes[node.node_id] = node
         cluster.wait_for_nodes()
         if connect:
+            if ray.is_initialized():  # another cluster's connection (a shared test cluster)
+                ray.shutdown()
             init_ray(cluster.address)
         yield cluster, nodes
     finally:
@@ -94,16 +97,31 @@ def multinode_cluster(workers: int, cpus: float, head_cpus: float = 0,
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
+def _test_ray_dirs() -> Iterator[list[str]]:
+    """The temp dirs of the test clusters :func:`ray_cluster` started; at the session's
+    end this process leaves Ray and they are removed."""
     import ray
 
-    if ray.is_initialized():
-        yield
-        return
-    temp_dir = start_test_ray()
+    dirs: list[str] = []
+    yield dirs
+    if dirs:
+        ray.shutdown()
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_test_ray_dirs: list[str]) -> Iterator[None]:
+    """A local Ray cluster this process is connected to, shared by the modules of the
+    session: started once, and started again at the start of a module when an earlier
+    module's test left Ray (a several-node cluster of its own, ``ray.shutdown()``), so a
+    module never finds itself without one (its jobs would start embedded clusters whose
+    workers miss the test directory on their path)."""
+    import ray
+
+    if not ray.is_initialized():
+        _test_ray_dirs.append(start_test_ray())
     yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture
