@@ -51,6 +51,7 @@ def gpu_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow  # three Ray nodes started for one test (17 s here)
 def test_two_gpu_node_groups_on_two_nodes_one_gpu_per_rank(gpu_cluster, tmp_path,
                                                             monkeypatch):
     cluster, gpu_nodes = gpu_cluster
