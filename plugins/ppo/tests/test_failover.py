@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 import ray
@@ -46,26 +45,31 @@ def run_cartpole(job_dir: str, kill: str | None = None) -> dict:
     label: ``actor-0``, ``rollout-1``, ``driver``), SIGKILL that process once iteration
     ``KILL_AFTER`` was reported. Returns the summary."""
     from dlrover_core import load_spec
-    from dlrover_core.master.client import create_master
 
     spec = load_spec("examples/ppo_cartpole/job.yaml", [
         f"config.rl.iterations={ITERATIONS}", "config.rl.target_return=null",
         "config.rl.max_time_s=0", "config.rl.evaluate=false", f"name=ppo-fo-{kill or 'none'}"])
+    return _run(spec, job_dir, kill, KILL_AFTER, poll_s=180, wait_s=300)
+
+
+def _run(spec, job_dir: str, kill: str | None, after: int, poll_s: float,
+         wait_s: float) -> dict:
+    """Run ``spec`` under a new JobMaster in ``job_dir``; with ``kill`` (an instance
+    label), SIGKILL that process once the driver reported step ``after`` (waiting at most
+    ``poll_s`` s for it). Returns the summary, which must say ``succeeded``."""
+    from dlrover_core.master.client import create_master
+    from dlrover_core.testing import poll_status
+
     master = create_master(spec, job_dir)
     ray.get(master.start.remote())
     try:
         if kill is not None:
-            deadline = time.time() + 180
-            while True:
-                st = ray.get(master.status.remote())
-                if st["step"] >= KILL_AFTER:
-                    break
-                assert time.time() < deadline, st
-                time.sleep(0.02)
+            st = poll_status(master, lambda st: st["step"] >= after, timeout=poll_s,
+                             interval=0.02)
             pid = st["instances"][kill]["pid"]
             assert pid, st["instances"]
             os.kill(pid, signal.SIGKILL)
-        summary = ray.get(master.wait.remote(300))
+        summary = ray.get(master.wait.remote(wait_s))
     finally:
         ray.kill(master)
     assert summary["status"] == "succeeded", summary["error"]
@@ -134,7 +138,6 @@ def run_toy_grpo(job_dir: str, kill: str | None = None, hang: bool = False) -> d
     ``kill``: an instance label to SIGKILL once iteration 3 was reported; ``hang``:
     rollout rank 1 hangs in iteration 6 (its first attempt) and the default hang bound
     of driver calls is 2 s."""
-    from dlrover_core.master.client import create_master
     from dlrover_plugin_ppo.builder import RLJobBuilder
 
     builder = (RLJobBuilder("grpo").name(f"grpo-fo-{kill or ('hang' if hang else 'none')}")
@@ -148,20 +151,7 @@ def run_toy_grpo(job_dir: str, kill: str | None = None, hang: bool = False) -> d
            .reference(TOY, "ToyReference").resource(cpu=0.25)
            .reward(TOY, "ToyReward").resource(cpu=0.25)
            .build())
-    master = create_master(job.spec, job_dir)
-    ray.get(master.start.remote())
-    try:
-        if kill is not None:
-            deadline = time.time() + 120
-            while (st := ray.get(master.status.remote()))["step"] < 3:
-                assert time.time() < deadline, st
-                time.sleep(0.02)
-            os.kill(st["instances"][kill]["pid"], signal.SIGKILL)
-        summary = ray.get(master.wait.remote(180))
-    finally:
-        ray.kill(master)
-    assert summary["status"] == "succeeded", summary["error"]
-    return summary
+    return _run(job.spec, job_dir, kill, 3, poll_s=120, wait_s=180)
 
 
 @pytest.fixture(scope="module")
