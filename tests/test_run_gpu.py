@@ -11,12 +11,11 @@ two nodes (``--node-rank 0 --rdzv-endpoint HOST:PORT``), given once with ``--add
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 
 import pytest
 
 from dlrover_core.cli import run as dlrover_run
+from dlrover_core.testing import multinode_cluster
 
 SCRIPT = '''
 import json, os, sys
@@ -30,25 +29,9 @@ with open(os.path.join(sys.argv[1], "gpu-%s.json" % os.environ["RANK"]), "w") as
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from dlrover_core.master.client import init_ray
-
-    temp_dir = tempfile.mkdtemp(prefix="dlg", dir="/tmp")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "num_gpus": 0, "temp_dir": temp_dir, "include_dashboard": False})
-    try:
-        gpu_nodes = {cluster.add_node(num_cpus=2, num_gpus=2).node_id for _ in range(2)}
-        cluster.wait_for_nodes()
-        if ray.is_initialized():  # the session's shared test cluster: not this one
-            ray.shutdown()
-        init_ray(cluster.address)
-        yield cluster, gpu_nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    """A head without GPUs and two worker nodes that declare 2 GPUs each."""
+    with multinode_cluster(2, cpus=2, head_cpus=1, gpus=2) as (cluster, nodes):
+        yield cluster, set(nodes)
 
 
 @pytest.mark.slow  # three Ray nodes started for one test (17 s here)

@@ -64,10 +64,12 @@ def start_test_ray(num_cpus: int | None = None, **kwargs) -> str:
 
 @contextlib.contextmanager
 def multinode_cluster(workers: int, cpus: float, head_cpus: float = 0,
-                      connect: bool = True) -> Iterator[tuple[Any, dict[str, Any]]]:
+                      connect: bool = True, gpus: float = 0,
+                      ) -> Iterator[tuple[Any, dict[str, Any]]]:
     """A several-node ``ray.cluster_utils.Cluster`` on this machine, in a fresh temp dir
     and without a dashboard: a head with ``head_cpus`` CPUs and ``workers`` worker nodes
-    of ``cpus`` CPUs each, all started before it yields. ``connect``: this process joins
+    of ``cpus`` CPUs each (and ``gpus`` GPUs declared: Ray schedules them, no device
+    exists), all started before it yields. ``connect``: this process joins
     it (``init_ray``). Yields ``(cluster, nodes)``, ``nodes`` mapping each worker's node
     id (hex) to its node handle (for ``cluster.remove_node``). On exit this process leaves
     Ray, the cluster is shut down and its temp dir removed."""
@@ -78,11 +80,12 @@ def multinode_cluster(workers: int, cpus: float, head_cpus: float = 0,
 
     temp_dir = tempfile.mkdtemp(prefix="dlc", dir="/tmp")
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": head_cpus, "temp_dir": temp_dir, "include_dashboard": False})
+        "num_cpus": head_cpus, "num_gpus": 0, "temp_dir": temp_dir,
+        "include_dashboard": False})
     try:
         nodes = {}
         for _ in range(workers):
-            node = cluster.add_node(num_cpus=cpus)
+            node = cluster.add_node(num_cpus=cpus, num_gpus=gpus)
             nodes[node.node_id] = node
         cluster.wait_for_nodes()
         if connect:
