@@ -121,16 +121,13 @@ def _running_here(ref, as_json: bool) -> bool:
     """Print the status of ``ref`` from its files when the process holding its run lock
     is alive on this machine though its JobMaster is not on the joined cluster (several
     Ray clusters on one machine); ``False`` (nothing printed) otherwise."""
-    from dlrover_core.cli.jobs_list import jobs_in_root
+    from dlrover_core.cli.jobs_list import job_row
     from dlrover_core.master.dir_lock import live_holder
 
     holder = live_holder(ref.job_dir)
     if holder is None:
         return False
-    row = next((r for r in jobs_in_root(os.path.dirname(ref.job_dir))
-                if r["job_dir"] == ref.job_dir), None)
-    if row is None:
-        return False
+    row = job_row(ref.job_dir)
     st = {"name": ref.name, "state": "running", "run": row["run"], "job_dir": ref.job_dir,
           "step": (row["steps"] or 0) - 1, "elapsed_s": row["wall_s"] or 0.0,
           "source": "files", "holder": holder}

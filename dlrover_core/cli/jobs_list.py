@@ -63,50 +63,53 @@ def _first_line(text: Any, width: int | None = None) -> str | None:
 
 def jobs_in_root(root: str) -> list[dict]:
     """One row per job directory under ``root`` (sorted by directory), from its latest
-    run: name, run, status, started_at (unix s), steps, restarts, wall_s, goodput, error
-    (its first line), job_dir and source."""
-    from dlrover_core.cli.job_files import is_job_dir, job_name_of
+    run (:func:`job_row`)."""
+    from dlrover_core.cli.job_files import is_job_dir
+
+    if not os.path.isdir(root):
+        return []
+    dirs = (os.path.abspath(os.path.join(root, e)) for e in sorted(os.listdir(root)))
+    return [job_row(d) for d in dirs if os.path.isdir(d) and is_job_dir(d)]
+
+
+def job_row(d: str) -> dict:
+    """The row of job directory ``d`` (absolute), from its latest run: name, run, status,
+    started_at (unix s), steps, restarts, wall_s, goodput, error (its first line),
+    job_dir and source."""
+    from dlrover_core.cli.job_files import job_name_of
     from dlrover_core.master.dir_lock import live_holder
     from dlrover_core.runs import run_paths
 
-    rows = []
-    if not os.path.isdir(root):
-        return rows
-    for entry in sorted(os.listdir(root)):
-        d = os.path.abspath(os.path.join(root, entry))
-        if not os.path.isdir(d) or not is_job_dir(d):
-            continue
-        paths = run_paths(d)
-        info = paths.info
-        row: dict[str, Any] = {"name": job_name_of(d), "run": paths.run,
-                               "status": "unfinished", "started_at": info.get("started_at"),
-                               "steps": None, "restarts": None, "wall_s": None,
-                               "goodput": None, "error": None, "job_dir": d, "source": d}
-        summary = None
-        try:
-            with open(paths.summary) as f:
-                summary = json.load(f)
-        except (OSError, ValueError):
-            pass
-        first = _first_event(paths.events) if os.path.isfile(paths.events) else None
-        if row["started_at"] is None and first and first.get("event") == "job_started":
-            row["started_at"] = float(first["ts"])
-        if summary:
-            row.update(status=summary.get("status"), steps=summary.get("steps"),
-                       restarts=(summary.get("restarts") or {}).get("total", 0),
-                       wall_s=summary.get("wall_s"), goodput=summary.get("goodput"),
-                       error=_first_line(summary.get("error")))
-            row["started_at"] = summary.get("started_at", row["started_at"])
-        else:
-            if live_holder(d) is not None:  # its submit (or lock keeper) is alive here
-                row["status"] = "running"
-                row["source"] = f"{d} (its JobMaster is on a Ray cluster not joined)"
-            if first and first.get("event") == "job_started" and os.path.isfile(paths.events):
-                row["wall_s"] = round(os.path.getmtime(paths.events) - float(first["ts"]), 3)
-            last = _tail_step(paths.metrics)
-            row["steps"] = last + 1 if last is not None else 0
-        rows.append(row)
-    return rows
+    paths = run_paths(d)
+    info = paths.info
+    row: dict[str, Any] = {"name": job_name_of(d), "run": paths.run,
+                           "status": "unfinished", "started_at": info.get("started_at"),
+                           "steps": None, "restarts": None, "wall_s": None,
+                           "goodput": None, "error": None, "job_dir": d, "source": d}
+    summary = None
+    try:
+        with open(paths.summary) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        pass
+    first = _first_event(paths.events) if os.path.isfile(paths.events) else None
+    if row["started_at"] is None and first and first.get("event") == "job_started":
+        row["started_at"] = float(first["ts"])
+    if summary:
+        row.update(status=summary.get("status"), steps=summary.get("steps"),
+                   restarts=(summary.get("restarts") or {}).get("total", 0),
+                   wall_s=summary.get("wall_s"), goodput=summary.get("goodput"),
+                   error=_first_line(summary.get("error")))
+        row["started_at"] = summary.get("started_at", row["started_at"])
+    else:
+        if live_holder(d) is not None:  # its submit (or lock keeper) is alive here
+            row["status"] = "running"
+            row["source"] = f"{d} (its JobMaster is on a Ray cluster not joined)"
+        if first and first.get("event") == "job_started" and os.path.isfile(paths.events):
+            row["wall_s"] = round(os.path.getmtime(paths.events) - float(first["ts"]), 3)
+        last = _tail_step(paths.metrics)
+        row["steps"] = last + 1 if last is not None else 0
+    return row
 
 
 def running_masters(address: str | None) -> dict[str, tuple[Any, dict]] | None:

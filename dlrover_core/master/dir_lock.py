@@ -280,10 +280,16 @@ def live_holder(directory: str) -> dict | None:
     fail with :class:`DirInUseError`; a pid reused since the holder died reads as
     alive."""
     try:
-        with open(os.path.join(directory, LOCK_NAME)) as f:
-            holder = json.load(f)
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        holder = _read_holder(fd)
+    finally:
+        os.close(fd)
+    try:
         pid = int(holder["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return None
     if holder.get("host") != socket.gethostname():
         return None
