@@ -38,6 +38,7 @@ def failures(events: list[dict], job_dir: str, tail: int = LOG_TAIL_LINES) -> li
     ``classifier``), the ``recovery_started`` one (``recovery``: its level and roles)
     and ``log`` / ``log_tail``: the failed attempt's log file under ``job_dir`` and its
     last ``tail`` lines (``[]`` when there is none)."""
+    from dlrover_core.cli.jobs_list import tail_lines
     from dlrover_core.runtime.log_capture import attempt_path
 
     out: list[dict] = []
@@ -58,16 +59,9 @@ def failures(events: list[dict], job_dir: str, tail: int = LOG_TAIL_LINES) -> li
         if f["role"] is not None and f["attempt"] is not None:
             log = attempt_path(job_dir, str(f["role"]), int(f["rank"] or 0), int(f["attempt"]))
         f["log"] = log if log and os.path.exists(log) else None
-        f["log_tail"] = _tail(f["log"], tail) if f["log"] else []
+        f["log_tail"] = tail_lines(f["log"])[-tail:] if f["log"] else []
         out.append(f)
     return out
-
-
-def _tail(path: str, n: int, chunk: int = 65536) -> list[str]:
-    with open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        fh.seek(max(0, fh.tell() - chunk))
-        return fh.read().decode(errors="replace").splitlines()[-n:]
 
 
 def diagnosis(events: list[dict]) -> dict:

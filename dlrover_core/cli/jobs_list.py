@@ -26,16 +26,20 @@ COLUMNS = ("name", "run", "status", "started_at", "age_s", "steps", "restarts", 
            "goodput", "error", "job_dir", "source")
 
 
+def tail_lines(path: str, chunk: int = 65536) -> list[str]:
+    """The lines of the last ``chunk`` bytes of ``path`` (the first may be cut)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - chunk))
+        return f.read().decode(errors="replace").splitlines()
+
+
 def _tail_step(path: str, chunk: int = 65536) -> int | None:
     """The highest ``step`` among the last ``chunk`` bytes of a metrics.jsonl."""
     if not os.path.exists(path):
         return None
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - chunk))
-        lines = f.read().decode(errors="replace").splitlines()
     steps = []
-    for ln in lines:
+    for ln in tail_lines(path, chunk):
         try:
             steps.append(int(json.loads(ln)["step"]))
         except (ValueError, KeyError, TypeError):
