@@ -99,25 +99,17 @@ def test_the_check_probes_every_gpu_bundle_of_every_node():
     each probe takes its CPU path, gloo), a placement of 4 one-GPU bundles (2 per
     node): the check runs 4 probes, each node reports 2 devices, and the pair's
     all-gather runs on both links (GPU 0 with GPU 0, GPU 1 with GPU 1)."""
-    import shutil
-    import tempfile
     from types import SimpleNamespace
 
     import ray
     from omegaconf import OmegaConf
-    from ray.cluster_utils import Cluster
 
-    from dlrover_core.master.client import init_ray
     from dlrover_core.master.node_check import NodeCheck
+    from dlrover_core.testing import multinode_cluster
 
-    temp_dir = tempfile.mkdtemp(prefix="dlc", dir="/tmp")  # short: Ray's socket paths
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "temp_dir": temp_dir, "include_dashboard": False})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1, num_gpus=2)
-        cluster.wait_for_nodes()
-        init_ray(cluster.address)
+    # multinode_cluster leaves the shared test cluster first: joining by init_ray alone
+    # would keep an earlier module's connection, where no GPU is declared (a CI failure)
+    with multinode_cluster(workers=2, cpus=1, gpus=2):
         pg = ray.util.placement_group([{"CPU": 0.25, "GPU": 1}] * 4, strategy="PACK")
         ray.get(pg.ready(), timeout=60)
         where = ray.util.placement_group_table(pg)["bundles_to_node_id"]
@@ -132,10 +124,6 @@ def test_the_check_probes_every_gpu_bundle_of_every_node():
                                 context=SimpleNamespace(get=lambda key: None),
                                 emit=lambda event, **f: events.append((event, f)))
         results = NodeCheck(scope, launcher=None).check(nodes)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
     [(name, ev)] = events
     assert name == "node_check" and ev["probes"] == 4
     for node, r in results.items():
