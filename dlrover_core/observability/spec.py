@@ -7,27 +7,20 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from dlrover_core.observability.log_limits import MIN_LOG_BYTES
 from dlrover_core.spec.errors import SpecError
 
 
 def validate_observability(spec: Any) -> None:
     """Check ``spec.observability``: ``tensorboard`` is ``true``, ``false`` or a directory
-    (and torch and the ``tensorboard`` package are installed when it is on); the worker logs'
-    ``log_max_bytes`` is >= :data:`MIN_LOG_BYTES` and ``log_backups`` >= 0 (the limits
-    of :class:`~dlrover_core.runtime.log_capture.RotatingFile`).
+    (and torch and the ``tensorboard`` package are installed when it is on). The worker
+    logs' ``log_max_bytes`` (>= ``MIN_LOG_BYTES``) and ``log_backups`` (>= 0), the limits
+    of :class:`~dlrover_core.runtime.log_capture.RotatingFile`, are declared on
+    ``ObservabilitySpec`` and checked with the rest of the schema.
 
     Raises:
         SpecError: a bad value, or ``tensorboard`` on without torch or the tensorboard
             package.
     """
-    o = spec.observability
-    if o.log_max_bytes < MIN_LOG_BYTES:
-        raise SpecError("observability.log_max_bytes", o.log_max_bytes,
-                        f"bytes per log file >= {MIN_LOG_BYTES}")
-    if o.log_backups < 0:
-        raise SpecError("observability.log_backups", o.log_backups,
-                        "an integer >= 0 (rotated parts kept; 0: none)")
     tb = spec.observability.tensorboard
     if not (isinstance(tb, bool) or (isinstance(tb, str) and tb.strip())):
         raise SpecError("observability.tensorboard", tb,

@@ -87,16 +87,10 @@ def validate_elastic(spec: Any) -> None:
     Raises:
         SpecError: a bad range; ``total`` not ``k * per_node`` for a ``k`` in the range; a
             range on a role without ``per_node``, without a backend, in a collocation
-            group or in a job with a driver; a bad ``elastic`` setting.
+            group or in a job with a driver; ``elastic.global_batch`` and ``micro_batch``
+            that do not go together.
     """
-    e = spec.elastic
-    if e.replacement_timeout_s < 0:
-        raise SpecError("elastic.replacement_timeout_s", e.replacement_timeout_s,
-                        "seconds >= 0 (0: shrink at once)")
-    if e.placement_timeout_s <= 0:
-        raise SpecError("elastic.placement_timeout_s", e.placement_timeout_s, "seconds > 0")
-    if e.poll_interval_s <= 0:
-        raise SpecError("elastic.poll_interval_s", e.poll_interval_s, "seconds > 0")
+    e = spec.elastic  # its timeouts' ranges are declared and checked with the schema
     if e.global_batch < 0 or e.micro_batch < 0 or bool(e.global_batch) != bool(e.micro_batch):
         raise SpecError("elastic.global_batch", [e.global_batch, e.micro_batch],
                         "both elastic.global_batch and elastic.micro_batch > 0, or both 0")

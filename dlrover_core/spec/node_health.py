@@ -1,8 +1,10 @@
 """The ``node_health`` section of the job spec: the pre-flight node check, run-time
 straggler detection and the stack capture of hung ranks (see docs/node-health.md).
 
-Validated by :func:`validate_node_health`; every error names the key, the value and
-what is allowed.
+Each field declares what it allows (:func:`~dlrover_core.spec.fields.spec_field`);
+they are checked with the rest of the spec, and :func:`validate_node_health` checks the
+rule of ``straggler_action: shrink``; every error names the key, the value and what
+is allowed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from omegaconf import DictConfig
 
 from dlrover_core.spec.elastic import parse_nodes
 from dlrover_core.spec.errors import SpecError
+from dlrover_core.spec.fields import spec_field
 
 #: What the master does with a straggler: ``off`` (no detection), ``report`` (the
 #: ``straggler_detected`` event only), ``replace`` (the rank is replaced, from the warm
@@ -55,56 +58,37 @@ class NodeHealthSpec:
     """
 
     skip_node_check: bool = False
-    slow_factor: float = 2.0
-    matmul_size: int = 256
-    matmul_batch: int = 1
-    matmul_iters: int = 20
-    allgather_kb: int = 1024
-    allgather_iters: int = 5
-    warmup_iters: int = 1
-    gpu_matmul_size: int = 2048
-    gpu_matmul_batch: int = 10
-    gpu_matmul_iters: int = 200
-    gpu_allgather_mb: int = 64
-    gpu_allgather_iters: int = 40
-    gpu_warmup_iters: int = 20
-    check_timeout_s: float = 10.0
-    straggler_action: str = "report"
-    straggler_factor: float = 2.0
-    straggler_windows: int = 3
-    straggler_window_s: float = 5.0
-    stack_dump: str = "auto"
+    slow_factor: float = spec_field(2.0, gt=1)
+    matmul_size: int = spec_field(256, ge=1)
+    matmul_batch: int = spec_field(1, ge=1)
+    matmul_iters: int = spec_field(20, ge=1)
+    allgather_kb: int = spec_field(1024, ge=1)
+    allgather_iters: int = spec_field(5, ge=1)
+    warmup_iters: int = spec_field(1, ge=1)
+    gpu_matmul_size: int = spec_field(2048, ge=1)
+    gpu_matmul_batch: int = spec_field(10, ge=1)
+    gpu_matmul_iters: int = spec_field(200, ge=1)
+    gpu_allgather_mb: int = spec_field(64, ge=1)
+    gpu_allgather_iters: int = spec_field(40, ge=1)
+    gpu_warmup_iters: int = spec_field(20, ge=1)
+    check_timeout_s: float = spec_field(10.0, gt=0, unit="seconds")
+    straggler_action: str = spec_field("report", choices=STRAGGLER_ACTIONS)
+    straggler_factor: float = spec_field(2.0, gt=1)
+    straggler_windows: int = spec_field(3, ge=1)
+    straggler_window_s: float = spec_field(5.0, gt=0, unit="seconds")
+    stack_dump: str = spec_field("auto", choices=STACK_METHODS)
 
 
 def validate_node_health(spec: DictConfig) -> None:
-    """Check ``spec.node_health``.
+    """Check the rule of ``node_health.straggler_action: shrink`` (the fields' own
+    checks run with the rest of the spec's: :func:`dlrover_core.spec.validate.validate`).
 
     Raises:
-        SpecError: a value out of range (names the key, the value and what is allowed);
-            ``straggler_action: shrink`` on a role with a process group and more than
-            one rank that has no node range ``roles.R.nodes`` with ``MIN < MAX``.
+        SpecError: ``straggler_action: shrink`` on a role with a process group and more
+            than one rank that has no node range ``roles.R.nodes`` with ``MIN < MAX``.
     """
-    nh = spec.node_health
-    positive = {"slow_factor": 1.0, "straggler_factor": 1.0}
-    for key, low in positive.items():
-        if not float(nh[key]) > low:
-            raise SpecError(f"node_health.{key}", nh[key], f"a number > {low:g}")
-    for key in ("matmul_size", "matmul_batch", "matmul_iters", "allgather_kb",
-                "allgather_iters", "warmup_iters", "gpu_matmul_size", "gpu_matmul_batch",
-                "gpu_matmul_iters", "gpu_allgather_mb", "gpu_allgather_iters",
-                "gpu_warmup_iters", "straggler_windows"):
-        if int(nh[key]) < 1:
-            raise SpecError(f"node_health.{key}", nh[key], "an integer >= 1")
-    for key in ("check_timeout_s", "straggler_window_s"):
-        if not float(nh[key]) > 0:
-            raise SpecError(f"node_health.{key}", nh[key], "seconds > 0")
-    if nh.straggler_action not in STRAGGLER_ACTIONS:
-        raise SpecError("node_health.straggler_action", nh.straggler_action,
-                        ", ".join(STRAGGLER_ACTIONS))
-    if nh.straggler_action == "shrink":
+    if spec.node_health.straggler_action == "shrink":
         _check_shrink(spec)
-    if nh.stack_dump not in STACK_METHODS:
-        raise SpecError("node_health.stack_dump", nh.stack_dump, ", ".join(STACK_METHODS))
 
 
 def _check_shrink(spec: DictConfig) -> None:

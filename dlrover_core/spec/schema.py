@@ -21,7 +21,9 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from dlrover_core.observability.log_limits import DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES
+from dlrover_core.observability.log_limits import (DEFAULT_LOG_BACKUPS, DEFAULT_LOG_MAX_BYTES,
+                                                   MIN_LOG_BYTES)
+from dlrover_core.spec.fields import spec_field
 from dlrover_core.spec.node_health import NodeHealthSpec
 
 
@@ -33,8 +35,8 @@ class ResourceSpec:
     implies), else 0; collocated roles share their bundle's GPUs (each actor asks
     for ``1/len(roles)`` of it)."""
 
-    cpu: float = 1.0
-    gpu: Optional[float] = None
+    cpu: float = spec_field(1.0, ge=0)
+    gpu: Optional[float] = spec_field(None, ge=0)
     memory_mb: int = 0
 
 
@@ -56,8 +58,9 @@ class RoleSpec:
     """
 
     workload: str = MISSING
-    total: int = 1
-    per_node: int = 0  # 0: all instances on one node (per_node = total)
+    total: int = spec_field(1, ge=1)
+    #: 0: all instances on one node (per_node = total)
+    per_node: int = spec_field(0, ge=0, allowed="an integer >= 1 (or 0 for total)")
     backend: Optional[str] = None
     resources: ResourceSpec = field(default_factory=ResourceSpec)
     env: Dict[str, str] = field(default_factory=dict)
@@ -95,11 +98,12 @@ class FailoverSpec:
     rank per role (:mod:`dlrover_core.master.standby`; without room it waits, not warm).
     """
 
-    max_restarts: int = 3
+    max_restarts: int = spec_field(3, ge=0)
     max_node_failures: int = 2
-    hang_timeout_s: float = 0.0
-    call_hang_min_s: float = 60.0
-    pg_timeout_s: float = 120.0
+    hang_timeout_s: float = spec_field(0.0, ge=0, unit="seconds", note="0 = off")
+    call_hang_min_s: float = spec_field(
+        60.0, ge=0, unit="seconds", note="0 = no default hang bound for driver calls")
+    pg_timeout_s: float = spec_field(120.0, gt=0, unit="seconds")
     in_place: bool = True
     survivor_grace_s: float = 10.0
     standby: bool = True
@@ -118,9 +122,10 @@ class ElasticSpec:
     ``global_batch`` / ``micro_batch``: when set, a world size is valid only if it splits
     ``global_batch`` into micro-batches (gradient accumulation keeps the global batch)."""
 
-    replacement_timeout_s: float = 60.0
-    poll_interval_s: float = 5.0
-    placement_timeout_s: float = 30.0
+    replacement_timeout_s: float = spec_field(60.0, ge=0, unit="seconds",
+                                              note="0: shrink at once")
+    poll_interval_s: float = spec_field(5.0, gt=0, unit="seconds")
+    placement_timeout_s: float = spec_field(30.0, gt=0, unit="seconds")
     global_batch: int = 0
     micro_batch: int = 0
 
@@ -134,8 +139,8 @@ class CheckpointSpec:
 
     saver: str = "disk"
     dir: Optional[str] = None
-    every_steps: int = 0
-    keep: int = 3
+    every_steps: int = spec_field(0, ge=0)
+    keep: int = spec_field(3, ge=1)
     options: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -155,15 +160,20 @@ class TuningGuardSpec:
     at that second look is kept when its mean rate beats the baseline's by ``min_gain``
     (the faster one is selected; needs ``max_windows``)."""
 
-    windows: int = 3
-    max_windows: int = 0
-    select_by_mean: bool = False
-    confidence: float = 0.9
-    min_gain: float = 0.0
-    max_retries: int = 1
-    retry_shift: float = 0.25
-    memory_limit_bytes: int = 0
-    memory_headroom: float = 0.1
+    windows: int = spec_field(3, ge=2, note="the t-test needs two windows")
+    max_windows: int = spec_field(
+        0, valid=lambda v, g: v == 0 or v > g.windows,
+        allowed=lambda g: f"0 (one look) or an integer > tuning.guard.windows ({g.windows})")
+    select_by_mean: bool = spec_field(
+        False, valid=lambda v, g: not v or g.max_windows > 0,
+        allowed="false, or true with tuning.guard.max_windows set (the second look selects)")
+    confidence: float = spec_field(0.9, ge=0.5, lt=1)
+    min_gain: float = spec_field(0.0, ge=0, lt=10)
+    max_retries: int = spec_field(1, ge=0)
+    retry_shift: float = spec_field(0.25, gt=0)
+    memory_limit_bytes: int = spec_field(0, ge=0, unit="bytes",
+                                         note="0: the capacity the ranks report")
+    memory_headroom: float = spec_field(0.1, ge=0, lt=1, unit="a fraction")
 
 
 @dataclass
@@ -180,8 +190,8 @@ class TuningSpec:
     enabled: bool = False
     tuners: List[str] = field(default_factory=lambda: ["dataloader_workers", "micro_batch"])
     role: Optional[str] = None
-    interval_steps: int = 20
-    warmup_steps: int = 2
+    interval_steps: int = spec_field(20, ge=1)
+    warmup_steps: int = spec_field(2, ge=0)
     lr_scaling: str = "linear"
     guard: TuningGuardSpec = field(default_factory=TuningGuardSpec)
     one_change_per_round: bool = True
@@ -205,8 +215,9 @@ class ObservabilitySpec:
 
     tensorboard: Any = False
     worker_logs: bool = True
-    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
-    log_backups: int = DEFAULT_LOG_BACKUPS
+    log_max_bytes: int = spec_field(DEFAULT_LOG_MAX_BYTES, ge=MIN_LOG_BYTES,
+                                    unit="bytes per log file")
+    log_backups: int = spec_field(DEFAULT_LOG_BACKUPS, ge=0, note="rotated parts kept; 0: none")
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """Semantic checks of a job spec beyond its types (:func:`validate`), run by
 :func:`dlrover_core.spec.loader.load_spec` before anything starts; every error is a
-:class:`SpecError` naming the key, the bad value and what is allowed.
+:class:`SpecError` naming the key, the bad value and what is allowed. A field's own
+range and choices are declared with it in :mod:`dlrover_core.spec.schema` and checked
+by :func:`dlrover_core.spec.fields.check_fields`; what is here is what needs more than
+one field, the plugins or the graph.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from dlrover_core.spec.errors import SpecError
+from dlrover_core.spec.fields import check_fields
+from dlrover_core.spec.schema import JobSpec, RoleSpec
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -62,10 +67,7 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
                             "missing") from None
         if not isinstance(workload, str) or not _IMPORT_PATH.match(workload):
             raise SpecError(f"{k}.workload", workload, "an import path 'package.module:Class'")
-        if r.total < 1:
-            raise SpecError(f"{k}.total", r.total, "an integer >= 1")
-        if r.per_node < 0:
-            raise SpecError(f"{k}.per_node", r.per_node, "an integer >= 1 (or 0 for total)")
+        check_fields(r, RoleSpec, k)  # total, per_node, resources
         per_node = r.per_node or r.total
         if r.total % per_node:
             raise SpecError(f"{k}.per_node", r.per_node,
@@ -84,10 +86,6 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
             raise SpecError(f"{k}.total", r.total,
                             f"at most node_num x per_node = {spec.node_num} x {per_node} = "
                             f"{spec.node_num * per_node}")
-        for res in ("cpu", "gpu"):
-            v = r.resources[res]
-            if v < 0:
-                raise SpecError(f"{k}.resources.{res}", v, "a number >= 0")
         if r.backend is not None:
             try:
                 backend = pm.get_backend(r.backend)
@@ -114,19 +112,9 @@ def validate(spec: DictConfig, plugin_manager: Any = None) -> None:
         except (ValueError, TypeError) as exc:
             raise SpecError("checkpoint.options", options,
                             f"options of saver {saver.name!r}", str(exc)) from None
-    if spec.checkpoint.every_steps < 0:
-        raise SpecError("checkpoint.every_steps", spec.checkpoint.every_steps, "an integer >= 0")
-    if spec.checkpoint.keep < 1:
-        raise SpecError("checkpoint.keep", spec.checkpoint.keep, "an integer >= 1")
-    if spec.failover.max_restarts < 0:
-        raise SpecError("failover.max_restarts", spec.failover.max_restarts, "an integer >= 0")
-    if spec.failover.hang_timeout_s < 0:
-        raise SpecError("failover.hang_timeout_s", spec.failover.hang_timeout_s, "seconds >= 0 (0 = off)")
-    if spec.failover.call_hang_min_s < 0:
-        raise SpecError("failover.call_hang_min_s", spec.failover.call_hang_min_s,
-                        "seconds >= 0 (0 = no default hang bound for driver calls)")
-    if spec.failover.pg_timeout_s <= 0:
-        raise SpecError("failover.pg_timeout_s", spec.failover.pg_timeout_s, "seconds > 0")
+    # checkpoint, failover, elastic, tuning (and its guard), observability, node_health:
+    # each field's declared type, range and choices (spec_field in schema.py)
+    check_fields(spec, JobSpec)
     from dlrover_core.spec.elastic import validate_elastic
 
     validate_elastic(spec)

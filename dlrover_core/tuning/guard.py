@@ -51,6 +51,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from dlrover_core.spec.fields import check_fields
+from dlrover_core.spec.schema import TuningGuardSpec
 from dlrover_core.tuning.tuner import WindowSummary
 
 
@@ -98,50 +100,28 @@ class GuardVerdict:
     more: bool = False
 
 
-@dataclass(frozen=True)
-class Guard:
-    """``confidence``: the confidence (0.5..1) at which a trial must be faster to be
-    kept; ``min_gain``: the relative gain it must show (0.0: any gain); ``windows``:
-    windows measured per configuration (>= 2); ``max_windows``: windows of a trial at
-    its second look (0: one look; else > ``windows``); ``select_by_mean``: at the second
-    look, keep a trial undecided by the test when its mean rate is above the bar (see
-    the module docstring; needs ``max_windows``); ``max_retries``: how often a reverted
-    change may be tried again; ``retry_shift``: how far the conditions must have moved
-    since its revert before that (relative change of the baseline's samples/s, or
-    absolute change of its data-wait share); ``memory_limit_bytes``: per-rank memory
-    limit, bytes (0: from the reported capacity); ``memory_headroom``: fraction of the
-    capacity kept free when the limit comes from it."""
+@dataclass
+class Guard(TuningGuardSpec):
+    """The guard of ``tuning.guard``, with the fields (and their checks) of
+    :class:`~dlrover_core.spec.schema.TuningGuardSpec`: ``confidence``: the confidence
+    (0.5..1) at which a trial must be faster to be kept; ``min_gain``: the relative gain
+    it must show (0.0: any gain); ``windows``: windows measured per configuration (>= 2);
+    ``max_windows``: windows of a trial at its second look (0: one look; else >
+    ``windows``); ``select_by_mean``: at the second look, keep a trial undecided by the
+    test when its mean rate is above the bar (see the module docstring; needs
+    ``max_windows``); ``max_retries``: how often a reverted change may be tried again;
+    ``retry_shift``: how far the conditions must have moved since its revert before that
+    (relative change of the baseline's samples/s, or absolute change of its data-wait
+    share); ``memory_limit_bytes``: per-rank memory limit, bytes (0: from the reported
+    capacity); ``memory_headroom``: fraction of the capacity kept free when the limit
+    comes from it.
 
-    confidence: float = 0.9
-    min_gain: float = 0.0
-    windows: int = 3
-    max_windows: int = 0
-    select_by_mean: bool = False
-    max_retries: int = 1
-    retry_shift: float = 0.25
-    memory_limit_bytes: int = 0
-    memory_headroom: float = 0.1
+    Raises:
+        SpecError: (a ``ValueError``) a field out of its range, keyed ``tuning.guard.<field>``.
+    """
 
     def __post_init__(self) -> None:
-        for key, ok, allowed in (
-                ("confidence", 0.5 <= self.confidence < 1.0, "a number in [0.5, 1)"),
-                ("min_gain", 0.0 <= self.min_gain < 10.0, "a number in [0, 10)"),
-                ("windows", isinstance(self.windows, int) and self.windows >= 2,
-                 "an integer >= 2"),
-                ("max_windows", isinstance(self.max_windows, int) and (
-                    self.max_windows == 0 or self.max_windows > self.windows),
-                 f"0 or an integer > windows ({self.windows})"),
-                ("select_by_mean", self.select_by_mean in (False, True) and (
-                    not self.select_by_mean or self.max_windows > 0),
-                 "false, or true with max_windows set (the second look selects)"),
-                ("max_retries", isinstance(self.max_retries, int) and self.max_retries >= 0,
-                 "an integer >= 0"),
-                ("retry_shift", self.retry_shift > 0, "a number > 0"),
-                ("memory_limit_bytes", self.memory_limit_bytes >= 0, "bytes >= 0"),
-                ("memory_headroom", 0.0 <= self.memory_headroom < 1.0, "a fraction in [0, 1)")):
-            if not ok:
-                raise ValueError(f"tuning.guard.{key}: {getattr(self, key)!r} is invalid; "
-                                 f"allowed: {allowed}")
+        check_fields(self, TuningGuardSpec, "tuning.guard")
 
     def memory_limit(self, window: WindowSummary) -> float:
         """The limit in bytes for ``window`` (0: none known)."""

@@ -39,8 +39,9 @@ def tuned_role(spec: Any) -> str:
 
 
 def validate_tuning(spec: Any, plugin_manager: Any) -> None:
-    """Check ``spec.tuning`` (only when ``tuning.enabled``; the types are already
-    checked by the schema).
+    """Check ``spec.tuning`` (only when ``tuning.enabled``; the types, and the ranges
+    of ``interval_steps``, ``warmup_steps`` and ``tuning.guard``, are checked with the
+    schema: ``dlrover_core.spec.fields``).
 
     Raises:
         SpecError: a bad value, an unknown tuner (lists the installed ones), options for
@@ -52,29 +53,8 @@ def validate_tuning(spec: Any, plugin_manager: Any) -> None:
     t = spec.tuning
     if not t.enabled:
         return
-    if t.interval_steps < 1:
-        raise SpecError("tuning.interval_steps", t.interval_steps, "an integer >= 1")
-    if t.warmup_steps < 0:
-        raise SpecError("tuning.warmup_steps", t.warmup_steps, "an integer >= 0")
     if t.lr_scaling not in LR_SCALING_RULES:
         raise SpecError("tuning.lr_scaling", t.lr_scaling, ", ".join(LR_SCALING_RULES))
-    g = t.guard
-    for key, ok, allowed in (
-            ("windows", g.windows >= 2, "an integer >= 2 (the t-test needs two windows)"),
-            ("max_windows", g.max_windows == 0 or g.max_windows > g.windows,
-             f"0 (one look) or an integer > tuning.guard.windows ({g.windows})"),
-            ("select_by_mean", g.select_by_mean in (False, True) and (
-                not g.select_by_mean or g.max_windows > 0),
-             "false, or true with tuning.guard.max_windows set (the second look selects)"),
-            ("confidence", 0.5 <= g.confidence < 1, "a number in [0.5, 1)"),
-            ("min_gain", 0 <= g.min_gain < 10, "a number in [0, 10)"),
-            ("max_retries", g.max_retries >= 0, "an integer >= 0"),
-            ("retry_shift", g.retry_shift > 0, "a number > 0"),
-            ("memory_limit_bytes", g.memory_limit_bytes >= 0,
-             "bytes >= 0 (0: the capacity the ranks report)"),
-            ("memory_headroom", 0 <= g.memory_headroom < 1, "a fraction in [0, 1)")):
-        if not ok:
-            raise SpecError(f"tuning.guard.{key}", getattr(g, key), allowed)
     if not t.tuners:
         installed = ", ".join(sorted(plugin_manager.tuners())) or "none"
         raise SpecError("tuning.tuners", [], f"a list of installed tuners: {installed}")
@@ -139,15 +119,8 @@ def controller_arguments(spec: Any, plugin_manager: Any) -> dict | None:
         rec = plugin_manager.get_tuner(name)
         tuners.append((name, resolve(rec.tuner)(dict(options.get(name) or {}))))
     role = tuned_role(spec)
-    g = t.guard
     return dict(tuners=tuners, role=role, world_size=int(spec.roles[role].total),
                 interval_steps=int(t.interval_steps), warmup_steps=int(t.warmup_steps),
-                guard=Guard(confidence=float(g.confidence), min_gain=float(g.min_gain),
-                            windows=int(g.windows), max_windows=int(g.max_windows),
-                            select_by_mean=bool(g.select_by_mean),
-                            max_retries=int(g.max_retries),
-                            retry_shift=float(g.retry_shift),
-                            memory_limit_bytes=int(g.memory_limit_bytes),
-                            memory_headroom=float(g.memory_headroom)),
+                guard=Guard(**OmegaConf.to_container(t.guard)),
                 lr_scaling=str(t.lr_scaling),
                 one_change_per_round=bool(t.one_change_per_round))
