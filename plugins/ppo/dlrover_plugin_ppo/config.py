@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dlrover_core.spec.errors import SpecError
-from dlrover_core.spec.values import plain, typed_value
+from dlrover_core.spec.fields import check_fields, read_fields, refuse_unknown, spec_field
+from dlrover_core.spec.values import plain
 
 ALGORITHMS = ("ppo", "grpo")
 KL_MODES = ("reward", "loss")
@@ -62,26 +63,27 @@ class RLConfig:
             (individual time steps, for per-step policies such as an MLP on CartPole).
     """
 
-    iterations: int = 100
-    max_time_s: float = 0.0
-    target_return: float | None = None
-    return_window: int = 20
-    prompts_per_iter: int = 0
-    samples_per_prompt: int = 1
+    iterations: int = spec_field(100, ge=1)
+    max_time_s: float = spec_field(0.0, ge=0, unit="seconds", note="0: no limit")
+    target_return: float | None = spec_field(
+        None, valid=lambda v, _: math.isfinite(v), allowed="a finite number or null")
+    return_window: int = spec_field(20, ge=1)
+    prompts_per_iter: int = spec_field(0, ge=0)
+    samples_per_prompt: int = spec_field(1, ge=1)
     evaluate: bool = False
     sync_reference: bool = True
-    gamma: float = 0.99
-    lam: float = 0.95
+    gamma: float = spec_field(0.99, gt=0, le=1)
+    lam: float = spec_field(0.95, ge=0, le=1)
     normalize_advantages: bool = True
-    clip_ratio: float = 0.2
-    value_clip: float = 0.2
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_mode: str = "reward"
-    max_grad_norm: float = 0.5
-    epochs: int = 4
-    minibatches: int = 4
-    minibatch_unit: str = "row"
+    clip_ratio: float = spec_field(0.2, gt=0, lt=1)
+    value_clip: float = spec_field(0.2, ge=0, note="0: no value clipping")
+    entropy_coef: float = spec_field(0.0, ge=0)
+    kl_coef: float = spec_field(0.0, ge=0)
+    kl_mode: str = spec_field("reward", choices=KL_MODES)
+    max_grad_norm: float = spec_field(0.5, ge=0, note="0: no clipping")
+    epochs: int = spec_field(4, ge=1)
+    minibatches: int = spec_field(4, ge=1)
+    minibatch_unit: str = spec_field("row", choices=MINIBATCH_UNITS)
 
     @classmethod
     def defaults(cls, algorithm: str) -> RLConfig:
@@ -112,55 +114,22 @@ class RLConfig:
         if not isinstance(section, Mapping):
             raise SpecError(key, section, "a mapping of RL settings (see RLConfig)")
         base = cls.defaults(algorithm)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for k, v in section.items():
-            if k not in fields:
-                raise SpecError(f"{key}.{k}", v, "one of: " + ", ".join(fields),
-                                "unknown RL setting")
-            values[k] = _coerce(f"{key}.{k}", v, getattr(base, k), k)
-        out = dataclasses.replace(base, **values)
+        refuse_unknown(section, [f.name for f in dataclasses.fields(cls)], key,
+                       "unknown RL setting")
+        out = dataclasses.replace(base, **read_fields(cls, section, key))
         out.check(key, algorithm)
         return out
 
     def check(self, key: str = "config.rl", algorithm: str = "ppo") -> None:
-        """Range checks. Raises :class:`SpecError`."""
-        def need(name: str, ok: bool, allowed: str) -> None:
-            if not ok:
-                raise SpecError(f"{key}.{name}", getattr(self, name), allowed)
-
-        need("iterations", self.iterations >= 1, "an integer >= 1")
-        need("max_time_s", self.max_time_s >= 0, "seconds >= 0 (0: no limit)")
-        need("return_window", self.return_window >= 1, "an integer >= 1")
-        need("prompts_per_iter", self.prompts_per_iter >= 0, "an integer >= 0")
-        need("samples_per_prompt", self.samples_per_prompt >= 1, "an integer >= 1")
-        need("gamma", 0.0 < self.gamma <= 1.0, "a number in (0, 1]")
-        need("lam", 0.0 <= self.lam <= 1.0, "a number in [0, 1]")
-        need("clip_ratio", 0.0 < self.clip_ratio < 1.0, "a number in (0, 1)")
-        need("value_clip", self.value_clip >= 0.0, "a number >= 0 (0: no value clipping)")
-        need("entropy_coef", self.entropy_coef >= 0.0, "a number >= 0")
-        need("kl_coef", self.kl_coef >= 0.0, "a number >= 0")
-        need("kl_mode", self.kl_mode in KL_MODES, ", ".join(KL_MODES))
-        need("max_grad_norm", self.max_grad_norm >= 0.0, "a number >= 0 (0: no clipping)")
-        need("epochs", self.epochs >= 1, "an integer >= 1")
-        need("minibatches", self.minibatches >= 1, "an integer >= 1")
-        need("minibatch_unit", self.minibatch_unit in MINIBATCH_UNITS, ", ".join(MINIBATCH_UNITS))
-        if algorithm == "grpo":
-            need("samples_per_prompt", self.samples_per_prompt >= 2,
-                 "an integer >= 2 for grpo (advantages are relative to the group)")
-        if self.target_return is not None:
-            need("target_return", math.isfinite(self.target_return), "a finite number or null")
+        """The fields' declared ranges and choices, and GRPO's group size. Raises
+        :class:`SpecError`."""
+        check_fields(self, RLConfig, key)
+        if algorithm == "grpo" and self.samples_per_prompt < 2:
+            raise SpecError(f"{key}.samples_per_prompt", self.samples_per_prompt,
+                            "an integer >= 2 for grpo (advantages are relative to the group)")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _coerce(key: str, value: Any, default: Any, name: str) -> Any:
-    """``value`` converted to the type of the field's default; ``target_return`` may
-    be null."""
-    if name == "target_return":
-        return None if value is None else typed_value(key, value, float)
-    return typed_value(key, value, type(default))
 
 
 __all__ = ["ALGORITHMS", "KL_MODES", "MINIBATCH_UNITS", "RLConfig"]
