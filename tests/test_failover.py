@@ -96,6 +96,7 @@ def test_sigkill_worker_process(ray_cluster, job_dir):
     assert rec["phases"]["survivor_abort"]["trainer-0"] == "skipped (gloo)"
 
 
+@pytest.mark.slow  # two restarts: ~13 s
 def test_a_spare_with_no_room_is_named_as_such_and_the_rank_restarts(ray_cluster, job_dir):
     """Two ranks that take every CPU of the cluster: the spare's bundle is never placed
     (as `dlrover submit` of the demo on a 2-core machine). A killed rank gets a fresh
@@ -201,6 +202,7 @@ def test_hang_is_detected(ray_cluster, job_dir):
     assert "busy in its own code" in failed["message"]
 
 
+@pytest.mark.slow  # waits out a hang bound: ~13 s
 def test_hang_of_a_role_call_in_a_driver_job(ray_cluster, job_dir):
     job = (DLJobBuilder().name("ft-drvhang").trainer("tests.workloads", "StuckDriver")
            .config({"iterations": 12, "stuck_at": 4}).failover(hang_timeout_s=4)

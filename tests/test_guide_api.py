@@ -104,6 +104,7 @@ def test_device_per_node_fills_gpus_and_refuses_what_cannot_fit():
         load_spec(spec, ["template=null", "roles.trainer.total=12"])
 
 
+@pytest.mark.slow  # a whole RL job learning: ~20 s
 def test_guide_rl_example_learns(ray_cluster, tmp_path):
     """examples/guide_rl: actor, rollout (2 ranks), reference and reward roles, written
     in the guide's style, with the guide's trainer; the policy learns the bandit."""

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dlrover_core.pids import pid_alive
 
 BIN = Path(sys.executable).parent
@@ -47,6 +49,7 @@ def _wait_for(paths, timeout: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # waits out the grace period: ~15 s
 def test_sigterm_reaches_every_rank_then_sigkill_after_the_grace(tmp_path):
     (tmp_path / "hold.py").write_text(SCRIPT)
     env = dict(os.environ)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "scripts" / "run_tests.py"
@@ -74,6 +75,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # starts suites and a Ray cluster: ~10 s
 def test_ctrl_c_stops_every_suite_and_its_ray_cluster(tmp_path):
     core, plug, later = _suites(tmp_path)
     pids_file = tmp_path / "pids.json"

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# two real launches (torchrun, then dlrover-run with its Ray): ~16 s
+pytestmark = pytest.mark.slow
+
 BIN = Path(sys.executable).parent
 
 SCRIPT = '''
