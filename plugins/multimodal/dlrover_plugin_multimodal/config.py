@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlrover_core.spec.errors import SpecError
+from dlrover_core.spec.fields import check_fields, read_fields, refuse_unknown, spec_field
 from dlrover_core.spec.values import plain, typed_value
 
 KEY = "config.multimodal"
@@ -95,13 +96,13 @@ class MultimodalConfig:
     modalities: tuple[str, ...]
     encoders: dict[str, EncoderConfig]
     data_options: dict[str, Any] = field(default_factory=dict)
-    batch_size: int = 64
-    epochs: int = 1
-    max_steps: int = 0
+    batch_size: int = spec_field(64, ge=1)
+    epochs: int = spec_field(1, ge=1)
+    max_steps: int = spec_field(0, ge=0, note="0: epochs decide")
     evaluate: bool = True
-    prefetch: int = 1
+    prefetch: int = spec_field(1, ge=0)
     seed: int = 0
-    fetch_timeout_s: float = 300.0
+    fetch_timeout_s: float = spec_field(300.0, gt=0, unit="seconds")
 
     # ------------------------------------------------------------------ reading
     @classmethod
@@ -122,32 +123,17 @@ class MultimodalConfig:
             raise SpecError(key, section, "a mapping with data and encoders")
         loop = {f.name: f for f in dataclasses.fields(cls)
                 if f.name not in ("dataset", "modalities", "encoders", "data_options")}
-        allowed = ("data", "encoders", *loop)
-        for k in section:
-            if k not in allowed:
-                raise SpecError(f"{key}.{k}", section[k], "one of: " + ", ".join(allowed),
-                                "unknown multimodal setting")
+        refuse_unknown(section, ("data", "encoders", *loop), key, "unknown multimodal setting")
         dataset, modalities, options = _data(section.get("data"), f"{key}.data")
         encoders = _encoders(section.get("encoders"), f"{key}.encoders")
-        values: dict[str, Any] = {}
-        for k, f in loop.items():
-            if k in section:
-                values[k] = typed_value(f"{key}.{k}", section[k], type(f.default))
-        out = cls(dataset, modalities, encoders, options, **values)
+        out = cls(dataset, modalities, encoders, options, **read_fields(cls, section, key, loop))
         out.check(key)
         return out
 
     def check(self, key: str = KEY) -> None:
-        """Ranges and the modality <-> encoder match. Raises :class:`SpecError`."""
-        def need(name: str, ok: bool, allowed: str) -> None:
-            if not ok:
-                raise SpecError(f"{key}.{name}", getattr(self, name), allowed)
-
-        need("batch_size", self.batch_size >= 1, "an integer >= 1")
-        need("epochs", self.epochs >= 1, "an integer >= 1")
-        need("max_steps", self.max_steps >= 0, "an integer >= 0 (0: epochs decide)")
-        need("prefetch", self.prefetch >= 0, "an integer >= 0")
-        need("fetch_timeout_s", self.fetch_timeout_s > 0, "seconds > 0")
+        """The fields' declared ranges and the modality <-> encoder match. Raises
+        :class:`SpecError`."""
+        check_fields(self, MultimodalConfig, key)
         by_modality: dict[str, list[str]] = {}
         for role, enc in self.encoders.items():
             by_modality.setdefault(enc.modality, []).append(role)
