@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlrover_core.spec.errors import SpecError
+from dlrover_core.spec.fields import check_fields, read_fields, spec_field
+from dlrover_core.spec.values import plain
 
 
 @dataclass(frozen=True)
@@ -70,17 +72,17 @@ class ODLConfig:
     """
 
     source: SourceConfig = field(default_factory=SourceConfig)
-    batch_size: int = 64
-    chunk_batches: int = 1
-    buffer: int = 4
-    read_timeout_s: float = 1.0
-    train_depth: int = 2
-    max_records: int = 0
-    max_time_s: float = 0.0
-    idle_timeout_s: float = 0.0
-    publish_every: int = 50
-    report_every: int = 1
-    window: int = 1000
+    batch_size: int = spec_field(64, ge=1)
+    chunk_batches: int = spec_field(1, ge=1)
+    buffer: int = spec_field(4, ge=1)
+    read_timeout_s: float = spec_field(1.0, gt=0, unit="seconds")
+    train_depth: int = spec_field(2, ge=1)
+    max_records: int = spec_field(0, ge=0, note="0: off")
+    max_time_s: float = spec_field(0.0, ge=0, unit="seconds", note="0: off")
+    idle_timeout_s: float = spec_field(0.0, ge=0, unit="seconds", note="0: off")
+    publish_every: int = spec_field(50, ge=0, note="0: off")
+    report_every: int = spec_field(1, ge=1)
+    window: int = spec_field(1000, ge=1)
     log_record_ids: bool = True
 
     @classmethod
@@ -91,7 +93,7 @@ class ODLConfig:
             SpecError: an unknown key or a value out of range, naming
                 ``config.odl.<key>``.
         """
-        raw = _plain(config.get("odl") if config is not None else None) or {}
+        raw = plain(config.get("odl") if config is not None else None) or {}
         if not isinstance(raw, Mapping):
             raise SpecError("config.odl", raw, "a mapping of ODL settings")
         known = {f.name: f for f in dataclasses.fields(cls)}
@@ -112,40 +114,15 @@ class ODLConfig:
         kind = src.get("kind", "replay")
         if not isinstance(kind, str) or not kind:
             raise SpecError("config.odl.source.kind", kind, "the name of a stream source")
-        values: dict[str, Any] = {"source": SourceConfig(kind, dict(options))}
-        for k, v in raw.items():
-            if k == "source":
-                continue
-            want = type(getattr(cls(), k))
-            if want is bool:
-                if not isinstance(v, bool):
-                    raise SpecError(f"config.odl.{k}", v, "true or false")
-            elif want is int:
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise SpecError(f"config.odl.{k}", v, "an integer")
-            elif want is float:
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise SpecError(f"config.odl.{k}", v, "a number (seconds)")
-                v = float(v)
-            values[k] = v
-        out = cls(**values)
+        values = read_fields(cls, raw, "config.odl", [k for k in known if k != "source"])
+        out = cls(source=SourceConfig(kind, dict(options)), **values)
         out.check()
         return out
 
     def check(self) -> None:
-        """Range checks. Raises ``SpecError``."""
-        for k in ("batch_size", "chunk_batches", "buffer", "report_every", "window",
-                  "train_depth"):
-            if getattr(self, k) < 1:
-                raise SpecError(f"config.odl.{k}", getattr(self, k), "an integer >= 1")
-        for k in ("max_records", "publish_every"):
-            if getattr(self, k) < 0:
-                raise SpecError(f"config.odl.{k}", getattr(self, k), "an integer >= 0 (0: off)")
-        for k in ("max_time_s", "idle_timeout_s"):
-            if getattr(self, k) < 0:
-                raise SpecError(f"config.odl.{k}", getattr(self, k), "seconds >= 0 (0: off)")
-        if self.read_timeout_s <= 0:
-            raise SpecError("config.odl.read_timeout_s", self.read_timeout_s, "seconds > 0")
+        """The fields' declared ranges (:func:`dlrover_core.spec.fields.check_fields`).
+        Raises ``SpecError``."""
+        check_fields(self, ODLConfig, "config.odl")
 
     @property
     def chunk_size(self) -> int:
@@ -155,13 +132,3 @@ class ODLConfig:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf comes with dlrover-core
-        pass
-    return value
