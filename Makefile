@@ -21,6 +21,9 @@
 #             every crash point of the flash, disk and ODL savers x each fault x 1, 2, 4
 #             ranks, then a restart and the invariants; ends with one JSON line, exit 1 on
 #             a violation
+# make chaos [MINUTES=30] [SEED=0] [FAULTS=kill_rank,...]: benchmarks/chaos.py: a 3-node
+#             cluster, the nanoGPT flash job once fault-free and once under a seeded random
+#             schedule of real faults, then the invariants; one JSON line, exit 1 on a violation
 # make dist:  a wheel and an sdist of the core and every plugin under dist/ (twine check)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -83,6 +86,13 @@ gpu-check: setup
 .PHONY: crash-test
 crash-test: setup
 	$(BIN)/python scripts/crash_test.py $(CRASH_ARGS)
+
+MINUTES ?= 30
+SEED ?= 0
+FAULTS ?=
+.PHONY: chaos
+chaos: setup
+	$(BIN)/python benchmarks/chaos.py --minutes $(MINUTES) --seed $(SEED) $(if $(FAULTS),--faults $(FAULTS))
 
 dist: setup
 	scripts/build_dists.sh $(BIN)/python

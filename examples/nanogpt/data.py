@@ -54,12 +54,19 @@ class CharDataset:
               step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``, ``y``: (batch_size, block_size) int64; ``y`` is ``x`` shifted by one."""
         data = self.train if split == "train" else self.val
-        # zlib.crc32, not hash(): str hashes differ between processes (PYTHONHASHSEED)
-        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{rank}/{step}/{split}".encode()))
-        ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
+        ix = self.sample_ids(split, batch_size, block_size, seed, rank, step)
         x = torch.stack([data[i:i + block_size] for i in ix])
         y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix])
         return x, y
+
+    def sample_ids(self, split: str, batch_size: int, block_size: int, seed: int, rank: int,
+                   step: int) -> torch.Tensor:
+        """The ids of :meth:`batch`'s samples: each window's start offset in ``split``
+        (int64, ``batch_size`` of them), a function of ``(seed, rank, step)`` only."""
+        n = len(self.train if split == "train" else self.val)
+        # zlib.crc32, not hash(): str hashes differ between processes (PYTHONHASHSEED)
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{rank}/{step}/{split}".encode()))
+        return torch.randint(n - block_size - 1, (batch_size,), generator=g)
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)

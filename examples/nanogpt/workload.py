@@ -4,9 +4,18 @@ Each rank trains on its own batches (``batch_size`` windows of ``block_size``
 characters), gradients are averaged by the backend; every ``eval_every`` steps the
 validation loss is averaged over ranks and reported. Checkpoints go through the
 job's saver every ``checkpoint.every_steps``; a restart resumes from the newest.
+
+``config.record_samples`` (a directory; for the chaos benchmark and tests): each rank
+appends to ``rank<r>.jsonl`` one JSON line when it resumes (``{"rank", "attempt",
+"pid", "resumed_from"}``: the steps done in the state it loaded, 0 for none) and one
+after each optimizer step (``{"rank", "attempt", "pid", "step", "loss", "ids"}``:
+the sample ids trained on, :meth:`CharDataset.sample_ids`).
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -38,6 +47,18 @@ class GPTWorkload(BaseWorkload):
         self.cfg, self.model, self.num_params = build_char_gpt(self, self.data.vocab_size)
         self.opt = adamw(self.model.parameters(), c)
         resume(self)
+        self._record = None
+        if c.get("record_samples"):
+            os.makedirs(str(c.record_samples), exist_ok=True)
+            self._record = open(os.path.join(str(c.record_samples), f"rank{self.rank}.jsonl"),
+                                "a", buffering=1)
+            self._write_record(resumed_from=self.start_step)
+
+    def _write_record(self, **fields) -> None:
+        """One line of ``config.record_samples`` (see the module doc)."""
+        if getattr(self, "_record", None) is not None:
+            self._record.write(json.dumps({"rank": self.rank, "attempt": self.attempt,
+                                           "pid": os.getpid(), **fields}) + "\n")
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up for ``warmup_steps``, then cosine decay to ``lr / 10``."""
@@ -86,6 +107,10 @@ class GPTWorkload(BaseWorkload):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
+            if getattr(self, "_record", None) is not None:
+                ids = self.data.sample_ids("train", bs, self.cfg.block_size, seed, self.rank,
+                                           step)
+                self._write_record(step=step, loss=loss.item(), ids=ids.tolist())
             return loss.item()
 
         return train(self, train_step, bs * self.world_size)

@@ -1,0 +1,871 @@
+"""Chaos run: a seeded random schedule of real faults against the nanoGPT job on a
+3-node cluster, checked against invariants at the end.
+
+    .venv/bin/python benchmarks/chaos.py --minutes 30 --seed 1      # make chaos MINUTES=30 SEED=1
+    .venv/bin/python benchmarks/chaos.py --minutes 3 --seed 7 --faults kill_rank,kill_master
+
+The cluster: ``dlrover cluster up`` (:mod:`dlrover_core.cli.local_cluster`): a head with
+no CPUs (the JobMaster) and two worker nodes of 2 CPUs, each its own ``ray start``
+process group on this machine. The job: ``examples/nanogpt/job_flash.yaml`` with the
+tiny model (1 layer, width 32), 2 ranks under FSDP2 spread over the worker nodes, the
+flash saver with ``replicas: 1`` (a save every 4 steps, a commit to disk every 8th),
+the checkpoint folder on a tmpfs of its own (so that "disk full" is a real ENOSPC), the
+ranks' sample-id logs (``config.record_samples``). The job's ``max_steps`` is sized from
+a short calibration job so that the fault-free run takes about 70 % of ``--minutes``.
+
+First the job runs with no faults (same seed, same steps), then with faults. The
+schedule (``random.Random(seed)``) draws each fault's kind from ``--faults``, its time
+in the run and its trigger: ``time`` (at that second of the run, once the job is
+running), ``commit`` (at the first save of a step due for the disk after that time:
+the node's persister is then committing it) or ``recovery`` (at the recovery that the
+fault before it started: a fault inside a recovery). Kinds (:data:`KINDS`):
+
+- ``kill_rank``: SIGKILL of a trainer rank's process;
+- ``kill_persister``: SIGKILL of a node's flash persister actor process;
+- ``node_loss``: SIGKILL of every process of a worker node hosting a rank (its raylet,
+  agents and workers) and of that node's shared-memory slot buffers (its memory; this
+  machine shares /dev/shm between the "nodes"); a new node joins 20-40 s later;
+- ``kill_master``: SIGKILL of the JobMaster actor's process (Ray restarts the actor);
+- ``hang_rank``: SIGSTOP of a rank for ``hang_timeout_s + 15`` s, then SIGCONT;
+- ``disk_full``: the checkpoint tmpfs filled to the last byte for 20-40 s;
+- ``slow_rank``: a rank slowed from outside for 20-40 s (SIGSTOP 0.3 s / SIGCONT 0.3 s).
+
+Invariants (each failure is one string in ``violations``): the job succeeded; the
+final model state (the committed step ``max_steps`` on disk, every tensor) equals the
+fault-free run's bit for bit, and every step's loss too; per rank, the sample-id log
+replayed (a resume at step ``c`` rolls back the records of steps ``>= c``) trains
+every step ``0..max_steps-1`` exactly once, on the ids the data gives for it (no
+sample lost, none trained twice), and the committed steps agree with it; every fault
+injected is followed by its recovery in ``events.jsonl`` (a ``recovery_started`` /
+``master_restarted`` and then a step, or for faults that need no restart, steps after
+the fault ended); ``summary.json`` agrees with the events (restarts per level, steps,
+goodput); after ``cluster down`` no process of the cluster is left, no
+``/dev/shm/dlrflash-<job>`` buffer and no run lock.
+
+The last line of output is one JSON object: ``status``, ``faults_injected``,
+``faults_recovered``, ``violations``, ``goodput``, ``steps_redone``, ``recovery_s``
+(``{"median", "max"}``, s from a fault to the first step after its recovery),
+``seed`` and the run's details (``faults``: each fault's kind, trigger, target, time).
+Exit status 0 when ``violations`` is empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+KINDS = ("kill_rank", "kill_persister", "node_loss", "kill_master", "hang_rank",
+         "disk_full", "slow_rank")
+#: Faults that make the master restart something (a recovery event follows them).
+RESTARTING = {"kill_rank", "node_loss", "hang_rank"}
+#: Events that report a fault that restarts nothing (none wanted for a slowed rank: it
+#: may stay under the straggler detector's threshold).
+FAULT_EVENTS = {"kill_persister": ("health_failing", "flash_persister_restarted"),
+                "disk_full": ("health_failing",), "slow_rank": ()}
+TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block_size=32",
+        "config.batch_size=8", "config.eval_batches=1", "config.lr=1e-2",
+        "config.warmup_steps=2"]
+SAVE_EVERY, PERSIST_EVERY = 5, 20
+HANG_TIMEOUT_S = 30.0
+CKPT_FS_MIB = 32
+JOB_TIMEOUT_S = 3600.0
+
+
+def log(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, ppid, start time in ticks)`` of ``pid``; ``None``: gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else (fields[0], int(fields[1]), int(fields[19]))
+
+
+def _cmdline(pid: int) -> str | None:
+    """The command line of ``pid`` (``None``: gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return None
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The JSON lines of ``path`` ([] when absent); a cut last line (its writer was
+    killed) is skipped."""
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+# ------------------------------------------------------------------ cluster and job
+class Chaos:
+    """One cluster, its jobs and the faults made in them."""
+
+    def __init__(self, work: str, seed: int) -> None:
+        from dlrover_core.cli import local_cluster as lc
+
+        self.lc, self.work, self.seed = lc, work, seed
+        self.cluster_dir = os.path.join(work, "cluster")
+        log("cluster up: a head (0 CPUs) and 2 worker nodes of 2 CPUs")
+        self.state = lc.up(nodes=2, cpus_per_node=2, head_cpus=0, directory=self.cluster_dir)
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+        self.env.update(lc.client_env(self.state))
+        os.environ.update(lc.client_env(self.state))
+        from dlrover_core.master.client import init_ray
+
+        init_ray(self.state["address"])
+        self.mounts: list[str] = []
+        self.seen: dict[int, int] = {}  # pid -> start time of the cluster's processes
+
+    # -------------------------------------------------------------- checkpoint tmpfs
+    def ckpt_fs(self, name: str) -> tuple[str, bool]:
+        """A checkpoint folder on a tmpfs of its own (``CKPT_FS_MIB``); ``(path,
+        mounted)``: a plain folder when ``mount`` is refused (no ``disk_full`` then)."""
+        path = os.path.join(self.work, name)
+        os.makedirs(path, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={CKPT_FS_MIB}M", "tmpfs", path],
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            self.mounts.append(path)
+            return path, True
+        log(f"mount refused ({r.stderr.strip()}): {path} is a plain folder, no disk_full")
+        return path, False
+
+    def unmount_all(self) -> None:
+        for p in self.mounts:
+            subprocess.run(["umount", "-l", p], capture_output=True)
+        self.mounts = []
+
+    # -------------------------------------------------------------------- job
+    def overrides(self, name: str, steps: int, ckpt: str, samples: str) -> list[str]:
+        return TINY + [
+            f"name={name}", f"config.seed={self.seed}", f"config.max_steps={steps}",
+            f"config.eval_every={steps}", f"+config.record_samples={samples}",
+            "placement=spread", "roles.trainer.resources.cpu=0.5",
+            f"checkpoint.dir={ckpt}", f"checkpoint.every_steps={SAVE_EVERY}", "checkpoint.keep=2",
+            f"checkpoint.options.persist_every_steps={PERSIST_EVERY}",
+            "checkpoint.options.replicas=1",
+            "failover.max_restarts=1000", "failover.max_node_failures=1000",
+            f"failover.hang_timeout_s={HANG_TIMEOUT_S:g}", "failover.pg_timeout_s=60",
+            "failover.survivor_grace_s=5", "node_health.skip_node_check=true"]
+
+    def submit(self, name: str, job_dir: str, over: list[str]) -> subprocess.Popen:
+        os.makedirs(job_dir, exist_ok=True)
+        out = open(os.path.join(job_dir, "submit.log"), "ab")
+        cmd = [sys.executable, "-m", "dlrover_core.cli.main", "submit",
+               "examples/nanogpt/job_flash.yaml", *over, "--job-dir", job_dir, "--no-progress",
+               "--address", self.state["address"]]
+        return subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+    def master_status(self, name: str) -> dict | None:
+        import ray
+
+        from dlrover_core.master.client import get_master
+
+        try:
+            return ray.get(get_master(name).status.remote(), timeout=20)
+        except Exception:  # noqa: BLE001 - not up yet, restarting, or gone
+            return None
+
+    # ------------------------------------------------------------------ processes
+    def worker_nodes(self) -> list[dict]:
+        from dlrover_core.pids import pid_alive
+
+        return [n for n in self.state["nodes"] if not n["head"] and pid_alive(n["pid"])]
+
+    def node_of(self, node_id: str) -> dict | None:
+        return next((n for n in self.state["nodes"] if n["node_id"] == node_id), None)
+
+    def cluster_pids(self) -> dict[int, str]:
+        """Every live process of this cluster: the nodes' process groups and their
+        descendants (Ray starts its workers in sessions of their own, children of the
+        node's raylet). pid -> the start of its command line. Each one found is
+        remembered (with its start time) for :meth:`leftovers`."""
+        procs = {}
+        for e in os.listdir("/proc"):
+            if e.isdigit():
+                st = _stat(int(e))
+                if st is not None:
+                    procs[int(e)] = st
+        ours = {p for n in self.state["nodes"] for p in self.lc.group_pids(n["pgid"])}
+        grew = True
+        while grew:
+            kids = {p for p, st in procs.items() if st[1] in ours} - ours
+            grew = bool(kids)
+            ours |= kids
+        out = {}
+        for p in ours:
+            c = _cmdline(p)
+            if c is not None:
+                out[p] = c
+                self.seen[p] = procs[p][2]
+        return out
+
+    def master_pid(self) -> int | None:
+        return next((p for p, c in self.cluster_pids().items()
+                     if c.startswith("ray::JobMaster")), None)
+
+    def persister_pid(self, job: str, node_id: str) -> int | None:
+        import ray
+
+        from dlrover_plugin_flashckpt.handles import persister_name
+        from dlrover_plugin_flashckpt.persister import NAMESPACE
+
+        try:
+            a = ray.get_actor(persister_name(job, node_id), namespace=NAMESPACE)
+            return int(ray.get(a.status.remote(), timeout=20)["pid"])
+        except Exception:  # noqa: BLE001 - none on that node (yet)
+            return None
+
+    def leftovers(self) -> list[str]:
+        """Processes of the cluster still alive: found now (:meth:`cluster_pids`) or
+        seen while it ran and still the same process (same start time)."""
+        left = dict(self.cluster_pids())
+        for p, start in self.seen.items():
+            st = _stat(p)
+            if st is not None and st[2] == start and p not in left:
+                left[p] = _cmdline(p) or "?"
+        return [f"pid {p}: {c}" for p, c in sorted(left.items())]
+
+    def down(self) -> None:
+        import ray
+
+        ray.shutdown()
+        try:
+            self.lc.down(self.cluster_dir)
+        except Exception as e:  # noqa: BLE001 - reported by the leak check
+            log(f"cluster down: {e}")
+
+
+def run_to_end(ch: Chaos, name: str, job_dir: str, over: list[str],
+               on_running=None, timeout_s: float = JOB_TIMEOUT_S) -> dict:
+    """Submit the job, call ``on_running(t0)`` (the fault loop) once it reports a step,
+    then wait for its end. Returns ``{"rc", "summary", "t0", "t_end"}``."""
+    from dlrover_core.master.client import read_summary
+
+    proc = ch.submit(name, job_dir, over)
+    t0 = time.time()
+    metrics = os.path.join(job_dir, "metrics.jsonl")
+    while proc.poll() is None and not read_jsonl(metrics) and time.time() - t0 < 600:
+        time.sleep(0.5)
+    if on_running is not None and proc.poll() is None:
+        on_running(proc)
+    end = t0 + max(60.0, timeout_s)
+    while proc.poll() is None and time.time() < end:
+        ch.cluster_pids()  # remembered for the leak check after cluster down
+        time.sleep(5.0)
+    try:
+        rc = proc.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+        log(f"{name}: no end within {timeout_s:.0f} s; stopping it")
+        subprocess.run([sys.executable, "-m", "dlrover_core.cli.main", "stop", name,
+                        "--address", ch.state["address"]], cwd=ROOT, env=ch.env,
+                       capture_output=True, timeout=300)
+        try:
+            rc = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    try:
+        summary = read_summary(job_dir)
+    except Exception:  # noqa: BLE001 - no summary is a violation below
+        summary = None
+    return {"rc": rc, "summary": summary, "t0": t0, "t_end": time.time()}
+
+
+# ------------------------------------------------------------------ the schedule
+def make_schedule(seed: int, kinds: list[str], window_s: float, n: int) -> list[dict]:
+    """``n`` faults of ``kinds`` at seeded random times in ``[0.05, 0.9] x window_s``
+    (s from the job's first step), each with its trigger (``time``, ``commit``,
+    ``recovery``; ``recovery`` only after a fault that restarts something), its
+    duration (s; hang, disk_full, slow_rank), the delay before a lost node comes back
+    (s) and ``pick`` (0..1: which candidate target it takes)."""
+    rng = random.Random(seed)
+    times = sorted(rng.uniform(0.05, 0.9) * window_s for _ in range(n))
+    out: list[dict] = []
+    for i, t in enumerate(times):
+        kind = rng.choice(kinds)
+        trigger = rng.choices(("time", "commit", "recovery"), (0.5, 0.25, 0.25))[0]
+        if trigger == "recovery" and not (out and out[-1]["kind"] in RESTARTING | {"kill_master"}):
+            trigger = "time"
+        dur = {"hang_rank": HANG_TIMEOUT_S + 15, "disk_full": rng.uniform(20, 40),
+               "slow_rank": rng.uniform(20, 40)}.get(kind, 0.0)
+        out.append({"i": i, "kind": kind, "trigger": trigger, "at_s": round(t, 1),
+                    "duration_s": round(dur, 1), "back_after_s": round(rng.uniform(20, 40), 1),
+                    "pick": rng.random()})
+    return out
+
+
+class Injector:
+    """Carries out a schedule against one running job (see the module doc)."""
+
+    def __init__(self, ch: Chaos, name: str, job_dir: str, ckpt: str, proc: subprocess.Popen,
+                 disk_full_ok: bool) -> None:
+        self.ch, self.name, self.job_dir, self.ckpt, self.proc = ch, name, job_dir, ckpt, proc
+        self.disk_full_ok = disk_full_ok
+        self.events_path = os.path.join(job_dir, "events.jsonl")
+        self.t0 = time.time()
+        self.done: list[dict] = []       # injected faults
+        self.skipped: list[dict] = []    # scheduled, not injected (and why)
+        self.comebacks: list[float] = []  # when a lost node's replacement is due (unix s)
+        self.pids_seen: set[int] = set()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def sleep(self, seconds: float) -> None:
+        end = time.time() + seconds
+        while time.time() < end and self.alive():
+            self.service()
+            time.sleep(min(0.2, max(0.0, end - time.time())))
+
+    def service(self) -> None:
+        """Start the nodes that are due to come back; note the cluster's processes."""
+        now = time.time()
+        if now - getattr(self, "_noted", 0.0) > 5.0:
+            self._noted = now
+            self.ch.cluster_pids()
+        for due in [d for d in self.comebacks if d <= now]:
+            self.comebacks.remove(due)
+            node = self.ch.lc.add_node(self.ch.state, num_cpus=2, wait=False)
+            log(f"node back: {node['name']} joins")
+            try:
+                self.ch.lc.wait_for_nodes(self.ch.state, 180)
+            except Exception as e:  # noqa: BLE001 - the job goes on with one node
+                log(f"node {node['name']} did not join: {e}")
+
+    def events(self) -> list[dict]:
+        return read_jsonl(self.events_path)
+
+    def status(self) -> dict | None:
+        st = self.ch.master_status(self.name)
+        if st:
+            self.pids_seen |= {i["pid"] for i in st["instances"].values() if i.get("pid")}
+        return st
+
+    def wait_event(self, pred, since: float, timeout_s: float) -> dict | None:
+        end = time.time() + timeout_s
+        while time.time() < end and self.alive():
+            hit = next((e for e in self.events() if e["ts"] >= since and pred(e)), None)
+            if hit:
+                return hit
+            self.sleep(0.1)
+        return None
+
+    def wait_running(self, timeout_s: float = 300) -> dict | None:
+        end = time.time() + timeout_s
+        while time.time() < end and self.alive():
+            st = self.status()
+            if st and st["state"] == "running" and st["instances"] and all(
+                    i["state"] == "running" and i.get("pid") for i in st["instances"].values()):
+                return st
+            self.sleep(0.5)
+        return None
+
+    def run(self, schedule: list[dict]) -> None:
+        for f in schedule:
+            while self.alive() and time.time() - self.t0 < f["at_s"]:
+                self.sleep(0.5)
+            if not self.alive():
+                self.skipped += [dict(g, why="the job had ended") for g in schedule[f["i"]:]]
+                break
+            if f["trigger"] == "recovery" and self.done:
+                prev = self.done[-1]
+                ev = self.wait_event(lambda e: e["event"] in ("recovery_started",
+                                                              "master_restarted"),
+                                     prev["ts"], 120)
+                if ev is None:
+                    f = dict(f, trigger="time (no recovery seen)")
+            elif f["trigger"] == "commit":
+                since = time.time()
+                ev = self.wait_event(lambda e: e["event"] == "checkpoint_saved"
+                                     and e["step"] % PERSIST_EVERY == 0, since, 120)
+                if ev is None:
+                    f = dict(f, trigger="time (no commit seen)")
+            else:
+                self.wait_running()
+            try:
+                rec = self.inject(f)
+            except Exception as e:  # noqa: BLE001 - a fault that could not be made
+                rec = None
+                self.skipped.append(dict(f, why=f"{type(e).__name__}: {e}"))
+            if rec is not None:
+                self.done.append(rec)
+        while self.comebacks and self.alive():
+            self.sleep(1.0)
+        if self.comebacks:  # the job ended first: bring the node back for the next job
+            self.comebacks = [0.0]
+            self.service()
+
+    # ---------------------------------------------------------------- the faults
+    def _pick(self, items: list, pick: float):
+        items = sorted(items, key=str)
+        return items[min(int(pick * len(items)), len(items) - 1)] if items else None
+
+    def _rank(self, f: dict) -> tuple[str, dict] | None:
+        st = self.status()
+        cands = [(k, i) for k, i in (st or {}).get("instances", {}).items() if i.get("pid")]
+        return self._pick(cands, f["pick"])
+
+    def inject(self, f: dict) -> dict | None:
+        kind = f["kind"]
+        rec = dict(f, ts=time.time(), t_rel=round(time.time() - self.t0, 1))
+        if kind in ("kill_rank", "hang_rank", "slow_rank"):
+            r = self._rank(f)
+            if r is None:
+                self.skipped.append(dict(f, why="no rank process"))
+                return None
+            label, inst = r
+            pid = inst["pid"]
+            rec.update(target=label, pid=pid, node_id=inst.get("node_id"))
+            if kind == "kill_rank":
+                os.kill(pid, signal.SIGKILL)
+            elif kind == "hang_rank":
+                os.kill(pid, signal.SIGSTOP)
+                log(f"fault {f['i']}: SIGSTOP {label} (pid {pid}) for {f['duration_s']} s")
+                self.sleep(f["duration_s"])
+                _signal(pid, signal.SIGCONT)
+            else:
+                log(f"fault {f['i']}: slowing {label} (pid {pid}) for {f['duration_s']} s")
+                end = time.time() + f["duration_s"]
+                while time.time() < end and self.alive():
+                    if not _signal(pid, signal.SIGSTOP):
+                        break
+                    time.sleep(0.3)
+                    _signal(pid, signal.SIGCONT)
+                    time.sleep(0.3)
+                _signal(pid, signal.SIGCONT)
+        elif kind == "kill_persister":
+            r = self._rank(f)
+            pid = self.ch.persister_pid(self.name, r[1]["node_id"]) if r else None
+            if pid is None:
+                self.skipped.append(dict(f, why="no persister found"))
+                return None
+            rec.update(target=f"persister of {r[0]}'s node", pid=pid, node_id=r[1]["node_id"])
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "kill_master":
+            pid = self.ch.master_pid()
+            if pid is None:
+                self.skipped.append(dict(f, why="no JobMaster process found"))
+                return None
+            rec.update(target="JobMaster", pid=pid)
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "node_loss":
+            if len(self.ch.worker_nodes()) < 2:  # the last lost one is not back yet
+                self.comebacks = [0.0] * len(self.comebacks)
+                self.service()
+                self.wait_running()
+            r = self._rank(f)
+            node = self.ch.node_of(r[1]["node_id"]) if r else None
+            if node is None or node["head"] or len(self.ch.worker_nodes()) < 2:
+                self.skipped.append(dict(f, why="no second worker node"))
+                return None
+            st = self.status() or {"instances": {}}
+            ranks = [int(k.rsplit("-", 1)[1]) for k, i in st["instances"].items()
+                     if i.get("node_id") == node["node_id"]]
+            rec.update(target=node["name"], node_id=node["node_id"], ranks=ranks)
+            rec["pids"] = self.ch.lc.kill_node(self.ch.state, node["name"])
+            rec["buffers_removed"] = lose_memory(self.name, node["node_id"], ranks)
+            self.comebacks.append(time.time() + f["back_after_s"])
+        elif kind == "disk_full":
+            if not self.disk_full_ok:
+                self.skipped.append(dict(f, why="no tmpfs checkpoint folder (mount refused)"))
+                return None
+            rec.update(target=self.ckpt)
+            filler = os.path.join(self.ckpt, ".chaos-fill")
+            rec["filled_bytes"] = fill(filler)
+            log(f"fault {f['i']}: {self.ckpt} full for {f['duration_s']} s")
+            self.sleep(f["duration_s"])
+            os.unlink(filler)
+        else:
+            raise ValueError(f"--faults: unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
+        rec["end_ts"] = time.time()
+        log(f"fault {f['i']}: {kind} of {rec.get('target')} at {rec['t_rel']} s "
+            f"(trigger {f['trigger']})")
+        if kind in ("kill_persister", "disk_full"):  # its recovery: a later commit
+            before = latest_commit(self.ckpt)
+            end = time.time() + 180
+            while self.alive() and time.time() < end and latest_commit(self.ckpt) <= before:
+                self.sleep(0.5)
+            if latest_commit(self.ckpt) > before:
+                rec["commit_after"] = {"step": latest_commit(self.ckpt), "ts": time.time()}
+        return rec
+
+
+def latest_commit(ckpt: str) -> int:
+    """The trainer's newest committed step in ``ckpt`` (-1: none)."""
+    from dlrover_core.checkpoint.saver import committed_steps
+
+    try:
+        return max(committed_steps(os.path.join(ckpt, "trainer")), default=-1)
+    except OSError:
+        return -1
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def lose_memory(job: str, node_id: str, ranks: list[int]) -> list[str]:
+    """What a node's loss takes with it that this machine keeps: the flash slot buffers
+    of ``ranks`` (they ran there) and the replica buffers held for peers on
+    ``node_id``, from /dev/shm. Returns the names removed."""
+    from dlrover_plugin_flashckpt import shm
+
+    gone = []
+    slot = re.compile(r"-r(\d{5})-s\d+$")
+    for p in shm.list_segments("/dev/shm", shm.job_prefix(job)):
+        m = slot.search(p)
+        if (m and int(m.group(1)) in ranks) or p.endswith(f"-n{node_id[:12]}"):
+            try:
+                os.unlink(p)
+                gone.append(os.path.basename(p))
+            except FileNotFoundError:
+                pass
+    return gone
+
+
+def fill(path: str) -> int:
+    """Write ``path`` until its file system is full (ENOSPC); returns the bytes written."""
+    n = 0
+    block = b"\0" * (1 << 16)
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                n += f.write(block)
+            except OSError:
+                break
+        for size in (4096, 1):  # the last partial pages
+            while True:
+                try:
+                    n += f.write(b"\0" * size)
+                except OSError:
+                    break
+    return n
+
+
+# ------------------------------------------------------------------ invariants
+def replay_samples(samples_dir: str, ranks: int, steps: int, seed: int, bs: int,
+                   block: int) -> tuple[list[str], dict]:
+    """Replay each rank's sample-id log (a resume at ``c`` rolls back the records of
+    steps ``>= c``) and check that the kept history trains steps ``0..steps-1`` once
+    each, on the ids the data gives for ``(seed, rank, step)``. Returns
+    ``(violations, {"records", "rolled_back", "losses": {rank: [loss per step]}})``."""
+    from examples.nanogpt.data import CharDataset
+
+    data = CharDataset()
+    bad, out = [], {"records": 0, "rolled_back": 0, "losses": {}}
+    for r in range(ranks):
+        recs = read_jsonl(os.path.join(samples_dir, f"rank{r}.jsonl"))
+        out["records"] += len(recs)
+        kept: list[dict] = []
+        for rec in recs:
+            if "resumed_from" in rec:
+                c = int(rec["resumed_from"])
+                if c > len(kept):
+                    bad.append(f"rank {r}: resumed at step {c} (attempt {rec['attempt']}) but its "
+                               f"log holds steps below {len(kept)} only: samples of steps "
+                               f"{len(kept)}..{c - 1} lost")
+                out["rolled_back"] += max(0, len(kept) - c)
+                kept = kept[:c]
+            elif rec["step"] != len(kept):
+                bad.append(f"rank {r}: step {rec['step']} trained (attempt {rec['attempt']}, pid "
+                           f"{rec['pid']}) after step {len(kept) - 1} without a resume between: "
+                           + ("trained twice" if rec["step"] < len(kept) else "steps skipped"))
+                if rec["step"] < len(kept):
+                    kept = kept[:rec["step"]]
+                kept.append(rec)
+            else:
+                kept.append(rec)
+        if len(kept) != steps:
+            bad.append(f"rank {r}: {len(kept)} steps in the kept history; {steps} wanted")
+        wrong = [k["step"] for k in kept
+                 if k["ids"] != data.sample_ids("train", bs, block, seed, r, k["step"]).tolist()]
+        if wrong:
+            bad.append(f"rank {r}: sample ids differ from the data's at steps {wrong[:10]}")
+        out["losses"][r] = [k["loss"] for k in kept]
+    return bad, out
+
+
+def final_state(ckpt: str, step: int) -> dict | None:
+    """The committed step ``step`` of the trainer: ``{file: sha256}`` of every tensor
+    data file its manifest lists (each rank's model and optimizer tensors, raw)."""
+    from dlrover_core.checkpoint.manifest import file_digest, read_manifest_file
+
+    d = os.path.join(ckpt, "trainer", f"step_{step:08d}")
+    if not os.path.isdir(d):
+        return None
+    files = read_manifest_file(d)["files"]
+    return {k: file_digest(os.path.join(d, k)) for k in files if k.endswith(".data")}
+
+
+def check_events(events: list[dict], metrics: list[dict], faults: list[dict],
+                 summary: dict) -> tuple[list[str], list[float], int]:
+    """Every fault followed by its recovery in the events; summary.json against the
+    events. Returns ``(violations, recovery seconds, faults recovered)``."""
+    bad, rec_s, ok = [], [], 0
+    steps = [r for r in metrics if r.get("event") == "step"]
+    for f in faults:
+        kind, ts = f["kind"], f["ts"]
+        if kind in RESTARTING or kind == "kill_master":
+            want = ("master_restarted",) if kind == "kill_master" else ("recovery_started",)
+            ev = next((e for e in events if e["event"] in want and e["ts"] >= ts), None)
+            if ev is None and kind != "kill_master":  # folded into a recovery under way
+                ev = next((e for e in events if e["event"] == "instance_failed"
+                           and e["ts"] >= ts and e.get("node_id") == f.get("node_id")), None)
+            after = next((s for s in steps if ev and s["ts"] > ev["ts"]), None)
+            if ev is None:
+                bad.append(f"fault {f['i']} ({kind} of {f.get('target')} at {f['t_rel']} s): "
+                           f"no {' / '.join(want)} in the events after it")
+            elif after is None:
+                bad.append(f"fault {f['i']} ({kind}): {ev['event']} at "
+                           f"{ev['ts'] - ts:.1f} s after it, but no step after that")
+            else:
+                ok += 1
+                rec_s.append(after["ts"] - ts)
+        else:  # nothing to restart: the job trains (and commits) on after the fault ended
+            named = [e for e in events if e["ts"] >= ts and e["event"] in FAULT_EVENTS[kind]]
+            stepped = any(s["ts"] > f["end_ts"] for s in steps) or summary.get(
+                "ended_at", 0) > f["end_ts"] and summary.get("status") == "succeeded"
+            if kind in ("kill_persister", "disk_full") and not f.get("commit_after"):
+                bad.append(f"fault {f['i']} ({kind} at {f['t_rel']} s): no checkpoint committed "
+                           "after it")
+            elif not stepped:
+                bad.append(f"fault {f['i']} ({kind}): no step after it ended")
+            elif FAULT_EVENTS[kind] and not named:
+                bad.append(f"fault {f['i']} ({kind} of {f.get('target')} at {f['t_rel']} s): "
+                           f"recovered, but no {' / '.join(FAULT_EVENTS[kind])} event reports it")
+            else:
+                ok += 1
+    # summary.json against the events
+    classified = collections.Counter(e["action"] for e in events
+                                     if e["event"] == "failure_classified" and e["action"] != "fatal")
+    restarts = {k: v for k, v in (summary.get("restarts") or {}).items() if k != "total" and v}
+    if dict(classified) != restarts:
+        bad.append(f"summary.json restarts {restarts} != failure_classified events {dict(classified)}")
+    if (summary.get("restarts") or {}).get("total") != sum(classified.values()):
+        bad.append(f"summary.json restarts.total {summary.get('restarts')} != "
+                   f"{sum(classified.values())} classified failures")
+    fin = [e for e in events if e["event"] == "job_finished"]
+    if not fin or fin[-1]["steps"] != summary.get("steps") or fin[-1]["status"] != summary.get("status"):
+        bad.append(f"job_finished {fin[-1:] } does not match summary.json steps/status "
+                   f"{summary.get('steps')}/{summary.get('status')}")
+    first: dict[int, float] = {}
+    top = -1
+    for s in steps:
+        if s["step"] > top:
+            top = s["step"]
+            first.setdefault(s["step"], s["ts"])
+    ts = [first[k] for k in sorted(first)]
+    gaps = [b - a for a, b in zip(ts, ts[1:]) if b > a]
+    if gaps and summary.get("wall_s") and summary.get("goodput") is not None:
+        g = min(1.0, len(first) * statistics.median(gaps) / summary["wall_s"])
+        if abs(g - summary["goodput"]) > 0.05:
+            bad.append(f"summary.json goodput {summary['goodput']} != {g:.4f} from the step events")
+    return bad, rec_s, ok
+
+
+def leaks(ch: Chaos, jobs: list[str], dirs: list[str]) -> list[str]:
+    """After cluster down: processes of the cluster, flash buffers of ``jobs``, run
+    locks still held, temp step folders left in ``dirs``."""
+    from dlrover_plugin_flashckpt import shm
+
+    bad = [f"process left after cluster down: {p}" for p in ch.leftovers()]
+    bad += [f"shm buffer left: {p}" for job in jobs
+            for p in shm.list_segments("/dev/shm", shm.job_prefix(job))]
+    from dlrover_core.master.dir_lock import LOCK_NAME
+
+    from dlrover_core.master.dir_lock import live_holder
+
+    for d in dirs:
+        for root, names, files in os.walk(d):
+            if LOCK_NAME in files and live_holder(root) is not None:
+                bad.append(f"run lock still held: {root} by {live_holder(root)}")
+            bad += [f"temp step folder left: {os.path.join(root, n)}" for n in names
+                    if n.startswith(".step_") and n.endswith(".tmp")]
+    return bad
+
+
+# ------------------------------------------------------------------ main
+def calibrate(ch: Chaos, minutes: float) -> tuple[int, float]:
+    """Steps for a fault-free run of about 60 % of ``minutes``, from the median step
+    time of a 100-step job; returns ``(steps, step_s)``."""
+    jd = os.path.join(ch.work, "job-cal")
+    ckpt = os.path.join(ch.work, "ckpt-cal")
+    out = run_to_end(ch, f"chaos-cal-{ch.seed}", jd,
+                     ch.overrides(f"chaos-cal-{ch.seed}", 100, ckpt, os.path.join(jd, "samples")))
+    ts = [r["ts"] for r in read_jsonl(os.path.join(jd, "metrics.jsonl")) if r.get("event") == "step"]
+    gaps = [b - a for a, b in zip(ts, ts[1:]) if b > a]
+    step_s = statistics.median(gaps) if gaps else 0.1
+    steps = int(0.6 * minutes * 60 / step_s) // PERSIST_EVERY * PERSIST_EVERY
+    log(f"calibration: rc {out['rc']}, {step_s:.3f} s a step -> {steps} steps")
+    return max(steps, 10 * PERSIST_EVERY), step_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0,
+                    help="length of the run with faults (about; default 30)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the schedule and the job")
+    ap.add_argument("--faults", default=",".join(KINDS),
+                    help=f"comma-separated kinds to draw from (default all: {','.join(KINDS)})")
+    ap.add_argument("--count", type=int, default=None,
+                    help="faults in the schedule (default: one per minute, at least 3)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="the job's max_steps (default: sized by a calibration job)")
+    ap.add_argument("--work", default=None, help="keep the jobs' folders here")
+    args = ap.parse_args(argv)
+    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
+    wrong = [k for k in kinds if k not in KINDS]
+    if wrong or not kinds:
+        ap.error(f"--faults: {wrong or args.faults!r} not allowed; allowed: {', '.join(KINDS)}")
+    if args.minutes <= 0:
+        ap.error(f"--minutes: {args.minutes}; allowed: a number > 0")
+    if args.steps is not None and (args.steps < PERSIST_EVERY or args.steps % PERSIST_EVERY):
+        ap.error(f"--steps: {args.steps}; allowed: a multiple of {PERSIST_EVERY} (the final "
+                 "step is committed to disk)")
+    os.chdir(ROOT)
+    work = args.work or tempfile.mkdtemp(prefix="chaos-", dir="/tmp")
+    os.makedirs(work, exist_ok=True)
+    t_start = time.time()
+    ch = Chaos(work, args.seed)
+    violations: list[str] = []
+    result: dict = {"status": None, "faults_injected": 0, "faults_recovered": 0,
+                    "violations": violations, "goodput": None, "steps_redone": None,
+                    "recovery_s": {"median": None, "max": None}, "seed": args.seed}
+    names = []
+    try:
+        steps = args.steps or calibrate(ch, args.minutes)[0]
+        # the fault-free run
+        ref_ckpt, _ = ch.ckpt_fs("ckpt-ref")
+        ref_dir = os.path.join(work, "job-ref")
+        names.append(f"chaos-ref-{args.seed}")
+        log(f"fault-free run: {steps} steps")
+        ref = run_to_end(ch, names[-1], ref_dir,
+                         ch.overrides(names[-1], steps, ref_ckpt, os.path.join(ref_dir, "samples")))
+        first = next((r["ts"] for r in read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
+                      if r.get("event") == "step"), ref["t0"])
+        window = max(60.0, ref["t_end"] - first)
+        n = args.count or max(3, round(args.minutes))
+        schedule = make_schedule(args.seed, kinds, window, n)
+        log(f"fault-free run: rc {ref['rc']}, {window:.0f} s of steps; schedule: "
+            + ", ".join(f"{f['kind']}@{f['at_s']}s/{f['trigger']}" for f in schedule))
+        # the run with faults
+        ckpt, mounted = ch.ckpt_fs("ckpt-chaos")
+        job_dir = os.path.join(work, "job-chaos")
+        names.append(f"chaos-{args.seed}")
+        holder: dict = {}
+
+        def faults(proc: subprocess.Popen) -> None:
+            inj = holder["inj"] = Injector(ch, names[-1], job_dir, ckpt, proc, mounted)
+            inj.run(schedule)
+
+        run = run_to_end(ch, names[-1], job_dir,
+                         ch.overrides(names[-1], steps, ckpt, os.path.join(job_dir, "samples")),
+                         on_running=faults)
+        inj = holder.get("inj")
+        done = inj.done if inj else []
+        summary = run["summary"] or {}
+        result.update(status=summary.get("status"), faults_injected=len(done),
+                      goodput=summary.get("goodput"), steps=steps,
+                      faults_scheduled=len(schedule),
+                      faults=[{k: f.get(k) for k in ("i", "kind", "trigger", "t_rel", "target",
+                                                     "duration_s")} for f in done],
+                      skipped=[{k: f.get(k) for k in ("i", "kind", "why")}
+                               for f in (inj.skipped if inj else schedule)],
+                      restarts=summary.get("restarts"), wall_s=summary.get("wall_s"),
+                      ref_wall_s=(ref["summary"] or {}).get("wall_s"))
+        # invariants
+        if run["rc"] != 0 or summary.get("status") != "succeeded":
+            violations.append(f"job did not succeed: rc {run['rc']}, status "
+                              f"{summary.get('status')}, error {summary.get('error')}")
+        if ref["rc"] != 0 or (ref["summary"] or {}).get("status") != "succeeded":
+            violations.append(f"the fault-free run did not succeed: rc {ref['rc']}")
+        a, b = final_state(ref_ckpt, steps), final_state(ckpt, steps)
+        if a is None or b is None:
+            violations.append(f"final step {steps} not committed: fault-free {a is not None}, "
+                              f"with faults {b is not None}")
+        elif a != b:
+            violations.append(f"final model state differs from the fault-free run's: files "
+                              f"{sorted(k for k in a if a.get(k) != b.get(k))}")
+        bs, block = 8, 32
+        bad_ref, rep_ref = replay_samples(os.path.join(ref_dir, "samples"), 2, steps,
+                                          args.seed, bs, block)
+        bad, rep = replay_samples(os.path.join(job_dir, "samples"), 2, steps, args.seed, bs,
+                                  block)
+        violations += [f"fault-free run: {v}" for v in bad_ref] + bad
+        for r in (0, 1):
+            diff = [i for i, (x, y) in enumerate(zip(rep_ref["losses"].get(r, []),
+                                                     rep["losses"].get(r, []))) if x != y]
+            if diff:
+                violations.append(f"rank {r}: loss differs from the fault-free run's at "
+                                  f"{len(diff)} steps, first {diff[0]}")
+        if (summary.get("checkpoint_steps") or {}).get("trainer") != steps:
+            violations.append(f"summary.json checkpoint_steps {summary.get('checkpoint_steps')}"
+                              f" != {steps}")
+        events = read_jsonl(os.path.join(job_dir, "events.jsonl"))
+        metrics = read_jsonl(os.path.join(job_dir, "metrics.jsonl"))
+        bad, rec_s, ok = check_events(events, metrics, done, summary)
+        violations += bad
+        counts = collections.Counter(r["step"] for r in metrics if r.get("event") == "step")
+        result.update(faults_recovered=ok, steps_redone=sum(c - 1 for c in counts.values()),
+                      samples_rolled_back=rep["rolled_back"],
+                      recovery_s={"median": round(statistics.median(rec_s), 3) if rec_s else None,
+                                  "max": round(max(rec_s), 3) if rec_s else None,
+                                  "n": len(rec_s)})
+    except Exception as e:  # noqa: BLE001 - reported as a violation, the cluster still goes down
+        import traceback
+
+        traceback.print_exc()
+        violations.append(f"chaos harness error: {type(e).__name__}: {e}")
+    finally:
+        ch.down()
+        ch.unmount_all()
+        time.sleep(2)
+        violations += leaks(ch, names, [os.path.join(work, d) for d in os.listdir(work)
+                                        if d.startswith(("job-", "ckpt-"))])
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    result.update(minutes=args.minutes, total_s=round(time.time() - t_start, 1),
+                  faults_kinds=kinds)
+    print(json.dumps(result))
+    return 0 if not violations else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
