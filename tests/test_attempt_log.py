@@ -37,7 +37,8 @@ def test_attempt_logs_have_header_saves_restore_footer_and_user_records(ray_clus
     assert a0.rstrip().splitlines()[-1].endswith(
         "attempt ended: RuntimeError: injected failure at step 5 (last reported step 4)")
     assert "attempt 1 of trainer rank 1/2" in a1
-    assert re.search(r"checkpoint: restored step 3 from DiskSaver \S+", a1)
+    # a DDP rank heals from the survivor's live state (dlrover_core.checkpoint.heal)
+    assert "checkpoint: restored step 5 from peer" in a1
     assert "checkpoint: saved step 6" in a1
     assert "attempt ended: run() returned at step 7" in a1
     r0 = open(attempt_path(job_dir, "trainer", 0, 0)).read()

@@ -34,7 +34,10 @@ def test_sigkill_trains_each_sample_once_in_the_final_model(ray_cluster, job_dir
         "roles": {"trainer": {"workload": "tests.elastic_workloads:ElasticRegression",
                               "total": 2, "per_node": 2, "backend": "ddp"}},
         "checkpoint": {"saver": "disk", "every_steps": EVERY, "keep": 2},
-        "failover": {"standby": False, "survivor_grace_s": 3, "pg_timeout_s": 30},
+        # in_place false: every rank restarts and restores the checkpoint (in place, the
+        # DDP ranks would heal from the survivor's live state, with nothing rolled back)
+        "failover": {"standby": False, "survivor_grace_s": 3, "pg_timeout_s": 30,
+                     "in_place": False},
         "node_health": {"skip_node_check": True},  # not about node health: no probe
         "elastic": {"global_batch": G, "micro_batch": B},  # reaches the workload's context
         "config": {"max_steps": STEPS,

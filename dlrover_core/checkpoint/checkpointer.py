@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dlrover_core.checkpoint.engine import PlainEngine, StateDictEngineBase
+from dlrover_core.checkpoint.heal import LiveTracker
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext, step_dir_name
 from dlrover_core.runtime import attempt_log
 
@@ -47,18 +48,26 @@ class Checkpointer:
         every_steps: interval of :meth:`maybe_save` (0: never).
         on_saved: ``on_saved(step, seconds)`` after each save.
         on_loaded: ``on_loaded(step, source, path)`` after a load found a checkpoint
-            (``source``: the saver's ``last_load_source``; ``path``: the step's directory).
+            (``source``: the saver's ``last_load_source``, ``"peer"`` after a heal;
+            ``path``: the step's directory, ``""`` after a heal).
+        heal: ``heal(objects)``, run by the first :meth:`load` without a ``step``
+            instead of the saver when it returns a step (a replicated rank healed from
+            a survivor's live state: :mod:`dlrover_core.checkpoint.heal`).
     """
 
     def __init__(self, saver: Saver, engine: StateDictEngineBase | None = None,
-                 every_steps: int = 0, on_saved: Any = None, on_loaded: Any = None) -> None:
+                 every_steps: int = 0, on_saved: Any = None, on_loaded: Any = None,
+                 heal: Any = None) -> None:
         self.saver = saver
         self.engine = engine or PlainEngine()
         self.every_steps = every_steps
         self._on_saved = on_saved
         self._on_loaded = on_loaded
+        self._heal = heal
         self.last_save_s = 0.0
         self.last_step: int | None = None
+        #: the newest state handed to save/maybe_save (:meth:`live_state`)
+        self.live = LiveTracker()
 
     @classmethod
     def for_worker(cls, ctx: WorkerContext, workload: Any = None,
@@ -106,11 +115,13 @@ class Checkpointer:
                 master.checkpoint_loaded.remote(ctx.role, ctx.rank, step, source, path,
                                                 ctx.attempt)
 
-        return cls(saver, engine, int(ck.get("every_steps", 0)), on_saved, on_loaded)
+        return cls(saver, engine, int(ck.get("every_steps", 0)), on_saved, on_loaded,
+                   _heal_of(workload, engine))
 
     def save(self, step: int, **objects: Any) -> float:
         """Save ``objects`` as ``step``; returns the blocking time in s."""
         t0 = time.perf_counter()
+        self.live.note(step, objects, self.engine)
         self.saver.save(step, self.engine.state_dict(objects))
         self.last_save_s = time.perf_counter() - t0
         self.last_step = step
@@ -120,20 +131,39 @@ class Checkpointer:
         return self.last_save_s
 
     def maybe_save(self, step: int, **objects: Any) -> bool:
-        """Save when ``every_steps`` divides ``step``; True when it saved."""
+        """Save when ``every_steps`` divides ``step``; True when it saved. Either way
+        ``objects`` are noted as the live state of ``step`` (:meth:`live_state`)."""
         if self.every_steps and step > 0 and step % self.every_steps == 0:
             self.save(step, **objects)
             return True
+        self.live.note(step, objects, self.engine)
         return False
+
+    def live_state(self) -> Any:
+        """The state noted by the newest :meth:`save` / :meth:`maybe_save` as a
+        :class:`~dlrover_core.checkpoint.heal.LiveState`, or ``None`` (nothing noted,
+        or the parameters moved on since)."""
+        return self.live.capture(self.engine)
 
     def load(self, step: int | None = None, **objects: Any) -> int | None:
         """Load the newest committed step (or ``step``) into ``objects`` in place.
 
         Returns the loaded step, or ``None`` when no checkpoint exists (objects untouched).
+        A replicated rank set up again after a failure first heals from a survivor's
+        live state (the ``heal`` of the constructor; a collective: every rank of the
+        role calls ``load()`` in its ``setup()``), which needs no checkpoint.
         Raises:
             CheckpointLoadError: checkpoints exist but none could be loaded (the
                 built-in savers; the objects may be partly overwritten: do not train on).
         """
+        heal, self._heal = self._heal, None
+        healed = heal(objects) if heal is not None and step is None else None
+        if healed is not None:
+            self.last_step = healed
+            attempt_log.restored(healed, "peer")
+            if self._on_loaded is not None:
+                self._on_loaded(healed, "peer", "")
+            return healed
         template = self.engine.state_dict(objects)
         loaded = self.saver.load(template, step)
         attempt_log.restored(loaded, attempt_log.saver_source(self.saver))
@@ -155,3 +185,30 @@ class Checkpointer:
 
     def close(self) -> None:
         self.saver.close()
+
+
+def _heal_of(workload: Any, engine: StateDictEngineBase) -> Any:
+    """The ``heal`` of a worker's :class:`Checkpointer`: when the master asked for a heal
+    at this setup (``workload._heal``: ``(asked, live state or None)``, set by the
+    ``WorkloadHost``), the backend session's ``replicated_state`` is true and a process
+    group of more than one rank is up, a function of ``objects`` running
+    :func:`dlrover_core.checkpoint.heal.heal` (returns the step, or ``None``); else
+    ``None``."""
+    asked, live = getattr(workload, "_heal", (False, None))
+    session = getattr(workload, "_backend", None)
+    if not asked or not getattr(session, "replicated_state", False):
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    device = session.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def run(objects: dict) -> int | None:
+        from dlrover_core.checkpoint.heal import heal
+
+        out = heal(live, engine, objects, device)
+        return None if out is None else out[0]
+
+    return run

@@ -264,10 +264,13 @@ class Launcher:
                     f"{inst.label} did not answer within {timeout} s during start-up"))
         return [out[i] for i in range(len(pairs))]
 
-    def setup_members(self, members: list[Instance], fresh: list[Instance]) -> None:
+    def setup_members(self, members: list[Instance], fresh: list[Instance],
+                      heal: bool = False) -> None:
         """Rendezvous and ``setup()`` of some instances (all ranks of each role with a
         backend; ``fresh`` ones need their node info first). Survivors are set up again
-        in place, in their running process. Each is then handed to the monitor."""
+        in place, in their running process. Each is then handed to the monitor.
+        ``heal``: survivors are among them; a replicated role heals from their live
+        state (``WorkloadHost.setup``)."""
         s = self.scope
         t0 = time.time()
         if fresh:
@@ -286,7 +289,7 @@ class Launcher:
             topo = topology(s.instances.of_role(role, world))
             for inst in group:
                 setups.append((inst, inst.handle.setup.remote(addr, port, inst.attempt,
-                                                              *topo[inst.rank])))
+                                                              *topo[inst.rank], heal=heal)))
         t_started = time.time()
         results = self.await_refs(setups)
         self.phases = {"actors_started_s": round(t_started - t0, 3),

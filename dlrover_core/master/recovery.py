@@ -129,6 +129,9 @@ class RecoveryExecutor:
         its own actor. ``reporter_may_survive``: the failure was a broken collective (a
         survivor that saw a dead peer first, before the peer's death was seen): the failed
         ranks are probed like survivors, so a rank whose process is intact stays in place.
+        With survivors in place and no driver in the job, the ranks are asked to heal
+        (``setup(heal=True)``): a replicated role (DDP) takes a survivor's live state at
+        its current step instead of the checkpoint (:mod:`dlrover_core.checkpoint.heal`).
         """
         s = self.scope
         r = s.graph.roles[role]
@@ -173,7 +176,10 @@ class RecoveryExecutor:
             m.attempt += 1
             m.generation += 1
         if r.backend:
-            self.launcher.setup_members(sorted(fresh + survivors, key=lambda i: i.rank), fresh)
+            # survivors in place: a replicated role heals from their live state, unless a
+            # driver's commit is the job's consistent point (it rolls the roles back)
+            self.launcher.setup_members(sorted(fresh + survivors, key=lambda i: i.rank), fresh,
+                                        heal=bool(survivors) and not s.graph.driver)
         else:
             self.launcher.setup_members(fresh, fresh)
         self.standby.ensure()

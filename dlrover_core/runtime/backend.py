@@ -23,6 +23,11 @@ class BackendSession:
     ``MASTER_ADDR``/``MASTER_PORT`` are set.
     """
 
+    #: Every rank holds the whole training state (DDP): after a failure, the ranks of
+    #: the role heal from a survivor's live state instead of a checkpoint
+    #: (:mod:`dlrover_core.checkpoint.heal`). False for sharded state (FSDP).
+    replicated_state = False
+
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
 

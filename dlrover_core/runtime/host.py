@@ -223,18 +223,22 @@ class WorkloadHost(HostBase):
 
     def setup(self, master_addr: str, master_port: int, attempt: int = 0,
               local_rank: int | None = None, local_world_size: int | None = None,
-              node_rank: int | None = None) -> dict:
+              node_rank: int | None = None, heal: bool = False) -> dict:
         """Import the workload, join the process group, freeze the heap (the first time
         in this process: :func:`freeze_heap`), run ``setup()``.
+        ``heal``: survivors are set up in place; a survivor keeps its live state for
+        the first ``load()``, which heals a replicated role (``checkpoint.heal``).
 
         Returns ``{"invocations": {method: InvocationOptions}}`` for the driver.
         Raises ``WorkloadError`` (phase ``setup``) when user code raises.
         """
+        from dlrover_core.checkpoint.heal import live_state_of
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.invocation import collect_invocations
         from dlrover_core.runtime.workload import create_workload
 
         ctx = self.context
+        live = live_state_of(self.workload) if heal else None
         if self.workload is not None:  # re-setup in place after a peer failed
             self._teardown_workload()
             self.workload = None
@@ -252,6 +256,7 @@ class WorkloadHost(HostBase):
                                             lambda: master_handle(ctx.job))
             pm = self._plugin_manager()
             self.workload._plugins = pm
+            self.workload._heal = (heal, live)
             t.append(time.perf_counter())
             if ctx.backend:
                 self.workload._backend = self._backend_session()

@@ -11,6 +11,10 @@ from dlrover_core.runtime.backend import TorchDistributedSession
 
 
 class DDPSession(TorchDistributedSession):
+    #: every rank holds the whole model and optimizer: a replaced rank heals from a
+    #: survivor's live state, with no step redone (``dlrover_core.checkpoint.heal``)
+    replicated_state = True
+
     def wrap(self, model: torch.nn.Module, measure_comm_wait: bool = True,
              **kwargs: Any) -> torch.nn.Module:
         """``DistributedDataParallel`` over the role's group (``kwargs`` go to DDP).

@@ -81,3 +81,48 @@ class Sharded(BaseWorkload):
             for p in self.model.parameters():
                 p.mul_(0).add_(3.0)
         self.extra["step"] = -1
+
+
+class ReplicaTrainer(BaseWorkload):
+    """A DDP job's trainer for the heal test (``test_ddp_heal``): a small MLP with
+    dropout (so the CPU random state matters), AdamW, per-(rank, step) batches,
+    ``maybe_save`` every step (saving every ``checkpoint.every_steps``). Before step
+    ``config.pause_step`` every rank waits for the file ``config.pause_until`` (the test
+    kills a rank meanwhile, then creates it). At the end each rank writes its model,
+    optimizer, step and CPU random state to ``<job_dir>/final-<rank>.pt``."""
+
+    def setup(self):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                    torch.nn.Dropout(0.2), torch.nn.Linear(64, 4))
+        self.model = self.backend.wrap(model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.extra = {"step": 0}
+        loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
+        self.start = int(self.extra["step"]) if loaded is not None else 0
+
+    def run(self) -> int:
+        import os
+        import time
+
+        c = self.config
+        for step in range(self.start, int(c.steps)):
+            if step == int(c.pause_step):
+                deadline = time.monotonic() + 600
+                while not os.path.exists(str(c.pause_until)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            g = torch.Generator().manual_seed(1000 * self.rank + step)
+            x = torch.randn(8, 16, generator=g)
+            loss = self.model(x).pow(2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.report(step, loss=loss.item())
+            self.extra["step"] = step + 1
+            self.checkpointer.maybe_save(step + 1, model=self.model, optimizer=self.opt,
+                                         extra=self.extra)
+        inner = getattr(self.model, "module", self.model)
+        torch.save({"model": inner.state_dict(), "optimizer": self.opt.state_dict(),
+                    "step": self.extra["step"], "rng": torch.get_rng_state()},
+                   os.path.join(self.job_dir, f"final-{self.rank}.pt"))
+        return int(self.extra["step"])
