@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dlrover_core.spec.errors import SpecError
+from dlrover_core.spec.fields import check_fields, read_fields, refuse_unknown, spec_field
 
 VERIFY_MODES = ("header", "data")
 REPLICA_TRANSPORTS = ("tcp", "ray")
@@ -45,71 +46,36 @@ class FlashOptions:
             are closed to each other) (:mod:`.replica_stream`).
     """
 
-    persist_every_steps: int = 1
-    slots: int = 2
-    shm_dir: str = "/dev/shm"
-    verify_memory: str = "header"
-    throttle_mib_s: float = 0.0
-    wait_timeout_s: float = 600.0
-    reserve_mib: float = 0.0
-    replicas: int = 0
-    replica_transport: str = "tcp"
+    persist_every_steps: int = spec_field(1, ge=1)
+    slots: int = spec_field(2, ge=1, le=8, allowed="an integer from 1 to 8")
+    shm_dir: str = spec_field("/dev/shm", valid=lambda v, _: v.startswith("/"),
+                              allowed="an absolute directory path on a tmpfs, e.g. /dev/shm")
+    verify_memory: str = spec_field("header", choices=VERIFY_MODES,
+                                    allowed=" or ".join(VERIFY_MODES))
+    throttle_mib_s: float = spec_field(0.0, ge=0, note="0: no cap")
+    wait_timeout_s: float = spec_field(600.0, ge=1e-3, allowed="a number of seconds > 0")
+    reserve_mib: float = spec_field(0.0, ge=0, unit="a number of MiB", note="0: from the state")
+    replicas: int = spec_field(0, ge=0, le=1, allowed="0 (no replica) or 1 (one copy in a "
+                                                      "peer node's memory)")
+    replica_transport: str = spec_field("tcp", choices=REPLICA_TRANSPORTS,
+                                        allowed=" or ".join(REPLICA_TRANSPORTS))
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> FlashOptions:
-        """Validate ``checkpoint.options``.
+        """Validate ``checkpoint.options`` (each field's type and range, declared with
+        it: :mod:`dlrover_core.spec.fields`).
 
         Raises:
             SpecError: an unknown key, or a value of the wrong type or range; the message
                 names ``checkpoint.options.<key>``, the value and what is allowed.
         """
         options = dict(options or {})
-        known = {f.name for f in fields(cls)}
-        for key in options:
-            if key not in known:
-                raise SpecError(f"checkpoint.options.{key}", options[key],
-                                "one of " + ", ".join(sorted(known)),
-                                "unknown option of the flash saver")
-        out: dict[str, Any] = {}
-
-        def number(key: str, kind: type, lo: float, hi: float | None, what: str) -> None:
-            if key not in options:
-                return
-            v = options[key]
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if ok and kind is int and float(v) != int(v):
-                ok = False
-            if ok and (v < lo or (hi is not None and v > hi)):
-                ok = False
-            if not ok:
-                raise SpecError(f"checkpoint.options.{key}", v, what)
-            out[key] = kind(v)
-
-        number("persist_every_steps", int, 1, None, "an integer >= 1")
-        number("slots", int, 1, 8, "an integer from 1 to 8")
-        number("throttle_mib_s", float, 0, None, "a number >= 0 (0: no cap)")
-        number("wait_timeout_s", float, 1e-3, None, "a number of seconds > 0")
-        number("reserve_mib", float, 0, None, "a number of MiB >= 0 (0: from the state)")
-        number("replicas", int, 0, 1, "0 (no replica) or 1 (one copy in a peer node's "
-                                      "memory)")
-        if "shm_dir" in options:
-            v = options["shm_dir"]
-            if not isinstance(v, str) or not v.startswith("/"):
-                raise SpecError("checkpoint.options.shm_dir", v, "an absolute directory path "
-                                "on a tmpfs, e.g. /dev/shm")
-            out["shm_dir"] = v
-        if "replica_transport" in options:
-            v = options["replica_transport"]
-            if v not in REPLICA_TRANSPORTS:
-                raise SpecError("checkpoint.options.replica_transport", v,
-                                " or ".join(REPLICA_TRANSPORTS))
-            out["replica_transport"] = v
-        if "verify_memory" in options:
-            v = options["verify_memory"]
-            if v not in VERIFY_MODES:
-                raise SpecError("checkpoint.options.verify_memory", v, " or ".join(VERIFY_MODES))
-            out["verify_memory"] = v
-        return cls(**out)
+        key = "checkpoint.options"
+        refuse_unknown(options, sorted(f.name for f in fields(cls)), key,
+                       "unknown option of the flash saver")
+        out = cls(**read_fields(cls, options, key))
+        check_fields(out, cls, key)
+        return out
 
     def is_due(self, step: int) -> bool:
         """Whether ``step`` is persisted by the regular schedule."""
