@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextvars
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from dlrover_core.runtime.role_group import RoleGroup, WorkloadActorHandle
 from dlrover_core.runtime.workload import guide_style_init, unwrap_actor_class
+
+if TYPE_CHECKING:
+    from dlrover_core.runtime.role_state import RoleCommits
 
 _CONSTRUCTING: contextvars.ContextVar[TrainerContext | None] = contextvars.ContextVar(
     "dlrover_constructing_trainer", default=None)
@@ -165,6 +168,41 @@ class BaseTrainer:
             logging.getLogger(__name__).warning("driver state is corrupt; ignoring it: %s", exc)
             return None
         return None if payload is None else pickle.loads(payload)
+
+    # ------------------------------------------------------------------ commits
+    @functools.cached_property
+    def role_commits(self) -> RoleCommits:
+        """The commits of this driver's stateful roles
+        (:class:`~dlrover_core.runtime.role_state.RoleCommits`)."""
+        from dlrover_core.runtime.role_state import RoleCommits
+
+        return RoleCommits(self)
+
+    def commit_roles(self, step: int, state: dict | None = None) -> None:
+        """End of an iteration: every stateful role (one that declares state, see
+        :mod:`dlrover_core.runtime.role_state`) saves ``step`` and waits for its saver's
+        commit, then the driver's ``state`` is saved with ``committed_step: step``
+        (:meth:`save_state`, atomic): that write is the commit. Report the iteration
+        after this returns, so that no report is of work a restart throws away."""
+        self.role_commits.commit(step, dict(state or {}))
+
+    def resume_roles(self) -> dict | None:
+        """Call first in :meth:`init`. The state of the last :meth:`commit_roles`
+        (``None`` when there was none), after every stateful role was put back to its
+        ``committed_step``: a restarted role (or one that ran ahead of the commit, the
+        driver having died after its update) resumes exactly at the commit. With no
+        commit yet, a restarted driver puts them back to step 0 (their ``setup()``);
+        a first start touches nothing.
+
+        Raises:
+            StateNotFound: a role's saver lacks the committed step.
+        """
+        state = self.load_state()
+        if state is not None and "committed_step" in state:
+            self.role_commits.rollback(int(state["committed_step"]))
+        elif self._context.attempt > 0:
+            self.role_commits.rollback(0)
+        return state
 
     def report(self, step: int, **metrics: float) -> None:
         """Report a finished driver step with scalar metrics to the JobMaster."""

@@ -15,6 +15,7 @@ from dlrover_core.runtime.context import WorkerContext
 if TYPE_CHECKING:
     from dlrover_core.checkpoint.checkpointer import Checkpointer
     from dlrover_core.runtime.backend import BackendSession
+    from dlrover_core.runtime.role_state import RoleState
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,51 @@ class BaseWorkload:
 
             self._checkpointer = Checkpointer.for_worker(self._context, self)
         return self._checkpointer
+
+    # ------------------------------------------------------------------ state at commits
+    def state_objects(self) -> dict[str, Any] | None:
+        """What this role checkpoints at its driver's commit, as ``Checkpointer.save``
+        objects (``{"model": module, "optimizer": opt, "rng": TorchRNG()}``), or
+        ``None``. Default ``None``: the role is stateless, unless the workload has a
+        ``state_dict()`` / ``load_state_dict(state)`` pair, which is then saved whole
+        (:func:`dlrover_core.runtime.role_state.declared_objects`; docs/failover.md,
+        "Stateful roles"). Override."""
+        return None
+
+    @property
+    def role_state(self) -> RoleState:
+        """This rank's :class:`~dlrover_core.runtime.role_state.RoleState` (its declared
+        state, saved and restored with the job's saver)."""
+        rs = self.__dict__.get("_role_state")
+        if rs is None:
+            from dlrover_core.runtime.role_state import RoleState
+
+            rs = self._role_state = RoleState(self)
+        return rs
+
+    def has_state(self) -> bool:
+        """Whether this role declares state (asked by the driver on rank 0).
+
+        Raises:
+            SpecError: ``roles.<role>.config.stateful`` is not a bool, or is true on a
+                role that declares none.
+        """
+        return self.role_state.objects() is not None
+
+    def save_state(self, step: int) -> int | None:
+        """Checkpoint the declared state as ``step`` (the driver's commit) and wait for
+        the saver's commit. Returns ``step``, or ``None`` for a stateless role."""
+        return self.role_state.save(step)
+
+    def restore_state(self, step: int) -> int | None:
+        """Put this rank back to the driver's committed ``step`` (0: ``teardown()`` then
+        ``setup()``). Returns ``step`` (``None`` for a stateless role).
+
+        Raises:
+            StateNotFound: the saver has no step ``step`` (never another step).
+            CheckpointLoadError: the step exists but does not load.
+        """
+        return self.role_state.restore(step)
 
     def report(self, step: int, **metrics: float) -> None:
         """Report that ``step`` finished, with scalar metrics (``loss``, ``val_loss``,

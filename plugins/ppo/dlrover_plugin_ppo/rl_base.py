@@ -6,8 +6,6 @@ restores to the driver's last commit after a failure (:meth:`RLWorkload.save_sta
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -16,7 +14,6 @@ from dlrover_core import BaseWorkload, trainer_invocation
 from dlrover_core.checkpoint.checkpointer import Checkpointer
 from dlrover_plugin_ppo.config import RLConfig
 from dlrover_plugin_ppo.shared_weights import SharedWeights
-from dlrover_plugin_ppo.state import StateNotFound
 
 
 #: Seed offsets per role, so that ranks of different roles never share a stream.
@@ -77,13 +74,10 @@ class RLWorkload(BaseWorkload):
         OptimizerState(...), "rng": TorchRNG()}``), or ``None``: the role is stateless
         (its replacement needs only the actor's weights). Default ``None``; the actor and
         the critic return their model, optimizer and RNG. ``roles.<role>.config.stateful:
-        false`` in the job spec turns a role's checkpoint off."""
+        false`` in the job spec turns a role's checkpoint off. Saved and restored by the
+        core's :class:`~dlrover_core.runtime.role_state.RoleState` (``save_state``,
+        ``restore_state``, ``has_state`` of ``BaseWorkload``)."""
         return None
-
-    def _stateful_objects(self) -> dict[str, Any] | None:
-        if not bool(self.config.get("stateful", True)):
-            return None
-        return self.state_objects() or None
 
     @trainer_invocation(target="RANK0")
     def failover_policy(self) -> str:
@@ -97,65 +91,18 @@ class RLWorkload(BaseWorkload):
     @trainer_invocation(target="RANK0")
     def has_state(self) -> bool:
         """Whether :meth:`state_objects` names anything (asked by the driver once)."""
-        return self._stateful_objects() is not None
+        return super().has_state()
 
     @property
     def state_checkpointer(self) -> Checkpointer:
-        """The checkpointer of :meth:`save_state`: the job's saver (``checkpoint.saver``)
-        under ``<checkpoint.dir>/<role>``; ranks of a role without a process group (each
-        its own state, e.g. rollout workers) get one lineage each, under
-        ``<checkpoint.dir>/by-rank/<rank>/<role>``."""
-        ck = getattr(self, "_state_ck", None)
-        if ck is not None:
-            return ck
-        ctx = self.context
-        if ctx.backend or ctx.world_size == 1:
-            ck = self.checkpointer
-        else:
-            base = ctx.checkpoint.get("dir") or os.path.join(ctx.job_dir, "ckpt")
-            own = dataclasses.replace(
-                ctx, rank=0, world_size=1,
-                checkpoint={**dict(ctx.checkpoint),
-                            "dir": os.path.join(str(base), "by-rank", str(self.rank))})
-            ck = Checkpointer.for_worker(own, self)
-        self._state_ck = ck
-        return ck
-
-    def save_state(self, step: int) -> int | None:
-        """Checkpoint :meth:`state_objects` as ``step`` (iterations done) and wait until
-        the saver committed it. Returns ``step``, or ``None`` for a stateless role."""
-        objs = self._stateful_objects()
-        if objs is None:
-            return None
-        ck = self.state_checkpointer
-        ck.save(int(step), **objs)
-        ck.wait()
-        return int(step)
+        """The checkpointer of ``save_state`` (:attr:`RoleState.checkpointer`)."""
+        return self.role_state.checkpointer
 
     def restore_state(self, step: int) -> int | None:
-        """Put this rank back to committed ``step`` (iterations done): step 0 is the state
-        ``setup()`` makes, so ``teardown()`` and ``setup()`` run again; a later step is
-        loaded from the saver. Returns ``step`` (``None`` for a stateless role).
-
-        Raises:
-            StateNotFound: the saver has no step ``step`` (never falls back to another).
-            CheckpointLoadError: the step exists but does not load.
-        """
+        """``BaseWorkload.restore_state``, after dropping the batch kept for a retried
+        call (:meth:`generate_iteration`)."""
         self._iteration_cache = None
-        if self._stateful_objects() is None:
-            return None
-        if int(step) == 0:
-            self.teardown()
-            self.setup()
-            return 0
-        ck = self.state_checkpointer
-        loaded = ck.load(int(step), **self._stateful_objects())
-        if loaded != int(step):
-            raise StateNotFound(
-                f"{self.role}-{self.rank}: the driver committed iteration step {step}, but "
-                f"the checkpoint directory {ck.saver.config.dir} has "
-                f"{ck.saver.committed_steps() or 'no committed steps'}")
-        return loaded
+        return super().restore_state(step)
 
     # ------------------------------------------------------------------ generation
     _iteration_cache: tuple[int, Any] | None = None

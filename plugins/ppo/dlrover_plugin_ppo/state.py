@@ -12,6 +12,14 @@ from typing import Any
 
 import torch
 
+# the RNG and optimizer objects and the missing-step error are the core's (one mechanism for every
+# template's stateful roles); re-exported here
+from dlrover_core.runtime.role_state import (  # noqa: F401
+    OptimizerState,
+    StateNotFound,
+    TorchRNG,
+)
+
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside a ``DistributedDataParallel`` wrapper (or the model itself)."""
@@ -24,37 +32,6 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     already on the CPU are the model's own (no copy: returning them from a Ray call
     serializes them once into the object store, which is the copy the receivers read)."""
     return {k: v.detach().to("cpu") for k, v in unwrap(model).state_dict().items()}
-
-
-class TorchRNG:
-    """The process's torch CPU random generator as a checkpointable object (its
-    ``state_dict`` is ``{"cpu": ByteTensor}``): sampling and minibatch shuffles draw from
-    it, so a role restored to a commit draws what it would have drawn."""
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"cpu": torch.get_rng_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["cpu"])
-
-
-class OptimizerState:
-    """An optimizer as a checkpointable object keyed by parameter names
-    (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``), so that a
-    freshly made optimizer (no state yet) loads the moments of a trained one."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 class PickledState:
@@ -70,7 +47,3 @@ class PickledState:
     def load_state_dict(self, state: dict[str, bytes]) -> None:
         for n, v in pickle.loads(state["pickle"]).items():
             setattr(self.owner, n, v)
-
-
-class StateNotFound(RuntimeError):
-    """A role was asked to restore a committed step that its saver does not have."""
