@@ -145,10 +145,11 @@ def check_value(cls: type, name: str, value: Any, key: str, section: Any = None)
     _, kind, nullable, check, _ = _field(cls, name)
     if value is None and nullable:
         return None
+    given = value
     if kind in TYPE_WORDS:
         value = check_type(cls, name, value, key, section)
     if check is not None and not check.holds(value, section):
-        raise SpecError(key, value, check.describe(kind, section))
+        raise SpecError(key, given, check.describe(kind, section))
     return value
 
 
@@ -176,7 +177,7 @@ def read_fields(cls: type, section: Mapping, key: str, names: Iterable[str] | No
                 ) -> dict[str, Any]:
     """The values ``section`` (plain data, e.g. a plugin's config section) gives for the
     fields ``names`` of ``cls`` (default: all), converted to their types
-    (:func:`check_value`; ranges are checked later by :func:`check_fields`, with the
+    (:func:`check_type`; ranges are checked later by :func:`check_fields`, with the
     whole section). Keys of ``section`` outside ``names`` are left to the caller.
 
     Raises:
