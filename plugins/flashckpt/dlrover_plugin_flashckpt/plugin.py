@@ -10,8 +10,9 @@ the saver in the worker process; the master-side hooks use Ray only.
   those holding a step newer than the newest commit: they stay, and the summary lists
   them under ``checkpoint_not_persisted`` (role, rank, step, dir, node, name, shm_dir).
 - ``dlrover_job_health`` (master, every 10 s): a persister that cannot persist (a
-  full checkpoint folder) shows in ``dlrover status`` and as ``health_failing`` /
-  ``health_recovered`` events.
+  full checkpoint folder), or one replaced by a new process since the poll before (it
+  died), shows in ``dlrover status`` and as ``health_failing`` / ``health_recovered``
+  events.
 - ``dlrover_cli_commands``: ``dlrover flash ls`` and ``dlrover flash clean``.
 """
 
@@ -63,21 +64,54 @@ def dlrover_workload_failed(job: str, failure: Any, verdict: Any, emit: Any) -> 
              claimed=result["claimed"])
 
 
+#: job -> node id -> pid of its persister at the last health poll (master process)
+_PERSISTER_PIDS: dict[str, dict[str, int]] = {}
+
+
+def persister_restarts(job: str, timeout: float = 5.0) -> dict[str, dict]:
+    """``node_id -> {"what", "error"}`` for each node whose persister of ``job`` is
+    another process than at the last call (the one before died, e.g. SIGKILLed, and a
+    rank's next save started a new one); ``{}`` otherwise (also at the first call)."""
+    import ray
+
+    from dlrover_plugin_flashckpt.handles import persisters_of
+
+    seen = _PERSISTER_PIDS.setdefault(job, {})
+    out = {}
+    for node, handle in persisters_of(job).items():
+        try:
+            pid = int(ray.get(handle.status.remote(), timeout=timeout)["pid"])
+        except Exception:  # noqa: BLE001 - dead or stuck: persist_failures reports it
+            continue
+        old, seen[node] = seen.get(node), pid
+        if old is not None and old != pid:
+            out[node] = {"what": "persister", "error": f"the persister process (pid {old}) "
+                         f"was lost; a new one (pid {pid}) took over"}
+    return out
+
+
 @hookimpl
 def dlrover_job_health(job: str, spec: Any) -> dict | None:
     """``{"checkpoint_persist": {node_id: {"what", "error", "since", "tries", ...}}}``
     while a persister of the job cannot persist (a full or failing checkpoint folder;
-    :func:`.handles.persist_failures`), else ``None``. Master process."""
+    :func:`.handles.persist_failures`), and ``{"persister_restarted": {node_id: {"what",
+    "error"}}}`` at the poll that finds a node's persister replaced since the poll
+    before (:func:`persister_restarts`; the next poll reports it recovered); else
+    ``None``. Master process."""
     if not shm_dirs_of(spec):  # not a flash job
         return None
     try:
         from dlrover_plugin_flashckpt.handles import persist_failures
 
         failing = persist_failures(job, timeout=5.0)
+        restarted = persister_restarts(job)
     except Exception as exc:  # noqa: BLE001 - a health check must never break the job
         log.warning("could not ask the flash persisters of %s: %s", job, exc)
         return None
-    return {"checkpoint_persist": failing} if failing else None
+    out = {"checkpoint_persist": failing} if failing else {}
+    if restarted:
+        out["persister_restarted"] = restarted
+    return out or None
 
 
 def shm_dirs_of(spec: Any) -> list[str]:
@@ -110,6 +144,7 @@ def dlrover_job_deleted(job: str, job_dir: str) -> list[str]:
 
 @hookimpl
 def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
+    _PERSISTER_PIDS.pop(job, None)
     try:
         import ray
 
