@@ -1,14 +1,22 @@
-"""Goodput under repeated faults: the nanogpt job (2 FSDP2 workers) runs for
+"""Goodput under repeated faults: the nanogpt job (2 workers, FSDP2 or DDP) runs for
 ``--minutes``, and every ``--every-s`` seconds trainer rank 1's process is SIGKILLed.
 
     .venv/bin/python benchmarks/goodput.py                      # 10 minutes, a kill every 60 s
+    .venv/bin/python benchmarks/goodput.py --backend ddp --runs 3   # DDP: ranks heal, no step redone
     .venv/bin/python benchmarks/goodput.py --minutes 3 --every-s 45 --saver disk --ckpt-every 10
 
 Goodput (DLRover's definition) = productive training time / wall time, where productive
 time = unique steps completed x the median step time (the master's ``summary.json``):
-recovery, steps redone from the last checkpoint and start-up count against it. The last
-line of output is one JSON object with ``goodput`` (0..1), ``faults``, ``wall_s``, and the
-recovery times and steps redone behind it.
+recovery, steps redone from the last checkpoint and start-up count against it. With
+``--backend ddp`` a replaced rank heals from the survivor's live state
+(``dlrover_core.checkpoint.heal``), so no step is redone; with ``fsdp`` the ranks reload
+the newest checkpoint (``--saver``, every ``--ckpt-every`` steps).
+
+The last line of output is one JSON object: ``goodput`` (0..1), ``steps_redone`` and
+``faults`` (kills made), each a number for one run or ``{"median", "min", "max",
+"runs": [...]}`` over ``--runs``; ``runs`` holds every run's figures (``wall_s``,
+``steps``, ``restarts``, ``status``, ``recovery_s_median``: kill to the first step after
+it, ``master_recovery_s``).
 """
 
 from __future__ import annotations
@@ -20,26 +28,17 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from recovery import analyse, run_job, start_ray  # noqa: E402
 
+BACKENDS = ("fsdp", "ddp")
 
-def main(argv: list[str] | None = None) -> int:
-    from dlrover_core.plugins.manager import get_plugin_manager
 
-    default_saver = "flash" if "flash" in get_plugin_manager().savers() else "disk"
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--every-s", type=float, default=60.0)
-    ap.add_argument("--saver", default=default_saver)
-    ap.add_argument("--ckpt-every", type=int, default=None,
-                    help="steps between checkpoints (default: 1 for flash, 10 for disk)")
-    args = ap.parse_args(argv)
-    ckpt_every = args.ckpt_every or (1 if args.saver == "flash" else 10)
+def one_run(args: argparse.Namespace, ckpt_every: int) -> dict:
+    """One job of ``args.minutes`` with a SIGKILL of rank 1 every ``args.every_s`` s."""
     import ray
 
     temp = start_ray()
@@ -49,23 +48,65 @@ def main(argv: list[str] | None = None) -> int:
              [args.every_s * i for i in range(1, int(wall_target // args.every_s) + 1)]
              if t < wall_target - 5]
     over = ["name=bench-goodput", "config.max_steps=1000000", "config.eval_every=1000000",
+            f"roles.trainer.backend={args.backend}",
             f"checkpoint.saver={args.saver}", f"checkpoint.every_steps={ckpt_every}",
             "checkpoint.keep=2", "failover.max_restarts=1000", "failover.max_node_failures=1000"]
-    out = run_job(over, job_dir, kills, timeout_s=wall_target)
-    a = analyse(job_dir, out["kill_ts"])
+    try:
+        out = run_job(over, job_dir, kills, timeout_s=wall_target)
+        a = analyse(job_dir, out["kill_ts"])
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
     s = out["summary"] or {}
-    result = {
+    return {
         "goodput": s.get("goodput"), "faults": len(out["kill_ts"]), "wall_s": s.get("wall_s"),
         "steps": s.get("steps"), "restarts": (s.get("restarts") or {}).get("total"),
         "status": s.get("status"), "steps_redone": a["steps_redone"],
         "recovery_s_median": round(statistics.median(a["recovery_s"]), 3)
         if a["recovery_s"] else None,
-        "master_recovery_s": a["master_recovery_s"], "saver": args.saver,
-        "ckpt_every": ckpt_every, "minutes": args.minutes, "every_s": args.every_s,
+        "master_recovery_s": a["master_recovery_s"],
     }
-    shutil.rmtree(job_dir, ignore_errors=True)
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+
+
+def over_runs(runs: list[dict], key: str) -> object:
+    """``key`` of the one run, or ``{"median", "min", "max", "runs"}`` over several
+    (``None`` values left out of the median, kept in ``runs``)."""
+    vals = [r.get(key) for r in runs]
+    if len(runs) == 1:
+        return vals[0]
+    xs = [v for v in vals if isinstance(v, (int, float))]
+    return {"median": statistics.median(xs) if xs else None, "min": min(xs, default=None),
+            "max": max(xs, default=None), "runs": vals}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dlrover_core.plugins.manager import get_plugin_manager
+
+    default_saver = "flash" if "flash" in get_plugin_manager().savers() else "disk"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--every-s", type=float, default=60.0)
+    ap.add_argument("--backend", default="fsdp", help=f"one of {', '.join(BACKENDS)}")
+    ap.add_argument("--runs", type=int, default=1, help="jobs run one after another (>= 1)")
+    ap.add_argument("--saver", default=default_saver)
+    ap.add_argument("--ckpt-every", type=int, default=None,
+                    help="steps between checkpoints (default: 1 for flash, 10 for disk)")
+    args = ap.parse_args(argv)
+    if args.backend not in BACKENDS:
+        ap.error(f"--backend={args.backend!r}; allowed: {', '.join(BACKENDS)}")
+    if args.runs < 1:
+        ap.error(f"--runs={args.runs}; allowed: an integer >= 1")
+    ckpt_every = args.ckpt_every or (1 if args.saver == "flash" else 10)
+    runs = []
+    for i in range(args.runs):
+        runs.append(one_run(args, ckpt_every))
+        print(f"run {i + 1}/{args.runs}:", json.dumps(runs[-1]), flush=True)
+    result = {"goodput": over_runs(runs, "goodput"),
+              "steps_redone": over_runs(runs, "steps_redone"),
+              "faults": over_runs(runs, "faults"), "backend": args.backend,
+              "saver": args.saver, "ckpt_every": ckpt_every, "minutes": args.minutes,
+              "every_s": args.every_s, "runs": runs}
     print(json.dumps(result))
     return 0
 

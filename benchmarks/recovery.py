@@ -39,9 +39,20 @@ events and the ``phases`` the latter carries; they add up to the run's recovery 
 A recovery that the master did not run through one process/role restart (e.g. an elastic
 shrink) has only ``detection_s``, ``master_other_s`` and ``first_step_s``.
 
+Each side's recovery also less one steady step (``recovery_less_one_step_s``): the time
+from the kill to the first step record holds one whole step on each side (the first step
+after the recovery), so the median step time of the run before the kill (ours: rank 0's
+step records in ``metrics.jsonl``; Ray Train: its ``step_s_median``) is taken off each.
+
+``--backend ddp`` runs our job on DDP: a replaced rank heals from the survivor's live
+state (``dlrover_core.checkpoint.heal``) instead of reloading the checkpoint, so no step
+is redone (the Ray Train baseline is DDP either way).
+
 The last line of output is one JSON object: ``ours_recovery_s`` (the faster path's median),
 ``raytrain_recovery_s``, ``ratio`` (ours / Ray Train's, of the medians),
-``ours_steps_redone``, ``raytrain_steps_redone``, the same figures of both paths
+``ratio_less_one_step`` (the same, each side less one steady step), ``steps_redone`` (ours,
+the faster path's median), ``ours_steps_redone``, ``raytrain_steps_redone``, the same
+figures of both paths
 (``ours_in_place_*``, ``ours_restart_all_*``), ``spread`` (per figure ``{"median", "min",
 "max", "n"}``, ``n``: runs with a value), ``phases_s`` (per path, per phase the same
 spread) and ``runs`` (every run's figures, in order).
@@ -178,8 +189,12 @@ def analyse(job_dir: str, kill_ts: list[float]) -> dict:
             done = [e for e in finished if begun[0]["ts"] <= e["ts"] <= after[0]]
             phases.append(recovery_phases(k, begun[0], done[0] if done else None, after[0]))
     rec = [e["seconds"] for e in finished]
+    first_kill = min(kill_ts, default=float("inf"))
+    ts = sorted({r["step"]: r["ts"] for r in steps if r["ts"] < first_kill}.items())
+    gaps = [b[1] - a[1] for a, b in zip(ts, ts[1:]) if b[0] == a[0] + 1]
     return {"recovery_s": recoveries, "steps_redone": sum(c - 1 for c in counts.values()),
-            "master_recovery_s": rec, "phases_s": phases}
+            "master_recovery_s": rec, "phases_s": phases,
+            "step_s_median": round(statistics.median(gaps), 4) if gaps else None}
 
 
 def spread(vals: list) -> dict:
@@ -189,11 +204,19 @@ def spread(vals: list) -> dict:
             "min": min(xs, default=None), "max": max(xs, default=None), "n": len(xs)}
 
 
+def less_one_step(recovery_s: float | None, step_s: float | None) -> float | None:
+    """``recovery_s`` less one steady step ``step_s`` (``None`` when either is)."""
+    if recovery_s is None or step_s is None:
+        return None
+    return round(recovery_s - step_s, 3)
+
+
 def run_ours(steps: int, kill_after_step: int, ckpt_every: int, in_place: bool,
-             tiny: bool, saver: str = "disk") -> dict:
+             tiny: bool, saver: str = "disk", backend: str = "fsdp") -> dict:
     job_dir = tempfile.mkdtemp(prefix="ours-")
     over = (TINY if tiny else []) + [
         f"name=bench-recovery-{'inplace' if in_place else 'restart'}",
+        f"roles.trainer.backend={backend}",
         f"config.max_steps={steps}", f"config.eval_every={steps}",
         f"checkpoint.every_steps={ckpt_every}", f"checkpoint.saver={saver}",
         f"failover.in_place={str(in_place).lower()}", "failover.survivor_grace_s=5"]
@@ -201,7 +224,9 @@ def run_ours(steps: int, kill_after_step: int, ckpt_every: int, in_place: bool,
     a = analyse(job_dir, out["kill_ts"])
     shutil.rmtree(job_dir, ignore_errors=True)
     s = out["summary"] or {}
-    return {"recovery_s": round(a["recovery_s"][0], 3) if a["recovery_s"] else None,
+    rec = round(a["recovery_s"][0], 3) if a["recovery_s"] else None
+    return {"recovery_s": rec, "step_s_median": a["step_s_median"],
+            "recovery_less_one_step_s": less_one_step(rec, a["step_s_median"]),
             "steps_redone": a["steps_redone"], "master_recovery_s": a["master_recovery_s"],
             "phases_s": a["phases_s"][0] if a["phases_s"] else None,
             "status": s.get("status"), "steps": s.get("steps"), "wall_s": s.get("wall_s")}
@@ -213,8 +238,14 @@ def summarize(runs: list[dict], args: argparse.Namespace) -> dict:
     ``{}`` when skipped)."""
     paths = {"ours_in_place": "in_place", "ours_restart_all": "restart_all",
              "raytrain": "raytrain"}
+    for r in runs:  # Ray Train's recovery less one of its steady steps
+        rt_run = r["raytrain"]
+        if rt_run and "recovery_less_one_step_s" not in rt_run:
+            rt_run["recovery_less_one_step_s"] = less_one_step(rt_run.get("recovery_s"),
+                                                               rt_run.get("step_s_median"))
     sp = {f"{name}_{fig}": spread([r[key].get(fig) for r in runs])
-          for name, key in paths.items() for fig in ("recovery_s", "steps_redone")}
+          for name, key in paths.items()
+          for fig in ("recovery_s", "recovery_less_one_step_s", "steps_redone")}
     phases = {key: {ph: spread([(r[key].get("phases_s") or {}).get(ph) for r in runs])
                     for ph in (*PHASES, *SETUP_PARTS)}
               for key in ("in_place", "restart_all")}
@@ -222,9 +253,13 @@ def summarize(runs: list[dict], args: argparse.Namespace) -> dict:
     best = min(("in_place", "restart_all"),
                key=lambda k: med[f"ours_{k}_recovery_s"] or 1e9)
     ours, rt = med[f"ours_{best}_recovery_s"], med["raytrain_recovery_s"]
+    ours1 = med[f"ours_{best}_recovery_less_one_step_s"]
+    rt1 = med["raytrain_recovery_less_one_step_s"]
     return {
         "ours_recovery_s": ours, "ours_path": best,
         "ours_steps_redone": med[f"ours_{best}_steps_redone"],
+        "steps_redone": med[f"ours_{best}_steps_redone"],
+        "ratio_less_one_step": round(ours1 / rt1, 3) if ours1 and rt1 else None,
         **{k: v for k, v in med.items() if k.startswith("ours_")},
         "raytrain_recovery_s": rt, "raytrain_steps_redone": med["raytrain_steps_redone"],
         "raytrain_version": next((r["raytrain"].get("ray_train_version") for r in runs
@@ -232,7 +267,7 @@ def summarize(runs: list[dict], args: argparse.Namespace) -> dict:
         "ratio": round(ours / rt, 3) if ours and rt else None,
         "steps": args.steps, "kill_after_step": args.kill_after_step,
         "ckpt_every": args.ckpt_every, "model": "tiny" if args.tiny else "demo",
-        "saver": args.saver, "runs_n": len(runs), "spread": sp, "phases_s": phases,
+        "saver": args.saver, "backend": getattr(args, "backend", "fsdp"), "runs_n": len(runs), "spread": sp, "phases_s": phases,
         "runs": runs,
     }
 
@@ -244,11 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--saver", default="disk")
+    ap.add_argument("--backend", default="fsdp", help="ours: fsdp or ddp (ddp ranks heal)")
     ap.add_argument("--skip-raytrain", action="store_true")
     ap.add_argument("--runs", type=int, default=3, help="runs of each side (>= 1)")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs={args.runs}; allowed: an integer >= 1")
+    if args.backend not in ("fsdp", "ddp"):
+        ap.error(f"--backend={args.backend!r}; allowed: fsdp, ddp")
     import ray
 
     runs = []
@@ -257,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         run: dict = {}
         for key, in_place in (("in_place", True), ("restart_all", False)):
             run[key] = run_ours(args.steps, args.kill_after_step, args.ckpt_every, in_place,
-                                args.tiny, args.saver)
+                                args.tiny, args.saver, args.backend)
             print(f"run {i + 1}/{args.runs} ours ({key}):", json.dumps(run[key]), flush=True)
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)

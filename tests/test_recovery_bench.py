@@ -81,3 +81,26 @@ def test_runs_report_median_spread_and_every_run(bench):
     assert out["runs"] == runs and out["runs_n"] == 3
     no_rt = [{**r, "raytrain": {}} for r in runs]
     assert bench.summarize(no_rt, args)["ratio"] is None
+
+
+def test_ratio_less_one_step_takes_a_steady_step_off_each_side(bench, tmp_path):
+    import json
+
+    # ours: steps every 0.5 s before the kill at 100.0, first step after it at 101.9
+    steps = [{"ts": t, "event": "step", "role": "trainer", "step": s}
+             for t, s in ((98.5, 19), (99.0, 20), (99.5, 21), (101.9, 22))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"ts": 100.3,
+                                                       "event": "recovery_started"}) + "\n")
+    a = bench.analyse(str(tmp_path), [100.0])
+    assert a["step_s_median"] == 0.5 and a["steps_redone"] == 0
+    ours = {"recovery_s": 1.9, "steps_redone": 0,
+            "recovery_less_one_step_s": bench.less_one_step(1.9, a["step_s_median"])}
+    runs = [{"in_place": ours, "restart_all": {"recovery_s": None},
+             "raytrain": {"recovery_s": 10.5, "step_s_median": 0.5, "steps_redone": 3}}]
+    args = argparse.Namespace(steps=40, kill_after_step=15, ckpt_every=10, tiny=True,
+                              saver="disk", backend="ddp")
+    out = bench.summarize(runs, args)
+    assert out["ratio"] == round(1.9 / 10.5, 3)
+    assert out["ratio_less_one_step"] == round(1.4 / 10.0, 3)
+    assert out["steps_redone"] == 0 and out["raytrain_steps_redone"] == 3
