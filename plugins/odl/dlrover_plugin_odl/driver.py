@@ -75,8 +75,8 @@ class ODLTrainer(BaseTrainer):
     ``published_version``; with an ``eval`` role ``eval_accuracy``, ``eval_records``,
     ``eval_version``. The last report also has ``steps``,
     ``stop_reason_end_of_stream`` (1.0 or 0.0) and, with ``config.odl.log_record_ids``
-    (the default), ``lost`` and ``duplicated`` (records, counted from the job's
-    record logs: :func:`dlrover_plugin_odl.ledger.count`).
+    (the default), ``lost``, ``duplicated`` and ``retrained`` (records, counted from
+    the job's record logs: :func:`dlrover_plugin_odl.ledger.count`).
     """
 
     def init(self) -> None:
@@ -319,7 +319,8 @@ class ODLTrainer(BaseTrainer):
             from dlrover_plugin_odl.ledger import count
 
             tally = count(self.job_dir, self.offsets, reason == "end_of_stream")
-            metrics.update(lost=tally["lost"], duplicated=tally["duplicated"])
+            metrics.update(lost=tally["lost"], duplicated=tally["duplicated"],
+                           retrained=tally["retrained"])
         self.report(self.step, **metrics)
         return metrics
 

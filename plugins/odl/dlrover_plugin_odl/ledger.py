@@ -9,7 +9,11 @@ record and stage: turn the option off for an endless stream):
   key (the partition whose offset the position advances: one writer at a time, also
   when a source takes a departed partition over);
 - ``trained/rank<r>.txt``: the id of every record a ``trainer`` rank trained on, one
-  per line, written after its optimizer step.
+  line ``<step>\t<id>`` (``step``: the trainer's step when the call began), written
+  after its optimizer steps; and, each time the rank starts (or is set up again) from
+  step ``S``, a line ``#restored\t<S>``: the entries of step ``S`` or later written
+  before it were trained by a model that was thrown away (a restart from the
+  checkpoint of step ``S``), so they no longer count as trained (:func:`lineage`).
 
 A record's id is its ``id`` field, or ``<key>@<position>`` when it has none
 (:func:`record_id`); ids are compared as text and must not hold a tab or a line
@@ -18,8 +22,11 @@ appends its lines with one write (no per-record I/O call).
 
 At the end of the job the driver counts (:func:`count`):
 
-- ``duplicated``: training runs beyond the first of each record (a trainer restarted
-  from its checkpoint trains again what it trained after it);
+- ``duplicated``: training runs beyond the first of each record in the model's
+  lineage (0 when every record was trained once by the model that went on; a
+  trainer restarted from its checkpoint trains again what it trained after it, and
+  the thrown-away runs are not counted here but as ``retrained``);
+- ``retrained``: training runs thrown away by a restart (the work a fault cost);
 - ``lost``: records *due* that no trainer rank trained. Due: every record handed
   out when the stream ended; when the job stopped earlier (``max_records``,
   ``max_time_s``, ``idle_timeout_s``), the records of each partition at or before
@@ -71,10 +78,43 @@ def write_handed_out(log: TextIO, positions: Sequence, ids: Iterable[str]) -> No
     log.flush()
 
 
-def write_trained(log: TextIO, ids: Iterable[Any]) -> None:
-    """Append one chunk's record ids to a :data:`TRAINED` log (one write, flushed)."""
-    log.write("".join(f"{i}\n" for i in ids))
+#: the marker line of a :data:`TRAINED` log: the rank (re)started from this step
+RESTORED = "#restored"
+
+
+def write_trained(log: TextIO, ids: Iterable[Any], step: int | None = None) -> None:
+    """Append one chunk's record ids to a :data:`TRAINED` log (one write, flushed),
+    each as ``<step>\t<id>`` (``step``: the trainer's step when the call began) or, with
+    ``step=None``, ``<id>`` (never dropped by a restore)."""
+    prefix = "" if step is None else f"{int(step)}\t"
+    log.write("".join(f"{prefix}{i}\n" for i in ids))
     log.flush()
+
+
+def write_restored(log: TextIO, step: int) -> None:
+    """Mark in a :data:`TRAINED` log that the rank starts from step ``step`` (its
+    checkpoint; 0: from scratch): earlier entries of step ``step`` or later are out of
+    the model's lineage (:func:`lineage`)."""
+    log.write(f"{RESTORED}\t{int(step)}\n")
+    log.flush()
+
+
+def lineage(lines: Iterable[str]) -> tuple[list[str], int]:
+    """``(ids, dropped)`` of one :data:`TRAINED` log: the record ids the surviving model
+    trained on, in order, and how many entries restores threw away."""
+    entries: list[tuple[int | None, str]] = []
+    dropped = 0
+    for line in lines:
+        head, sep, tail = line.partition("\t")
+        if head == RESTORED:
+            keep = [e for e in entries if e[0] is None or e[0] < int(tail)]
+            dropped += len(entries) - len(keep)
+            entries = keep
+        elif sep:
+            entries.append((int(head), tail))
+        else:
+            entries.append((None, line))
+    return [rid for _, rid in entries], dropped
 
 
 def _lines(path: str) -> Iterable[str]:
@@ -86,20 +126,27 @@ def _lines(path: str) -> Iterable[str]:
 
 
 def trained_ids(job_dir: str) -> collections.Counter:
-    """record id -> how many times a trainer trained it, from every rank's
-    :data:`TRAINED` log under ``job_dir``."""
+    """record id -> how many times the model that went on trained it, from every
+    rank's :data:`TRAINED` log under ``job_dir`` (:func:`lineage`)."""
+    return _trained(job_dir)[0]
+
+
+def _trained(job_dir: str) -> tuple[collections.Counter, int]:
     trained: collections.Counter = collections.Counter()
+    dropped = 0
     for path in glob.glob(os.path.join(job_dir, "odl", TRAINED, "rank*.txt")):
-        trained.update(_lines(path))
-    return trained
+        ids, d = lineage(_lines(path))
+        trained.update(ids)
+        dropped += d
+    return trained, dropped
 
 
 def count(job_dir: str, offsets: dict[str, Any], ended: bool) -> dict[str, float]:
-    """``{"lost", "duplicated", "handed_out", "trained"}`` (floats, records) from the
-    logs under ``job_dir`` (see the module docstring). ``offsets``: the final
-    ``partition key -> last trained position``; ``ended``: the stream ended (every
-    record handed out is due)."""
-    trained = trained_ids(job_dir)
+    """``{"lost", "duplicated", "retrained", "handed_out", "trained"}`` (floats,
+    records) from the logs under ``job_dir`` (see the module docstring). ``offsets``:
+    the final ``partition key -> last trained position``; ``ended``: the stream ended
+    (every record handed out is due)."""
+    trained, dropped = _trained(job_dir)
     due: set[str] = set()
     handed: set[str] = set()
     for path in glob.glob(os.path.join(job_dir, "odl", HANDED_OUT, "partition*.txt")):
@@ -120,4 +167,5 @@ def count(job_dir: str, offsets: dict[str, Any], ended: bool) -> dict[str, float
         due.update(rid for pos, rid in rows if order[pos] <= cut)
     return {"lost": float(len(due - trained.keys())),
             "duplicated": float(sum(trained.values()) - len(trained)),
+            "retrained": float(dropped),
             "handed_out": float(len(handed)), "trained": float(len(trained))}

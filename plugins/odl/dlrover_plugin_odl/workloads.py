@@ -199,6 +199,8 @@ class OnlineTrainerWorkload(BaseWorkload):
         # kept open while the workload lives; closed by finish()
         self._id_log = ledger.open_log(self.job_dir, ledger.TRAINED, self.rank) \
             if self.odl.log_record_ids else None
+        if self._id_log is not None:  # what was trained after this step is thrown away
+            ledger.write_restored(self._id_log, int(self.progress["step"]))
         self.published: int | None = None
 
     def resume_state(self) -> dict:
@@ -206,11 +208,21 @@ class OnlineTrainerWorkload(BaseWorkload):
         the checkpoint it loaded. The driver resumes the stream after ``offsets``."""
         return {**self.progress, "restored_step": self.restored_step}
 
+    def _state(self, extra: dict) -> dict[str, Any]:
+        """The checkpoint's objects: the model, the optimizer (keyed by parameter names,
+        so that a fresh optimizer loads the saved moments), this rank's torch RNG and
+        ``extra``."""
+        from dlrover_core.runtime.role_state import OptimizerState, TorchRNG
+
+        rank = self.rank if hasattr(self, "_context") else 0  # the crash harness's has none
+        return {"model": self.model, "optimizer": OptimizerState(self.model, self.optimizer),
+                f"rng_{rank}": TorchRNG(), "extra": extra}
+
     def _restore(self) -> int | None:
-        """Load the newest checkpoint into the model, the optimizer and
+        """Load the newest checkpoint into the model, the optimizer, the RNG and
         :attr:`progress` (its stream offsets); returns its step or ``None``."""
         extra = {"stream": json.dumps(self.progress)}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.optimizer, extra=extra)
+        loaded = self.checkpointer.load(**self._state(extra))
         crashpoint("odl.load.offsets")
         if loaded is not None:
             self.progress = json.loads(extra["stream"])
@@ -219,7 +231,7 @@ class OnlineTrainerWorkload(BaseWorkload):
     def _save(self, step: int) -> None:
         extra = {"stream": json.dumps(self.progress)}
         crashpoint("odl.save.offsets")
-        self.checkpointer.save(step, model=self.model, optimizer=self.optimizer, extra=extra)
+        self.checkpointer.save(step, **self._state(extra))
         self._awaiting[step] = dict(self.progress["offsets"])
 
     def _newly_committed(self) -> dict | None:
@@ -308,7 +320,7 @@ class OnlineTrainerWorkload(BaseWorkload):
             self.stats.update(labels, predicted_labels)
         correct = self.stats.correct - before
         if self._id_log is not None and n:
-            ledger.write_trained(self._id_log, chunk["ids"])
+            ledger.write_trained(self._id_log, chunk["ids"], step)
         self.progress = {"step": step + steps, "records": int(records),
                          "offsets": dict(offsets), "prequential": self.stats.state()}
         publish = self.odl.publish_every
@@ -318,6 +330,10 @@ class OnlineTrainerWorkload(BaseWorkload):
                 "loss": float(torch.stack(losses).mean()) if losses else float("nan"),
                 "prequential": self.stats.metrics() if self.rank == 0 else None,
                 "committed": self._newly_committed()}
+
+    def teardown(self) -> None:
+        if getattr(self, "_id_log", None) is not None:
+            self._id_log = self._id_log.close()
 
     def _publish(self) -> None:
         from dlrover_plugin_odl.publish import publish
