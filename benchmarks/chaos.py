@@ -63,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,6 +341,8 @@ class Injector:
         self.skipped: list[dict] = []    # scheduled, not injected (and why)
         self.comebacks: list[float] = []  # when a lost node's replacement is due (unix s)
         self.pids_seen: set[int] = set()
+        self.timers: list[threading.Timer] = []
+        self.commits: list[tuple[float, int]] = []  # (unix s, newest committed step) seen
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -353,6 +356,7 @@ class Injector:
     def service(self) -> None:
         """Start the nodes that are due to come back; note the cluster's processes."""
         now = time.time()
+        self.note_commits()
         if now - getattr(self, "_noted", 0.0) > 5.0:
             self._noted = now
             self.ch.cluster_pids()
@@ -366,7 +370,27 @@ class Injector:
                 log(f"node {node['name']} did not join: {e}")
 
     def events(self) -> list[dict]:
-        return read_jsonl(self.events_path)
+        """``events.jsonl`` so far, read on from where the last call stopped (without
+        the ``checkpoint_saved`` lines of steps not due for the disk: thousands in a
+        long run)."""
+        if not hasattr(self, "_events"):
+            self._events, self._offset = [], 0
+        try:
+            with open(self.events_path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return self._events
+        end = chunk.rfind(b"\n") + 1  # a line being written stays for the next call
+        self._offset += end
+        for line in chunk[:end].splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") != "checkpoint_saved" or e.get("step", 0) % PERSIST_EVERY == 0:
+                self._events.append(e)
+        return self._events
 
     def status(self) -> dict | None:
         st = self.ch.master_status(self.name)
@@ -382,6 +406,25 @@ class Injector:
                 return hit
             self.sleep(0.1)
         return None
+
+    def in_recovery(self, since: float, timeout_s: float) -> bool:
+        """Wait until a recovery is under way (a ``recovery_started`` after ``since``
+        with no ``recovery_finished`` after it, or a ``master_restarted`` less than 2 s
+        old); ``False`` when the recoveries since ``since`` are over, or after
+        ``timeout_s`` with none."""
+        end = time.time() + timeout_s
+        while time.time() < end and self.alive():
+            evs = [e for e in self.events() if e["ts"] >= since]
+            started = [e for e in evs if e["event"] == "recovery_started"]
+            if started and not any(e["event"] == "recovery_finished"
+                                   and e["ts"] >= started[-1]["ts"] for e in evs):
+                return True
+            if any(e["event"] == "master_restarted" and time.time() - e["ts"] < 2 for e in evs):
+                return True
+            if started:  # it is over already (the fault before took that long)
+                return False
+            self.sleep(0.05)
+        return False
 
     def wait_running(self, timeout_s: float = 300) -> dict | None:
         end = time.time() + timeout_s
@@ -401,12 +444,8 @@ class Injector:
                 self.skipped += [dict(g, why="the job had ended") for g in schedule[f["i"]:]]
                 break
             if f["trigger"] == "recovery" and self.done:
-                prev = self.done[-1]
-                ev = self.wait_event(lambda e: e["event"] in ("recovery_started",
-                                                              "master_restarted"),
-                                     prev["ts"], 120)
-                if ev is None:
-                    f = dict(f, trigger="time (no recovery seen)")
+                if not self.in_recovery(self.done[-1]["ts"], 120):
+                    f = dict(f, trigger="time (no recovery under way)")
             elif f["trigger"] == "commit":
                 since = time.time()
                 ev = self.wait_event(lambda e: e["event"] == "checkpoint_saved"
@@ -422,11 +461,23 @@ class Injector:
                 self.skipped.append(dict(f, why=f"{type(e).__name__}: {e}"))
             if rec is not None:
                 self.done.append(rec)
-        while self.comebacks and self.alive():
+        while (self.comebacks or any(t.is_alive() for t in self.timers)) and self.alive():
             self.sleep(1.0)
-        if self.comebacks:  # the job ended first: bring the node back for the next job
+        for t in self.timers:  # the job ended first: end the faults (SIGCONT, space back)
+            if t.is_alive():
+                t.cancel()
+                t.function()
+        if self.comebacks:  # ... and bring the node back (the cluster goes down clean)
             self.comebacks = [0.0]
             self.service()
+        while self.alive():  # the commits up to the job's end
+            self.sleep(1.0)
+        self.note_commits()
+        for f in self.done:  # the recovery of a persister kill or full disk: a commit
+            if f["kind"] in ("kill_persister", "disk_full"):
+                after = [(t, s) for t, s in self.commits if t > f["end_ts"]]
+                if after:
+                    f["commit_after"] = {"step": after[0][1], "ts": after[0][0]}
 
     # ---------------------------------------------------------------- the faults
     def _pick(self, items: list, pick: float):
@@ -452,10 +503,10 @@ class Injector:
             if kind == "kill_rank":
                 os.kill(pid, signal.SIGKILL)
             elif kind == "hang_rank":
-                os.kill(pid, signal.SIGSTOP)
+                os.kill(pid, signal.SIGSTOP)  # SIGCONT later, by a timer: the next fault
                 log(f"fault {f['i']}: SIGSTOP {label} (pid {pid}) for {f['duration_s']} s")
-                self.sleep(f["duration_s"])
-                _signal(pid, signal.SIGCONT)
+                self.later(f["duration_s"], lambda: _signal(pid, signal.SIGCONT))
+                rec["end_ts"] = time.time() + f["duration_s"]
             else:
                 log(f"fault {f['i']}: slowing {label} (pid {pid}) for {f['duration_s']} s")
                 end = time.time() + f["duration_s"]
@@ -506,21 +557,26 @@ class Injector:
             filler = os.path.join(self.ckpt, ".chaos-fill")
             rec["filled_bytes"] = fill(filler)
             log(f"fault {f['i']}: {self.ckpt} full for {f['duration_s']} s")
-            self.sleep(f["duration_s"])
-            os.unlink(filler)
+            self.later(f["duration_s"], lambda: _unlink(filler))
+            rec["end_ts"] = time.time() + f["duration_s"]
         else:
             raise ValueError(f"--faults: unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
-        rec["end_ts"] = time.time()
+        rec.setdefault("end_ts", time.time())
         log(f"fault {f['i']}: {kind} of {rec.get('target')} at {rec['t_rel']} s "
             f"(trigger {f['trigger']})")
-        if kind in ("kill_persister", "disk_full"):  # its recovery: a later commit
-            before = latest_commit(self.ckpt)
-            end = time.time() + 180
-            while self.alive() and time.time() < end and latest_commit(self.ckpt) <= before:
-                self.sleep(0.5)
-            if latest_commit(self.ckpt) > before:
-                rec["commit_after"] = {"step": latest_commit(self.ckpt), "ts": time.time()}
         return rec
+
+    def later(self, delay_s: float, action) -> None:
+        """Run ``action()`` in ``delay_s`` s (a fault's end), in a timer thread; the
+        schedule goes on meanwhile. :meth:`run` waits for every one before it returns."""
+        t = threading.Timer(delay_s, action)
+        t.start()
+        self.timers.append(t)
+
+    def note_commits(self) -> None:
+        step = latest_commit(self.ckpt)
+        if not self.commits or step != self.commits[-1][1]:
+            self.commits.append((time.time(), step))
 
 
 def latest_commit(ckpt: str) -> int:
@@ -531,6 +587,13 @@ def latest_commit(ckpt: str) -> int:
         return max(committed_steps(os.path.join(ckpt, "trainer")), default=-1)
     except OSError:
         return -1
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _signal(pid: int, sig: int) -> bool:
@@ -855,10 +918,10 @@ def main(argv: list[str] | None = None) -> int:
         violations.append(f"chaos harness error: {type(e).__name__}: {e}")
     finally:
         ch.down()
-        ch.unmount_all()
         time.sleep(2)
         violations += leaks(ch, names, [os.path.join(work, d) for d in os.listdir(work)
                                         if d.startswith(("job-", "ckpt-"))])
+        ch.unmount_all()  # after the check: the checkpoint folders are on these
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     result.update(minutes=args.minutes, total_s=round(time.time() - t_start, 1),
