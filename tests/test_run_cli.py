@@ -194,3 +194,17 @@ def test_signal_options():
                               "--shutdown-timeout", "2", "x.py"])
     assert dlrover_run.handled_signals(args) == [signal.SIGUSR1]
     assert dlrover_run.shutdown_timeout(args) == 2.0
+
+
+# ------------------------------------------------------------------- niceness
+def test_ranks_get_the_launchers_niceness_not_rays(work, monkeypatch):
+    # Ray starts worker processes at niceness 15; torchrun's workers inherit torchrun's
+    # (a run under nice 15 lost 0.91x torchrun's steps/s on a shared machine)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    env = _spec(["--nproc-per-node", "2", "x.py"])["roles"]["trainer"]["env"]
+    assert env["RAY_worker_niceness"] == str(os.getpriority(os.PRIO_PROCESS, 0))
+    monkeypatch.setattr(os, "getpriority", lambda which, who: 7)  # as under `nice -n 7`
+    env = _spec(["x.py"])["roles"]["trainer"]["env"]
+    assert env["RAY_worker_niceness"] == "7"
+    monkeypatch.setenv("RAY_worker_niceness", "3")  # the user's own choice wins
+    assert _spec(["x.py"])["roles"]["trainer"]["env"]["RAY_worker_niceness"] == "3"
