@@ -71,6 +71,16 @@ class OptimizerState:
     def __init__(self, model: Any, optimizer: Any) -> None:
         self.model, self.optimizer = model, optimizer
 
+    @classmethod
+    def for_checkpointer(cls, checkpointer: Any, model: Any, optimizer: Any) -> Any:
+        """What to give ``checkpointer.save/load`` as the optimizer: this wrapper under
+        the plain engine (no backend, or one without a state-dict engine); the optimizer
+        itself under a backend's engine (``dcp`` for ``ddp``/``fsdp``), which keys it by
+        parameter names on its own and needs the optimizer."""
+        from dlrover_core.checkpoint.engine import PlainEngine
+
+        return cls(model, optimizer) if type(checkpointer.engine) is PlainEngine else optimizer
+
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 

@@ -209,14 +209,13 @@ class OnlineTrainerWorkload(BaseWorkload):
         return {**self.progress, "restored_step": self.restored_step}
 
     def _state(self, extra: dict) -> dict[str, Any]:
-        """The checkpoint's objects: the model, the optimizer (keyed by parameter names,
-        so that a fresh optimizer loads the saved moments), this rank's torch RNG and
-        ``extra``."""
+        """The checkpoint's objects: the model, the optimizer (keyed by parameter names:
+        a fresh one loads the saved moments), this rank's torch RNG, ``extra``."""
         from dlrover_core.runtime.role_state import OptimizerState, TorchRNG
 
         rank = self.rank if hasattr(self, "_context") else 0  # the crash harness's has none
-        return {"model": self.model, "optimizer": OptimizerState(self.model, self.optimizer),
-                f"rng_{rank}": TorchRNG(), "extra": extra}
+        opt = OptimizerState.for_checkpointer(self.checkpointer, self.model, self.optimizer)
+        return {"model": self.model, "optimizer": opt, f"rng_{rank}": TorchRNG(), "extra": extra}
 
     def _restore(self) -> int | None:
         """Load the newest checkpoint into the model, the optimizer, the RNG and
