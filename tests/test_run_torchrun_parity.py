@@ -1,10 +1,11 @@
-"""A rank under ``dlrover-run`` sees what it sees under ``torchrun``: the whole
-environment compared key by key (the allowed differences listed and explained below),
-``__file__``, ``sys.argv``, ``sys.path[0]``, the working directory; its stdout on the
-launcher's stdout and its stderr on its stderr; no ``reduce_op`` FutureWarning at exit;
-``@record`` writes the error file that the failure's message is taken from; the same
-exit code. Real processes: one torchrun run and one dlrover-run run (an embedded Ray),
-the same 2-rank gloo script, whose rank 1 raises after both ranks wrote what they saw."""
+"""A rank under ``dlrover-run`` sees what it sees under ``torchrun``: the whole environment
+compared key by key (the allowed differences listed and explained below), the process's
+niceness, ``__file__``, ``sys.argv``, ``sys.path[0]``, the working directory; its stdout
+on the launcher's stdout and its stderr on its stderr; no ``reduce_op`` FutureWarning at
+exit; ``@record`` writes the error file that the failure's message is taken from; the
+same exit code. Real processes: one torchrun run and one dlrover-run run (an embedded
+Ray), the same 2-rank gloo script, whose rank 1 raises after both ranks wrote what they
+saw."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def main():
     t = torch.ones(1)
     dist.all_reduce(t)
     seen = {"env": dict(os.environ), "file": __file__, "argv": sys.argv,
-            "path0": sys.path[0], "cwd": os.getcwd(), "sum": t.item()}
+            "path0": sys.path[0], "cwd": os.getcwd(), "sum": t.item(),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0)}
     with open(os.path.join(sys.argv[1], "seen-%s.json" % os.environ["RANK"]), "w") as f:
         json.dump(seen, f)
     # one write each: two ranks' print()s of several parts interleave (seen under torchrun)
@@ -68,9 +70,16 @@ DIFFERENT = {
     "MASTER_PORT": "a free port, chosen per attempt by each launcher",
     "TORCHELASTIC_RUN_ID": "the job's name (torchrun --standalone: a random uuid)",
     "TORCHELASTIC_ERROR_FILE": "a file in the job directory (torchrun: a temporary folder)",
-    "TORCHELASTIC_USE_AGENT_STORE": "False at the first start: rank 0's script hosts the "
-                                    "store, so the actor need not import torch before "
-                                    "it; True after a restart (rank 0's actor hosts it)",
+    # torch reads it in init_process_group (rendezvous._create_c10d_store): True makes
+    # every rank a TCPStore client of a store the launcher hosts; False makes rank 0's
+    # script host it. Under dlrover-run the value is always the truth about who hosts
+    # the store at MASTER_ADDR:MASTER_PORT. True at the first start would need rank 0's
+    # actor to import torch.distributed (1.0-1.2 s of CPU, 1.7-3.0 s wall here) and bind
+    # the store before its script may start, on the critical path of every start; after
+    # a restart the actor has imported it in the background while attempt 0 trained
+    "TORCHELASTIC_USE_AGENT_STORE": "False at the first start (rank 0's script hosts the "
+                                    "store), True after a restart (rank 0's actor hosts "
+                                    "it, as torchrun's agent does); see the comment",
     "_": "the shell's last command, set by how the launcher was started",
 }
 
@@ -118,7 +127,9 @@ def test_the_environment_matches_torchruns_key_by_key(runs):
             assert ours[key] == theirs[key], key
         assert "PYTHONBREAKPOINT" not in ours or not ours["PYTHONBREAKPOINT"].startswith("ray.")
         assert ours["TORCHELASTIC_ERROR_FILE"].startswith(str(runs["work"] / "job"))
-        for key in ("file", "argv", "path0", "cwd", "sum"):
+        # the launcher's niceness, not Ray's 15 for its workers (which cost dlrover-run
+        # 0.91x torchrun's steps/s on a shared 2-core machine)
+        for key in ("file", "argv", "path0", "cwd", "sum", "nice"):
             want = runs["torchrun"][1][rank][key]
             if key == "argv":  # the folder each launcher's script writes to
                 want = want[:1] + [str(runs["work"] / "dlrover")]
