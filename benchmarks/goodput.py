@@ -55,7 +55,8 @@ def one_run(args: argparse.Namespace, ckpt_every: int) -> dict:
         out = run_job(over, job_dir, kills, timeout_s=wall_target)
         a = analyse(job_dir, out["kill_ts"])
     finally:
-        shutil.rmtree(job_dir, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(job_dir, ignore_errors=True)
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
     s = out["summary"] or {}
@@ -66,6 +67,7 @@ def one_run(args: argparse.Namespace, ckpt_every: int) -> dict:
         "recovery_s_median": round(statistics.median(a["recovery_s"]), 3)
         if a["recovery_s"] else None,
         "master_recovery_s": a["master_recovery_s"],
+        **({"job_dir": job_dir} if args.keep else {}),
     }
 
 
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="fsdp", help=f"one of {', '.join(BACKENDS)}")
     ap.add_argument("--runs", type=int, default=1, help="jobs run one after another (>= 1)")
     ap.add_argument("--saver", default=default_saver)
+    ap.add_argument("--keep", action="store_true",
+                    help="keep each run's job directory (events, metrics) and print it")
     ap.add_argument("--ckpt-every", type=int, default=None,
                     help="steps between checkpoints (default: 1 for flash, 10 for disk)")
     args = ap.parse_args(argv)
