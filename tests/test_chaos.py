@@ -1,0 +1,102 @@
+"""The chaos run, short: benchmarks/chaos.py with a seeded schedule of a few real faults
+(a rank SIGKILLed, the JobMaster SIGKILLed, a worker node lost and back later, the
+checkpoint tmpfs full, a persister SIGKILLed) on its own 3-node ``dlrover cluster up``
+cluster, as a subprocess (it owns its Ray cluster, its nodes and its mounts; nothing of
+this process's shared test cluster is touched). Its invariants are the assertions: the
+job succeeded, the final model equals the fault-free run's bit for bit, no sample lost
+or trained twice, every fault recovered in the events, summary.json agrees with them,
+nothing left after cluster down. No timing is asserted: the schedule's times stretch
+with the machine (they are drawn within the fault-free run's duration).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_short_chaos_schedule_has_no_violation(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--minutes", "3",
+           "--seed", "52", "--count", "5", "--steps", "1200",
+           "--faults", "kill_rank,kill_master,node_loss,disk_full,kill_persister",
+           "--work", str(tmp_path / "work")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-4000:]
+    result = json.loads(lines[-1])
+    assert result["violations"] == [], out.stdout[-6000:] + out.stderr[-3000:]
+    assert result["status"] == "succeeded"
+    assert result["faults_injected"] >= 1, result  # a schedule that did nothing proves nothing
+    assert result["faults_recovered"] == result["faults_injected"], result
+    assert out.returncode == 0
+
+
+def _chaos():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import chaos
+
+    return chaos
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_replay_of_sample_logs_finds_lost_and_twice_trained_steps(tmp_path):
+    """The sample-id check of the chaos run fails where it must: a resume past the
+    steps a rank trained (samples lost), a step trained again without a resume (twice),
+    ids that are not the data's; and passes a history rolled back by a resume."""
+    from examples.nanogpt.data import CharDataset
+
+    chaos = _chaos()
+    data = CharDataset()
+
+    def step(s, rank=0, attempt=0, ids=None):
+        ids = ids or data.sample_ids("train", 8, 32, 1, rank, s).tolist()
+        return {"rank": rank, "attempt": attempt, "pid": 1, "step": s, "loss": 1.0, "ids": ids}
+
+    def resume(c, attempt):
+        return {"rank": 0, "attempt": attempt, "pid": 2, "resumed_from": c}
+
+    good = [resume(0, 0), step(0), step(1), step(2), resume(2, 1), step(2, attempt=1),
+            step(3, attempt=1)]
+    _write(tmp_path / "rank0.jsonl", good)
+    bad, out = chaos.replay_samples(str(tmp_path), 1, 4, 1, 8, 32)
+    assert bad == [] and out["rolled_back"] == 1
+    _write(tmp_path / "rank0.jsonl", [resume(0, 0), step(0), resume(2, 1), step(2), step(3)])
+    bad, _ = chaos.replay_samples(str(tmp_path), 1, 4, 1, 8, 32)
+    assert any("lost" in v for v in bad), bad
+    _write(tmp_path / "rank0.jsonl", [resume(0, 0), step(0), step(1), step(1), step(2), step(3)])
+    bad, _ = chaos.replay_samples(str(tmp_path), 1, 4, 1, 8, 32)
+    assert any("trained twice" in v for v in bad), bad
+    _write(tmp_path / "rank0.jsonl", [resume(0, 0), step(0), step(1), step(2, ids=[1] * 8),
+                                      step(3)])
+    bad, _ = chaos.replay_samples(str(tmp_path), 1, 4, 1, 8, 32)
+    assert any("sample ids differ" in v and "[2]" in v for v in bad), bad
+
+
+def test_event_check_wants_a_recovery_for_every_fault():
+    """A rank kill with no recovery in the events, and a summary whose restarts do not
+    match the classified failures, are violations; the matching case is not."""
+    chaos = _chaos()
+    fault = {"i": 0, "kind": "kill_rank", "ts": 100.0, "end_ts": 100.0, "t_rel": 5.0,
+             "target": "trainer-1", "node_id": "n1"}
+    steps = [{"ts": 99.0, "event": "step", "step": 9}, {"ts": 103.0, "event": "step", "step": 8}]
+    fin = {"ts": 104.0, "event": "job_finished", "steps": 10, "status": "succeeded"}
+    summary = {"status": "succeeded", "steps": 10, "restarts": {"total": 1, "process": 1},
+               "wall_s": 10.0, "goodput": None}
+    events = [{"ts": 101.0, "event": "failure_classified", "action": "process"},
+              {"ts": 101.5, "event": "recovery_started", "level": "process"}, fin]
+    bad, rec, ok = chaos.check_events(events, steps, [fault], summary)
+    assert bad == [] and ok == 1 and rec == [3.0]
+    bad, _, ok = chaos.check_events([fin], steps, [fault], summary)
+    assert ok == 0 and any("no recovery_started" in v for v in bad)
+    assert any("restarts" in v for v in bad), bad
