@@ -144,6 +144,15 @@ class Attempts:
         attempt, base = self.next
         if g.rank == 0:
             crashpoint("flash.save.lineage_write")
-            storage.start_lineage(g.dir, attempt, base)
+            try:
+                storage.start_lineage(g.dir, attempt, base)
+            except OSError as exc:  # a full or failing checkpoint folder
+                # the save goes on into memory; ``current`` stays unset, so the next save
+                # writes the lineage again. Until then the folder's lineage is the one
+                # before, in which this attempt's steps (above its base) do not count:
+                # none of them is committed, nothing mixed can be.
+                log.warning("flash saver: the lineage of %s could not be written (%s); the "
+                            "save stays in memory and the next one tries again", g.dir, exc)
+                return attempt
         self.current, self.next = attempt, None
         return attempt

@@ -92,3 +92,33 @@ def test_a_persister_killed_and_replaced_shows_in_the_jobs_health(job, tmp_path)
                                                            for e, f in events]
     s.wait()
     s.close()
+
+
+def test_a_save_into_a_full_checkpoint_folder_stays_in_memory(job, small_tmpfs):  # noqa: F811
+    """The first save of an attempt writes the folder's lineage; with the folder full to
+    the last byte that write fails with ENOSPC. The save goes on into memory instead of
+    failing the rank (the chaos run's full disk during a restart failed the job as a
+    'deterministic' error), and once space is back the next save writes the lineage and
+    is committed."""
+    from dlrover_core.checkpoint.saver import committed_steps
+    from dlrover_plugin_flashckpt.lineage import LINEAGE
+
+    d = os.path.join(small_tmpfs, "ckpt")
+    os.makedirs(d)
+    filler = os.path.join(small_tmpfs, "filler")
+    with open(filler, "wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(b"\0" * 4096)
+            except OSError:
+                break
+    s = FlashSaver(SaverConfig(dir=d, keep=2, job=job, options={"wait_timeout_s": 60}),
+                   SaverContext())
+    s.save(1, {"w": torch.arange(1000, dtype=torch.float32)})  # no lineage: ENOSPC
+    assert not os.path.exists(os.path.join(d, LINEAGE))
+    os.unlink(filler)
+    s.save(2, {"w": torch.arange(1000, dtype=torch.float32) + 2})
+    s.wait()
+    assert os.path.exists(os.path.join(d, LINEAGE))
+    assert committed_steps(d)[-1] == 2
+    s.close()
