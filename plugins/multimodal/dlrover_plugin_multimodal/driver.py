@@ -10,9 +10,16 @@ encoded by the encoder roles and reach the trainer ranks worker to worker::
     trainer.train_step(step, ids, {modality: refs})      # every rank fetches its share
 
 The encoder calls of the next ``prefetch`` steps are issued before the trainer's
-step is awaited, so encoding overlaps training. The trainer counts its own steps
-(``trained_steps``): a restarted driver resumes where the trainer is, so a
-replaced encoder (process-level recovery) costs the trainer nothing.
+step is awaited, so encoding overlaps training.
+
+Commits (issue 57): every ``checkpoint.every_steps`` steps (every step when 0) and at
+the last step the driver commits (``BaseTrainer.commit_roles``): the trainer saves its
+model, optimizer, step, samples trained and RNG with the job's saver, then the
+driver's state is written; only then are the steps it holds reported, so a step is
+reported once. A (re)started driver puts the trainer back to that commit
+(``BaseTrainer.resume_roles``) and goes on from there: a killed trainer, driver or
+encoder costs at most the steps since the last commit, which are trained again from
+the same state on the same batches.
 """
 
 from __future__ import annotations
@@ -58,8 +65,10 @@ def mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
 class MultimodalDriver(BaseTrainer):
     """Runs a ``multimodal`` job: streams batches from the encoder roles to the trainer.
 
-    Metrics reported each step (``summary.json`` keeps the last): the trainer's
-    ``loss`` and other metrics averaged over ranks, ``epoch``, ``samples_per_s``,
+    Metrics reported each step, once the commit holding it is written (``summary.json``
+    keeps the last): the trainer's ``loss`` and other metrics averaged over ranks,
+    ``trained_samples`` (samples of every step the model trained on, counted once:
+    restored with the trainer's commit), ``epoch``, ``samples_per_s``,
     ``step_s``, ``fetch_s`` (slowest trainer rank); at each epoch's end, per encoder
     role, its ``stats()`` summed over its ranks as ``<role>_<counter>``
     (``embedded``, ``cache_hits``, ``cache_misses``, ``cache_size`` of a frozen
@@ -82,12 +91,31 @@ class MultimodalDriver(BaseTrainer):
                        for enc in self.mm.encoders.values()}
         self.trainer = getattr(self, f"RG_{TRAINER.upper()}")
         self.placement = self.record_placement()
+        # the trainer back to the last commit (a restarted one, or one that ran ahead
+        # of it: this driver died before committing or reporting its steps)
+        state = self.resume_roles() or {}
         steps = [int(s) for s in self.trainer.trained_steps()]
-        if len(set(steps)) != 1:
-            raise RuntimeError(f"trainer ranks disagree on the steps taken: {steps}")
+        if len(set(steps)) != 1 or steps[0] != int(state.get("committed_step", 0)):
+            raise RuntimeError(f"trainer ranks at steps {steps} after the restore to the "
+                               f"driver's commit {state.get('committed_step', 0)}")
         self.start_step = steps[0]
-        state = self.load_state() or {}
+        self.commit_every = int(
+            self.trainer.commit_interval.options(target="RANK0", blocking=True)())
         self.untrained: dict[str, float] | None = state.get("untrained")
+        self.report_lost(state.get("reports") or [])
+
+    def report_lost(self, reports: list[tuple[int, dict[str, float]]]) -> None:
+        """The reports of the last commit that the master never got (the driver died
+        between the commit and its reports): sent now, once."""
+        if not reports:
+            return
+        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+        master = ray.get_actor(master_actor_name(self._context.job), namespace=MASTER_NAMESPACE)
+        seen = int(ray.get(master.status.remote()).get("step", -1))
+        for step, metrics in reports:
+            if step > seen:
+                self.report(step, **metrics)
 
     # ------------------------------------------------------------------ placement
     def record_placement(self) -> dict[str, Any]:
@@ -177,6 +205,7 @@ class MultimodalDriver(BaseTrainer):
         metrics: dict[str, float] = {}
         last = self.start_step - 1
         epoch_stats: dict[int, dict[str, Any]] = {}  # last step of an epoch -> stats requests
+        unreported: list[tuple[int, dict[str, float]]] = []  # trained, not yet committed
         for step in range(self.start_step, self.total_steps):
             while next_issue < self.total_steps and next_issue <= step + self.mm.prefetch:
                 if next_issue > self.start_step and next_issue % self.steps_per_epoch == 0:
@@ -198,7 +227,15 @@ class MultimodalDriver(BaseTrainer):
                 epoch_stats[step] = self.request_encoder_stats()
             if step in epoch_stats:
                 metrics.update(self.collect_encoder_stats(epoch_stats.pop(step)))
-            self.report(step, **metrics, **final)
+            unreported.append((step, {**metrics, **final}))
+            if (step + 1) % self.commit_every == 0 or step + 1 == self.total_steps:
+                # the commit, then the reports of the steps it holds: a step is
+                # reported once, and never one that a restart throws away
+                self.commit_roles(step + 1, {"untrained": self.untrained,
+                                             "reports": list(unreported)})
+                for s_done, m in unreported:
+                    self.report(s_done, **m)
+                unreported.clear()
             last = step
         after = self.evaluate() if self.mm.evaluate else {}
         final = {**metrics, **final, **after, "steps": float(self.total_steps),

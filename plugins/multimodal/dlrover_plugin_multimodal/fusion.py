@@ -44,7 +44,8 @@ class FusionTrainerWorkload(MultimodalWorkload):
         encoders: ``nn.ModuleDict`` modality -> trainable encoder network.
         model: what :meth:`build_model` returned, wrapped by the backend.
         optimizer: from :meth:`build_optimizer`.
-        step: optimizer steps taken (restored from a checkpoint when one exists).
+        step: optimizer steps taken (the driver restores a restarted trainer to its
+            last commit, :meth:`restore_state`).
     """
 
     model: torch.nn.Module
@@ -90,10 +91,37 @@ class FusionTrainerWorkload(MultimodalWorkload):
         model = self.build_model(encoders)
         self.model = self.backend.wrap(model) if self._backend is not None else model
         self.optimizer = self.build_optimizer(self.model)
-        self.extra = {"step": 0}
-        loaded = self.checkpointer.load(model=self.model, optimizer=self.optimizer,
-                                        extra=self.extra)
-        self.step = int(self.extra["step"]) if loaded is not None else 0
+        # what the driver's commit holds besides the model and the optimizer: steps
+        # taken and samples trained (the whole step's, the same on every rank)
+        self.extra = {"step": 0, "samples": 0}
+        self.step = 0
+
+    # ------------------------------------------------------------------ state at commits
+    def state_objects(self) -> dict[str, Any]:
+        """What the driver's commit holds of this rank (``save_state`` /
+        ``restore_state`` of ``BaseWorkload``): the model, the optimizer, ``extra``
+        (``step``, ``samples``) and this rank's torch RNG (dropout, augmentations), under
+        a key of its own per rank (``rng_<rank>``)."""
+        from dlrover_core.runtime.role_state import OptimizerState, TorchRNG
+
+        optimizer = OptimizerState.for_checkpointer(self.role_state.checkpointer, self.model,
+                                                    self.optimizer)
+        return {"model": self.model, "optimizer": optimizer, "extra": self.extra,
+                f"rng_{self.rank}": TorchRNG()}
+
+    def restore_state(self, step: int) -> int | None:
+        """Back to the driver's committed ``step`` (0: ``setup()`` again)."""
+        out = super().restore_state(step)
+        self.step = int(self.extra["step"])
+        if self.step != int(step):
+            raise RuntimeError(f"trainer-{self.rank}: restored step {step} holds "
+                               f"extra.step={self.step}")
+        return out
+
+    def commit_interval(self) -> int:
+        """Steps between the driver's commits: ``checkpoint.every_steps``, or 1 (every
+        step) when it is 0."""
+        return int(self.context.checkpoint.get("every_steps") or 0) or 1
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -108,10 +136,12 @@ class FusionTrainerWorkload(MultimodalWorkload):
     def train_step(self, step: int, ids: Sequence[int],
                    inputs: dict[str, EncodedRefs]) -> dict[str, float]:
         """Train on this rank's share of step ``step``: fetch its rows of every
-        modality from the encoders, ``compute_loss``, backward, optimizer step,
-        maybe checkpoint.
+        modality from the encoders, ``compute_loss``, backward, optimizer step. The
+        driver checkpoints the trainer at its commits (``save_state``).
 
-        Returns ``metrics`` plus ``step_s`` and ``fetch_s`` (seconds), ``samples``.
+        Returns ``metrics`` plus ``step_s`` and ``fetch_s`` (seconds), ``samples``
+        (this rank's) and ``trained_samples`` (samples of every step this model has
+        trained on, since step 0: restored with the commit, so counted once).
 
         Raises:
             ValueError: ``step`` is not the next step of this trainer (it has taken
@@ -132,12 +162,12 @@ class FusionTrainerWorkload(MultimodalWorkload):
         self.optimizer.step()
         self.step += 1
         self.extra["step"] = self.step
-        self.checkpointer.maybe_save(self.step, model=self.model, optimizer=self.optimizer,
-                                     extra=self.extra)
+        self.extra["samples"] = int(self.extra.get("samples", 0)) + len(ids)
         out = {k: float(v) for k, v in metrics.items()}
         out.setdefault("loss", float(loss.detach()))
         out.update(step_s=time.perf_counter() - t0, fetch_s=t_fetch,
-                   samples=float(len(batch["ids"])))
+                   samples=float(len(batch["ids"])),
+                   trained_samples=float(self.extra["samples"]))
         return out
 
     def evaluate(self, eval_ids: dict[str, tuple[str, list[int]]],

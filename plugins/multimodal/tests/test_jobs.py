@@ -132,6 +132,7 @@ def test_killed_text_encoder_is_replaced_alone_and_the_trainer_keeps_its_state(
     job = (builder("mm-kill", epochs=10)
            .config({**builder("x", epochs=10)._spec["config"],
                     "toy": {"step_sleep_s": 0.2}})
+           .checkpoint(every_steps=1)  # a commit, then its report, every step
            .workload("trainer", TOY, "ToyTrainer").resource(cpu=0.3)
            .workload("vision_encoder", TOY, "ToyVecEncoder").resource(cpu=0.3)
            .workload("text_encoder", TOY, "ToyTextEncoder").resource(cpu=0.3)
@@ -165,11 +166,10 @@ def test_killed_text_encoder_is_replaced_alone_and_the_trainer_keeps_its_state(
     # the trainer and the trainable encoder's role were never restarted
     assert started["trainer"] == [(0, trainer_pid)]
     assert [a for a, _ in started["vision_encoder"]] == [0]
-    # the restarted driver resumed at the trainer's step (train_step refuses any other):
-    # no step trained twice; only the step(s) in flight at the kill went unreported
+    # the restarted driver put the trainer back to its last commit (at most the step in
+    # flight was trained again) and went on: each step reported once, after its commit
     steps = [r["step"] for r in driver_steps(job_dir) if "fit_s" not in r]
-    assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] == 39
-    assert len(steps) >= 40 - 1 - job.spec.config.multimodal.prefetch
+    assert sorted(steps) == list(range(40))  # the master logs in arrival order
 
 
 def test_a_lost_encoder_output_stops_every_ddp_trainer_rank_together(ray_cluster):

@@ -1,0 +1,130 @@
+"""Failover of a whole multimodal job (the toy of dlrover_plugin_multimodal.toy) on the
+real local Ray cluster: the fusion trainer's process, or the driver's, is SIGKILLed from
+outside mid-run (its pid as the master reports it), and the run must end exactly where
+an unkilled run ends.
+
+The toy is deterministic (seeded model, one torch thread, batches from a seeded
+permutation, a fixed bag-of-words text encoder), so "exactly" is bit for bit: the
+trainer's committed state after the last step (model, optimizer, step, samples, RNG)
+and every step's reported metrics, timings and the encoders' work counters aside (a
+restart makes the encoders embed the redone steps again: those count work done, not
+training). Before the trainer was checkpointed at the driver's commits, a killed
+trainer came back at step 0 while the restarted driver resumed there, and every step
+before the kill was trained and reported twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import ray
+
+from dlrover_core import DLJobBuilder
+
+TOY = "dlrover_plugin_multimodal.toy"
+STEPS = 12            # 3 epochs of 64 samples in batches of 16
+EVERY = 4             # checkpoint.every_steps: the driver commits every 4 steps
+KILL_AFTER = 3        # kill once the first commit's steps (0-3) were reported
+
+
+def _job(name: str):
+    config = {"multimodal": {
+        "data": {"dataset": f"{TOY}:ToyPairs", "modalities": ["vec", "tag"]},
+        "encoders": {"vision_encoder": {"modality": "vec", "trainable": True},
+                     "text_encoder": {"modality": "tag"}},
+        "batch_size": 16, "epochs": 3, "evaluate": True},
+        # slow steps leave the kill time to land between two commits
+        "toy": {"step_sleep_s": 0.3}}
+    return (DLJobBuilder().name(name).dl_type("MULTIMODAL").config(config)
+            .checkpoint(every_steps=EVERY)
+            .workload("trainer", TOY, "ToyTrainer").resource(cpu=0.3)
+            .workload("vision_encoder", TOY, "ToyVecEncoder").resource(cpu=0.3)
+            .workload("text_encoder", TOY, "ToyTextEncoder").resource(cpu=0.3)
+            .with_collocation("trainer", "vision_encoder")
+            .build())
+
+
+def _rows(job_dir: str) -> list[dict]:
+    with open(os.path.join(job_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("role") == "driver"]
+
+
+def _deterministic(metrics: dict) -> dict:
+    """The metrics that neither measure time nor count an encoder's work."""
+    return {k: v for k, v in metrics.items()
+            if not (k.endswith("_s") or k in ("ts", "time", "event", "samples_per_s")
+                    or k.startswith(("text_encoder_", "vision_encoder_")))}
+
+
+def _final_state(job_dir: str) -> dict:
+    """The trainer's last committed step, every leaf (DCP files read back whole)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from dlrover_core.testing import flatten_state
+
+    step_dir = os.path.join(job_dir, "ckpt", "trainer", f"step_{STEPS:08d}")
+    out = os.path.join(job_dir, "final.pt")
+    dcp_to_torch_save(step_dir, out)
+    return flatten_state(torch.load(out, weights_only=False))
+
+
+def _run(job_dir: str, kill: str | None) -> dict:
+    from dlrover_core.master.client import create_master
+    from dlrover_core.testing import poll_status
+
+    master = create_master(_job(f"mm-fo-{kill or 'none'}").spec, job_dir)
+    ray.get(master.start.remote())
+    try:
+        if kill is not None:
+            st = poll_status(master, lambda s: s["state"] == "running"
+                             and s["step"] >= KILL_AFTER, timeout=240, interval=0.02)
+            assert st["step"] < STEPS - 1, "the run ended before the kill"
+            os.kill(st["instances"][kill]["pid"], signal.SIGKILL)
+        summary = ray.get(master.wait.remote(300))
+    finally:
+        ray.kill(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    return summary
+
+
+@pytest.fixture(scope="module")
+def unkilled(ray_cluster, tmp_path_factory):
+    job_dir = str(tmp_path_factory.mktemp("mm-unkilled"))
+    summary = _run(job_dir, None)
+    return summary, _rows(job_dir), _final_state(job_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", ["trainer-0", "driver"])
+def test_killed_trainer_or_driver_ends_bit_for_bit_where_the_unkilled_run_ends(
+        unkilled, job_dir, kill):
+    """SIGKILL of the fusion trainer (stateful: its replacement is restored to the
+    driver's last commit) or of the driver (the trainer, ahead of the commit, is rolled
+    back to it): the final committed state equals the unkilled run's bit for bit, each
+    step is reported once, in order, with the unkilled run's metrics, and the samples
+    trained are counted once."""
+    ref_summary, ref_rows, ref_state = unkilled
+    summary = _run(job_dir, kill)
+    assert summary["restarts"]["total"] == 1
+    assert summary["failures"][0]["role"] == kill.split("-")[0]
+    m = summary["metrics"]
+    assert m["steps"] == STEPS
+    assert m["trained_samples"] == STEPS * 16  # exactly once
+    assert _deterministic(m) == _deterministic(ref_summary["metrics"])
+    rows = [r for r in _rows(job_dir) if "fit_s" not in r]
+    # each step reported once (the master logs reports in arrival order: sorted)
+    assert sorted(r["step"] for r in rows) == list(range(STEPS))
+    ref = {r["step"]: _deterministic(r) for r in ref_rows if "fit_s" not in r}
+    assert {r["step"]: _deterministic(r) for r in rows} == ref  # loss etc. bit for bit
+    from dlrover_core.testing import assert_states_equal
+
+    assert_states_equal([_final_state(job_dir)], [ref_state])
+    with open(os.path.join(job_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    started = [e for e in events if e["event"] == "instance_started"
+               and e["role"] == kill.split("-")[0]]
+    assert [e["attempt"] for e in started] == [0, 1]
