@@ -8,10 +8,10 @@ The cluster: ``dlrover cluster up`` (:mod:`dlrover_core.cli.local_cluster`): a h
 no CPUs (the JobMaster) and two worker nodes of 2 CPUs, each its own ``ray start``
 process group on this machine. The job: ``examples/nanogpt/job_flash.yaml`` with the
 tiny model (1 layer, width 32), 2 ranks under FSDP2 spread over the worker nodes, the
-flash saver with ``replicas: 1`` (a save every 4 steps, a commit to disk every 8th),
+flash saver with ``replicas: 1`` (a save every 5 steps, a commit to disk every 20th),
 the checkpoint folder on a tmpfs of its own (so that "disk full" is a real ENOSPC), the
 ranks' sample-id logs (``config.record_samples``). The job's ``max_steps`` is sized from
-a short calibration job so that the fault-free run takes about 70 % of ``--minutes``.
+a short calibration job so that the fault-free run takes about 60 % of ``--minutes``.
 
 First the job runs with no faults (same seed, same steps), then with faults. The
 schedule (``random.Random(seed)``) draws each fault's kind from ``--faults``, its time
