@@ -206,15 +206,10 @@ def try_commit(directory: str, step: int, world_size: int, keep: int,
         return False
     if not _has_work(tmp, step, world_size, read_lineage(directory), attempt, markers):
         return False
-    path = commitlock.lock_path(directory, step)
-    lease = commitlock.take(path)
-    if lease is None:
-        return False
-    try:
-        return _commit_locked(directory, step, world_size, keep, attempt, markers, path,
-                              lease)
-    finally:
-        commitlock.release(path, lease)
+    with commitlock.held(directory, step) as lock:
+        if lock is None:
+            return False
+        return _commit_locked(directory, step, world_size, keep, attempt, markers, *lock)
 
 
 def _commit_locked(directory: str, step: int, world_size: int, keep: int,
@@ -304,15 +299,11 @@ def finish_tail(directory: str, keep: int) -> bool:
     newest = newest_committed(directory)
     if not tail_pending(directory, newest):
         return False
-    path = commitlock.lock_path(directory, newest)
-    lease = commitlock.take(path)
-    if lease is None:
-        return False
-    try:
+    with commitlock.held(directory, newest) as lock:
+        if lock is None:
+            return False
         durable.remove(os.path.join(directory, step_dir_name(newest), INTENT))
         settle(directory, newest, keep)
-    finally:
-        commitlock.release(path, lease)
     return True
 
 

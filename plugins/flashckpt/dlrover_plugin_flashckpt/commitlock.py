@@ -24,12 +24,14 @@ both win.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import socket
 import time
+from typing import Iterator
 
 from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_core.pids import pid_alive
@@ -184,6 +186,25 @@ def take(path: str) -> dict | None:
             return None
         log.warning("took over the commit lock %s (held by %s)", path, owner)
     return None
+
+
+@contextlib.contextmanager
+def held(directory: str, step: int) -> Iterator[tuple[str, dict] | None]:
+    """The commit lock of ``step`` in ``directory`` for a ``with`` block: ``(path,
+    lease)`` when :func:`take` got it, else ``None`` (a live holder has it); a lock taken
+    is released (:func:`release`) when the block ends, however it ends.
+
+    Raises:
+        OSError: as :func:`take`."""
+    path = lock_path(directory, step)
+    lease = take(path)
+    if lease is None:
+        yield None
+        return
+    try:
+        yield path, lease
+    finally:
+        release(path, lease)
 
 
 def holds(path: str, lease: dict) -> bool:
