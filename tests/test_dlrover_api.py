@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from dlrover_core import DLJobBuilder, SpecError
 from tests.api_programs import ENV_KEY
+from tests.scenarios import run_scenario
 
 
 def _probe_job(devices: int = 2):
@@ -66,10 +65,7 @@ def test_node_num_spreads_the_role_over_nodes(tmp_path):
     """node_num(2), total 2, per_node unset, on 2 worker nodes of 2 CPUs each: before,
     both ranks packed onto one node (it fits); now one rank on each node."""
     job_dir = tmp_path / "job"
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.node_num", str(job_dir)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_scenario("node_num", job_dir, timeout=300)
     assert res["rc"] == 0, res["error"]
     nodes = [r["node"] for r in res["probe"]["ranks"]]
     assert sorted(nodes) == sorted(res["workers"]), (nodes, res["workers"])

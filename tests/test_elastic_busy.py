@@ -13,24 +13,18 @@ back by the two restores, reported apart, are what the ledger counts as re-read.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.elastic_workloads import read_ids
 from tests.scenarios.elastic_busy import EVERY, RELEASE_AT, REMOVE_AT, STEPS, G
+from tests.scenarios import run_scenario
 
 
 @pytest.mark.slow
 def test_busy_node_is_not_counted_and_a_lost_node_is_asked_back(tmp_path):
     job_dir = tmp_path / "job"
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.elastic_busy", str(job_dir)],
-                         capture_output=True, text=True, timeout=420)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_scenario("elastic_busy", job_dir)
     summary, events = res["summary"], res["events"]
     assert summary is not None and summary["status"] == "succeeded", summary
     sizes = [(w["world_size"], w["reason"]) for w in summary["world_sizes"]]

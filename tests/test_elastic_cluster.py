@@ -9,10 +9,7 @@ steps counted apart); and the job's other role never restarts."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -20,15 +17,13 @@ from dlrover_core.master.events import read_events
 from tests.elastic_math import run
 from tests.elastic_workloads import read_ids
 from tests.scenarios.elastic_resize import ADD_AT, EVERY, REMOVE_AT, STEPS, B, G
+from tests.scenarios import run_scenario
 
 
 @pytest.mark.slow
 def test_shrink_then_grow_on_the_two_rank_curve(tmp_path):
     job_dir = tmp_path / "job"
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.elastic_resize", str(job_dir),
-                          "flash"], capture_output=True, text=True, timeout=420)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_scenario("elastic_resize", job_dir, "flash")
     summary = res["summary"]
     assert summary is not None and summary["status"] == "succeeded", summary
     sizes = [(w["world_size"], w["reason"]) for w in summary["world_sizes"]]

@@ -4,19 +4,14 @@ workload computes on the CPU since this machine has no CUDA). Runs
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
+from tests.scenarios import run_scenario
 
 
 @pytest.mark.slow
 def test_gpu_less_standby_takes_the_killed_ranks_gpu(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tests.scenarios.gpu_standby",
-                           str(tmp_path / "job")], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_scenario("gpu_standby", tmp_path / "job", timeout=600)
     assert out["summary"]["status"] == "succeeded", out["summary"].get("error")
     ev = out["events"]
     created = [e for e in ev if e["event"] == "standby_created"]

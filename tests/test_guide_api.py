@@ -11,6 +11,7 @@ import os
 import pytest
 
 from dlrover_core import DLJobBuilder, SpecError
+from tests.scenarios import run_scenario
 
 
 def _guide_job(dl_type: str, actor_via: str = "actor"):
@@ -127,13 +128,7 @@ def test_gpus_from_the_spec(tmp_path):
     CUDA itself is not exercised): CUDA_VISIBLE_DEVICES, LOCAL_RANK and the chosen
     device per layout, read inside the instances and in the ``instance_started``
     events: a rank computes on a GPU Ray reserved for it; only collocated roles share."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "tests.scenarios.fake_gpus", str(tmp_path)],
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_scenario("fake_gpus", tmp_path, timeout=1200)
     for layout, res in out.items():
         assert res["status"] == "succeeded", (layout, res["error"])
     # the guide's program: device_per_node(4), no name, one GPU per instance by default

@@ -3,23 +3,18 @@ subprocess): the job marks it bad, re-places its actors on the other node, finis
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from dlrover_core.master.events import read_events
+from tests.scenarios import run_scenario
 
 
 @pytest.mark.slow
 def test_node_removed(tmp_path):
     job_dir = tmp_path / "job"
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.node_loss", str(job_dir)],
-                         capture_output=True, text=True, timeout=420)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_scenario("node_loss", job_dir)
     summary = res["summary"]
     assert summary is not None
     assert summary["status"] == "succeeded", summary["error"]
@@ -43,10 +38,7 @@ def test_alive_bad_node_is_kept_out(tmp_path):
     """Bad-node exclusion on a 2-node Cluster: the node stays alive, its workers keep
     failing with a node-level verdict; the job moves to the other node and finishes."""
     job_dir = tmp_path / "job"
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.bad_node", str(job_dir)],
-                         capture_output=True, text=True, timeout=420)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_scenario("bad_node", job_dir)
     summary, bad = res["summary"], res["bad_node"]
     assert summary is not None and bad is not None
     assert summary["status"] == "succeeded", summary["error"]

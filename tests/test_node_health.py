@@ -28,15 +28,13 @@ from dlrover_core.master.stragglers import StragglerDetector, slow_ranks
 from dlrover_core.runtime.stack_dump import dump_stacks, faulthandler_path, py_spy
 from dlrover_core.spec.errors import SpecError
 from dlrover_core.spec.node_health import NodeHealthSpec
+from tests.scenarios import run_scenario
 
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
     root = tmp_path_factory.mktemp("node_health")
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.node_health", str(root)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_scenario("node_health", root, timeout=600)
 
 
 def _events(part: dict, name: str) -> list[dict]:

@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 
 from dlrover_core.cli.job_files import JobFiles
 from tests.scenarios.script_grow import SAVE_EVERY, STEPS
+from tests.scenarios import run_scenario
 
 
 @pytest.mark.slow
 def test_elastic_script_role_shrinks_and_grows_back(tmp_path):
     job_dir, work = tmp_path / "job", tmp_path / "work"
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.script_grow", str(job_dir),
-                          str(work)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_scenario("script_grow", job_dir, work, timeout=600)
     summary = res["summary"]
     assert res["removed"] and res["added"] and res["room_at"], res
     assert summary is not None and summary["status"] == "succeeded", summary

@@ -23,15 +23,13 @@ import pytest
 
 from dlrover_core.master.events import read_events
 from tests.scenarios.script_node_loss import SAVE_EVERY, STEPS
+from tests.scenarios import run_scenario
 
 
 def _run(tmp_path, mode: str) -> tuple[dict, str, str]:
     job_dir, work = tmp_path / "job", tmp_path / "work"
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.script_node_loss",
-                          str(job_dir), str(work), mode], capture_output=True, text=True,
-                         timeout=480)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), str(job_dir), str(work)
+    return run_scenario("script_node_loss", job_dir, work, mode, timeout=480), str(job_dir), \
+        str(work)
 
 
 def _starts(work: str) -> list[dict]:

@@ -9,10 +9,7 @@ detector's choice between ``shrink`` and its fallback to ``report``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +20,7 @@ from dlrover_core.master.events import read_events
 from dlrover_core.master.stragglers import StragglerDetector
 from dlrover_core.spec.errors import SpecError
 from dlrover_core.spec.node_health import NodeHealthSpec
+from tests.scenarios import run_scenario
 
 
 def _events(job_dir: str, name: str) -> list[dict]:
@@ -32,11 +30,7 @@ def _events(job_dir: str, name: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_straggler_node_is_dropped_from_the_elastic_role(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tests.scenarios.node_health",
-                          str(tmp_path), "shrink"], capture_output=True, text=True,
-                         timeout=420)
-    assert out.returncode == 0, out.stderr[-3000:]
-    check_shrink(json.loads(out.stdout.strip().splitlines()[-1])["shrink"])
+    check_shrink(run_scenario("node_health", tmp_path, "shrink")["shrink"])
 
 
 def check_shrink(part: dict) -> None:
