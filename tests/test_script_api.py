@@ -14,6 +14,7 @@ import warnings
 import pytest
 
 from dlrover_core import DLJobBuilder, script_api
+from tests.script_jobs import run_two_ranks
 
 STEPS, EVERY = 12, 4
 
@@ -252,13 +253,9 @@ def test_script_role_steps_reach_metrics_summary_and_timeline(ray_cluster, tmp_p
     from dlrover_core.cli.main import main
     from dlrover_core.cli.timeline_model import build_timeline
 
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "steps_script.py").write_text(SCRIPT)
+    summary = run_two_ranks(tmp_path, monkeypatch, "script-steps", "steps_script.py", SCRIPT,
+                            "steps_script:main")
     job_dir = str(tmp_path / "job")
-    job = (DLJobBuilder().name("script-steps").train("steps_script:main")
-           .nnodes(1).nproc_per_node(2).resource(cpu=0.5).build())
-    summary = job.submit(job_dir=job_dir)
-    assert summary["status"] == "succeeded", summary["error"]
     assert summary["steps"] == STEPS and summary["last_step"] == STEPS - 1
     # report_step did not block its caller on the join (ray.init + the master's lookup)
     for rank in (0, 1):

@@ -19,6 +19,7 @@ from dlrover_core.cli import run as dlrover_run
 from dlrover_core.master.events import read_events
 from dlrover_core.pids import pid_alive
 from dlrover_core.testing import torchrun_script_pid
+from tests.script_jobs import run_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "torchrun_ddp" / "train.py"
@@ -148,12 +149,8 @@ def test_builder_runs_function_with_torchrun_env(ray_cluster, tmp_path, monkeypa
     """``module:function`` through ``DLJobBuilder.train``: each rank gets torchrun's
     environment, joins a real gloo group with it, runs in the working directory, and
     its output reaches the rank's log file."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "envdump_mod.py").write_text(ENVDUMP)
-    job = (DLJobBuilder().name("script-env").train("envdump_mod:main --flag x")
-           .nnodes(1).nproc_per_node(2).resource(cpu=0.5).build())
-    summary = job.submit(job_dir=str(tmp_path / "job"))
-    assert summary["status"] == "succeeded", summary["error"]
+    run_two_ranks(tmp_path, monkeypatch, "script-env", "envdump_mod.py", ENVDUMP,
+                  "envdump_mod:main --flag x")
     recs = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in (0, 1)]
     for rank, rec in enumerate(recs):
         assert all(rec[k] is not None for k in TORCHRUN_ENV), rec

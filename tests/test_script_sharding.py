@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from dlrover_core import DLJobBuilder
+from tests.script_jobs import run_two_ranks
 
 N, BATCH, EVERY, KILL_AT = 96, 4, 3, 7
 
@@ -79,12 +79,8 @@ def main():
 @pytest.mark.slow
 def test_script_role_trains_each_sample_once_across_a_sigkill(ray_cluster, tmp_path,
                                                               monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "shard_script.py").write_text(SCRIPT)
-    job = (DLJobBuilder().name("script-shards").train("shard_script:main")
-           .nnodes(1).nproc_per_node(2).resource(cpu=0.5).build())
-    summary = job.submit(job_dir=str(tmp_path / "job"))
-    assert summary["status"] == "succeeded", summary["error"]
+    summary = run_two_ranks(tmp_path, monkeypatch, "script-shards", "shard_script.py", SCRIPT,
+                            "shard_script:main")
     assert summary["restarts"]["total"] == 1
     final_w = torch.load(tmp_path / "final.pt")
     assert final_w.tolist() == [1.0] * N  # every sample's gradient once in the final model
