@@ -75,19 +75,21 @@ def breakpoint_save(job: str, role: str, timeout: float = 30.0) -> dict:
 
 
 def finish_job(job: str, run_id: str | None = None, timeout: float = 300.0,
-               shm_dirs: list[str] | None = None) -> dict:
+               shm_dirs: list[str] | None = None, grace_s: float | None = None) -> dict:
     """End of ``job``: on every alive node, flush and stop the job's persister (waiting
     at most ``timeout`` s for it) and remove the job's buffers (of ``run_id`` when
     given) in the shared-memory directories its savers registered, except buffers
     holding a step newer than the newest commit, which stay (listed under
     ``not_persisted``); returns ``{node: report}`` (see
-    :meth:`.persister.FlashPersister.finish`)."""
+    :meth:`.persister.FlashPersister.finish`; ``grace_s``: its wait for the other nodes'
+    ranks once this node's part of a step is written, default
+    :data:`.persister.FINISH_GRACE_S`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0, max_retries=0)
     def _finish_node(job: str, run_id: str | None, timeout: float,
-                     shm_dirs: list[str] | None) -> dict:
+                     shm_dirs: list[str] | None, grace_s: float | None) -> dict:
         node = ray.get_runtime_context().get_node_id()
         report: dict = {"flushed": {}, "removed": [], "not_persisted": [], "errors": []}
         try:
@@ -96,7 +98,9 @@ def finish_job(job: str, run_id: str | None = None, timeout: float = 300.0,
             handle = None
         if handle is not None:
             try:
-                report = ray.get(handle.finish.remote(run_id, timeout), timeout=timeout + 5)
+                grace = {} if grace_s is None else {"grace_s": grace_s}
+                report = ray.get(handle.finish.remote(run_id, timeout, **grace),
+                                 timeout=timeout + 5)
             except Exception as exc:  # noqa: BLE001 - stuck or dead: its buffers stay
                 report["errors"].append(f"persister: {type(exc).__name__}: {exc}")
             try:
@@ -112,7 +116,7 @@ def finish_job(job: str, run_id: str | None = None, timeout: float = 300.0,
 
     nodes = alive_nodes()
     refs = [_finish_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node_id=n, soft=False)).remote(job, run_id, timeout, shm_dirs) for n in nodes]
+        node_id=n, soft=False)).remote(job, run_id, timeout, shm_dirs, grace_s) for n in nodes]
     out = {}
     for n, ref in zip(nodes, refs):
         try:

@@ -231,10 +231,11 @@ class FlashPersister:
                     "registered": sorted(f"{r}-{k}" for r, k in self.ranks.regs),
                     "forced": {k: sorted(v) for k, v in loop.forced.items()}}
 
-    def finish(self, run_id: str | None = None, timeout: float = 300.0) -> dict:
+    def finish(self, run_id: str | None = None, timeout: float = 300.0,
+               grace_s: float = FINISH_GRACE_S) -> dict:
         """The job ends: persist the newest step every local rank holds when it is not
         on disk yet, waiting up to ``timeout`` s for its commit (or, once this node's
-        part is written, :data:`FINISH_GRACE_S` for the other nodes' ranks), stop the
+        part is written, ``grace_s`` s for the other nodes' ranks), stop the
         loop and remove the job's buffers on this node (those of ``run_id`` when
         given), except those holding a step newer than their directory's newest commit:
         they stay for the next run (:func:`hygiene.remove_job`, ``keep_unpersisted``).
@@ -269,7 +270,7 @@ class FlashPersister:
                 incomplete_since = None  # writing, failing (backing off) or committing
             elif incomplete_since is None:
                 incomplete_since = time.monotonic()
-            elif time.monotonic() - incomplete_since > FINISH_GRACE_S:
+            elif time.monotonic() - incomplete_since > grace_s:
                 break  # written here; the other nodes' ranks do not come
             time.sleep(0.05)
         self.sender.thread.end(timeout=0)

@@ -24,5 +24,6 @@ def job(ray_cluster):
 
     name = f"flash-{uuid.uuid4().hex[:8]}"
     yield name
-    finish_job(name, timeout=30)
+    # grace_s 3: a test's abandoned incarnation has no other node whose ranks could come
+    finish_job(name, timeout=30, grace_s=3.0)
     assert not shm.list_segments("/dev/shm", shm.job_prefix(name))
