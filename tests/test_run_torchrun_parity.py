@@ -1,11 +1,11 @@
 """A rank under ``dlrover-run`` sees what it sees under ``torchrun``: the whole environment
 compared key by key (the allowed differences listed and explained below), the process's
-niceness, ``__file__``, ``sys.argv``, ``sys.path[0]``, the working directory; its stdout
-on the launcher's stdout and its stderr on its stderr; no ``reduce_op`` FutureWarning at
-exit; ``@record`` writes the error file that the failure's message is taken from; the
-same exit code. Real processes: one torchrun run and one dlrover-run run (an embedded
-Ray), the same 2-rank gloo script, whose rank 1 raises after both ranks wrote what they
-saw."""
+niceness and session, ``__file__``, ``sys.argv``, ``sys.path[0]``, the working
+directory; its stdout on the launcher's stdout and its stderr on its stderr; no
+``reduce_op`` FutureWarning at exit; ``@record`` writes the error file that the
+failure's message is taken from; the same exit code. Real processes: one torchrun run
+and one dlrover-run run (an embedded Ray), the same 2-rank gloo script, whose rank 1
+raises after both ranks wrote what they saw."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def main():
     dist.all_reduce(t)
     seen = {"env": dict(os.environ), "file": __file__, "argv": sys.argv,
             "path0": sys.path[0], "cwd": os.getcwd(), "sum": t.item(),
-            "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "session_leader": os.getsid(0) == os.getpid()}
     with open(os.path.join(sys.argv[1], "seen-%s.json" % os.environ["RANK"]), "w") as f:
         json.dump(seen, f)
     # one write each: two ranks' print()s of several parts interleave (seen under torchrun)
@@ -127,9 +128,10 @@ def test_the_environment_matches_torchruns_key_by_key(runs):
             assert ours[key] == theirs[key], key
         assert "PYTHONBREAKPOINT" not in ours or not ours["PYTHONBREAKPOINT"].startswith("ray.")
         assert ours["TORCHELASTIC_ERROR_FILE"].startswith(str(runs["work"] / "job"))
-        # the launcher's niceness, not Ray's 15 for its workers (which cost dlrover-run
-        # 0.91x torchrun's steps/s on a shared 2-core machine)
-        for key in ("file", "argv", "path0", "cwd", "sum", "nice"):
+        # the launcher's niceness, not Ray's 15 for its workers; a session of its own, as
+        # torchrun starts each worker (in the session of the Ray processes, a rank ran at
+        # 0.91x torchrun's steps/s on 2 cores: the kernel shares the CPU between sessions)
+        for key in ("file", "argv", "path0", "cwd", "sum", "nice", "session_leader"):
             want = runs["torchrun"][1][rank][key]
             if key == "argv":  # the folder each launcher's script writes to
                 want = want[:1] + [str(runs["work"] / "dlrover")]
