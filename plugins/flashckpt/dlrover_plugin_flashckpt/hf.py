@@ -28,8 +28,30 @@ written again: its steps go into the next log's average. The fp16 gradient scale
 not saved.
 
 The persister is a Ray actor: run the Trainer inside a Ray worker (a dlrover workload,
-where ``saver=self.checkpointer.saver`` reuses the job's saver) or after
-``ray.init()``. Tested with transformers 5.24 and accelerate 1.15, one process, CPU.
+where ``saver=self.checkpointer.saver`` reuses the job's saver), in a script under
+``dlrover-run`` (the callback joins the cluster named by ``RAY_ADDRESS``, which
+``dlrover-run`` sets) or after ``ray.init()``. Tested with transformers 5.3.0 and 5.24.0
+and accelerate 1.15 on CPU: in one process (``tests/test_flash_hf.py``) and as two DDP
+ranks of a script under ``dlrover-run``, resumed from disk by a second ``dlrover-run``
+(``tests/test_flash_hf_ddp.py``).
+
+What the callback touches that is not the Trainer's public API (everything else goes
+through ``TrainerCallback`` events and ``resume_from_checkpoint``), none of which a
+public API can do:
+
+- ``_total_loss_scalar``, ``_tr_loss`` (filled in place) and ``_globalstep_last_logged``,
+  read at a save and written back at ``on_train_begin`` of a resume: the Trainer's
+  running loss sums, from which it computes its loss logs and ``training_loss``;
+  ``train()`` resets them and no argument or callback sets them. transformers 5.0-5.2
+  keep the sum since the last log in a local variable (no ``_tr_loss``): the callback
+  refuses them at ``on_train_begin`` (the ``hf`` extra asks for ``>=5.3``).
+- ``_initial_global_step``, likewise, where the Trainer has it (5.24 does, 5.3 does
+  not): the step ``training_loss`` counts from, reset to the resumed step by
+  ``train()``. A Trainer without it divides by ``global_step``, which counts from the
+  run's start, so nothing is written there.
+- ``_load_from_checkpoint``, replaced on the Trainer instance during :meth:`train`'s
+  ``trainer.train`` call: the resume directory holds no model files (the model comes
+  from the flash save), and ``resume_from_checkpoint`` would otherwise require them.
 """
 
 from __future__ import annotations
@@ -51,8 +73,9 @@ from transformers.trainer_callback import ExportableState
 log = logging.getLogger(__name__)
 
 #: the Trainer's loss bookkeeping that a resume restores (set before ``on_train_begin``)
-_LOSS_ATTRS = ("_total_loss_scalar", "_tr_loss", "_globalstep_last_logged",
-               "_initial_global_step")
+_LOSS_ATTRS = ("_total_loss_scalar", "_tr_loss", "_globalstep_last_logged")
+#: the step ``training_loss`` counts from, in the Trainers that have it (not 5.3)
+_FIRST_STEP_ATTR = "_initial_global_step"
 
 
 class FlashCheckpointCallback(TrainerCallback):
@@ -161,11 +184,16 @@ class FlashCheckpointCallback(TrainerCallback):
             self._trainer = self._pending = self._loaded_model = None
 
     def _make_saver(self, args: Any) -> Any:
+        import ray
         import torch.distributed as dist
 
         from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
         from dlrover_plugin_flashckpt.saver import FlashSaver
 
+        if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):
+            from dlrover_plugin_flashckpt.checkpointer import _connect_ray
+
+            _connect_ray()  # a torchrun script under dlrover-run, which sets RAY_ADDRESS
         return FlashSaver(
             SaverConfig(dir=self.directory or "", keep=self.keep, job=self.job,
                         options=self.options),
@@ -201,7 +229,7 @@ class FlashCheckpointCallback(TrainerCallback):
                                  "loss": {"total": float(trainer._total_loss_scalar),
                                           "since_log": float(trainer._tr_loss.item()),
                                           "last_logged": int(trainer._globalstep_last_logged),
-                                          "first_step": int(trainer._initial_global_step)}}}
+                                          "first_step": int(getattr(trainer, _FIRST_STEP_ATTR, 0))}}}
         if optimizer is not None:
             out["optimizer"] = optimizer.state_dict()
         if lr_scheduler is not None and hasattr(lr_scheduler, "state_dict"):
@@ -223,7 +251,7 @@ class FlashCheckpointCallback(TrainerCallback):
 
             raise RuntimeError(f"FlashCheckpointCallback: this Trainer (transformers "
                                f"{transformers.__version__}) has no {', '.join(missing)}; "
-                               "the callback is made for transformers 5.x")
+                               "the callback needs transformers >= 5.3, < 6")
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -238,7 +266,8 @@ class FlashCheckpointCallback(TrainerCallback):
             trainer._total_loss_scalar = float(loss["total"])
             trainer._tr_loss.fill_(float(loss["since_log"]))
             trainer._globalstep_last_logged = int(loss["last_logged"])
-            trainer._initial_global_step = int(loss["first_step"])
+            if hasattr(trainer, _FIRST_STEP_ATTR):
+                setattr(trainer, _FIRST_STEP_ATTR, int(loss["first_step"]))
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
                     optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
