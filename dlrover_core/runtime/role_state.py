@@ -82,9 +82,17 @@ class OptimizerState:
         return cls(model, optimizer) if type(checkpointer.engine) is PlainEngine else optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state by parameter name. On a fresh optimizer (no moments
+        yet: the template of a load) torch makes its state with a zero-lr step; that
+        state is dropped again, so an optimizer for which no checkpoint exists trains
+        as a fresh one (Adam's step count starts at 0)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        fresh = not self.optimizer.state
+        out = get_optimizer_state_dict(self.model, self.optimizer)
+        if fresh:
+            self.optimizer.state.clear()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
