@@ -205,7 +205,10 @@ class BaseTrainer:
         return state
 
     def report(self, step: int, **metrics: float) -> None:
-        """Report a finished driver step with scalar metrics to the JobMaster."""
+        """Report a finished driver step with scalar metrics to the JobMaster. The
+        previous report is waited for first (at most 10 s): the master runs its calls
+        on several threads, and a burst of reports (the steps of one commit) would
+        otherwise reach ``metrics.jsonl`` out of step order."""
         import time
 
         import ray
@@ -213,6 +216,8 @@ class BaseTrainer:
         from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
 
         self._last_step = int(step)
+        if self._last_report is not None:
+            ray.wait([self._last_report], timeout=10)
         if self._master is None:
             self._master = ray.get_actor(master_actor_name(self._context.job),
                                          namespace=MASTER_NAMESPACE)
