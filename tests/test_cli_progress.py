@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 
+import pytest
 import yaml
 from rich.console import Console
 
@@ -114,6 +115,7 @@ def test_token_notice_once_and_authentication_on(tmp_path, monkeypatch):
     assert ray_auth.notice_once(buf) is False and buf.getvalue() == ""
 
 
+@pytest.mark.slow  # a failure and its recovery: ~7 s
 def test_the_console_explains_a_failure_and_its_recovery(ray_cluster, tmp_path, capfd):
     """Issue 52 item 3: the console says which rank failed, where and why, and how it was
     recovered, from the run's events (it showed only Ray's raylet text, in colour codes

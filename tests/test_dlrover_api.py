@@ -61,6 +61,7 @@ def test_device_type_is_checked():
         b.build()
 
 
+@pytest.mark.slow  # a several-node scenario in a subprocess: ~10 s
 def test_node_num_spreads_the_role_over_nodes(tmp_path):
     """node_num(2), total 2, per_node unset, on 2 worker nodes of 2 CPUs each: before,
     both ranks packed onto one node (it fits); now one rank on each node."""

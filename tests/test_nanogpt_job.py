@@ -82,6 +82,7 @@ def test_second_submit_resumes(first_run):
     assert ckpts == ["latest", "step_00000008", "step_00000012"]  # keep=2
 
 
+@pytest.mark.slow  # three CLI submits: ~11 s
 def test_cli_submit_exit_codes(ray_cluster, tmp_path):
     """`dlrover submit` exits 0 only when the job succeeded; bad input exits 2 at once."""
     cli = [sys.executable, "-m", "dlrover_core.cli.main"]
@@ -105,6 +106,7 @@ def test_cli_submit_exit_codes(ray_cluster, tmp_path):
     assert summary["restarts"]["total"] == 0  # fatal at setup: no restart loop
 
 
+@pytest.mark.slow  # a CLI job stopped: ~8 s
 def test_cli_status_and_stop(ray_cluster, tmp_path, capsys):
     """`dlrover status NAME` reports a running job; `dlrover stop NAME` stops it and the
     submitting side gets the `stopped` summary."""

@@ -67,6 +67,7 @@ def test_load_spec_snippet_runs(capsys):
     assert capsys.readouterr().out.split() == ["fsdp", "100"]
 
 
+@pytest.mark.slow  # a whole job from the README: ~10 s
 def test_python_api_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
     """Runs the README's builder job (20 tiny steps, 2 FSDP2 ranks on a local Ray
     cluster) from a directory of its own, with the repository on PYTHONPATH."""

@@ -125,6 +125,7 @@ def test_logs_are_per_run_with_a_header(runs, capsys):
     assert "rank 0 step 5 loss" in out2
 
 
+@pytest.mark.slow  # two runs: ~9 s
 def test_a_checkpoint_at_max_steps_is_already_complete(runs, results, capsys):
     """Decided from the checkpoint folder before Ray starts (issue 52 item 8: a resubmit
     of the demo took 17.7 s to say so): no run is started or numbered, and the job's
@@ -205,6 +206,7 @@ def test_status_during_start_up_says_starting():
     assert status_line(st) == "ng run 2 (/r/ng): running step 41/60 elapsed 3 s restarts 0 loss=1.5"
 
 
+@pytest.mark.slow  # three runs: ~8 s
 def test_a_checkpoint_uri_saves_to_the_store_resumes_and_refuses_fresh(ray_cluster, tmp_path,
                                                                        capsys, monkeypatch):
     """``checkpoint.dir`` as a URI of a non-local fsspec protocol (``local://``: fsspec's

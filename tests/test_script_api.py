@@ -247,6 +247,7 @@ def test_shard_sampler_shares_the_master_lookup():
     assert sharding.SCRIPT_ENV == script_api.SCRIPT_ENV
 
 
+@pytest.mark.slow  # a script job with its timeline: ~13 s
 def test_script_role_steps_reach_metrics_summary_and_timeline(ray_cluster, tmp_path,
                                                                monkeypatch):
     from dlrover_core.cli.job_files import JobFiles

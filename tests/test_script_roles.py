@@ -272,6 +272,7 @@ def test_sigkill_of_a_rank_restarts_the_group_and_resumes(tmp_path, torchrun_res
     assert abs(ref["final_loss"] - res["final_loss"]) < 1e-6, (ref, res)
 
 
+@pytest.mark.slow  # a dlrover-run with its own Ray: ~10 s
 def test_dlrover_run_exit_code_of_a_failing_script(tmp_path):
     """A script exiting 3 fails the job: dlrover-run exits with the job's exit code
     through ``dlrover submit``'s table (failed: 1, as torchrun), the summary's error

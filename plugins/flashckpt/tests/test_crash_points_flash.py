@@ -5,9 +5,12 @@ in ``tests/test_crash_points.py``, marked slow)."""
 
 from __future__ import annotations
 
+import pytest
+
 from dlrover_core.testing.crash_harness import run_harness
 
 
+@pytest.mark.slow  # 5 harness runs, ~85 s (tests/test_crash_points.py runs all points)
 def test_quick_subset_has_no_violation():
     run, out = run_harness("--quick", "--savers", "flash", timeout=900)
     assert out["violations"] == 0, run.stdout[-6000:]

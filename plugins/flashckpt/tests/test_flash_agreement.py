@@ -65,6 +65,7 @@ def test_ranks_without_a_group_restore_the_same_step(two_ranks):
         (1, "memory", True), (1, "memory", True)]
 
 
+@pytest.mark.slow  # two incarnations: ~14 s
 def test_a_restarted_incarnation_without_a_group_never_commits_the_old_shards(two_ranks):
     """Item 1 without a process group: every load draws a new attempt, shared by the
     ranks through the gather board. The first incarnation's rank 1 had written its shard
