@@ -53,11 +53,14 @@ class Checkpointer:
         heal: ``heal(objects)``, run by the first :meth:`load` without a ``step``
             instead of the saver when it returns a step (a replicated rank healed from
             a survivor's live state: :mod:`dlrover_core.checkpoint.heal`).
+        track_live: note the objects of every save/maybe_save as the live state
+            (:meth:`live_state`); :meth:`for_worker` turns it on only for a backend
+            whose ranks hold the whole state (``replicated_state``: DDP).
     """
 
     def __init__(self, saver: Saver, engine: StateDictEngineBase | None = None,
                  every_steps: int = 0, on_saved: Any = None, on_loaded: Any = None,
-                 heal: Any = None) -> None:
+                 heal: Any = None, track_live: bool = True) -> None:
         self.saver = saver
         self.engine = engine or PlainEngine()
         self.every_steps = every_steps
@@ -68,6 +71,7 @@ class Checkpointer:
         self.last_step: int | None = None
         #: the newest state handed to save/maybe_save (:meth:`live_state`)
         self.live = LiveTracker()
+        self.track_live = track_live
 
     @classmethod
     def for_worker(cls, ctx: WorkerContext, workload: Any = None,
@@ -115,13 +119,17 @@ class Checkpointer:
                 master.checkpoint_loaded.remote(ctx.role, ctx.rank, step, source, path,
                                                 ctx.attempt)
 
+        # only a replicated backend (DDP) can heal: other engines (deepspeed's needs the
+        # model in every state_dict call) never see the partial calls of the tracker
+        replicated = getattr(getattr(workload, "_backend", None), "replicated_state", False)
         return cls(saver, engine, int(ck.get("every_steps", 0)), on_saved, on_loaded,
-                   _heal_of(workload, engine))
+                   _heal_of(workload, engine), track_live=bool(replicated))
 
     def save(self, step: int, **objects: Any) -> float:
         """Save ``objects`` as ``step``; returns the blocking time in s."""
         t0 = time.perf_counter()
-        self.live.note(step, objects, self.engine)
+        if self.track_live:
+            self.live.note(step, objects, self.engine)
         self.saver.save(step, self.engine.state_dict(objects))
         self.last_save_s = time.perf_counter() - t0
         self.last_step = step
@@ -136,7 +144,8 @@ class Checkpointer:
         if self.every_steps and step > 0 and step % self.every_steps == 0:
             self.save(step, **objects)
             return True
-        self.live.note(step, objects, self.engine)
+        if self.track_live:
+            self.live.note(step, objects, self.engine)
         return False
 
     def live_state(self) -> Any:
