@@ -54,13 +54,14 @@ class Checkpointer:
             instead of the saver when it returns a step (a replicated rank healed from
             a survivor's live state: :mod:`dlrover_core.checkpoint.heal`).
         track_live: note the objects of every save/maybe_save as the live state
-            (:meth:`live_state`); :meth:`for_worker` turns it on only for a backend
-            whose ranks hold the whole state (``replicated_state``: DDP).
+            (:meth:`live_state`; default off: a heal needs a ``WorkloadHost``);
+            :meth:`for_worker` turns it on only for a backend whose ranks hold the
+            whole state (``replicated_state``: DDP).
     """
 
     def __init__(self, saver: Saver, engine: StateDictEngineBase | None = None,
                  every_steps: int = 0, on_saved: Any = None, on_loaded: Any = None,
-                 heal: Any = None, track_live: bool = True) -> None:
+                 heal: Any = None, track_live: bool = False) -> None:
         self.saver = saver
         self.engine = engine or PlainEngine()
         self.every_steps = every_steps

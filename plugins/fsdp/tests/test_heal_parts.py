@@ -27,7 +27,8 @@ def test_live_state_is_the_noted_step_until_a_parameter_moves():
     model = _model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     extra = {"step": 0}
-    ck = Checkpointer(saver=None, engine=DCPEngine(), every_steps=0)  # notes, never saves
+    ck = Checkpointer(saver=None, engine=DCPEngine(), every_steps=0,  # notes, never saves
+                      track_live=True)
     assert ck.live_state() is None  # nothing noted yet
     _step(model, opt)
     extra["step"] = 1
@@ -58,7 +59,7 @@ def _heal_rank(rank: int, store: str, out: str) -> None:
     model = DistributedDataParallel(_model(rank))  # DDP takes rank 0's initial weights
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     extra = {"step": 0}
-    ck = Checkpointer(saver=None, engine=DCPEngine(), every_steps=0)
+    ck = Checkpointer(saver=None, engine=DCPEngine(), every_steps=0, track_live=True)
     if rank == 0:  # the survivor: 3 steps alone (no all-reduce), noted as step 3
         with model.no_sync():
             for _ in range(3):
