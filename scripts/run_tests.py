@@ -13,7 +13,7 @@ core's tests, then the plugins named in ``--lane1-fast``, lane 2 every other plu
 With SLOW=1 (`make test SLOW=1`, what .ci/run
 runs), every test runs: lane 1 the core's slow tests, then the plugins named in
 ``--lane1``; lane 2 the core's other tests, then every other plugin (a new plugin goes
-here).
+here); each suite's log ends with its 15 slowest tests (``--durations=15``).
 
 Each suite's output goes to a log under ``--logs`` (default ``.test-logs/``, replaced by
 each run), printed whole when both lanes end; while a suite runs, its pytest progress
@@ -180,6 +180,8 @@ def plan(logs: str, core: str, plugins: list[str], lane1: set[str], slow: bool,
     plugins named in ``lane1_fast`` run in lane 1 after the core's tests."""
     lanes: tuple[list[Suite], list[Suite]] = ([], [])
     only = [] if slow else ["-m", "not slow"]
+    if slow:  # CI's log then says where the time went (the lanes are near 90 minutes)
+        extra = ["--durations=15", *extra]
     if slow:
         lanes[0].append(Suite("core (slow)", f"{logs}/1-core.log", [core, "-m", "slow", *extra]))
         lanes[1].append(Suite("core", f"{logs}/2-core.log", [core, "-m", "not slow", *extra]))

@@ -125,7 +125,6 @@ def test_logs_are_per_run_with_a_header(runs, capsys):
     assert "rank 0 step 5 loss" in out2
 
 
-@pytest.mark.slow  # two runs: ~9 s
 def test_a_checkpoint_at_max_steps_is_already_complete(runs, results, capsys):
     """Decided from the checkpoint folder before Ray starts (issue 52 item 8: a resubmit
     of the demo took 17.7 s to say so): no run is started or numbered, and the job's
