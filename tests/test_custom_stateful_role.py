@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
-import ray
 
 from dlrover_core import DLJobBuilder
 from dlrover_core.runtime.context import WorkerContext
@@ -51,8 +49,7 @@ def test_a_roles_declared_state_and_the_stateful_flag():
 
 
 def _run(job_dir: str, kill: str | None) -> dict:
-    from dlrover_core.master.client import create_master
-    from dlrover_core.testing import poll_status
+    from dlrover_core.testing import run_killing
 
     job = (DLJobBuilder().name(f"custom-state-{kill or 'none'}")
            .trainer(MOD, "CommitDriver")
@@ -61,19 +58,7 @@ def _run(job_dir: str, kill: str | None) -> dict:
            .workload("learner", MOD, "Learner").resource(cpu=0.3)
            .edge("feeder", "learner")
            .build())
-    master = create_master(job.spec, job_dir)
-    ray.get(master.start.remote())
-    try:
-        if kill is not None:
-            st = poll_status(master, lambda s: s["state"] == "running" and s["step"] >= 3,
-                             timeout=240, interval=0.02)
-            assert st["step"] < ITERATIONS - 1, "the run ended before the kill"
-            os.kill(st["instances"][kill]["pid"], signal.SIGKILL)
-        summary = ray.get(master.wait.remote(300))
-    finally:
-        ray.kill(master)
-    assert summary["status"] == "succeeded", summary["error"]
-    return summary
+    return run_killing(job.spec, job_dir, kill, at_step=3, before_step=ITERATIONS - 1)[0]
 
 
 @pytest.mark.slow

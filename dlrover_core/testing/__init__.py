@@ -15,7 +15,8 @@ Fixtures:
 - ``gloo`` (module): a one-process gloo ``torch.distributed`` group.
 
 Helpers (plain functions): real Ray clusters (``start_test_ray``,
-``multinode_cluster``), whole jobs (``run_job``, ``poll_status``, ``master_node_id``),
+``multinode_cluster``), whole jobs (``run_job``, ``poll_status``, ``run_killing``,
+``master_node_id``: in :mod:`dlrover_core.testing.jobs`),
 roles outside a job (``spawn_role``, ``call_all``, ``kill_actors``), a torchrun-style
 script's process (``torchrun_script_pid``), the ``dlrover`` command
 (``dlrover_json``, ``plugin_row``, ``heavy_modules_after``), state dicts
@@ -41,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import pytest
 
+from dlrover_core.testing.jobs import master_node_id, poll_status, run_job, run_killing
 from dlrover_core.testing.tensors import (assert_states_equal, check_collective_devices,
                                           end_rank_process, flatten_state, gloo)
 
@@ -48,7 +50,7 @@ __all__ = ["assert_states_equal", "call_all", "check_collective_devices", "dlrov
            "end_rank_process", "fake_dist", "flatten_state", "gloo", "heavy_modules_after",
            "job_dir", "kill_actors", "make_fake_dist", "master_node_id", "multinode_cluster",
            "plugin_manager", "plugin_row", "poll_status", "ray_cluster", "_test_ray_dirs",
-           "run_job",
+           "run_job", "run_killing",
            "spawn_role", "start_test_ray", "torchrun_script_pid"]
 
 
@@ -201,75 +203,6 @@ def spawn_role(role: str, workload: str, world_size: int, config: dict | None = 
     port = ray.get(handles[0].rendezvous_port.remote())
     ray.get([h.setup.remote(info["ip"], port) for h in handles])
     return handles
-
-
-def poll_status(master, until: Callable[[dict], bool], timeout: float = 240,
-                interval: float = 0.1) -> dict:
-    """Poll ``master.status()`` until ``until(status)`` holds; returns that status.
-    A master that is restarting (``RayActorError``) is waited for.
-
-    Raises:
-        TimeoutError: ``until`` did not hold within ``timeout`` s.
-    """
-    import time
-
-    import ray
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            st = ray.get(master.status.remote(), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            time.sleep(interval)
-            continue
-        if until(st):
-            return st
-        time.sleep(interval)
-    raise TimeoutError(f"the job's status did not reach the condition within {timeout} s")
-
-
-def run_job(spec: Any, job_dir: str, on_status: Callable[[dict], Any] | None = None,
-            timeout: float = 240, interval: float = 0.1) -> dict | None:
-    """Run a loaded job spec (``load_spec(...)``, ``DLJob.spec``) under a new JobMaster
-    in ``job_dir`` (this process must be connected to Ray) and wait for the job to end,
-    calling ``on_status(status)`` with each ``master.status()`` polled, every
-    ``interval`` s. A job still running after ``timeout`` s is stopped (its summary then
-    has status ``stopped``). The master is killed before this returns.
-
-    Returns:
-        the job's summary (``status``, ``error``, ``metrics``, ...); ``None`` when a
-        stopped job had not ended 60 s later.
-    """
-    import ray
-
-    from dlrover_core.master.client import create_master
-
-    def done(st: dict) -> bool:
-        if on_status is not None:
-            on_status(st)
-        return bool(st["summary"])
-
-    master = create_master(spec, job_dir)
-    try:
-        ray.get(master.start.remote())
-        try:
-            return poll_status(master, done, timeout, interval)["summary"]
-        except TimeoutError:
-            ray.get(master.stop.remote())
-            return ray.get(master.wait.remote(60))
-    finally:
-        ray.kill(master, no_restart=True)
-
-
-def master_node_id(job_dir: str) -> str | None:
-    """The Ray node id (hex) the JobMaster of ``job_dir`` runs on, from the
-    ``job_started`` event of its ``events.jsonl``; ``None`` before that event."""
-    from dlrover_core.master.events import read_events
-
-    for e in read_events(os.path.join(job_dir, "events.jsonl")):
-        if e["event"] == "job_started":
-            return e.get("master_node_id")
-    return None
 
 
 def call_all(handles: Iterable[Any], method: str, *args: Any) -> list:

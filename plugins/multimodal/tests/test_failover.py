@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
-import ray
 
 from dlrover_core import DLJobBuilder
 
@@ -73,22 +71,10 @@ def _final_state(job_dir: str) -> dict:
 
 
 def _run(job_dir: str, kill: str | None) -> dict:
-    from dlrover_core.master.client import create_master
-    from dlrover_core.testing import poll_status
+    from dlrover_core.testing import run_killing
 
-    master = create_master(_job(f"mm-fo-{kill or 'none'}").spec, job_dir)
-    ray.get(master.start.remote())
-    try:
-        if kill is not None:
-            st = poll_status(master, lambda s: s["state"] == "running"
-                             and s["step"] >= KILL_AFTER, timeout=240, interval=0.02)
-            assert st["step"] < STEPS - 1, "the run ended before the kill"
-            os.kill(st["instances"][kill]["pid"], signal.SIGKILL)
-        summary = ray.get(master.wait.remote(300))
-    finally:
-        ray.kill(master)
-    assert summary["status"] == "succeeded", summary["error"]
-    return summary
+    return run_killing(_job(f"mm-fo-{kill or 'none'}").spec, job_dir, kill,
+                       at_step=KILL_AFTER, before_step=STEPS - 1)[0]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from collections import defaultdict
 
 import pytest
@@ -126,8 +125,7 @@ def test_separated_text_encoder_caches_and_ddp_trainer_ranks_split_the_batch(
 @pytest.mark.slow
 def test_killed_text_encoder_is_replaced_alone_and_the_trainer_keeps_its_state(
         ray_cluster, job_dir):
-    from dlrover_core.master.client import create_master
-    from dlrover_core.testing import poll_status
+    from dlrover_core.testing import run_killing
 
     job = (builder("mm-kill", epochs=10)
            .config({**builder("x", epochs=10)._spec["config"],
@@ -138,15 +136,9 @@ def test_killed_text_encoder_is_replaced_alone_and_the_trainer_keeps_its_state(
            .workload("text_encoder", TOY, "ToyTextEncoder").resource(cpu=0.3)
            .with_collocation("trainer", "vision_encoder")
            .build())
-    master = create_master(job.spec, job_dir)
-    ray.get(master.start.remote())
-    st = poll_status(master, lambda s: s["state"] == "running" and 5 <= s["step"] < 30)
+    summary, st = run_killing(job.spec, job_dir, "text_encoder-0", at_step=5, before_step=30)
     text_pid = st["instances"]["text_encoder-0"]["pid"]
     trainer_pid = st["instances"]["trainer-0"]["pid"]
-    os.kill(text_pid, signal.SIGKILL)
-    summary = ray.get(master.wait.remote(300))
-    ray.kill(master)
-    assert summary["status"] == "succeeded", summary["error"]
     assert summary["restarts"]["process"] == 1 and summary["restarts"]["total"] == 1
     assert summary["failures"][0]["role"] == "text_encoder"
     m = summary["metrics"]

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
-import ray
+
+from dlrover_core.testing import run_killing
 
 ITERATIONS = 10
 KILL_AFTER = 4          # the kill comes once the driver reported this iteration
@@ -49,31 +49,7 @@ def run_cartpole(job_dir: str, kill: str | None = None) -> dict:
     spec = load_spec("examples/ppo_cartpole/job.yaml", [
         f"config.rl.iterations={ITERATIONS}", "config.rl.target_return=null",
         "config.rl.max_time_s=0", "config.rl.evaluate=false", f"name=ppo-fo-{kill or 'none'}"])
-    return _run(spec, job_dir, kill, KILL_AFTER, poll_s=180, wait_s=300)
-
-
-def _run(spec, job_dir: str, kill: str | None, after: int, poll_s: float,
-         wait_s: float) -> dict:
-    """Run ``spec`` under a new JobMaster in ``job_dir``; with ``kill`` (an instance
-    label), SIGKILL that process once the driver reported step ``after`` (waiting at most
-    ``poll_s`` s for it). Returns the summary, which must say ``succeeded``."""
-    from dlrover_core.master.client import create_master
-    from dlrover_core.testing import poll_status
-
-    master = create_master(spec, job_dir)
-    ray.get(master.start.remote())
-    try:
-        if kill is not None:
-            st = poll_status(master, lambda st: st["step"] >= after, timeout=poll_s,
-                             interval=0.02)
-            pid = st["instances"][kill]["pid"]
-            assert pid, st["instances"]
-            os.kill(pid, signal.SIGKILL)
-        summary = ray.get(master.wait.remote(wait_s))
-    finally:
-        ray.kill(master)
-    assert summary["status"] == "succeeded", summary["error"]
-    return summary
+    return run_killing(spec, job_dir, kill, KILL_AFTER, poll_s=180, wait_s=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +127,7 @@ def run_toy_grpo(job_dir: str, kill: str | None = None, hang: bool = False) -> d
            .reference(TOY, "ToyReference").resource(cpu=0.25)
            .reward(TOY, "ToyReward").resource(cpu=0.25)
            .build())
-    return _run(job.spec, job_dir, kill, 3, poll_s=120, wait_s=180)
+    return run_killing(job.spec, job_dir, kill, 3, poll_s=120, wait_s=180)[0]
 
 
 @pytest.fixture(scope="module")
