@@ -165,6 +165,37 @@ def flash_saver(job: str, directory: str, **options: Any):
                       SaverContext(role=os.path.basename(directory)))
 
 
+class FlashRounds:
+    """A flash saver of ``ckpt`` and the calls the CPU and GPU figures time: :meth:`save`
+    (``state`` as the next step), :meth:`load` (that step, by a fresh saver from
+    memory into :attr:`template`, checked) and :meth:`unmap` (untimed: a restarted
+    trainer keeps the mappings for its saves; here the fresh savers close theirs).
+    ``sync``: called at the end of each load (a GPU's ``torch.cuda.synchronize``)."""
+
+    def __init__(self, job: str, ckpt: str, state: dict,
+                 sync: Callable[[], Any] | None = None) -> None:
+        self.job, self.ckpt, self.state, self.sync = job, ckpt, state, sync
+        self.saver = flash_saver(job, ckpt)
+        self.step = 0
+        self.template = like(state)
+        self.fresh: list = []
+
+    def save(self) -> None:
+        self.step += 1
+        self.saver.save(self.step, self.state)
+
+    def load(self) -> None:
+        self.fresh.append(flash_saver(self.job, self.ckpt))  # new mappings, as a restart
+        got = self.fresh[-1].load(self.template)
+        assert got == self.step and self.fresh[-1].last_load_source == "memory", got
+        if self.sync is not None:
+            self.sync()
+
+    def unmap(self) -> None:
+        while self.fresh:
+            self.fresh.pop().close()
+
+
 def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     """The CPU figures of one size. The in-memory ones (memcpy, flash save, flash load)
     are taken interleaved, one of each per round, so that a change of load on a shared
@@ -182,25 +213,8 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
             dst["model"][k].copy_(v)
 
     ckpt = os.path.join(work, f"flash{size_mib}")
-    saver = flash_saver(job, ckpt)
-    step = [0]
-
-    def flash_save() -> None:
-        step[0] += 1
-        saver.save(step[0], state)
-
-    template = like(state)
-
-    fresh: list = []
-
-    def flash_load() -> None:
-        fresh.append(flash_saver(job, ckpt))  # new mappings, as a restarted process has
-        got = fresh[-1].load(template)
-        assert got == step[0] and fresh[-1].last_load_source == "memory", got
-
-    def unmap() -> None:  # untimed: a restarted trainer keeps the mappings for its saves
-        while fresh:
-            fresh.pop().close()
+    flash = FlashRounds(job, ckpt, state)
+    saver = flash.saver
 
     # the kernel's copy out of shared memory without mapping it, as a load reads: the
     # same bytes in a /dev/shm file, os.preadv of 32 MiB per call over the reader's threads
@@ -249,7 +263,7 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
         return s.last_reserve["seconds"], t
 
     firsts = [first_save(saver)]
-    step[0] = 1
+    flash.step = 1
     for i in range(max(repeat, 1) - 1):  # one first save per saver: more savers
         other = flash_saver(job, f"{ckpt}-first{i}")
         firsts.append(first_save(other))
@@ -261,19 +275,19 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
         shutil.rmtree(f"{ckpt}-first{i}", ignore_errors=True)
     out["reserve_s"] = statistics.median(r for r, _ in firsts)
     first = statistics.median(f for _, f in firsts)
-    flash_save()  # slot 1
+    flash.save()  # slot 1
     saver.wait()
-    flash_load()
-    unmap()
+    flash.load()
+    flash.unmap()
     times: dict[str, list[float]] = {"memcpy": [], "save": [], "load": [], "pread": []}
     pread_shm()
     for _ in range(max(repeat, 5)):
         times["memcpy"].append(median_s(memcpy, 1))
         times["pread"].append(median_s(pread_shm, 1))
-        times["save"].append(median_s(flash_save, 1))
+        times["save"].append(median_s(flash.save, 1))
         saver.wait()  # untimed: the persister's write would compete for the cores
-        times["load"].append(median_s(flash_load, 1))
-        unmap()
+        times["load"].append(median_s(flash.load, 1))
+        flash.unmap()
     out["memcpy_gib_s"] = gib / statistics.median(times["memcpy"])
     out["flash_save_gib_s"] = gib / statistics.median(times["save"])
     out["flash_save_first_gib_s"] = gib / first
@@ -286,8 +300,9 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     pool.shutdown()
     os.close(bound_fd)
     os.unlink(bound_path)
-    assert torch.equal(template["model"]["layer0.weight"], state["model"]["layer0.weight"])
-    del template, dst
+    assert torch.equal(flash.template["model"]["layer0.weight"],
+                       state["model"]["layer0.weight"])
+    del flash, dst
     saver.close()
 
     path = os.path.join(work, f"state{size_mib}.pt")
@@ -470,34 +485,16 @@ def bench_gpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     state, gib, out = gpu_state(size_mib)
     out["d2h_pinned_gib_s"] = gib / pinned_d2h_s(state, repeat)
     ckpt = os.path.join(work, f"gpuflash{size_mib}")
-    saver = flash_saver(job, ckpt)
-    step = [0]
-
-    def flash_save() -> None:
-        step[0] += 1
-        saver.save(step[0], state)
-
-    median_s(flash_save, 2, saver.wait)
+    flash = FlashRounds(job, ckpt, state, sync=torch.cuda.synchronize)
+    saver = flash.saver
+    median_s(flash.save, 2, saver.wait)
     saver.wait()
-    out["flash_save_gib_s"] = gib / median_s(flash_save, repeat, saver.wait)
+    out["flash_save_gib_s"] = gib / median_s(flash.save, repeat, saver.wait)
     saver.wait()
-    template = like(state)
-
-    fresh: list = []
-
-    def flash_load() -> None:
-        fresh.append(flash_saver(job, ckpt))
-        assert fresh[-1].load(template) == step[0] and fresh[-1].last_load_source == "memory"
-        torch.cuda.synchronize()
-
-    def unmap() -> None:
-        while fresh:
-            fresh.pop().close()
-
-    flash_load()
-    unmap()
-    out["load_memory_gib_s"] = gib / median_s(flash_load, repeat, unmap)
-    unmap()
+    flash.load()
+    flash.unmap()
+    out["load_memory_gib_s"] = gib / median_s(flash.load, repeat, flash.unmap)
+    flash.unmap()
     saver.close()
     shutil.rmtree(ckpt, ignore_errors=True)
     return out
