@@ -589,11 +589,13 @@ def latest_commit(ckpt: str) -> int:
         return -1
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str) -> bool:
+    """Remove ``path``; False when it was gone already."""
     try:
         os.unlink(path)
+        return True
     except FileNotFoundError:
-        pass
+        return False
 
 
 def _signal(pid: int, sig: int) -> bool:
@@ -610,17 +612,14 @@ def lose_memory(job: str, node_id: str, ranks: list[int]) -> list[str]:
     ``node_id``, from /dev/shm. Returns the names removed."""
     from dlrover_plugin_flashckpt import shm
 
-    gone = []
     slot = re.compile(r"-r(\d{5})-s\d+$")
-    for p in shm.list_segments("/dev/shm", shm.job_prefix(job)):
-        m = slot.search(p)
-        if (m and int(m.group(1)) in ranks) or p.endswith(f"-n{node_id[:12]}"):
-            try:
-                os.unlink(p)
-                gone.append(os.path.basename(p))
-            except FileNotFoundError:
-                pass
-    return gone
+
+    def lost(path: str) -> bool:
+        m = slot.search(path)
+        return bool(m and int(m.group(1)) in ranks) or path.endswith(f"-n{node_id[:12]}")
+
+    return [os.path.basename(p) for p in shm.list_segments("/dev/shm", shm.job_prefix(job))
+            if lost(p) and _unlink(p)]
 
 
 def fill(path: str) -> int:
