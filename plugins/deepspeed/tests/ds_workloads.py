@@ -1,5 +1,6 @@
-"""Workloads used by the tests of this plugin and of the flash-checkpoint plugin
-(imported by Ray workers, so they live in the installed package)."""
+"""Workloads used by this plugin's tests; not installed (the workers of a test's Ray
+cluster import them as ``plugins.deepspeed.tests.ds_workloads``: the current directory,
+the repository's root, is on their ``PYTHONPATH``)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from dlrover_core.testing import assert_states_equal, call_all, kill_actors, spa
 
 pytest.importorskip("deepspeed")
 
-WORKLOAD = "dlrover_plugin_deepspeed.testing_workloads:ZeroTrainer"
+WORKLOAD = "plugins.deepspeed.tests.ds_workloads:ZeroTrainer"
 
 
 def test_zero2_trains_and_engine_state_round_trips(ray_cluster):
