@@ -259,24 +259,12 @@ def hf_train(directory: str, job: str, max_steps: int, every_steps: int,
     step end, the sample ids in the order the model saw them, the loss logs, the
     returned ``training_loss`` and the committed steps. ``kill_at``: the process
     SIGKILLs itself at the end of that step (after the flash callback's save)."""
-    from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from dlrover_plugin_flashckpt.hf import FlashCheckpointCallback
+    from plugins.flashckpt.tests.hf_ddp_script import tiny_gpt2
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
-                                       n_positions=16, resid_pdrop=0.1, embd_pdrop=0.1,
-                                       attn_pdrop=0.1))
-    g = torch.Generator().manual_seed(1)
-    data = []
-    for i in range(24):
-        ids = torch.randint(0, 64, (16,), generator=g)
-        ids[0] = i
-        data.append({"input_ids": ids, "labels": ids})
-    seen: list[int] = []
-    model.register_forward_pre_hook(
-        lambda mod, a, kw: seen.extend(kw["input_ids"][:, 0].tolist()), with_kwargs=True)
+    model, data, seen = tiny_gpt2(layers=2, width=32, vocab=64, length=16, samples=24)
 
     def snapshot(model: Any, optimizer: Any, lr_scheduler: Any, state: Any) -> dict:
         return {"step": int(state.global_step),

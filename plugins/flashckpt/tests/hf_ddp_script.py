@@ -20,6 +20,31 @@ import signal
 import torch
 
 
+def tiny_gpt2(layers: int, width: int, vocab: int, length: int,
+              samples: int) -> tuple[torch.nn.Module, list[dict], list[int]]:
+    """A GPT-2 of ``layers`` blocks ``width`` wide (2 heads, dropout 0.1, seeded 0) and
+    ``samples`` distinct samples of ``length`` tokens below ``vocab`` (sample ``i``
+    starts with token ``i``, seeded 1); the third item fills, as the model runs, with
+    the first token of every sample it is given: the sample ids in the order it saw
+    them. ``flash_workloads.hf_train`` builds its model and data here too."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=2,
+                                       vocab_size=vocab, n_positions=length,
+                                       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for i in range(samples):
+        ids = torch.randint(0, vocab, (length,), generator=g)
+        ids[0] = i
+        data.append({"input_ids": ids, "labels": ids})
+    seen: list[int] = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kw: seen.extend(kw["input_ids"][:, 0].tolist()), with_kwargs=True)
+    return model, data, seen
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", required=True)
@@ -31,24 +56,11 @@ def main() -> None:
     a = p.parse_args()
 
     import transformers
-    from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from dlrover_plugin_flashckpt.hf import FlashCheckpointCallback
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=48,
-                                       n_positions=8, resid_pdrop=0.1, embd_pdrop=0.1,
-                                       attn_pdrop=0.1))
-    g = torch.Generator().manual_seed(1)
-    data = []
-    for i in range(32):
-        ids = torch.randint(0, 48, (8,), generator=g)
-        ids[0] = i
-        data.append({"input_ids": ids, "labels": ids})
-    seen: list[int] = []
-    model.register_forward_pre_hook(
-        lambda mod, args, kw: seen.extend(kw["input_ids"][:, 0].tolist()), with_kwargs=True)
+    model, data, seen = tiny_gpt2(layers=1, width=16, vocab=48, length=8, samples=32)
 
     flash = FlashCheckpointCallback(a.ckpt, every_steps=a.every, job=a.job,
                                     options={"wait_timeout_s": 120})
