@@ -17,9 +17,19 @@ the last step the driver commits (``BaseTrainer.commit_roles``): the trainer sav
 model, optimizer, step, samples trained and RNG with the job's saver, then the
 driver's state is written; only then are the steps it holds reported, so a step is
 reported once. A (re)started driver puts the trainer back to that commit
-(``BaseTrainer.resume_roles``) and goes on from there: a killed trainer, driver or
-encoder costs at most the steps since the last commit, which are trained again from
-the same state on the same batches.
+(``BaseTrainer.resume_roles``) and goes on from there: a killed trainer or driver
+costs at most the steps since the last commit, which are trained again from the same
+state on the same batches.
+
+Encoders are stateless (``roles.<encoder>.config.failover: replace``, the template's
+default): when an encoder rank dies, the master replaces it and keeps this driver
+running (``dlrover_core.master.failover.graph_scope``). The step's call that lost the
+encoder's output fails on every trainer rank before any trains
+(:class:`~dlrover_plugin_multimodal.fusion.UpstreamLost`); the driver then waits for the
+replacement (``RoleGroup.dead_ranks`` / ``await_replacement``, as PPO's driver does for
+its rollouts), encodes again, on the replacement, the ids of that step and of the steps
+it had prefetched, and retries the step: no driver restart, no rollback, no step
+trained twice (:meth:`MultimodalDriver.recover_encoders`).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import json
 import os
 import random
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import ray
 
@@ -37,6 +47,11 @@ from dlrover_core import BaseTrainer
 from dlrover_plugin_multimodal.config import TRAINER, MultimodalConfig
 from dlrover_plugin_multimodal.dataset import load_dataset
 from dlrover_plugin_multimodal.handoff import EncodedRefs
+
+T = TypeVar("T")
+#: in-place recoveries of replaced encoders the driver tries for one call before it
+#: gives up (raises: the master then restarts it)
+MAX_ENCODER_RETRIES = 3
 
 
 def _bundle_index(assigned: dict[str, float]) -> int | None:
@@ -102,16 +117,33 @@ class MultimodalDriver(BaseTrainer):
         self.commit_every = int(
             self.trainer.commit_interval.options(target="RANK0", blocking=True)())
         self.untrained: dict[str, float] | None = state.get("untrained")
+        #: encoder roles replaced under this driver (``failover: replace``), asked now,
+        #: while every role is up; the stateful roles of the commits too
+        self.replaceable = [r for r in sorted(self.groups) if self._ask(r, "failover_policy",
+                                                                        "rollback") == "replace"]
+        _ = self.role_commits.stateful
+        #: the in-place recoveries of this driver (:meth:`recover_encoders`)
+        self.retries: list[dict[str, Any]] = []
         self.report_lost(state.get("reports") or [])
+
+    def _ask(self, role: str, method: str, default: Any) -> Any:
+        """``method()`` of ``role``'s rank 0, or ``default`` when its workload class has
+        no such method (an encoder that does not subclass ``EncoderWorkload``)."""
+        if not callable(getattr(self.actor_classes.get(role), method, None)):
+            return default
+        return getattr(self.groups[role], method).options(target="RANK0", blocking=True)()
+
+    def _master_handle(self) -> Any:
+        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+        return ray.get_actor(master_actor_name(self._context.job), namespace=MASTER_NAMESPACE)
 
     def report_lost(self, reports: list[tuple[int, dict[str, float]]]) -> None:
         """The reports of the last commit that the master never got (the driver died
         between the commit and its reports): sent now, once."""
         if not reports:
             return
-        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
-        master = ray.get_actor(master_actor_name(self._context.job), namespace=MASTER_NAMESPACE)
+        master = self._master_handle()
         seen = int(ray.get(master.status.remote()).get("step", -1))
         for step, metrics in reports:
             if step > seen:
@@ -193,11 +225,101 @@ class MultimodalDriver(BaseTrainer):
         # metrics are reported
         return self.trainer.evaluate.options(auto_shard=False)(eval_ids, refs)[0]
 
+    # ------------------------------------------------------------------ stateless failover
+    def recover_encoders(self, exc: BaseException, wait_s: float = 20.0) -> list[str]:
+        """After a call failed (``exc``): the encoder roles of :attr:`replaceable` that
+        had dead ranks, once the master has replaced each of them and this driver's role
+        groups point at the replacements; ``[]`` when no such rank is dead (the failure
+        is someone else's: the caller re-raises it and the master restarts the driver).
+
+        Ray may fail a call that needed a dead actor's result a moment before a ping
+        sees the actor dead: the ranks are probed for up to ``wait_s`` seconds when
+        ``exc`` says an upstream or an actor was lost."""
+        lost = any(t in f"{type(exc).__name__} {exc}" for t in
+                   ("UpstreamLost", "ActorDied", "OwnerDied", "ActorError", "ObjectLost"))
+        deadline = time.monotonic() + (wait_s if lost else 0.0)
+        while True:
+            dead = {r: self.groups[r].dead_ranks() for r in self.replaceable}
+            dead = {r: ranks for r, ranks in dead.items() if ranks}
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        if not dead:
+            return []
+        master = self._master_handle()
+        t0 = time.perf_counter()
+        for role, ranks in dead.items():
+            for rank in ranks:
+                self.groups[role].await_replacement(master, rank)
+        self.__dict__.pop("actor_handles", None)  # it held the old handles
+        self.retries.append({"roles": {r: list(v) for r, v in dead.items()},
+                             "seconds": round(time.perf_counter() - t0, 3),
+                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        print(f"[multimodal driver] {dead} replaced after {time.perf_counter() - t0:.2f} s; "
+              "retrying the step's calls on the replacement", flush=True)
+        return sorted(dead)
+
+    def _retrying(self, call: Callable[[], T],
+                  on_replaced: Callable[[list[str]], None] | None = None) -> T:
+        """``call()``; when it fails and :meth:`recover_encoders` replaced encoder roles,
+        ``on_replaced(roles)`` (issue again what was in flight on them) and ``call()``
+        again, at most :data:`MAX_ENCODER_RETRIES` times."""
+        for n in range(MAX_ENCODER_RETRIES + 1):
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - re-raised unless an encoder was replaced
+                replaced = self.recover_encoders(exc) if n < MAX_ENCODER_RETRIES else []
+                if not replaced:
+                    raise
+                if on_replaced is not None:
+                    on_replaced(replaced)
+        raise AssertionError("unreachable")
+
+    def modalities_of(self, roles: list[str]) -> tuple[str, ...]:
+        """The modalities encoded by ``roles``."""
+        return tuple(m for m in self.mm.modalities if self.mm.encoder_of(m).role in roles)
+
+    def train_step(self, step: int, ids: list[int], refs: dict[str, EncodedRefs],
+                   queued: collections.deque, epoch_stats: dict[int, dict[str, Any]]
+                   ) -> list[dict[str, float]]:
+        """The trainer's ``train_step`` of ``step``, retried on replaced encoders: the
+        ids of this step and of every prefetched step in ``queued`` are encoded again by
+        the replaced roles, and their pending ``stats()`` requests in ``epoch_stats``
+        issued again. A step whose encoder output was lost was trained by no trainer
+        rank (``UpstreamLost``); the retry checks that the trainer is still at ``step``.
+
+        Raises:
+            RuntimeError: after the failure the trainer is not at ``step``.
+        """
+        current = {"refs": refs}
+
+        def again(roles: list[str]) -> None:
+            at = [int(s) for s in self.trainer.trained_steps()]
+            if at != [step] * len(at):
+                raise RuntimeError(f"trainer ranks at steps {at} after step {step} failed on "
+                                   f"a lost encoder output; expected {step}")
+            mods = self.modalities_of(roles)
+            current["refs"] = {**current["refs"], **self.encode("train", ids, mods)}
+            for k, (s, q_ids, q_refs) in enumerate(queued):
+                queued[k] = (s, q_ids, {**q_refs, **self.encode("train", q_ids, mods)})
+            self._request_again(epoch_stats, roles)
+
+        return self._retrying(
+            lambda: self.trainer.train_step.options(auto_shard=False)(step, ids, current["refs"]),
+            again)
+
+    def _request_again(self, epoch_stats: dict[int, dict[str, Any]], roles: list[str]) -> None:
+        for requested in epoch_stats.values():
+            for role in roles:
+                if role in requested:
+                    requested[role] = self.groups[role].stats.options(blocking=False)()
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         t_start = time.perf_counter()
         if self.mm.evaluate and self.untrained is None and self.start_step == 0:
-            self.untrained = {f"{k}_untrained": v for k, v in self.evaluate().items()}
+            self.untrained = {f"{k}_untrained": v
+                              for k, v in self._retrying(self.evaluate).items()}
             self.save_state({"untrained": self.untrained})
         final: dict[str, float] = dict(self.untrained or {})
         queued: collections.deque[tuple[int, list[int], dict]] = collections.deque()
@@ -216,7 +338,7 @@ class MultimodalDriver(BaseTrainer):
             s, ids, refs = queued.popleft()
             assert s == step
             t0 = time.perf_counter()
-            per_rank = self.trainer.train_step.options(auto_shard=False)(step, ids, refs)
+            per_rank = self.train_step(step, ids, refs, queued, epoch_stats)
             metrics = mean_over_ranks(per_rank)
             wall = time.perf_counter() - t0
             metrics["epoch"] = float(step // self.steps_per_epoch)
@@ -226,7 +348,10 @@ class MultimodalDriver(BaseTrainer):
             if epoch_end and step not in epoch_stats:  # nothing issued past it yet
                 epoch_stats[step] = self.request_encoder_stats()
             if step in epoch_stats:
-                metrics.update(self.collect_encoder_stats(epoch_stats.pop(step)))
+                requested = epoch_stats.pop(step)
+                metrics.update(self._retrying(
+                    lambda: self.collect_encoder_stats(requested),
+                    lambda roles: self._request_again({step: requested}, roles)))
             unreported.append((step, {**metrics, **final}))
             if (step + 1) % self.commit_every == 0 or step + 1 == self.total_steps:
                 # the commit, then the reports of the steps it holds: a step is
@@ -237,9 +362,11 @@ class MultimodalDriver(BaseTrainer):
                     self.report(s_done, **m)
                 unreported.clear()
             last = step
-        after = self.evaluate() if self.mm.evaluate else {}
+        after = self._retrying(self.evaluate) if self.mm.evaluate else {}
         final = {**metrics, **final, **after, "steps": float(self.total_steps),
                  "fit_s": time.perf_counter() - t_start}
+        if self.retries:  # in-place recoveries of replaced encoders (none: no key)
+            final["encoders_replaced"] = float(len(self.retries))
         self.report(max(last, 0), **final)
         return final
 

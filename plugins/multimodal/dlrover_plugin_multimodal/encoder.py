@@ -144,6 +144,19 @@ class EncoderWorkload(MultimodalWorkload):
                     shutil.rmtree(os.path.join(root, old), ignore_errors=True)
         return os.path.join(root, run, self.role)
 
+    def failover_policy(self) -> str:
+        """``roles.<role>.config.failover`` of this encoder role: ``replace`` (the
+        ``multimodal`` template's default: a failed rank is replaced while the driver keeps
+        running and retries the step's calls on it) or ``rollback`` (the driver restarts
+        and puts the trainer back to its last commit). Asked by the driver once, at start.
+
+        Raises:
+            SpecError: another value.
+        """
+        from dlrover_core.graph.graph import check_failover_policy
+
+        return check_failover_policy(self.role, self.config.get("failover"))
+
     # ------------------------------------------------------------------ driver calls
     def embed(self, split: str, ids: Sequence[int]) -> dict[str, Any]:
         """Frozen encoders: ``{"ids": [n] int64, "object": ref}``, ``ref`` holding

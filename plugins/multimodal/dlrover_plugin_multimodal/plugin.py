@@ -9,6 +9,10 @@ installed backend) and one encoder role per modality of the data, named in
 The driver :class:`dlrover_plugin_multimodal.driver.MultimodalDriver` streams
 batches: per step it hands sample ids to every encoder role, and the encoders'
 outputs reach the trainer as ``DRef`` s, worker to worker.
+
+Failover (see the plugin's README): ``roles.<role>.config.failover`` is ``rollback`` for
+the trainer (restored to the driver's last commit) and ``replace`` for the encoders (a
+failed rank is replaced while the driver keeps running and retries the step's calls).
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ from dlrover_core import GraphTemplate, RoleTemplate, SpecError, hookimpl
 
 DRIVER = "dlrover_plugin_multimodal.driver:MultimodalDriver"
 TEMPLATE = "multimodal"
+
+#: failover policy of a role unless ``roles.<role>.config.failover`` says otherwise: the
+#: trainer (stateful, committed by the driver) rolls back to the driver's last commit;
+#: every other role is an encoder (stateless: a frozen encoder's cache is reloaded, a
+#: trainable one's network lives in the trainer) and is ``replace``d under the running
+#: driver, which retries the step's calls on the replacement
+FAILOVER_DEFAULTS = {"trainer": "rollback"}
 
 
 def _trainer_group(spec: Any) -> list[str]:
@@ -41,13 +52,17 @@ def apply_multimodal(spec: Any) -> None:
     - ``batch_size`` splits evenly over the trainer ranks and gives every encoder
       rank at least one sample;
     - ``edges`` default to ``encoder -> trainer`` for each encoder, and each encoder
-      entry gets its role's ``workload`` import path.
+      entry gets its role's ``workload`` import path;
+    - ``roles.<role>.config.failover`` defaults to ``rollback`` for the trainer and
+      ``replace`` for every encoder (:data:`FAILOVER_DEFAULTS`): a failed encoder rank is
+      replaced while the driver keeps running and retries the step's calls on it.
 
     Raises:
         SpecError: naming the key, the value and what is allowed.
     """
     from omegaconf import OmegaConf
 
+    from dlrover_core.graph.graph import check_failover_policy
     from dlrover_plugin_multimodal.config import KEY, TRAINER, MultimodalConfig
 
     if spec.config is None or not OmegaConf.is_dict(spec.config):
@@ -93,6 +108,13 @@ def apply_multimodal(spec: Any) -> None:
                             "every encoder rank gets a contiguous share of a step's samples")
     mm = mm.with_workloads({r: roles[r].workload for r in mm.encoders})
     spec.config.multimodal = mm.as_dict()
+    for name, role in roles.items():
+        given = role.config.get("failover") if role.config is not None else None
+        policy = check_failover_policy(name, given) if given is not None else \
+            FAILOVER_DEFAULTS.get(name, "replace")
+        if role.config is None:
+            role.config = {}
+        role.config.failover = policy
     if not spec.edges:
         spec.edges = [[role, TRAINER] for role in mm.encoders]
 

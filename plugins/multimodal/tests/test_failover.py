@@ -1,7 +1,7 @@
 """Failover of a whole multimodal job (the toy of dlrover_plugin_multimodal.toy) on the
-real local Ray cluster: the fusion trainer's process, or the driver's, is SIGKILLed from
-outside mid-run (its pid as the master reports it), and the run must end exactly where
-an unkilled run ends.
+real local Ray cluster: the fusion trainer's process, the driver's or an encoder's is
+SIGKILLed from outside mid-run (its pid as the master reports it), and the run must end
+exactly where an unkilled run ends.
 
 The toy is deterministic (seeded model, one torch thread, batches from a seeded
 permutation, a fixed bag-of-words text encoder), so "exactly" is bit for bit: the
@@ -10,7 +10,10 @@ and every step's reported metrics, timings and the encoders' work counters aside
 restart makes the encoders embed the redone steps again: those count work done, not
 training). Before the trainer was checkpointed at the driver's commits, a killed
 trainer came back at step 0 while the restarted driver resumed there, and every step
-before the kill was trained and reported twice.
+before the kill was trained and reported twice; before encoders were replaced under
+the running driver (roles.<encoder>.config.failover: replace), a killed encoder
+restarted the driver, which rolled the trainer back to its last commit and trained the
+steps after it again.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ def _rows(job_dir: str) -> list[dict]:
 
 
 def _deterministic(metrics: dict) -> dict:
-    """The metrics that neither measure time nor count an encoder's work."""
+    """The metrics that neither measure time nor count an encoder's work (nor its
+    replacements)."""
     return {k: v for k, v in metrics.items()
-            if not (k.endswith("_s") or k in ("ts", "time", "event", "samples_per_s")
+            if not (k.endswith("_s") or k in ("ts", "time", "event", "samples_per_s",
+                                               "encoders_replaced")
                     or k.startswith(("text_encoder_", "vision_encoder_")))}
 
 
@@ -114,3 +119,57 @@ def test_killed_trainer_or_driver_ends_bit_for_bit_where_the_unkilled_run_ends(
     started = [e for e in events if e["event"] == "instance_started"
                and e["role"] == kill.split("-")[0]]
     assert [e["attempt"] for e in started] == [0, 1]
+
+
+def _events(job_dir: str) -> list[dict]:
+    with open(os.path.join(job_dir, "events.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", ["text_encoder-0", "vision_encoder-0"])
+def test_killed_encoder_is_replaced_under_the_running_driver_and_no_step_is_redone(
+        unkilled, job_dir, kill):
+    """SIGKILL of a frozen (text) or trainable (vision, collocated with the trainer)
+    encoder between two commits: the graph makes it a stateless role, so the master
+    replaces that rank alone and the driver keeps running, waits for the replacement and
+    retries the step's calls on it. The driver and the trainer each started once (so no
+    rollback ran: only a (re)started driver restores the trainer, and the trainer takes
+    steps strictly in order), each step is reported once with the unkilled run's metrics,
+    the final committed state is the unkilled run's bit for bit and the samples trained
+    are counted once. On the code before, the driver restarted (its attempts were [0, 1])
+    and retrained the steps after the last commit."""
+    ref_summary, ref_rows, ref_state = unkilled
+    summary = _run(job_dir, kill)
+    role = kill.split("-")[0]
+    assert summary["restarts"]["total"] == 1 and summary["restarts"]["process"] == 1
+    assert summary["failures"][0]["role"] == role
+    m = summary["metrics"]
+    assert m["encoders_replaced"] == 1  # the driver's call was retried on the replacement
+    assert m["steps"] == STEPS
+    assert m["trained_samples"] == STEPS * 16  # exactly once
+    assert _deterministic(m) == _deterministic(ref_summary["metrics"])
+    rows = [r for r in _rows(job_dir) if "fit_s" not in r]
+    assert sorted(r["step"] for r in rows) == list(range(STEPS))
+    ref = {r["step"]: _deterministic(r) for r in ref_rows if "fit_s" not in r}
+    assert {r["step"]: _deterministic(r) for r in rows} == ref
+    from dlrover_core.testing import assert_states_equal
+
+    assert_states_equal([_final_state(job_dir)], [ref_state])
+    events = _events(job_dir)
+    started: dict[str, list[tuple[int, int]]] = {}
+    for e in events:
+        if e["event"] == "instance_started":
+            started.setdefault(e["role"], []).append((e["attempt"], e["pid"]))
+    assert [a for a, _ in started[role]] == [0, 1]
+    # the driver and the trainer were never restarted: one process each, the same pid
+    assert [a for a, _ in started["driver"]] == [0]
+    assert [a for a, _ in started["trainer"]] == [0]
+    other = "vision_encoder" if role == "text_encoder" else "text_encoder"
+    assert [a for a, _ in started[other]] == [0]
+    rec = [e for e in events if e["event"] == "recovery_started"]
+    assert len(rec) == 1 and rec[0]["restart_driver"] is False
+    scope = rec[0]["scope"]
+    assert scope["restart"] == [kill] and scope["rollback"] == []
+    assert scope["retry"] == [f"driver -> {role}"]
+    assert f"{role} is stateless" in scope["why"]

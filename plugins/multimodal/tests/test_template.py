@@ -139,3 +139,17 @@ def test_batch_must_split_over_trainer_and_encoder_ranks():
     with pytest.raises(SpecError, match=r"roles.text_encoder.total: 20 is invalid .*at most "
                                         r"config.multimodal.batch_size=16"):
         load_spec(spec(roles__text_encoder__total=20))
+
+
+def test_encoders_are_replaced_and_the_trainer_rolls_back_unless_the_spec_says_otherwise():
+    """``roles.<role>.config.failover``: the graph's scope of a failure (seed 000)."""
+    from dlrover_core.graph.graph import ComputationGraph
+
+    g = ComputationGraph.from_spec(load_spec(spec()))
+    assert {r: g.failover_policy(r) for r in g.order} == {
+        "trainer": "rollback", "vision_encoder": "replace", "text_encoder": "replace"}
+    s = load_spec(spec(roles__text_encoder__config={"failover": "rollback"}))
+    assert ComputationGraph.from_spec(s).failover_policy("text_encoder") == "rollback"
+    with pytest.raises(SpecError, match=r"roles.vision_encoder.config.failover: 'retry' is "
+                                        r"invalid .*; allowed: replace, rollback"):
+        load_spec(spec(roles__vision_encoder__config={"failover": "retry"}))
