@@ -82,6 +82,31 @@ def _run(job_dir: str, kill: str | None) -> dict:
                        at_step=KILL_AFTER, before_step=STEPS - 1)[0]
 
 
+def _killed_run_ends_as_unkilled(unkilled, job_dir: str, kill: str) -> tuple[dict, list]:
+    """Run with ``kill`` SIGKILLed and check what every such run must end with: one
+    restart, of the killed role; the samples trained counted once; each step reported
+    once with the unkilled run's metrics (loss etc. bit for bit); the final committed
+    state the unkilled run's bit for bit. Returns the summary and the events."""
+    from dlrover_core.testing import assert_states_equal
+
+    ref_summary, ref_rows, ref_state = unkilled
+    summary = _run(job_dir, kill)
+    assert summary["restarts"]["total"] == 1
+    assert summary["failures"][0]["role"] == kill.split("-")[0]
+    m = summary["metrics"]
+    assert m["steps"] == STEPS
+    assert m["trained_samples"] == STEPS * 16  # exactly once
+    assert _deterministic(m) == _deterministic(ref_summary["metrics"])
+    rows = [r for r in _rows(job_dir) if "fit_s" not in r]
+    # each step reported once (the master logs reports in arrival order: sorted)
+    assert sorted(r["step"] for r in rows) == list(range(STEPS))
+    ref = {r["step"]: _deterministic(r) for r in ref_rows if "fit_s" not in r}
+    assert {r["step"]: _deterministic(r) for r in rows} == ref
+    assert_states_equal([_final_state(job_dir)], [ref_state])
+    with open(os.path.join(job_dir, "events.jsonl")) as f:
+        return summary, [json.loads(line) for line in f]
+
+
 @pytest.fixture(scope="module")
 def unkilled(ray_cluster, tmp_path_factory):
     job_dir = str(tmp_path_factory.mktemp("mm-unkilled"))
@@ -98,32 +123,10 @@ def test_killed_trainer_or_driver_ends_bit_for_bit_where_the_unkilled_run_ends(
     back to it): the final committed state equals the unkilled run's bit for bit, each
     step is reported once, in order, with the unkilled run's metrics, and the samples
     trained are counted once."""
-    ref_summary, ref_rows, ref_state = unkilled
-    summary = _run(job_dir, kill)
-    assert summary["restarts"]["total"] == 1
-    assert summary["failures"][0]["role"] == kill.split("-")[0]
-    m = summary["metrics"]
-    assert m["steps"] == STEPS
-    assert m["trained_samples"] == STEPS * 16  # exactly once
-    assert _deterministic(m) == _deterministic(ref_summary["metrics"])
-    rows = [r for r in _rows(job_dir) if "fit_s" not in r]
-    # each step reported once (the master logs reports in arrival order: sorted)
-    assert sorted(r["step"] for r in rows) == list(range(STEPS))
-    ref = {r["step"]: _deterministic(r) for r in ref_rows if "fit_s" not in r}
-    assert {r["step"]: _deterministic(r) for r in rows} == ref  # loss etc. bit for bit
-    from dlrover_core.testing import assert_states_equal
-
-    assert_states_equal([_final_state(job_dir)], [ref_state])
-    with open(os.path.join(job_dir, "events.jsonl")) as f:
-        events = [json.loads(line) for line in f]
+    _, events = _killed_run_ends_as_unkilled(unkilled, job_dir, kill)
     started = [e for e in events if e["event"] == "instance_started"
                and e["role"] == kill.split("-")[0]]
     assert [e["attempt"] for e in started] == [0, 1]
-
-
-def _events(job_dir: str) -> list[dict]:
-    with open(os.path.join(job_dir, "events.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.mark.slow
@@ -139,24 +142,11 @@ def test_killed_encoder_is_replaced_under_the_running_driver_and_no_step_is_redo
     the final committed state is the unkilled run's bit for bit and the samples trained
     are counted once. On the code before, the driver restarted (its attempts were [0, 1])
     and retrained the steps after the last commit."""
-    ref_summary, ref_rows, ref_state = unkilled
-    summary = _run(job_dir, kill)
+    summary, events = _killed_run_ends_as_unkilled(unkilled, job_dir, kill)
     role = kill.split("-")[0]
-    assert summary["restarts"]["total"] == 1 and summary["restarts"]["process"] == 1
-    assert summary["failures"][0]["role"] == role
-    m = summary["metrics"]
-    assert m["encoders_replaced"] == 1  # the driver's call was retried on the replacement
-    assert m["steps"] == STEPS
-    assert m["trained_samples"] == STEPS * 16  # exactly once
-    assert _deterministic(m) == _deterministic(ref_summary["metrics"])
-    rows = [r for r in _rows(job_dir) if "fit_s" not in r]
-    assert sorted(r["step"] for r in rows) == list(range(STEPS))
-    ref = {r["step"]: _deterministic(r) for r in ref_rows if "fit_s" not in r}
-    assert {r["step"]: _deterministic(r) for r in rows} == ref
-    from dlrover_core.testing import assert_states_equal
-
-    assert_states_equal([_final_state(job_dir)], [ref_state])
-    events = _events(job_dir)
+    assert summary["restarts"]["process"] == 1
+    # the driver's call was retried on the replacement
+    assert summary["metrics"]["encoders_replaced"] == 1
     started: dict[str, list[tuple[int, int]]] = {}
     for e in events:
         if e["event"] == "instance_started":
