@@ -38,6 +38,24 @@ def check_failover_policy(role: str, value: object) -> str:
     return str(value)
 
 
+def set_failover_policies(roles: Any, defaults: dict[str, str], fallback: str) -> None:
+    """Write ``roles.<role>.config.failover`` of every role of a spec being validated
+    (``spec.roles``: role name -> role spec whose ``config`` is a mapping or ``None``):
+    the value given, checked, else ``defaults[role]``, else ``fallback``; for a graph
+    template that knows which of its roles are stateless.
+
+    Raises:
+        SpecError: a given value is not one of :data:`FAILOVER_POLICIES`.
+    """
+    for name, role in roles.items():
+        given = role.config.get("failover") if role.config is not None else None
+        policy = check_failover_policy(name, given) if given is not None else \
+            defaults.get(name, fallback)
+        if role.config is None:
+            role.config = {}
+        role.config.failover = policy
+
+
 @dataclass(frozen=True)
 class Resources:
     """Per-instance resources: ``cpu``/``gpu`` in units, ``memory_mb`` in MiB."""

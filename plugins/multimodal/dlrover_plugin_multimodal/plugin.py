@@ -62,7 +62,7 @@ def apply_multimodal(spec: Any) -> None:
     """
     from omegaconf import OmegaConf
 
-    from dlrover_core.graph.graph import check_failover_policy
+    from dlrover_core.graph.graph import set_failover_policies
     from dlrover_plugin_multimodal.config import KEY, TRAINER, MultimodalConfig
 
     if spec.config is None or not OmegaConf.is_dict(spec.config):
@@ -108,13 +108,7 @@ def apply_multimodal(spec: Any) -> None:
                             "every encoder rank gets a contiguous share of a step's samples")
     mm = mm.with_workloads({r: roles[r].workload for r in mm.encoders})
     spec.config.multimodal = mm.as_dict()
-    for name, role in roles.items():
-        given = role.config.get("failover") if role.config is not None else None
-        policy = check_failover_policy(name, given) if given is not None else \
-            FAILOVER_DEFAULTS.get(name, "replace")
-        if role.config is None:
-            role.config = {}
-        role.config.failover = policy
+    set_failover_policies(roles, FAILOVER_DEFAULTS, "replace")
     if not spec.edges:
         spec.edges = [[role, TRAINER] for role in mm.encoders]
 

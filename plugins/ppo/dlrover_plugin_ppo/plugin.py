@@ -72,15 +72,9 @@ def _apply(algorithm: str, spec: Any) -> None:
     spec.config.rl = rl.as_dict()
     spec.config.rl_algorithm = algorithm
     roles = spec.roles
-    from dlrover_core.graph.graph import check_failover_policy
+    from dlrover_core.graph.graph import set_failover_policies
 
-    for name, role in roles.items():
-        given = role.config.get("failover") if role.config is not None else None
-        policy = check_failover_policy(name, given) if given is not None else \
-            FAILOVER_DEFAULTS.get(name, "rollback")
-        if role.config is None:
-            role.config = {}
-        role.config.failover = policy
+    set_failover_policies(roles, FAILOVER_DEFAULTS, "rollback")
     for producer, consumer in handoffs(roles):
         p, c = roles[producer].total, roles[consumer].total
         if p >= 1 and c >= 1 and p % c:  # totals < 1 are reported by the core's validation
