@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,6 +86,35 @@ def test_runner_runs_the_command_like_python_does(work, command, argv0, path0):
     assert rec["path0"] == path0.format(tmp=tmp) and rec["cwd"] == tmp
     assert rec["name"] in ("__main__", "probemod")  # the function's module is imported
     assert rec["env"]["PROBE_ONLY_AT_GO"] == "yes" and rec["pid"] == proc.pid
+
+
+SIGMASK = '''
+import os
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+with open(os.environ["PROBE_OUT"], "w") as f:
+    f.write(status["SigBlk"].strip())
+'''
+
+
+def test_the_script_starts_with_no_signal_blocked(work):
+    """A runner started from a thread that blocks signals (a Ray worker's thread blocks
+    SIGINT) still runs the command with none blocked, as torchrun's workers start: a
+    SIGINT forwarded to a rank must reach the script (blocked, it stayed pending until
+    the SIGKILL after the grace period)."""
+    (work / "sigmask.py").write_text(SIGMASK)
+    box: list = []
+
+    def start() -> None:  # the mask of this thread is what a forked child inherits
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        proc = warm_script.start(parse_command("sigmask.py"), str(work), _env(work),
+                                 ["sigmask"])[0]
+        box.append(proc.wait(timeout=120))  # the child dies with this thread (PDEATHSIG)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    assert box == [0]
+    assert int((work / "out.json").read_text(), 16) == 0
 
 
 def test_uncaught_exception_exits_1(work):

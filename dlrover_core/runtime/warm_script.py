@@ -27,7 +27,8 @@ it does not slow the restarted group; otherwise at normal priority.
 
 ``DLROVER_WARM_RESTART=0`` in the actor's environment (the role's ``env``) turns
 spares off (the runners stay). The processes get ``PR_SET_PDEATHSIG`` = ``SIGKILL``:
-a spare never outlives its actor. Each runner leads a session of its own, as torchrun's
+a spare never outlives its actor. They start with no signal blocked, whatever the
+starting thread blocks (a Ray worker's thread blocks SIGINT), as torchrun's workers do. Each runner leads a session of its own, as torchrun's
 workers do.
 """
 
@@ -55,6 +56,11 @@ RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "script_runner
 
 
 def die_with_parent() -> None:  # runs in the child between fork and exec
+    """The runner's start (between fork and exec): no signal blocked, as torchrun's
+    workers start (a child inherits its forking thread's mask, and a Ray worker's
+    thread blocks SIGINT: a forwarded SIGINT stayed pending until the SIGKILL), and
+    ``PR_SET_PDEATHSIG`` = ``SIGKILL``."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     try:
         import ctypes
 
