@@ -124,6 +124,8 @@ class MultimodalDriver(BaseTrainer):
         _ = self.role_commits.stateful
         #: the in-place recoveries of this driver (:meth:`recover_encoders`)
         self.retries: list[dict[str, Any]] = []
+        self.queued: collections.deque[tuple[int, list[int], dict]] = collections.deque()
+        self.epoch_stats: dict[int, dict[str, Any]] = {}
         self.report_lost(state.get("reports") or [])
 
     def _ask(self, role: str, method: str, default: Any) -> Any:
@@ -252,6 +254,7 @@ class MultimodalDriver(BaseTrainer):
             for rank in ranks:
                 self.groups[role].await_replacement(master, rank)
         self.__dict__.pop("actor_handles", None)  # it held the old handles
+        self.issue_again(sorted(dead))
         self.retries.append({"roles": {r: list(v) for r, v in dead.items()},
                              "seconds": round(time.perf_counter() - t0, 3),
                              "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
@@ -275,18 +278,27 @@ class MultimodalDriver(BaseTrainer):
                     on_replaced(replaced)
         raise AssertionError("unreachable")
 
+    def issue_again(self, roles: list[str]) -> None:
+        """What was in flight on ``roles`` (replaced), issued again on the replacements:
+        the encoder calls of every prefetched step (:attr:`queued`) and the pending
+        ``stats()`` requests (:attr:`epoch_stats`). Their old results were owned by the
+        dead process, so a later call would fail on them after the recovery."""
+        mods = self.modalities_of(roles)
+        for k, (s, ids, refs) in enumerate(self.queued):
+            self.queued[k] = (s, ids, {**refs, **self.encode("train", ids, mods)})
+        self._request_again(self.epoch_stats, roles)
+
     def modalities_of(self, roles: list[str]) -> tuple[str, ...]:
         """The modalities encoded by ``roles``."""
         return tuple(m for m in self.mm.modalities if self.mm.encoder_of(m).role in roles)
 
-    def train_step(self, step: int, ids: list[int], refs: dict[str, EncodedRefs],
-                   queued: collections.deque, epoch_stats: dict[int, dict[str, Any]]
-                   ) -> list[dict[str, float]]:
-        """The trainer's ``train_step`` of ``step``, retried on replaced encoders: the
-        ids of this step and of every prefetched step in ``queued`` are encoded again by
-        the replaced roles, and their pending ``stats()`` requests in ``epoch_stats``
-        issued again. A step whose encoder output was lost was trained by no trainer
-        rank (``UpstreamLost``); the retry checks that the trainer is still at ``step``.
+    def train_step(self, step: int, ids: list[int],
+                   refs: dict[str, EncodedRefs]) -> list[dict[str, float]]:
+        """The trainer's ``train_step`` of ``step``, retried on replaced encoders (the
+        ids of this step encoded again by them; the prefetched steps too,
+        :meth:`issue_again`). A step whose encoder output was lost was trained by no
+        trainer rank (``UpstreamLost``); the retry checks that the trainer is still at
+        ``step``.
 
         Raises:
             RuntimeError: after the failure the trainer is not at ``step``.
@@ -298,11 +310,8 @@ class MultimodalDriver(BaseTrainer):
             if at != [step] * len(at):
                 raise RuntimeError(f"trainer ranks at steps {at} after step {step} failed on "
                                    f"a lost encoder output; expected {step}")
-            mods = self.modalities_of(roles)
-            current["refs"] = {**current["refs"], **self.encode("train", ids, mods)}
-            for k, (s, q_ids, q_refs) in enumerate(queued):
-                queued[k] = (s, q_ids, {**q_refs, **self.encode("train", q_ids, mods)})
-            self._request_again(epoch_stats, roles)
+            current["refs"] = {**current["refs"],
+                               **self.encode("train", ids, self.modalities_of(roles))}
 
         return self._retrying(
             lambda: self.trainer.train_step.options(auto_shard=False)(step, ids, current["refs"]),
@@ -322,11 +331,15 @@ class MultimodalDriver(BaseTrainer):
                               for k, v in self._retrying(self.evaluate).items()}
             self.save_state({"untrained": self.untrained})
         final: dict[str, float] = dict(self.untrained or {})
-        queued: collections.deque[tuple[int, list[int], dict]] = collections.deque()
+        #: steps whose encoder calls are issued, not yet trained: (step, ids, refs)
+        self.queued: collections.deque[tuple[int, list[int], dict]] = collections.deque()
+        queued = self.queued
         next_issue = self.start_step
         metrics: dict[str, float] = {}
         last = self.start_step - 1
-        epoch_stats: dict[int, dict[str, Any]] = {}  # last step of an epoch -> stats requests
+        #: last step of an epoch -> its encoders' stats() requests, not yet collected
+        self.epoch_stats: dict[int, dict[str, Any]] = {}
+        epoch_stats = self.epoch_stats
         unreported: list[tuple[int, dict[str, float]]] = []  # trained, not yet committed
         for step in range(self.start_step, self.total_steps):
             while next_issue < self.total_steps and next_issue <= step + self.mm.prefetch:
@@ -338,7 +351,7 @@ class MultimodalDriver(BaseTrainer):
             s, ids, refs = queued.popleft()
             assert s == step
             t0 = time.perf_counter()
-            per_rank = self.train_step(step, ids, refs, queued, epoch_stats)
+            per_rank = self.train_step(step, ids, refs)
             metrics = mean_over_ranks(per_rank)
             wall = time.perf_counter() - t0
             metrics["epoch"] = float(step // self.steps_per_epoch)
