@@ -18,8 +18,10 @@ over the runs. The last stdout line is one JSON object::
     {"torchrun": {...}, "dlrover_run": {...}, "steady_steps_per_s_ratio": x,
      "recovery_ratio": y, "runs": n, ...}
 
-with ``steady_steps_per_s_ratio`` = dlrover-run's / torchrun's steady steps/s and
-``recovery_ratio`` = dlrover-run's / torchrun's recovery seconds. A run whose launcher
+with ``steady_steps_per_s_ratio`` = dlrover-run's / torchrun's steady steps/s (the
+medians' ratio), ``steady_ratio_per_run`` = that ratio in each run (the two launchers
+of a run ran back to back) and ``recovery_ratio`` = dlrover-run's / torchrun's
+recovery seconds. A run whose launcher
 ended early, whose restarted group did not finish (the launcher exited non-zero after
 the kill) or that hung past ``--timeout`` s (stopped: SIGTERM to the launcher, then
 SIGKILL to its whole session) gives no ``recovery_s`` and is listed in each launcher's
@@ -266,6 +268,8 @@ def main() -> None:
                                            med["torchrun"]["steady_steps_per_s"]),
         "recovery_ratio": _ratio(med["dlrover_run"]["recovery_s"],
                                  med["torchrun"]["recovery_s"]),
+        "steady_ratio_per_run": [_ratio(d["steady_steps_per_s"], t["steady_steps_per_s"])
+                                 for t, d in zip(out["torchrun"], out["dlrover_run"])],
         "runs": args.runs, "nproc": args.nproc, "steps": args.steps, "kill_at": args.kill_at,
         "per_run": out}))
 
