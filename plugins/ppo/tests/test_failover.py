@@ -169,6 +169,25 @@ def test_stateless_reward_and_reference_are_replaced_under_a_running_driver(
 
 
 @pytest.mark.slow
+def test_killed_grpo_actor_is_put_back_to_the_commit_and_ends_as_the_unkilled_run(
+        toy_unkilled, job_dir):
+    """GRPO's actor (stateful, ``rollback``) SIGKILLed after iteration 3 was reported:
+    the rank and the driver restart, the actor comes back at the driver's last commit,
+    and every iteration's metrics equal the unkilled run's (each reported once)."""
+    summary = run_toy_grpo(job_dir, "actor-0")
+    assert summary["restarts"]["total"] == 1
+    assert summary["failures"][0]["role"] == "actor"
+    _check_same_as_toy_unkilled(toy_unkilled, summary, job_dir)
+    events = _events(job_dir)
+    [started] = [e for e in events if e["event"] == "recovery_started"]
+    assert started["restart_driver"] is True
+    assert started["scope"]["restart"] == ["actor-0", "driver"]
+    assert "actor" in started["scope"]["rollback"]
+    assert [e["attempt"] for e in events if e["event"] == "instance_started"
+            and e["role"] == "driver"] == [0, 1]
+
+
+@pytest.mark.slow
 def test_a_hung_role_call_is_a_failure_with_stacks_by_the_default_bound(toy_unkilled,
                                                                         job_dir):
     """No ``failover.hang_timeout_s``: a rollout call that runs far beyond its recent
