@@ -22,6 +22,13 @@ DRIVER = "dlrover_plugin_odl.driver:ODLTrainer"
 SOURCE_WORKLOAD = "dlrover_plugin_odl.workloads:SourceWorkload"
 PREPROCESS_WORKLOAD = "dlrover_plugin_odl.workloads:PreprocessWorkload"
 EDGES = (("source", "preprocess"), ("preprocess", "trainer"), ("preprocess", "eval"))
+#: ``roles.<role>.config.failover`` the template writes when the job gives none: the
+#: stateless ``preprocess`` is replaced under the running driver, which processes the
+#: lost chunks again on the replacement and retries the trainer calls that needed them;
+#: the other roles restart the driver (see the README's failover table)
+FAILOVER_DEFAULTS = {"preprocess": "replace"}
+#: the roles the odl driver can replace under itself (``replace`` is refused elsewhere)
+REPLACEABLE = ("preprocess",)
 
 _ROLES = {
     "source": "reads the stream (config.odl.source.kind): seek, read, commit",
@@ -43,7 +50,11 @@ def apply_odl(spec: Any) -> None:
       (0.5 CPU each); a ``source`` without ``workload`` gets the built-in one;
     - ``checkpoint.every_steps`` >= 1 (the offsets are committed with the trainer's
       checkpoint); ``config.odl.buffer`` >= ``roles.trainer.total``; a trainer with
-      several ranks needs a ``backend`` (``ddp``).
+      several ranks needs a ``backend`` (``ddp``);
+    - ``roles.<role>.config.failover`` defaults to ``replace`` for ``preprocess``
+      (:data:`FAILOVER_DEFAULTS`: a failed rank is replaced while the driver keeps
+      running) and ``rollback`` for the others; ``replace`` is allowed only for
+      :data:`REPLACEABLE` roles.
 
     Raises ``SpecError``.
     """
@@ -81,6 +92,16 @@ def apply_odl(spec: Any) -> None:
             spec.roles[role] = node
         elif role == "source" and OmegaConf.is_missing(spec.roles[role], "workload"):
             spec.roles[role].workload = workload
+    from dlrover_core.graph.graph import set_failover_policies
+
+    set_failover_policies(spec.roles, FAILOVER_DEFAULTS, "rollback")
+    for role in spec.roles:
+        policy = spec.roles[role].config.failover
+        if policy == "replace" and role not in REPLACEABLE:
+            raise SpecError(f"roles.{role}.config.failover", policy,
+                            "rollback (replace only for " + ", ".join(REPLACEABLE) + ")",
+                            f"the odl driver cannot put a replaced {role} back where the "
+                            "stream is: its failure restarts the driver")
     if all(tuple(e) in EDGES for e in spec.edges):  # the template's own: redo with the new roles
         spec.edges = [list(e) for e in EDGES if e[0] in spec.roles and e[1] in spec.roles]
     if spec.checkpoint.every_steps < 1:

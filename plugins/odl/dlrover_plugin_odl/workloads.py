@@ -133,6 +133,19 @@ class PreprocessWorkload(BaseWorkload):
     """The ``preprocess`` role: turns a chunk's records into a batch. Stateless, so
     any instance can take any chunk and a restarted one loses nothing."""
 
+    def failover_policy(self) -> str:
+        """``roles.<role>.config.failover`` of this role: ``replace`` (the ``odl``
+        template's default: a failed rank is replaced while the driver keeps running
+        and processes the chunks it lost again on the replacement) or ``rollback``
+        (the driver restarts). Asked by the driver once, at start.
+
+        Raises:
+            SpecError: another value.
+        """
+        from dlrover_core.graph.graph import check_failover_policy
+
+        return check_failover_policy(self.role, (self.config or {}).get("failover"))
+
     def transform(self, records: list[dict]) -> dict[str, torch.Tensor]:
         """Records -> batch. Default: ``x`` (float32 ``[N, F]``) from each record's
         ``x`` (a list of numbers) and ``y`` (int64 ``[N]``) from its ``y``. Override."""

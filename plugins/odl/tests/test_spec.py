@@ -45,6 +45,14 @@ def test_template_fills_source_preprocess_driver_and_defaults(plugin_manager):
                                               ("source", "preprocess")]
     assert spec.config.odl.batch_size == 64 and spec.config.odl.buffer == 4
     assert spec.config.odl.source.kind == "replay"
+    # the stateless preprocess is replaced under the driver; the others restart it
+    assert {r: spec.roles[r].config.failover for r in spec.roles} == {
+        "source": "rollback", "preprocess": "replace", "trainer": "rollback",
+        "eval": "rollback"}
+    given = load_spec(job(roles__preprocess={
+        "workload": "dlrover_plugin_odl.workloads:PreprocessWorkload",
+        "config": {"failover": "rollback"}}))
+    assert given.roles.preprocess.config.failover == "rollback"
 
 
 def test_each_role_scales_on_its_own(plugin_manager):
@@ -75,6 +83,10 @@ def test_each_role_scales_on_its_own(plugin_manager):
     ({"roles__trainer__total": 2, "roles__trainer__backend": "ddp", "config__odl__buffer": 1},
      "config.odl.buffer", "at least roles.trainer.total=2"),
     ({"roles__trainer__total": 2}, "roles.trainer.backend", "a backend such as ddp"),
+    ({"roles__source__config": {"failover": "replace"}}, "roles.source.config.failover",
+     "rollback (replace only for preprocess)"),
+    ({"roles__trainer__config": {"failover": "again"}}, "roles.trainer.config.failover",
+     "replace, rollback"),
 ])
 def test_spec_errors_name_key_value_and_what_is_allowed(plugin_manager, over, key, words):
     with pytest.raises(SpecError) as err:

@@ -365,6 +365,59 @@ def test_a_sigkilled_trainer_resumes_at_its_commit_and_ends_bit_for_bit(cluster,
     assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
 
 
+@pytest.mark.slow
+def test_a_sigkilled_preprocess_is_replaced_under_the_running_driver(cluster, tmp_path):
+    """``preprocess`` is stateless (``roles.preprocess.config.failover`` defaults to
+    ``replace``): a SIGKILLed preprocess rank is replaced while the driver keeps running;
+    the driver processes the chunks the dead rank had again on the replacement and sends
+    again the trainer calls that failed on them (they never ran). The driver and the
+    trainer start once, every record is trained once, and the run ends where an
+    unkilled run ends (one source partition: a deterministic stream): counters, steps
+    and the published final model bit for bit. On the code before, the preprocess kill
+    restarted the driver (driver attempts [0, 1])."""
+    import torch
+
+    from dlrover_core.testing import run_killing
+
+    n, batch = 960, 16
+
+    def spec(kill):
+        return odl_spec(f"odl-pre-{kill}", {
+            "source": {"kind": "replay", "options": {"records": f"{TOY}:toy_records",
+                                                      "kwargs": {"n": n}}},
+            "batch_size": batch, "buffer": 4, "publish_every": 0, "report_every": 1},
+            roles={"preprocess": {"workload": "dlrover_plugin_odl.workloads:PreprocessWorkload",
+                                  "total": 2, "resources": {"cpu": 0.25}}},
+            every=5, toy={"step_sleep_s": 0.03})
+
+    ref_dir, job_dir = str(tmp_path / "unkilled"), str(tmp_path / "killed")
+    ref, _ = run_killing(spec(None), ref_dir)
+    got, _ = run_killing(spec("preprocess-1"), job_dir, "preprocess-1", at_step=15,
+                         before_step=n // batch - 5)
+    started: dict[str, list[int]] = {}
+    for e in events(job_dir, "instance_started"):
+        started.setdefault(e["role"], []).append(e["attempt"])
+    assert started["driver"] == [0] and started["trainer"] == [0], started
+    assert ("preprocess", "actor_died") in {(e["role"], e["kind"])
+                                            for e in events(job_dir, "instance_failed")}
+    assert len(started["preprocess"]) == 3  # two ranks and the replacement
+    rec = events(job_dir, "recovery_started")
+    assert len(rec) == 1 and rec[0]["restart_driver"] is False, rec
+    assert rec[0]["scope"]["restart"] == ["preprocess-1"]
+    assert got["metrics"]["preprocess_replaced"] == 1
+    keys = ("records", "steps", "prequential_accuracy", "kappa", "kappa_temporal",
+            "baseline_no_change_accuracy", "baseline_majority_accuracy", "lost",
+            "duplicated", "retrained")
+    assert {k: got["metrics"][k] for k in keys} == {k: ref["metrics"][k] for k in keys}
+    assert got["metrics"]["records"] == n and got["metrics"]["duplicated"] == 0
+    assert got["metrics"]["retrained"] == 0 == retrained(job_dir)
+    assert trained_ids(job_dir) == trained_ids(ref_dir) == {str(i): 1 for i in range(n)}
+    (v1, s1, _), (v2, s2, _) = (load_latest(os.path.join(d, "published"))
+                                for d in (ref_dir, job_dir))
+    assert v1 == v2 == got["metrics"]["steps"]
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
 # ---------------------------------------------------------------------------- driver restart
 def test_a_driver_restart_keeps_the_prequential_counters(cluster, job_dir):
     from dlrover_plugin_odl.prequential import PrequentialStats
