@@ -30,24 +30,14 @@ to source ``k % n``, with the seek and with every commit: it delivers what is le
 of them first, under key ``k`` (see :meth:`StreamSourceBase.take_over`).
 
 Failover: a ``preprocess`` rank whose ``roles.preprocess.config.failover`` is ``replace``
-(the template's default) is replaced by the master while this driver keeps running.
-When a call fails (a trainer call or an eval score that needed a lost batch), the
-driver finds the dead preprocess ranks (``RoleGroup.dead_ranks``), waits for their
-replacements (``RoleGroup.await_replacement``), processes every chunk the dead ranks
-had again on the replacements (its records are still in the object store, owned by
-the source), lets the trainer calls already sent settle, checks the trainer is at
-the first call that failed and sends it and the calls after it again, in order
-(:meth:`ODLTrainer.recover_preprocess`). A trainer call that failed on a lost batch
-never ran (``train_step`` refuses a step the trainer is not at), so nothing is trained
-twice. With several trainer ranks, a call is sent only when its batches are ready and
-none was lost (a rank whose batch was lost would leave the others waiting in DDP).
+(the template's default) is replaced while this driver keeps running
+(:class:`~dlrover_plugin_odl.failover.PreprocessFailover`).
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +45,7 @@ import ray
 
 from dlrover_core import BaseTrainer
 from dlrover_plugin_odl.config import ODLConfig
+from dlrover_plugin_odl.failover import Call, PreprocessFailover
 from dlrover_plugin_odl.prequential import PrequentialStats
 
 
@@ -66,23 +57,6 @@ class _Chunk:
     batch: Any = None          # ObjectRef of the preprocessed chunk
     empty: bool = False
     pre: int = -1              # the preprocess rank that was asked for ``batch``
-
-
-@dataclass
-class _Call:
-    """One trainer call in flight: its chunks and what it was sent with."""
-
-    chunks: list[_Chunk]
-    step: int
-    offsets: dict
-    records: int
-    steps: int
-    refs: list
-
-
-#: in-place recoveries of preprocess ranks one failed call may trigger before the
-#: failure restarts the driver
-MAX_REPLACEMENTS = 3
 
 
 class ODLTrainer(BaseTrainer):
@@ -123,11 +97,9 @@ class ODLTrainer(BaseTrainer):
         self.trainers = list(groups["trainer"].handles)
         self.evals = list(groups["eval"].handles) if "eval" in groups else []
         self.groups = groups
-        #: roles replaced under this driver (``roles.<role>.config.failover`` =
-        #: ``replace``), asked now while every role is up
-        self.replaceable = [r for r in ("preprocess",) if self._policy(r) == "replace"]
-        #: the in-place recoveries of this driver (:meth:`recover_preprocess`)
-        self.retries: list[dict[str, Any]] = []
+        #: the in-place replacement of preprocess ranks (``roles.preprocess.config.
+        #: failover`` = ``replace``, asked now while every role is up)
+        self.failover = PreprocessFailover(self, self._policy("preprocess") == "replace")
         if self.odl.buffer < len(self.trainers):
             raise ValueError(f"config.odl.buffer={self.odl.buffer} is smaller than the "
                              f"{len(self.trainers)} trainer ranks: a trainer call needs "
@@ -243,7 +215,7 @@ class ODLTrainer(BaseTrainer):
             self._next_eval = (k + 1) % len(self.evals)
             self._eval_refs.append((c, k, self.evals[k].call.remote("score", c.batch)))
         while len(self._eval_refs) > self.odl.buffer:
-            self._eval_add(self._retrying(lambda: ray.get(self._eval_refs[0][2])))
+            self._eval_add(self.failover.retrying(lambda: ray.get(self._eval_refs[0][2])))
             self._eval_refs.popleft()
 
     def _eval_add(self, out: dict) -> None:
@@ -289,7 +261,7 @@ class ODLTrainer(BaseTrainer):
         self._training_chunks = 0
         # calls sent to the trainer and not yet finished, oldest first: the trainer
         # runs them in order; the driver prepares the next while one trains
-        training: collections.deque[_Call] = collections.deque()
+        training: collections.deque[Call] = collections.deque()
         self._fifo, self._training = fifo, training
         issued_offsets, next_step = dict(self.offsets), self.step
         self._issued_records = self.records
@@ -316,9 +288,9 @@ class ODLTrainer(BaseTrainer):
                 self._issued_records += sum(c.meta["n"] for c in chunks)
                 size = self.odl.batch_size
                 steps = max(1, max(-(-c.meta["n"] // size) for c in chunks))
-                call = _Call(chunks, next_step, issued_offsets, self._issued_records, steps,
+                call = Call(chunks, next_step, issued_offsets, self._issued_records, steps,
                              [])
-                self._send(call)
+                self.failover.send(call)
                 next_step += steps
                 training.append(call)
                 if self.evals:
@@ -330,7 +302,7 @@ class ODLTrainer(BaseTrainer):
                 if reason is not None:
                     break
                 continue
-            results = self._retrying(lambda: ray.get(training[0].refs))
+            results = self.failover.retrying(lambda: ray.get(training[0].refs))
             done = training.popleft()
             self._training_chunks -= len(done.chunks)
             before = self.step
@@ -356,13 +328,13 @@ class ODLTrainer(BaseTrainer):
         ray.get(self._commit_refs)
         self.published = outs[0]["published"] if outs[0]["published"] is not None else -1
         while self._eval_refs:
-            self._eval_add(self._retrying(lambda: ray.get(self._eval_refs[0][2])))
+            self._eval_add(self.failover.retrying(lambda: ray.get(self._eval_refs[0][2])))
             self._eval_refs.popleft()
         metrics = self._metrics([], start_records, len(fifo), max_in_flight, win_n, win_c,
                                 final=True)
         metrics["stop_reason_end_of_stream"] = float(reason == "end_of_stream")
         metrics["steps"] = float(self.step)
-        metrics["preprocess_replaced"] = float(len(self.retries))
+        metrics["preprocess_replaced"] = float(len(self.failover.retries))
         if self.odl.log_record_ids and self.job_dir:
             from dlrover_plugin_odl.ledger import count
 
@@ -371,131 +343,6 @@ class ODLTrainer(BaseTrainer):
                            retrained=tally["retrained"])
         self.report(self.step, **metrics)
         return metrics
-
-    # ------------------------------------------------------------------ stateless failover
-    def _send(self, call: _Call) -> None:
-        """Send ``call`` to every trainer rank: a rank without a chunk gets rank 0's as
-        its shadow (it joins the DDP collectives on it with a zero gradient). With
-        several ranks and a replaceable preprocess, first wait until the call's
-        batches are ready and process again those a dead rank lost."""
-        if len(self.trainers) > 1 and self.replaceable:
-            for _ in range(MAX_REPLACEMENTS + 1):
-                batches = [c.batch for c in call.chunks]
-                ray.wait(batches, num_returns=len(batches), fetch_local=False)
-                dead = self.groups["preprocess"].dead_ranks()
-                if not any(c.pre in dead for c in call.chunks):
-                    break
-                self._replace({"preprocess": dead}, None, [call])
-            else:
-                raise RuntimeError(f"the batches of trainer step {call.step} were lost "
-                                   f"{MAX_REPLACEMENTS + 1} times")
-        chunks = call.chunks
-        call.refs = [h.call.remote("train_step", call.step,
-                                   chunks[r].batch if r < len(chunks) else None,
-                                   call.offsets, call.records, call.steps,
-                                   None if r < len(chunks) else chunks[0].batch)
-                     for r, h in enumerate(self.trainers)]
-
-    def _retrying(self, get: Callable[[], Any]) -> Any:
-        """``get()``; when it fails and :meth:`recover_preprocess` replaced preprocess
-        ranks (and sent again what was in flight on them), ``get()`` again, at most
-        :data:`MAX_REPLACEMENTS` times."""
-        for n in range(MAX_REPLACEMENTS + 1):
-            try:
-                return get()
-            except Exception as exc:  # noqa: BLE001 - re-raised unless a rank was replaced
-                if n == MAX_REPLACEMENTS or not self.recover_preprocess(exc):
-                    raise
-        raise AssertionError("unreachable")
-
-    def recover_preprocess(self, exc: BaseException, wait_s: float = 20.0) -> bool:
-        """After a call failed (``exc``): when ranks of the replaceable roles
-        (:attr:`replaceable`) are dead, wait for the master's replacements and send
-        again on them what was in flight (:meth:`_replace`); True. False when no such
-        rank is dead (the failure is someone else's: the caller re-raises it and the
-        master restarts the driver).
-
-        Ray may fail a call that needed a dead actor's result a moment before a ping
-        sees the actor dead: the ranks are probed for up to ``wait_s`` seconds when
-        ``exc`` says an actor or an object was lost."""
-        if not self.replaceable:
-            return False
-        lost = any(t in f"{type(exc).__name__} {exc}" for t in
-                   ("ActorDied", "OwnerDied", "ActorError", "ObjectLost", "ActorUnavailable"))
-        deadline = time.monotonic() + (wait_s if lost else 0.0)
-        while True:
-            dead = {r: self.groups[r].dead_ranks() for r in self.replaceable}
-            dead = {r: ranks for r, ranks in dead.items() if ranks}
-            if dead or time.monotonic() >= deadline:
-                break
-            time.sleep(0.2)
-        if not dead:
-            return False
-        self._replace(dead, exc, list(self._training))
-        return True
-
-    def _replace(self, dead: dict[str, list[int]], exc: BaseException | None,
-                 calls: list[_Call]) -> None:
-        """Wait for the replacements of ``dead`` (role -> ranks), process every chunk
-        the dead ranks had (waiting, in ``calls``, in eval) again on them, then send
-        again, in order, the calls of :attr:`_training` from the first that failed
-        (after checking that the trainer is at its step: the calls that failed never
-        ran) and the eval scores that failed.
-
-        Raises:
-            RuntimeError: the trainer is not at the step of the first failed call.
-            TimeoutError: the master did not replace a rank (``await_replacement``).
-        """
-        t0 = time.perf_counter()
-        master = self._master_handle()
-        group = self.groups["preprocess"]
-        for rank in dead.get("preprocess", []):
-            group.await_replacement(master, rank)
-        self.preprocess = list(group.handles)
-        self.__dict__.pop("actor_handles", None)  # it held the old handles
-        redo = set(dead.get("preprocess", []))
-        chunks = [c for c in self._fifo if c.batch is not None]
-        chunks += [c for call in self._training for c in call.chunks]
-        chunks += [c for call in calls for c in call.chunks]
-        chunks += [c for c, _, _ in self._eval_refs]
-        seen: set[int] = set()
-        for c in chunks:
-            if c.pre in redo and id(c) not in seen:
-                seen.add(id(c))
-                self._process(c, c.pre)
-        # the trainer runs its calls in order: let those already sent settle, then send
-        # again the first that failed and every later one (those failed on the step)
-        sent = [call for call in self._training if call.refs]
-        first = None
-        for k, call in enumerate(sent):
-            ray.wait(call.refs, num_returns=len(call.refs))
-            try:
-                ray.get(call.refs)
-            except Exception:  # noqa: BLE001 - sent again below
-                first = k
-                break
-        if first is not None:
-            at = int(ray.get(self.trainers[0].call.remote("resume_state"))["step"])
-            if at != sent[first].step:
-                raise RuntimeError(f"trainer at step {at} after its call for step "
-                                   f"{sent[first].step} failed: it cannot be sent again")
-            for call in sent[first:]:
-                self._send(call)
-        for k, (c, e, ref) in enumerate(self._eval_refs):
-            ray.wait([ref])
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001 - scored again on the replacement's batch
-                self._eval_refs[k] = (c, e, self.evals[e].call.remote("score", c.batch))
-        self.retries.append({"roles": {r: list(v) for r, v in dead.items()},
-                             "resent_calls": 0 if first is None else len(sent) - first,
-                             "reprocessed_chunks": len(seen),
-                             "seconds": round(time.perf_counter() - t0, 3),
-                             "error": "" if exc is None else
-                             f"{type(exc).__name__}: {str(exc)[:200]}"})
-        print(f"[odl driver] {dead} replaced after {time.perf_counter() - t0:.2f} s; "
-              f"{len(seen)} chunks processed again, "
-              f"{self.retries[-1]['resent_calls']} trainer calls sent again", flush=True)
 
     def _master_handle(self) -> Any:
         from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name

@@ -39,6 +39,7 @@ from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_plugin_odl import ledger
 from dlrover_plugin_odl.config import ODLConfig
 from dlrover_plugin_odl.prequential import PrequentialStats
+from dlrover_plugin_odl.source_workload import SourceWorkload
 from dlrover_plugin_odl.steps import batch_slice, prequential_step
 
 declare("odl.save.offsets", "state", "save",
@@ -58,90 +59,15 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-# ---------------------------------------------------------------------------- source
-class SourceWorkload(BaseWorkload):
-    """The ``source`` role: one partition of the stream source named by
-    ``config.odl.source.kind`` (partition = rank)."""
-
-    def setup(self) -> None:
-        from dlrover_core.plugins.manager import get_plugin_manager
-        from dlrover_core.plugins.records import resolve
-
-        self.odl = ODLConfig.from_config(self.config)
-        record = get_plugin_manager().stream_sources.get(self.odl.source.kind)
-        cls = resolve(record.source)
-        self.stream = cls(dict(self.odl.source.options), self.rank, self.world_size,
-                          self.context.job)
-        self._logs: dict[str, Any] = {}   # partition key -> its handed-out log
-
-    def seek(self, position: Any | None, departed: dict | None = None) -> None:
-        """Resume after ``position``; ``departed``: offsets (``str(k) -> position``)
-        of departed partitions this one takes over (see
-        :meth:`StreamSourceBase.take_over`)."""
-        self.stream.seek(position)
-        self.stream.take_over({int(k): v for k, v in (departed or {}).items()})
-
-    def read(self, max_records: int) -> dict:
-        """Read one chunk. Returns its metadata ``{"partition", "key", "n", "first",
-        "last", "end"}`` (``key``: the partition whose offset ``last`` is, ``str``);
-        the records stay in the object store, referenced by ``data``
-        (a one-element list holding the ``ObjectRef``, so the driver never fetches
-        them)."""
-        import ray
-
-        r = self.stream.read(max_records, self.odl.read_timeout_s)
-        # key: the partition whose offset the positions advance (a departed one
-        # taken over, or this one)
-        key = self.rank if r.partition is None else r.partition
-        meta: dict[str, Any] = {"partition": self.rank, "key": str(key),
-                                "n": len(r.records), "end": r.end,
-                                "first": r.positions[0] if r.positions else None,
-                                "last": r.positions[-1] if r.positions else None}
-        if r.records:
-            meta["data"] = [ray.put({"partition": self.rank, "key": str(key),
-                                     "positions": r.positions, "records": r.records})]
-            if self.odl.log_record_ids and self.job_dir:
-                if str(key) not in self._logs:
-                    self._logs[str(key)] = ledger.open_log(self.job_dir, ledger.HANDED_OUT,
-                                                           key)
-                ledger.write_handed_out(self._logs[str(key)], r.positions, [
-                    ledger.record_id(rec, key, pos)
-                    for rec, pos in zip(r.records, r.positions)])
-        return meta
-
-    def commit(self, position: Any, partition: int | None = None) -> None:
-        """A committed checkpoint holds this partition's records up to ``position``
-        (or, with ``partition``, those of that departed partition taken over)."""
-        if partition is None or int(partition) == self.rank:
-            self.stream.commit(position)
-        else:
-            self.stream.commit_taken_over(int(partition), position)
-
-    def stats(self) -> dict[str, float]:
-        return self.stream.stats()
-
-    def teardown(self) -> None:
-        stream = getattr(self, "stream", None)
-        if stream is not None:
-            stream.close()
-        for log in getattr(self, "_logs", {}).values():
-            log.close()
-
-
 # ---------------------------------------------------------------------------- preprocess
 class PreprocessWorkload(BaseWorkload):
     """The ``preprocess`` role: turns a chunk's records into a batch. Stateless, so
     any instance can take any chunk and a restarted one loses nothing."""
 
     def failover_policy(self) -> str:
-        """``roles.<role>.config.failover`` of this role: ``replace`` (the ``odl``
-        template's default: a failed rank is replaced while the driver keeps running
-        and processes the chunks it lost again on the replacement) or ``rollback``
-        (the driver restarts). Asked by the driver once, at start.
-
-        Raises:
-            SpecError: another value.
-        """
+        """``roles.<role>.config.failover``: ``replace`` (the template's default; see
+        :mod:`dlrover_plugin_odl.failover`) or ``rollback`` (the driver restarts); asked
+        by the driver at start. Raises SpecError for another value."""
         from dlrover_core.graph.graph import check_failover_policy
 
         return check_failover_policy(self.role, (self.config or {}).get("failover"))
