@@ -76,10 +76,10 @@ def _check_same_as_unkilled(unkilled, summary, job_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill", ["actor-0", "rollout-1", "driver"])
+@pytest.mark.parametrize("kill", ["actor-0", "critic-0", "rollout-1", "driver"])
 def test_killed_process_ends_where_the_unkilled_run_ends(unkilled, job_dir, kill):
-    """SIGKILL of the actor (stateful: restored to the driver's last commit, the driver
-    rolls back with it), of a rollout rank (its environments restored) or of the driver
+    """SIGKILL of the actor or the critic (stateful: restored to the driver's last
+    commit, the driver rolls back with it), of a rollout rank (its environments restored) or of the driver
     (the roles that ran ahead of its commit roll back): the run's metrics, iteration by
     iteration, equal the unkilled run's, and ``total_env_steps`` is exactly
     iterations x steps per iteration."""
