@@ -204,6 +204,22 @@ class BaseTrainer:
             self.role_commits.rollback(0)
         return state
 
+    @property
+    def master_handle(self) -> Any:
+        """The JobMaster actor handle of this driver's job (looked up once).
+
+        Raises:
+            ValueError: no JobMaster of this job is running (Ray's ``get_actor``).
+        """
+        if self._master is None:
+            import ray
+
+            from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+            self._master = ray.get_actor(master_actor_name(self._context.job),
+                                         namespace=MASTER_NAMESPACE)
+        return self._master
+
     def report(self, step: int, **metrics: float) -> None:
         """Report a finished driver step with scalar metrics to the JobMaster. The
         previous report is waited for first (at most 10 s): the master runs its calls
@@ -213,13 +229,8 @@ class BaseTrainer:
 
         import ray
 
-        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
         self._last_step = int(step)
         if self._last_report is not None:
             ray.wait([self._last_report], timeout=10)
-        if self._master is None:
-            self._master = ray.get_actor(master_actor_name(self._context.job),
-                                         namespace=MASTER_NAMESPACE)
-        self._last_report = self._master.report.remote(
+        self._last_report = self.master_handle.report.remote(
             "driver", 0, int(step), {k: float(v) for k, v in metrics.items()}, time.time())

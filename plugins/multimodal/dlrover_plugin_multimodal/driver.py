@@ -135,17 +135,12 @@ class MultimodalDriver(BaseTrainer):
             return default
         return getattr(self.groups[role], method).options(target="RANK0", blocking=True)()
 
-    def _master_handle(self) -> Any:
-        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
-        return ray.get_actor(master_actor_name(self._context.job), namespace=MASTER_NAMESPACE)
-
     def report_lost(self, reports: list[tuple[int, dict[str, float]]]) -> None:
         """The reports of the last commit that the master never got (the driver died
         between the commit and its reports): sent now, once."""
         if not reports:
             return
-        master = self._master_handle()
+        master = self.master_handle
         seen = int(ray.get(master.status.remote()).get("step", -1))
         for step, metrics in reports:
             if step > seen:
@@ -248,7 +243,7 @@ class MultimodalDriver(BaseTrainer):
             time.sleep(0.2)
         if not dead:
             return []
-        master = self._master_handle()
+        master = self.master_handle
         t0 = time.perf_counter()
         for role, ranks in dead.items():
             for rank in ranks:

@@ -344,11 +344,6 @@ class ODLTrainer(BaseTrainer):
         self.report(self.step, **metrics)
         return metrics
 
-    def _master_handle(self) -> Any:
-        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
-        return ray.get_actor(master_actor_name(self._context.job), namespace=MASTER_NAMESPACE)
-
     def _metrics(self, results: list[dict], start_records: int, in_flight: int,
                  max_in_flight: int, win_n: int, win_c: int,
                  final: bool = False) -> dict[str, float]:

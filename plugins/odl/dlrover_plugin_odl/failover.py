@@ -137,7 +137,7 @@ class PreprocessFailover:
         """
         d = self.d
         t0 = time.perf_counter()
-        master = d._master_handle()
+        master = d.master_handle
         group = d.groups["preprocess"]
         for rank in dead.get("preprocess", []):
             group.await_replacement(master, rank)

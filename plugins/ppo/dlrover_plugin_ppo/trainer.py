@@ -294,11 +294,6 @@ class PPOTrainer(BaseTrainer):
         return getattr(self, f"RG_{role.upper()}").__getattr__(method).options(
             target="RANK0", blocking=True)()
 
-    def _master_handle(self) -> Any:
-        from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
-
-        return ray.get_actor(master_actor_name(self._context.job), namespace=MASTER_NAMESPACE)
-
     def recover_in_place(self, exc: BaseException) -> bool:
         """After a call of the iteration failed: when ranks of ``replace`` roles
         (:attr:`replaceable`: ``roles.<role>.config.failover``) are dead,
@@ -314,7 +309,7 @@ class PPOTrainer(BaseTrainer):
         dead = {r: ranks for r, ranks in dead.items() if ranks}
         if not dead:
             return False
-        master = self._master_handle()
+        master = self.master_handle
         t0 = time.perf_counter()
         for role, ranks in dead.items():
             group = getattr(self, f"RG_{role.upper()}")
