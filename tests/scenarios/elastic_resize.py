@@ -18,6 +18,8 @@ import sys
 from dlrover_core import load_spec
 from dlrover_core.master.events import read_events
 from dlrover_core.testing import master_node_id, multinode_cluster, run_job
+from dlrover_plugin_flashckpt import shm
+from dlrover_plugin_flashckpt.replica_buffers import parse_replica
 
 G, B, STEPS, EVERY = 8, 4, 50, 5
 REMOVE_AT, ADD_AT = 20, 32
@@ -42,6 +44,27 @@ def job_spec(saver: str):
                    "batches_per_shard": 1, "sleep_s": 0.25}})
 
 
+def replicated_step(job_dir: str, rank: int) -> int:
+    """The newest step of trainer ``rank``'s flash save that a replica buffer in
+    ``/dev/shm`` holds complete (every node of this one-machine cluster shares it), for
+    a checkpoint folder under ``job_dir``; -1 when none."""
+    best = -1
+    for name in os.listdir("/dev/shm"):
+        parsed = parse_replica(name)
+        if parsed is None or parsed[0] != rank:
+            continue
+        seg = shm.Segment.attach(os.path.join("/dev/shm", name))
+        if seg is None:
+            continue
+        try:
+            h, ident = seg.read_header(), seg.ident()
+        finally:
+            seg.close()
+        if str(ident.get("dir", "")).startswith(job_dir) and h.state == shm.READY:
+            best = max(best, h.step)
+    return best
+
+
 def main(job_dir: str, saver: str = "disk") -> None:
     seen: dict = {"removed": None, "added": None}
     with multinode_cluster(workers=2, cpus=2, head_cpus=1) as (cluster, workers):
@@ -53,9 +76,19 @@ def main(job_dir: str, saver: str = "disk") -> None:
                 # a trainer node without the JobMaster (Ray puts the master on any node of
                 # this one-machine cluster; losing it is a master restart, not this test)
                 master_node = master_node_id(job_dir)
-                seen["removed"] = next(inst[k]["node_id"] for k in ("trainer-1", "trainer-0")
-                                       if inst[k]["node_id"] != master_node)
-                cluster.remove_node(workers[seen["removed"]])
+                rank, node = next((r, inst[f"trainer-{r}"]["node_id"]) for r in (1, 0)
+                                  if inst[f"trainer-{r}"]["node_id"] != master_node)
+                # with the flash saver, only once the removed rank's save of the step
+                # reached (or of a later one) is replicated on another node: else the
+                # persister can commit a step the replicas lack yet, and the shrink then
+                # rightly loads that newer step from disk (seen on a loaded CI machine)
+                # (waited for until 2 checkpoints before the node joins, at most)
+                if saver == "flash" and step < ADD_AT - 2 * EVERY and \
+                        replicated_step(job_dir, rank) < step // EVERY * EVERY:
+                    return
+                seen["removed"], seen["removed_step"] = node, step
+                seen["replicated"] = replicated_step(job_dir, rank) if saver == "flash" else None
+                cluster.remove_node(workers[node])
             if seen["removed"] is not None and seen["added"] is None and step >= ADD_AT:
                 seen["added"] = cluster.add_node(num_cpus=2).node_id
 
@@ -70,6 +103,8 @@ def main(job_dir: str, saver: str = "disk") -> None:
         with open(path) as f:
             loads = [json.loads(line) for line in f if line.strip()]
     print(json.dumps({"summary": summary, "removed_node": seen["removed"],
+                      "removed_at_step": seen.get("removed_step"),
+                      "replicated_step": seen.get("replicated"),
                       "added_node": seen["added"], "losses": losses, "loads": loads}))
     sys.stdout.flush()
 
