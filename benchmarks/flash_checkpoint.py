@@ -67,6 +67,8 @@ import torch
 
 GIB = float(1 << 30)
 N_TENSORS = 16
+#: lean sizes: the memcpy bound copies the state through one destination of this many MiB
+LEAN_MEMCPY_MIB = 256
 
 
 def make_state(size_mib: int, device: str = "cpu") -> dict:
@@ -173,9 +175,10 @@ class FlashRounds:
     ``sync``: called at the end of each load (a GPU's ``torch.cuda.synchronize``)."""
 
     def __init__(self, job: str, ckpt: str, state: dict,
-                 sync: Callable[[], Any] | None = None) -> None:
+                 sync: Callable[[], Any] | None = None, **options: Any) -> None:
         self.job, self.ckpt, self.state, self.sync = job, ckpt, state, sync
-        self.saver = flash_saver(job, ckpt)
+        self.options = options
+        self.saver = flash_saver(job, ckpt, **options)
         self.step = 0
         self.template = like(state)
         self.fresh: list = []
@@ -185,7 +188,8 @@ class FlashRounds:
         self.saver.save(self.step, self.state)
 
     def load(self) -> None:
-        self.fresh.append(flash_saver(self.job, self.ckpt))  # new mappings, as a restart
+        # new mappings, as a restart
+        self.fresh.append(flash_saver(self.job, self.ckpt, **self.options))
         got = self.fresh[-1].load(self.template)
         assert got == self.step and self.fresh[-1].last_load_source == "memory", got
         if self.sync is not None:
@@ -196,75 +200,106 @@ class FlashRounds:
             self.fresh.pop().close()
 
 
-def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
+def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = False) -> dict:
     """The CPU figures of one size. The in-memory ones (memcpy, flash save, flash load)
     are taken interleaved, one of each per round, so that a change of load on a shared
-    machine hits them alike."""
+    machine hits them alike.
+
+    ``lean`` (a size above ``--full-max-mib``): no second copy of the state beside the
+    saver's one slot, which does not persist during the rounds (``persist_every_steps``
+    out of reach; its newest save is persisted once, untimed, before it closes). Loads
+    and the preadv bound write into the state's own tensors (a restarted trainer's),
+    the bound reads the saver's slot file, and memcpy copies the state through one
+    preallocated destination of :data:`LEAN_MEMCPY_MIB` MiB, reused (still far beyond
+    the caches: a copy from and to memory). The figures that need more copies or savers are
+    ``None``: ``flash_save_unreserved_gib_s``, ``torch_save_fsync_gib_s``,
+    ``torch_load_gib_s``, ``torch_load_warm_gib_s``, ``load_over_torch_load``,
+    ``dcp_save_gib_s``; ``flash_save_first_gib_s`` and ``reserve_s`` come from one
+    saver, not ``repeat``."""
     import torch.distributed.checkpoint as dcp
+
+    from dlrover_plugin_flashckpt import shm
 
     state = make_state(size_mib)
     gib = nbytes(state) / GIB
-    out: dict[str, Any] = {"size_mib": size_mib}
-
-    dst = like(state)
-
-    def memcpy() -> None:
-        for k, v in state["model"].items():
-            dst["model"][k].copy_(v)
+    out: dict[str, Any] = {"size_mib": size_mib, "state_bytes": nbytes(state), "lean": lean}
 
     ckpt = os.path.join(work, f"flash{size_mib}")
-    flash = FlashRounds(job, ckpt, state)
+    options: dict[str, Any] = {"slots": 1, "persist_every_steps": 10**9} if lean else {}
+    flash = FlashRounds(job, ckpt, state, **options)
     saver = flash.saver
+    if lean:  # loads and preadv go into the state itself (a restarted trainer's own tensors)
+        flash.template = dst = state
+        chunk = torch.empty(LEAN_MEMCPY_MIB << 18)  # float32: LEAN_MEMCPY_MIB MiB
+
+        def memcpy() -> None:
+            for v in state["model"].values():
+                flat = v.view(-1)
+                for o in range(0, flat.numel(), chunk.numel()):
+                    part = flat[o:o + chunk.numel()]
+                    chunk[:part.numel()].copy_(part)
+    else:
+        dst = like(state)
+
+        def memcpy() -> None:
+            for k, v in state["model"].items():
+                dst["model"][k].copy_(v)
 
     # the kernel's copy out of shared memory without mapping it, as a load reads: the
     # same bytes in a /dev/shm file, os.preadv of 32 MiB per call over the reader's threads
+    # (lean: the saver's slot file, from its data offset, once the first save is in it)
     from dlrover_plugin_flashckpt.reader import CHUNK, read_pool
 
-    bound_path = f"/dev/shm/flashbench-pread-{os.getpid()}-{size_mib}"
-    with open(bound_path, "wb") as f:
-        for v in state["model"].values():
-            f.write(memoryview(v.numpy()).cast("B"))
-    bound_fd = os.open(bound_path, os.O_RDONLY)
+    bound_path, bound_offset = f"/dev/shm/flashbench-pread-{os.getpid()}-{size_mib}", 0
+    if not lean:
+        with open(bound_path, "wb") as f:
+            for v in state["model"].values():
+                f.write(memoryview(v.numpy()).cast("B"))
     pool = read_pool()
+    bound: list[int] = []
 
     def pread_shm() -> None:
-        parts, pos = [], 0
+        parts, pos = [], bound_offset
         for v in dst["model"].values():
             n = v.numel() * v.element_size()
             parts += [(v.data_ptr() + o, min(CHUNK, n - o), pos + o) for o in range(0, n, CHUNK)]
             pos += n
         for f in [pool.submit(lambda a, n, o: os.preadv(
-                bound_fd, [(ctypes.c_char * n).from_address(a)], o), *p) for p in parts]:
+                bound[0], [(ctypes.c_char * n).from_address(a)], o), *p) for p in parts]:
             assert f.result() > 0
 
     memcpy()  # fault the destination in
-    # the first save of a saver that reserved nothing: it lays out its buffer itself
-    # (one slot, so that the figure is one allocation)
-    cold = flash_saver(job, ckpt + "-cold", slots=1)
-    out["flash_save_unreserved_gib_s"] = gib / median_s(lambda: cold.save(1, state), 1)
-    cold.wait()
-    paths = list(cold.paths)
-    cold.close()
-    for p in paths:
-        os.unlink(p)
-    shutil.rmtree(ckpt + "-cold", ignore_errors=True)
+    if not lean:
+        # the first save of a saver that reserved nothing: it lays out its buffer itself
+        # (one slot, so that the figure is one allocation)
+        cold = flash_saver(job, ckpt + "-cold", slots=1)
+        out["flash_save_unreserved_gib_s"] = gib / median_s(lambda: cold.save(1, state), 1)
+        cold.wait()
+        paths = list(cold.paths)
+        cold.close()
+        for p in paths:
+            os.unlink(p)
+        shutil.rmtree(ckpt + "-cold", ignore_errors=True)
+    else:
+        out["flash_save_unreserved_gib_s"] = None
     # a trainer's start: load() finds no checkpoint and reserves the buffers for this
     # state in the background; the first save comes after (the wait stands for the
     # first training steps)
     def first_save(s: Any) -> tuple[float, float]:
         """(reservation s, first blocking save s) of saver ``s`` that found nothing."""
-        assert s.load(like(state)) is None
+        assert s.load(like(state) if not lean else state) is None
         s.wait_reserved()
         t0 = time.perf_counter()
         s.save(1, state)
         t = time.perf_counter() - t0
         assert not s.last_save["laid_out"]
-        s.wait()
+        if not lean:
+            s.wait()
         return s.last_reserve["seconds"], t
 
     firsts = [first_save(saver)]
     flash.step = 1
-    for i in range(max(repeat, 1) - 1):  # one first save per saver: more savers
+    for i in range(max(repeat, 1) - 1 if not lean else 0):  # one first save per saver
         other = flash_saver(job, f"{ckpt}-first{i}")
         firsts.append(first_save(other))
         paths = list(other.paths)
@@ -275,8 +310,16 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
         shutil.rmtree(f"{ckpt}-first{i}", ignore_errors=True)
     out["reserve_s"] = statistics.median(r for r, _ in firsts)
     first = statistics.median(f for _, f in firsts)
-    flash.save()  # slot 1
-    saver.wait()
+    flash.save()  # slot 1 (lean: slot 0 again)
+    if not lean:
+        saver.wait()
+    else:
+        bound_path = saver.paths[0]
+        seg = shm.Segment.attach(bound_path)
+        assert seg is not None, bound_path
+        bound_offset = seg.read_header().data_offset
+        seg.close()
+    bound.append(os.open(bound_path, os.O_RDONLY))
     flash.load()
     flash.unmap()
     times: dict[str, list[float]] = {"memcpy": [], "save": [], "load": [], "pread": []}
@@ -285,7 +328,8 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
         times["memcpy"].append(median_s(memcpy, 1))
         times["pread"].append(median_s(pread_shm, 1))
         times["save"].append(median_s(flash.save, 1))
-        saver.wait()  # untimed: the persister's write would compete for the cores
+        if not lean:
+            saver.wait()  # untimed: the persister's write would compete for the cores
         times["load"].append(median_s(flash.load, 1))
         flash.unmap()
     out["memcpy_gib_s"] = gib / statistics.median(times["memcpy"])
@@ -297,15 +341,25 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     out["pread_shm_gib_s"] = gib / statistics.median(times["pread"])
     out["load_over_memcpy"] = out["load_memory_gib_s"] / out["memcpy_gib_s"]
     out["load_over_pread_shm"] = out["load_memory_gib_s"] / out["pread_shm_gib_s"]
+    out["load_cold_vs_preadv"] = out["load_over_pread_shm"]
     pool.shutdown()
-    os.close(bound_fd)
-    os.unlink(bound_path)
+    os.close(bound[0])
+    if not lean:
+        os.unlink(bound_path)
     assert torch.equal(flash.template["model"]["layer0.weight"],
                        state["model"]["layer0.weight"])
     del flash, dst
-    saver.close()
+    if lean:
+        saver.wait()  # untimed: persisted once, so that close() leaves no write behind
+    saver.close()  # the caller finishes the job: its buffers go
 
     path = os.path.join(work, f"state{size_mib}.pt")
+    if lean:
+        for k in ("torch_save_fsync_gib_s", "torch_load_gib_s", "load_over_torch_load",
+                  "torch_load_warm_gib_s", "dcp_save_gib_s"):
+            out[k] = None
+        shutil.rmtree(ckpt, ignore_errors=True)
+        return out
 
     def torch_save() -> None:
         with open(path, "wb") as f:
@@ -336,6 +390,145 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str) -> dict:
     shutil.rmtree(dcp_dir, ignore_errors=True)
     shutil.rmtree(ckpt, ignore_errors=True)
     return out
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile``, ``RssShmem`` of a process, in
+    bytes, from ``/proc/<pid>/status`` (Linux)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+class RssSampler:
+    """Samples ``/proc/<pid>/status`` every ``every_s`` seconds in a thread and keeps the
+    peak of each field (``RssAnon``: private memory, ``RssShmem``: shared-memory pages
+    mapped into the process). :meth:`stop` returns the peaks and the kernel's own
+    ``VmHWM`` (the exact peak of the whole resident set), in bytes."""
+
+    def __init__(self, pid: int | str = "self", every_s: float = 0.01) -> None:
+        import threading
+
+        self.pid, self.every_s = pid, every_s
+        self.peak = proc_status(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for k, v in proc_status(self.pid).items():
+                self.peak[k] = max(self.peak.get(k, 0), v)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        for k, v in proc_status(self.pid).items():
+            self.peak[k] = max(self.peak.get(k, 0), v)
+        return dict(self.peak)
+
+
+def write_fsync_s(state: dict, path: str) -> float:
+    """Seconds of a bare sequential write of the state's tensor bytes to a new file at
+    ``path`` (unbuffered ``write`` of each tensor, then ``fsync``); the file is removed
+    after."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for v in state["model"].values():
+            view = memoryview(v.numpy()).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    os.unlink(path)
+    return seconds
+
+
+class TrainerProbe:
+    """A Ray actor that does only what a trainer's checkpointing does, for its peak
+    resident memory: builds the state, saves it with a default flash saver (two slots,
+    every save persisted) ``saves`` times, each waited for until committed, and after
+    each save a bare write+fsync of the same bytes into the checkpoint directory (the
+    same disk as the persister's)."""
+
+    def run(self, size_mib: int, job: str, ckpt: str, saves: int) -> dict:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        base = proc_status()
+        sampler = RssSampler()
+        state = make_state(size_mib)
+        made = proc_status()
+        saver = flash_saver(job, ckpt)
+        writes = []
+        for step in range(1, saves + 1):
+            saver.save(step, state)
+            saver.wait()
+            if step > 1:  # the first save lays out the slot: not a steady persist
+                writes.append(write_fsync_s(state, os.path.join(ckpt, "bare-write")))
+        peak = sampler.stop()
+        saver.close()
+        return {"base": base, "made": made, "peak": peak, "write_fsync_s": writes,
+                "role": saver.context.role, "pid": os.getpid()}
+
+
+def bench_probe(size_mib: int, work: str, job: str, repeat: int) -> dict:
+    """The peak resident memory of a trainer process and of its persister during saves
+    and persists, and the persister's write against a bare write+fsync (see the module
+    docstring). A job of its own (``<job>-p<size>``: a new persister process, so that
+    its ``VmHWM`` covers this size only), finished and its buffers removed at the end."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dlrover_plugin_flashckpt import shm
+    from dlrover_plugin_flashckpt.persister import finish_job, get_persister
+
+    job = f"{job}-p{size_mib}"
+    ckpt = os.path.join(work, f"probe{size_mib}")
+    persister = get_persister(job)
+    ppid = ray.get(persister.ready.remote())["pid"]
+    pbase = proc_status(ppid)
+    psampler = RssSampler(ppid)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    probe = ray.remote(num_cpus=0)(TrainerProbe).options(scheduling_strategy=here).remote()
+    try:
+        got = ray.get(probe.run.remote(size_mib, job, ckpt, repeat + 1))
+        ppeak = psampler.stop()
+        hist = [h for h in ray.get(persister.status.remote())["history"]
+                if h["role"] == got["role"] and h["step"] > 1 and h["committed"]]
+    finally:
+        ray.kill(probe)
+        finish_job(job, timeout=120)
+        for path in shm.list_segments("/dev/shm", shm.job_prefix(job)):
+            os.unlink(path)
+        shutil.rmtree(ckpt, ignore_errors=True)
+    state_bytes = (size_mib << 20) // 4 // N_TENSORS * 4 * N_TENSORS
+    gib = state_bytes / GIB
+    if len(hist) != repeat:
+        raise RuntimeError(f"persister history has {len(hist)} committed steady persists, "
+                           f"expected {repeat}: {hist}")
+    persist = gib / statistics.median(h["seconds"] for h in hist)
+    bare = gib / statistics.median(got["write_fsync_s"])
+    tpeak, tbase = got["peak"], got["base"]
+    return {"persist_gib_s": persist, "write_fsync_gib_s": bare,
+            "persist_vs_write_fsync": persist / bare,
+            "peak_rss_trainer_bytes": tpeak["VmHWM"],
+            "peak_rss_persister_bytes": ppeak["VmHWM"],
+            "rss_detail": {
+                "trainer_base_bytes": tbase["VmRSS"],
+                "trainer_peak_anon_bytes": tpeak["RssAnon"],
+                "trainer_peak_shmem_bytes": tpeak["RssShmem"],
+                # private memory beyond the process's start and the state itself
+                "trainer_extra_anon_bytes": tpeak["RssAnon"] - tbase["RssAnon"] - state_bytes,
+                "persister_base_bytes": pbase["VmRSS"],
+                "persister_peak_anon_bytes": ppeak["RssAnon"],
+                "persister_peak_shmem_bytes": ppeak["RssShmem"],
+                "persister_extra_anon_bytes": ppeak["RssAnon"] - pbase["RssAnon"]}}
 
 
 def bench_replica(size_mib: int, work: str, repeat: int, job: str,
@@ -594,11 +787,35 @@ def _copy_path_line(g: dict) -> str:
             f"load memory -> GPU {g['load_memory_gib_s']:.2f}")
 
 
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _cpu_line(r: dict) -> str:
+    return (f"{r['size_mib']:5d} MiB{' (lean)' if r['lean'] else ''}  memcpy "
+            f"{r['memcpy_gib_s']:6.2f} GiB/s | flash save {r['flash_save_gib_s']:6.2f} (first "
+            f"{r['flash_save_first_gib_s']:.2f}, unreserved "
+            f"{_fmt(r['flash_save_unreserved_gib_s'])}) | torch.save+fsync "
+            f"{_fmt(r['torch_save_fsync_gib_s'])} | dcp {_fmt(r['dcp_save_gib_s'])} | load memory "
+            f"{r['load_memory_gib_s']:6.2f} (pread {r['pread_shm_gib_s']:.2f}) | torch.load disk "
+            f"{_fmt(r['torch_load_gib_s'])} (page cache {_fmt(r['torch_load_warm_gib_s'])}) | "
+            f"persist {r['persist_gib_s']:.2f} (write+fsync {r['write_fsync_gib_s']:.2f}) | "
+            f"peak RSS trainer {r['peak_rss_trainer_bytes'] / GIB:.2f} GiB, persister "
+            f"{r['peak_rss_persister_bytes'] / GIB:.2f} GiB | replica {_fmt(r['replica_gib_s'])} "
+            f"(ray {_fmt(r['replica_ray_gib_s'])}) | restore 2->1 ranks "
+            f"{_fmt(r['restore_other_world_size_s'], '.3f')} s (1->1 "
+            f"{_fmt(r['restore_same_world_size_s'], '.3f')} s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", default="256,1024",
                    help="comma-separated state sizes in MiB (float32)")
     p.add_argument("--repeat", type=int, default=3, help="runs per figure (median)")
+    p.add_argument("--full-max-mib", type=int, default=1024,
+                   help="sizes above this many MiB run lean: no figure that needs a second "
+                        "copy of the state or more savers (those are null; see the module "
+                        "docstring)")
     p.add_argument("--gpu-copy-path", action="store_true",
                    help="only the GPU-resident state, through the save's copy path without "
                         "Ray or a persister (for a GPU machine without Ray)")
@@ -617,6 +834,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--sizes-mib {args.sizes_mib!r}: sizes must be >= 1 MiB")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: use an integer >= 1")
+    if args.full_max_mib < 0:
+        p.error(f"--full-max-mib {args.full_max_mib}: use an integer >= 0 (MiB)")
 
     if args.gpu_d2h or args.gpu_copy_path:  # GPU only, no Ray
         if not torch.cuda.is_available():
@@ -635,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray.cluster_utils import Cluster
 
     from dlrover_core.master.client import init_ray
+    from dlrover_plugin_flashckpt import shm
     from dlrover_plugin_flashckpt.persister import finish_job
 
     ray_tmp = tempfile.mkdtemp(prefix="dlrbench", dir="/tmp")
@@ -651,25 +871,30 @@ def main(argv: list[str] | None = None) -> int:
     results, gpu = [], []
     try:
         for size in sizes:
-            r = bench_cpu(size, work, args.repeat, job)
-            r.update(bench_replica(size, work, max(args.repeat, 3), job))
-            r["replica_over_memcpy"] = r["replica_gib_s"] / r["memcpy_gib_s"]
-            ray_path = bench_replica(size, work, max(args.repeat, 3), job, "ray")
-            r["replica_ray_gib_s"] = ray_path["replica_gib_s"]
-            r["replica_ray_lag_s"] = ray_path["replica_lag_s"]
-            r.update(bench_reshard(size, work, job, max(args.repeat, 3)))
+            lean = size > args.full_max_mib
+            cjob = f"{job}-c{size}"
+            try:
+                r = bench_cpu(size, work, args.repeat, cjob, lean)
+            finally:  # its persister unmaps the buffers: the memory is free again
+                finish_job(cjob, timeout=120)
+                for path in shm.list_segments("/dev/shm", shm.job_prefix(cjob)):
+                    os.unlink(path)
+            r.update(bench_probe(size, work, job, args.repeat))
+            if lean:
+                for k in ("replica_gib_s", "replica_lag_s", "replica_over_memcpy",
+                          "replica_ray_gib_s", "replica_ray_lag_s",
+                          "restore_other_world_size_s", "restore_same_world_size_s",
+                          "restore_other_over_same"):
+                    r[k] = None
+            else:
+                r.update(bench_replica(size, work, max(args.repeat, 3), job))
+                r["replica_over_memcpy"] = r["replica_gib_s"] / r["memcpy_gib_s"]
+                ray_path = bench_replica(size, work, max(args.repeat, 3), job, "ray")
+                r["replica_ray_gib_s"] = ray_path["replica_gib_s"]
+                r["replica_ray_lag_s"] = ray_path["replica_lag_s"]
+                r.update(bench_reshard(size, work, job, max(args.repeat, 3)))
             results.append(r)
-            print(f"{size:5d} MiB  memcpy {r['memcpy_gib_s']:6.2f} GiB/s | flash save "
-                  f"{r['flash_save_gib_s']:6.2f} (first {r['flash_save_first_gib_s']:.2f}, "
-                  f"unreserved {r['flash_save_unreserved_gib_s']:.2f}) | "
-                  f"torch.save+fsync {r['torch_save_fsync_gib_s']:5.2f} | dcp "
-                  f"{r['dcp_save_gib_s']:5.2f} | load memory {r['load_memory_gib_s']:6.2f} (pread "
-                  f"{r['pread_shm_gib_s']:.2f}) | "
-                  f"torch.load disk {r['torch_load_gib_s']:5.2f} (page cache "
-                  f"{r['torch_load_warm_gib_s']:.2f}) | replica {r['replica_gib_s']:.2f} (ray "
-                  f"{r['replica_ray_gib_s']:.2f}) | "
-                  f"restore 2->1 ranks {r['restore_other_world_size_s']:.3f} s (1->1 "
-                  f"{r['restore_same_world_size_s']:.3f} s)", file=sys.stderr, flush=True)
+            print(_cpu_line(r), file=sys.stderr, flush=True)
         if torch.cuda.is_available():
             for size in sizes:
                 g = bench_gpu(size, work, args.repeat, job)

@@ -2,7 +2,7 @@
 controller (:mod:`dlrover_core.master.controller`).
 
 The client calls ``start``, ``status``, ``stop``, ``wait`` and ``shutdown``; workers
-call ``report``, ``checkpoint_loaded`` and ``checkpoint_saved`` (concurrency group
+call ``report`` (or their node's agent ``report_batch``), ``checkpoint_loaded`` and ``checkpoint_saved`` (concurrency group
 ``report``: one at a time, in each sender's order), which go to the progress recorder.
 A new master begins a new run in the job directory (:mod:`dlrover_core.runs`); a
 restarted one goes on with the same run. When Ray restarts
@@ -122,7 +122,16 @@ class JobMaster:
     @ray.method(concurrency_group="report")
     def report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
         """A step report: ``metrics`` name -> float, ``ts`` the worker's unix time (s)."""
-        self.controller.progress.on_report(role, rank, step, metrics, ts)
+        progress = self.controller.progress
+        progress.calls["report" if rank == 0 else "report_rank_n"] += 1
+        progress.on_report(role, rank, step, metrics, ts)
+
+    @ray.method(concurrency_group="report")
+    def report_batch(self, entries: list) -> None:
+        """Step reports of several ranks in one call (a node's agent,
+        :mod:`dlrover_core.runtime.node_reporter`): ``entries`` of ``(role, rank, step,
+        metrics, ts)``, each applied as :meth:`report` applies one."""
+        self.controller.progress.on_batch(entries)
 
     def tuning_sync(self, role: str, rank: int, initial: dict) -> dict | None:
         """A rank of ``role`` starts: the current tuning config as a dict (the first

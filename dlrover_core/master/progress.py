@@ -16,6 +16,7 @@ A per-report extension (coalescing, sampling, a tuner's metric feed) belongs in
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,17 @@ class ProgressRecorder:
         self.tuning: Any = None
         #: the job's ``StragglerDetector`` (set by the controller)
         self.stragglers: Any = None
+        #: report calls by kind: ``report`` (rank 0), ``report_rank_n`` (other ranks,
+        #: directly), ``report_batch`` (a node agent's calls), ``batch_entries``
+        self.calls: collections.Counter = collections.Counter()
+
+    def on_batch(self, entries: list) -> None:
+        """Reports of several ranks (``(role, rank, step, metrics, ts)`` each), applied
+        one by one as :meth:`on_report` applies a single report."""
+        self.calls["report_batch"] += 1
+        self.calls["batch_entries"] += len(entries)
+        for role, rank, step, metrics, ts in entries:
+            self.on_report(role, rank, step, metrics, ts)
 
     def on_report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
         """A step report of ``role``/``rank``: ``metrics`` name -> float; ``ts`` the

@@ -10,7 +10,12 @@ so N ranks stepping at R Hz cost the master N x R calls per second. Now:
   per :func:`report_interval_s`. A step is therefore known to the master at most one
   interval after it ended, and the last step before a rank stops (hangs, blocks in a
   collective) still arrives, with the time it ended: the master can blame the rank
-  whose progress stopped first.
+  whose progress stopped first;
+- with a ``relay`` (:mod:`dlrover_core.runtime.node_reporter`, in roles of many ranks)
+  a non-zero rank hands those coalesced reports to its node's agent, which forwards
+  the newest of all its ranks in one call per interval; a failed agent makes the rank
+  send directly. :meth:`StepReporter.flush` (a run's end) and :meth:`StepReporter.close`
+  always send directly.
 
 Before anything is sent, :class:`~dlrover_core.tuning.metrics.StepClock` fills in the
 step's ``step_s``, ``comm_wait_s`` and ``compute_s`` where the report lacks them, once a
@@ -64,11 +69,17 @@ class StepReporter:
             ``master.report.remote(role, rank, ...)``).
         rank: this rank; 0 sends every report at once.
         interval_s: seconds between coalesced sends of the other ranks.
+        relay: a :class:`~dlrover_core.runtime.node_reporter.NodeRelay` the coalesced
+            reports of a non-zero rank go through (``None``: directly by ``send``).
     """
 
     def __init__(self, send: Callable[[int, dict, float], Any], rank: int,
-                 interval_s: float) -> None:
+                 interval_s: float, relay: Any = None) -> None:
         self._send = send
+        self._relay = relay if rank != 0 else None
+        self._master_step: int | None = None  # the newest step ``send`` sent
+        #: reports handed to the relay
+        self.relayed = 0
         self.rank = rank
         self.interval_s = interval_s
         self._lock = threading.Lock()
@@ -102,10 +113,21 @@ class StepReporter:
             self._thread.start()
 
     def flush(self) -> None:
-        """Send the newest report now if it was not sent yet."""
+        """Send the newest report now, directly, if ``send`` did not send it yet."""
         with self._lock:
             latest = self._latest
-        if latest is not None and latest[0] != self._sent_step:
+        if latest is not None and latest[0] != self._master_step:
+            self._deliver(*latest, direct=True)
+
+    def _flush_due(self) -> None:
+        """The coalescing thread's send: the newest report if it is new, or if its
+        relay lost it."""
+        with self._lock:
+            latest = self._latest
+        if latest is None:
+            return
+        lost = self._relay is not None and self._relay.lost()
+        if lost or latest[0] != self._sent_step:
             self._deliver(*latest)
 
     def close(self) -> None:
@@ -116,9 +138,15 @@ class StepReporter:
         self._closed = True
         self._wake.set()
 
-    def _deliver(self, step: int, metrics: dict, ts: float) -> None:
+    def _deliver(self, step: int, metrics: dict, ts: float, direct: bool = False) -> None:
         self._sent_step = step
         self.sent += 1
+        relay = self._relay
+        if not direct and relay is not None and not relay.lost() and relay.push(
+                step, metrics, ts):
+            self.relayed += 1
+            return
+        self._master_step = step
         self.last_sent = self._send(step, metrics, ts)
 
 
@@ -135,7 +163,7 @@ def _pump(ref: weakref.ref) -> None:
         if reporter is None or reporter._closed:
             return
         try:
-            reporter.flush()
+            reporter._flush_due()
         except Exception:  # noqa: BLE001 - the master is restarting; the next send retries
             pass
         del reporter

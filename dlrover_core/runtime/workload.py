@@ -313,12 +313,15 @@ class BaseWorkload:
             master = self._master_or_none()
             if master is None:
                 return None
+            from dlrover_core.runtime.node_reporter import node_relay
             from dlrover_core.runtime.reporting import StepReporter, report_interval_s
 
-            role, rank = self.role, self.rank
+            role, rank, c = self.role, self.rank, self._context
+            interval = report_interval_s(self.world_size, c.hang_timeout_s)
             reporter = self._reporter = StepReporter(
                 lambda step, m, ts: master.report.remote(role, rank, step, m, ts), rank,
-                report_interval_s(self.world_size, self._context.hang_timeout_s))
+                interval, node_relay(c.job, role, rank, self.world_size,
+                                     c.local_world_size, interval))
         return reporter
 
     def teardown(self) -> None:
