@@ -14,11 +14,16 @@ ranks' sample-id logs (``config.record_samples``). The job's ``max_steps`` is si
 a short calibration job so that the fault-free run takes about 60 % of ``--minutes``.
 
 First the job runs with no faults (same seed, same steps), then with faults. The
-schedule (``random.Random(seed)``) draws each fault's kind from ``--faults``, its time
-in the run and its trigger: ``time`` (at that second of the run, once the job is
-running), ``commit`` (at the first save of a step due for the disk after that time:
-the node's persister is then committing it) or ``recovery`` (at the recovery that the
-fault before it started: a fault inside a recovery). Kinds (:data:`KINDS`):
+schedule (``random.Random(seed)``) draws each fault's kind from ``--faults``, its point
+in the run (a step: the run with faults is slower than the fault-free one, so a time
+drawn from the latter could fall after the end; a step between 5 % and 90 % of
+``max_steps`` cannot) and its trigger: ``time`` (once the job's step reached that
+point and the job is running), ``commit`` (at the first save of a step due for the
+disk after that point: the node's persister is then committing it), ``recovery`` (at
+the recovery that the fault before it started: a fault inside a recovery) or
+``with_previous`` (at once after the fault before it: two faults at the same instant;
+after a ``slow_rank``, which the injector carries out for its whole duration, at its
+end). Kinds (:data:`KINDS`):
 
 - ``kill_rank``: SIGKILL of a trainer rank's process;
 - ``kill_persister``: SIGKILL of a node's flash persister actor process;
@@ -306,23 +311,40 @@ def run_to_end(ch: Chaos, name: str, job_dir: str, over: list[str],
 
 
 # ------------------------------------------------------------------ the schedule
-def make_schedule(seed: int, kinds: list[str], window_s: float, n: int) -> list[dict]:
-    """``n`` faults of ``kinds`` at seeded random times in ``[0.05, 0.9] x window_s``
-    (s from the job's first step), each with its trigger (``time``, ``commit``,
-    ``recovery``; ``recovery`` only after a fault that restarts something), its
-    duration (s; hang, disk_full, slow_rank), the delay before a lost node comes back
-    (s) and ``pick`` (0..1: which candidate target it takes)."""
+def make_schedule(seed: int, kinds: list[str], window_s: float, n: int,
+                  steps: int | None = None) -> list[dict]:
+    """``n`` faults of ``kinds`` at seeded random points ``x`` in ``[0.05, 0.9]`` of the
+    run: ``at_s`` = ``x * window_s`` (s from the job's first step in the fault-free run)
+    and ``at_step`` = ``x * steps`` (the step the job must have reached: the run with
+    faults is slower, so a time would fall after its end; a step cannot). Each fault
+    has its trigger (``time``: at that step; ``commit``; ``recovery``, only after a
+    fault that restarts something; ``with_previous``, about one in six: at the same
+    instant as the fault before it, two faults at once), its duration (s; hang,
+    disk_full, slow_rank), the delay before a lost node comes back (s) and ``pick``
+    (0..1: which candidate target it takes).
+
+    Raises:
+        ValueError: ``n`` < 1 or ``steps`` < 1.
+    """
+    if n < 1 or (steps is not None and steps < 1):
+        raise ValueError(f"n={n!r}, steps={steps!r}: allowed n >= 1 and steps >= 1")
     rng = random.Random(seed)
-    times = sorted(rng.uniform(0.05, 0.9) * window_s for _ in range(n))
+    points = sorted(rng.uniform(0.05, 0.9) for _ in range(n))
     out: list[dict] = []
-    for i, t in enumerate(times):
+    for i, x in enumerate(points):
         kind = rng.choice(kinds)
-        trigger = rng.choices(("time", "commit", "recovery"), (0.5, 0.25, 0.25))[0]
+        trigger = rng.choices(("time", "commit", "recovery", "with_previous"),
+                              (0.4, 0.22, 0.22, 0.16))[0]
         if trigger == "recovery" and not (out and out[-1]["kind"] in RESTARTING | {"kill_master"}):
             trigger = "time"
+        if trigger == "with_previous" and not out:
+            trigger = "time"
+        if trigger == "with_previous":
+            x = points[i] = points[i - 1]
         dur = {"hang_rank": HANG_TIMEOUT_S + 15, "disk_full": rng.uniform(20, 40),
                "slow_rank": rng.uniform(20, 40)}.get(kind, 0.0)
-        out.append({"i": i, "kind": kind, "trigger": trigger, "at_s": round(t, 1),
+        out.append({"i": i, "kind": kind, "trigger": trigger, "at_s": round(x * window_s, 1),
+                    "at_step": None if steps is None else int(x * steps),
                     "duration_s": round(dur, 1), "back_after_s": round(rng.uniform(20, 40), 1),
                     "pick": rng.random()})
     return out
@@ -396,6 +418,7 @@ class Injector:
         st = self.ch.master_status(self.name)
         if st:
             self.pids_seen |= {i["pid"] for i in st["instances"].values() if i.get("pid")}
+            self.last_status = st
         return st
 
     def wait_event(self, pred, since: float, timeout_s: float) -> dict | None:
@@ -436,14 +459,26 @@ class Injector:
             self.sleep(0.5)
         return None
 
+    def step(self) -> int:
+        """The job's step now (the newest step of a rank in the master's status; -1
+        while the master does not answer)."""
+        st = self.status()
+        steps = [i.get("step", -1) for i in (st or {}).get("instances", {}).values()]
+        return max([s for s in steps if isinstance(s, int)] or [-1])
+
     def run(self, schedule: list[dict]) -> None:
         for f in schedule:
-            while self.alive() and time.time() - self.t0 < f["at_s"]:
-                self.sleep(0.5)
+            if f["trigger"] != "with_previous":
+                while self.alive() and (time.time() - self.t0 < f["at_s"]
+                                        if f.get("at_step") is None
+                                        else self.step() < f["at_step"]):
+                    self.sleep(0.5)
             if not self.alive():
                 self.skipped += [dict(g, why="the job had ended") for g in schedule[f["i"]:]]
                 break
-            if f["trigger"] == "recovery" and self.done:
+            if f["trigger"] == "with_previous":
+                pass  # at once after the fault before it: no wait for anything
+            elif f["trigger"] == "recovery" and self.done:
                 if not self.in_recovery(self.done[-1]["ts"], 120):
                     f = dict(f, trigger="time (no recovery under way)")
             elif f["trigger"] == "commit":
@@ -485,8 +520,12 @@ class Injector:
         return items[min(int(pick * len(items)), len(items) - 1)] if items else None
 
     def _rank(self, f: dict) -> tuple[str, dict] | None:
-        st = self.status()
-        cands = [(k, i) for k, i in (st or {}).get("instances", {}).items() if i.get("pid")]
+        """A live rank process to hit: from the master's status, or from the last one
+        it gave while it does not answer (a fault at once after a JobMaster kill); a
+        process a fault at the same instant just killed is not a candidate."""
+        st = self.status() or getattr(self, "last_status", None)
+        cands = [(k, i) for k, i in (st or {}).get("instances", {}).items()
+                 if i.get("pid") and _stat(i["pid"]) is not None]
         return self._pick(cands, f["pick"])
 
     def inject(self, f: dict) -> dict | None:
@@ -844,9 +883,9 @@ def main(argv: list[str] | None = None) -> int:
                       if r.get("event") == "step"), ref["t0"])
         window = max(60.0, ref["t_end"] - first)
         n = args.count or max(3, round(args.minutes))
-        schedule = make_schedule(args.seed, kinds, window, n)
+        schedule = make_schedule(args.seed, kinds, window, n, steps)
         log(f"fault-free run: rc {ref['rc']}, {window:.0f} s of steps; schedule: "
-            + ", ".join(f"{f['kind']}@{f['at_s']}s/{f['trigger']}" for f in schedule))
+            + ", ".join(f"{f['kind']}@step {f['at_step']}/{f['trigger']}" for f in schedule))
         # the run with faults
         ckpt, mounted = ch.ckpt_fs("ckpt-chaos")
         job_dir = os.path.join(work, "job-chaos")

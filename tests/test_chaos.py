@@ -6,7 +6,9 @@ this process's shared test cluster is touched). Its invariants are the assertion
 job succeeded, the final model equals the fault-free run's bit for bit, no sample lost
 or trained twice, every fault recovered in the events, summary.json agrees with them,
 nothing left after cluster down. No timing is asserted: the schedule's times stretch
-with the machine (they are drawn within the fault-free run's duration).
+with the machine (each fault is due at a step of the run, not at a time). Seed 52's
+schedule: a full disk, a node lost at a commit, the JobMaster and a rank SIGKILLed at
+the same instant, a node lost at a commit.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ def test_short_chaos_schedule_has_no_violation(tmp_path):
     result = json.loads(lines[-1])
     assert result["violations"] == [], out.stdout[-6000:] + out.stderr[-3000:]
     assert result["status"] == "succeeded"
-    assert result["faults_injected"] >= 1, result  # a schedule that did nothing proves nothing
+    # every fault of the schedule was made (faults are due at steps before the end),
+    # the two at the same instant included
+    assert result["faults_injected"] == 5, result["skipped"]
+    assert "with_previous" in [f["trigger"] for f in result["faults"]], result["faults"]
     assert result["faults_recovered"] == result["faults_injected"], result
     assert out.returncode == 0
 
@@ -100,3 +105,21 @@ def test_event_check_wants_a_recovery_for_every_fault():
     bad, _, ok = chaos.check_events([fin], steps, [fault], summary)
     assert ok == 0 and any("no recovery_started" in v for v in bad)
     assert any("restarts" in v for v in bad), bad
+
+
+def test_schedule_is_due_at_steps_within_the_run_and_pairs_some_faults():
+    chaos = _chaos()
+    kinds = list(chaos.KINDS)
+    sched = chaos.make_schedule(1, kinds, window_s=600.0, n=30, steps=6000)
+    assert len(sched) == 30
+    at = [f["at_step"] for f in sched]
+    assert at == sorted(at) and 0.05 * 6000 <= at[0] and at[-1] <= 0.9 * 6000
+    pairs = [i for i, f in enumerate(sched) if f["trigger"] == "with_previous"]
+    assert pairs and 0 not in pairs  # some faults at the same instant; never the first
+    assert all(sched[i]["at_step"] == sched[i - 1]["at_step"] for i in pairs)
+    # a recovery trigger only after a fault that starts one
+    assert all(sched[i - 1]["kind"] in chaos.RESTARTING | {"kill_master"}
+               for i, f in enumerate(sched) if f["trigger"] == "recovery")
+    assert chaos.make_schedule(1, kinds, 600.0, 30, 6000) == sched  # the seed fixes it
+    with pytest.raises(ValueError, match="n=0"):
+        chaos.make_schedule(1, kinds, 600.0, 0, 6000)
