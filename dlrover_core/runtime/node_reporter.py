@@ -1,0 +1,233 @@
+"""One step reporter per node: the non-zero ranks of a role hand their newest step
+report to their node's agent, which forwards the newest report of every rank it holds
+to the JobMaster in one call per interval, so the master's report calls grow with
+nodes, not ranks.
+
+- The **agent** (:class:`NodeReporter`) is a named Ray actor per job and node
+  (:func:`agent_name`), pinned to the node (``NodeAffinitySchedulingStrategy``, hard),
+  not detached: it is owned by the rank that created it (``get_if_exists``: the first
+  one) and dies with that rank or with the job. Every ``interval_s`` it sends the
+  reports pushed since its last forward, the newest per rank, as one
+  ``JobMaster.report_batch`` call and waits for the reply; the master applies each
+  entry as it applies a single ``report``, so hang, straggler and progress logic stay
+  per rank. A rank that stops (dead, hung) pushes nothing, so nothing of it is
+  forwarded: the master sees its reports stop, as without an agent. A forward that
+  fails (the master restarts or is gone) keeps its entries for the next one (unless a
+  newer report of the rank came meanwhile) and looks the master up by name again.
+- A **rank** (:class:`NodeRelay`, used by
+  :class:`~dlrover_core.runtime.reporting.StepReporter`) pushes its newest step
+  fire-and-forget. Before each push, and once per interval, it checks the previous push:
+  failed (the agent died) or unanswered for :data:`PUSH_TIMEOUT_S` (stuck) means the
+  rank drops the agent, sends its newest report directly to the master, and goes on
+  directly for :data:`RETRY_S` before it looks for (or creates) its node's agent
+  again. A report the agent acknowledged but had not forwarded when it died is
+  replaced by the rank's next step (sent directly); a rank that makes no further step
+  after that loses that one report.
+- Rank 0 of a role and its final report (``StepReporter.flush``/``close``) always go
+  directly. Roles of fewer than :func:`min_world` ranks, and ranks alone on their node,
+  report directly: an agent process would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+#: environment variable: the smallest world size whose ranks report through agents
+MIN_WORLD_ENV = "DLROVER_NODE_REPORTER_MIN_WORLD"
+DEFAULT_MIN_WORLD = 32
+#: a push the agent has not answered in this many seconds counts as lost (agent stuck)
+PUSH_TIMEOUT_S = 30.0
+#: seconds a rank reports directly after its agent failed, before it looks again
+RETRY_S = 30.0
+#: seconds the agent waits for the master's reply to one forward
+FORWARD_TIMEOUT_S = 30.0
+
+
+def agent_name(job: str, node_id: str) -> str:
+    """The Ray actor name of ``job``'s agent on node ``node_id`` (hex)."""
+    return f"dlrover-node-reporter:{job}:{node_id}"
+
+
+def min_world() -> int:
+    """The smallest world size whose non-zero ranks use agents (``$DLROVER_NODE_REPORTER_
+    MIN_WORLD``, default :data:`DEFAULT_MIN_WORLD`).
+
+    Raises:
+        ValueError: the variable is set to something other than an integer >= 1.
+    """
+    raw = os.environ.get(MIN_WORLD_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MIN_WORLD
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MIN_WORLD_ENV}={raw!r} is invalid; allowed: an integer >= 1")
+    return value
+
+
+class NodeReporter:
+    """The agent of one job on one node (module doc). Made by :func:`get_agent`.
+
+    Args:
+        job: the job name (the master is found by name).
+        interval_s: seconds between forwards.
+    """
+
+    def __init__(self, job: str, interval_s: float) -> None:
+        self.job = job
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], tuple] = {}
+        self._master: Any = None
+        self.calls = 0
+        self.entries = 0
+        self.failed = 0
+        threading.Thread(target=self._loop, name="dlrover-node-reporter", daemon=True).start()
+
+    def push(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
+        """The newest report of ``role``/``rank`` (``ts``: unix s when the step ended)."""
+        with self._lock:
+            old = self._pending.get((role, rank))
+            if old is None or step >= old[2]:
+                self._pending[(role, rank)] = (role, rank, step, metrics, ts)
+
+    def stats(self) -> dict:
+        """``calls`` (forwards the master answered), ``entries`` (reports in them),
+        ``failed`` (forwards that failed), ``pending`` (reports not forwarded yet)."""
+        with self._lock:
+            pending = len(self._pending)
+        return {"calls": self.calls, "entries": self.entries, "failed": self.failed,
+                "pending": pending}
+
+    def forward(self) -> int:
+        """Send the pending reports in one ``report_batch`` call now; returns how many
+        the master acknowledged (0 when none were pending or the call failed)."""
+        import ray
+
+        with self._lock:
+            batch, self._pending = self._pending, {}
+        if not batch:
+            return 0
+        try:
+            if self._master is None:
+                from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+
+                self._master = ray.get_actor(master_actor_name(self.job),
+                                             namespace=MASTER_NAMESPACE)
+            ray.get(self._master.report_batch.remote(list(batch.values())),
+                    timeout=FORWARD_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - master restarting or gone: keep, look up again
+            self._master = None
+            self.failed += 1
+            with self._lock:
+                for key, entry in batch.items():
+                    newer = self._pending.get(key)
+                    if newer is None or newer[2] < entry[2]:
+                        self._pending[key] = entry
+            return 0
+        self.calls += 1
+        self.entries += len(batch)
+        return len(batch)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            self.forward()
+
+
+def get_agent(job: str, interval_s: float, node_id: str | None = None) -> Any:
+    """The handle of ``job``'s agent on ``node_id`` (default: this process's node),
+    created there if it does not exist (owned by this process)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dlrover_core.runtime.context import MASTER_NAMESPACE
+
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    return ray.remote(NodeReporter).options(
+        name=agent_name(job, node_id), namespace=MASTER_NAMESPACE, get_if_exists=True,
+        num_cpus=0, max_restarts=0, max_concurrency=4,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(job, interval_s)
+
+
+class NodeRelay:
+    """One rank's path to its node's agent (module doc).
+
+    Args:
+        job, role, rank: who reports.
+        interval_s: the agent's forward interval (s), for an agent this rank creates.
+    """
+
+    def __init__(self, job: str, role: str, rank: int, interval_s: float) -> None:
+        self.job, self.role, self.rank = job, role, rank
+        self.interval_s = interval_s
+        self._agent: Any = None
+        self._retry_at = 0.0
+        self._last: Any = None
+        self._last_at = 0.0
+        #: how many times this rank gave its agent up
+        self.failures = 0
+
+    def push(self, step: int, metrics: dict, ts: float) -> bool:
+        """Hand a report to the agent; False when there is none to hand it to (send
+        it directly then)."""
+        agent = self._agent_or_none()
+        if agent is None:
+            return False
+        try:
+            self._last = agent.push.remote(self.role, self.rank, step, metrics, ts)
+        except Exception:  # noqa: BLE001 - the handle is unusable
+            self._drop()
+            return False
+        self._last_at = time.time()
+        return True
+
+    def lost(self) -> bool:
+        """Whether the newest push failed or went unanswered for ``PUSH_TIMEOUT_S``: the
+        agent is dropped and the caller sends that report directly."""
+        ref = self._last
+        if ref is None:
+            return False
+        import ray
+
+        ready, _ = ray.wait([ref], timeout=0)
+        if ready:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - the agent died
+                self._drop()
+                return True
+            self._last = None
+            return False
+        if time.time() - self._last_at > PUSH_TIMEOUT_S:
+            self._drop()
+            return True
+        return False
+
+    def _agent_or_none(self) -> Any:
+        if self._agent is None and time.time() >= self._retry_at:
+            try:
+                self._agent = get_agent(self.job, self.interval_s)
+            except Exception:  # noqa: BLE001 - no agent now: direct for a while
+                self._retry_at = time.time() + RETRY_S
+        return self._agent
+
+    def _drop(self) -> None:
+        self._agent = self._last = None
+        self._retry_at = time.time() + RETRY_S
+        self.failures += 1
+
+
+def node_relay(job: str, role: str, rank: int, world_size: int, local_world_size: int,
+               interval_s: float) -> NodeRelay | None:
+    """The relay of a rank that reports through its node's agent, or ``None`` (rank 0,
+    a world smaller than :func:`min_world`, a rank alone on its node)."""
+    if rank == 0 or local_world_size < 2 or world_size < min_world():
+        return None
+    return NodeRelay(job, role, rank, interval_s)

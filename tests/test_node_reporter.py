@@ -1,0 +1,178 @@
+"""One reporter per node (dlrover_core.runtime.node_reporter), on a real local Ray
+cluster with real jobs: the non-zero ranks' reports reach the master in batched calls of
+their node's agent; a killed agent loses no live rank's steps (the ranks report
+directly); a hung rank is still found and blamed by itself. The role env lowers
+``DLROVER_NODE_REPORTER_MIN_WORLD`` to 2 so that 4 ranks use agents."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from dlrover_core import BaseWorkload, DLJobBuilder
+from dlrover_core.master.client import create_master
+from dlrover_core.master.events import read_events
+from dlrover_core.runtime.context import MASTER_NAMESPACE
+from dlrover_core.runtime.node_reporter import MIN_WORLD_ENV, agent_name, min_world
+from dlrover_core.runtime.reporting import StepReporter
+from dlrover_core.testing import poll_status
+
+RANKS = 4
+
+
+class Stepper(BaseWorkload):
+    """Reports ``steps`` steps, one per ``step_s``; rank ``hang_rank`` stops reporting
+    (sleeps in its own code) after step ``hang_step``."""
+
+    def run(self) -> None:
+        cfg = self.config
+        for step in range(int(cfg.steps)):
+            time.sleep(float(cfg.step_s))
+            self.report(step, loss=1.0 / (step + 1))
+            if self.rank == int(cfg.get("hang_rank", -1)) and step == int(cfg.hang_step):
+                time.sleep(3600)
+
+
+def start(name: str, job_dir: str, hang_timeout_s: float = 0, **config) -> object:
+    job = (DLJobBuilder().name(name)
+           .workload("trainer", "tests.test_node_reporter", "Stepper").total(RANKS)
+           .per_node(RANKS).resource(cpu=0.1).env({MIN_WORLD_ENV: "2"}).config(config)
+           .failover(hang_timeout_s=hang_timeout_s, max_restarts=0)
+           .skip_node_check().build())
+    master = create_master(job.spec, job_dir)
+    ray.get(master.start.remote())
+    return master
+
+
+def calls(master) -> dict:
+    return ray.get(master.__ray_call__.remote(
+        lambda self: dict(self.controller.progress.calls)))
+
+
+def last_steps(master) -> dict[int, int]:
+    return ray.get(master.__ray_call__.remote(lambda self: {
+        i.rank: i.last_step for i in self.controller.scope.instances.roles.values()
+        if i.role == "trainer"}))
+
+
+def until(fn, timeout: float = 120.0, every: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"not reached in {timeout} s")
+
+
+def test_min_world_names_bad_values(monkeypatch):
+    monkeypatch.setenv(MIN_WORLD_ENV, "zero")
+    with pytest.raises(ValueError, match=f"{MIN_WORLD_ENV}='zero'.*integer >= 1"):
+        min_world()
+    monkeypatch.setenv(MIN_WORLD_ENV, "8")
+    assert min_world() == 8
+
+
+class FakeRelay:
+    """A relay without Ray: ``pushed`` what it took; ``dead``: its agent failed."""
+
+    def __init__(self) -> None:
+        self.pushed: list[int] = []
+        self.dead = False
+
+    def push(self, step, metrics, ts) -> bool:
+        if self.dead:
+            return False
+        self.pushed.append(step)
+        return True
+
+    def lost(self) -> bool:
+        return self.dead
+
+
+def test_step_reporter_routes_through_its_relay_and_falls_back():
+    direct: list[int] = []
+    relay = FakeRelay()
+    r = StepReporter(lambda step, m, ts: direct.append(step), rank=3, interval_s=0.05,
+                     relay=relay)
+    r.report(0, {})
+    until(lambda: relay.pushed == [0], 10, every=0.01)
+    r.report(1, {})
+    until(lambda: relay.pushed == [0, 1], 10, every=0.01)
+    assert direct == []
+    relay.dead = True  # the agent died: the same step goes directly, then the next ones
+    until(lambda: direct == [1], 10, every=0.01)
+    r.report(2, {})
+    until(lambda: direct == [1, 2], 10, every=0.01)
+    r.close()
+    assert direct == [1, 2]  # the final flush does not repeat what went directly
+    zero = StepReporter(lambda step, m, ts: direct.append(-step), rank=0, interval_s=5,
+                        relay=FakeRelay())
+    zero.report(7, {})
+    assert direct[-1] == -7  # rank 0 never uses a relay
+
+
+def test_flush_sends_directly_what_only_the_relay_got():
+    direct: list[int] = []
+    relay = FakeRelay()
+    r = StepReporter(lambda step, m, ts: direct.append(step), rank=1, interval_s=60,
+                     relay=relay)
+    r.report(5, {})
+    assert relay.pushed == [5] and direct == []
+    r.flush()  # a run's end: the master gets the newest step itself
+    assert direct == [5]
+    r.close()
+    assert direct == [5]
+
+
+@pytest.mark.slow  # a 4-rank job of about 12 s
+def test_batched_and_a_killed_agent_loses_no_steps(ray_cluster, job_dir):
+    steps = 60
+    master = start("nr-batch", job_dir, steps=steps, step_s=0.2)
+    node = poll_status(master, lambda st: st["state"] == "running", 120)
+    # the non-zero ranks' reports come through the agent, in batches, none directly
+    c = until(lambda: (lambda c: c if c.get("batch_entries", 0) >= 3 * (RANKS - 1)
+                       else None)(calls(master)))
+    assert c.get("report_rank_n", 0) == 0, c
+    assert c["batch_entries"] > c["report_batch"], c  # several ranks per call
+    node_id = node["instances"]["trainer-1"]["node_id"]
+    agent = ray.get_actor(agent_name("nr-batch", node_id), namespace=MASTER_NAMESPACE)
+    stats = ray.get(agent.stats.remote())
+    assert stats["calls"] >= 1 and stats["entries"] >= 3 * (RANKS - 1), stats
+    at_kill = last_steps(master)
+    ray.kill(agent, no_restart=True)
+    # the live ranks go on reaching the master (directly now) with the steps between
+    # the kill and their last one (not only their final report), until their last step
+    seen: dict[int, set] = {r: set() for r in range(1, RANKS)}
+
+    def all_done() -> bool:
+        now = last_steps(master)
+        for r in seen:
+            if at_kill[r] < now[r] < steps - 1:
+                seen[r].add(now[r])
+        return now == {r: steps - 1 for r in range(RANKS)}
+
+    until(all_done, 180, every=0.1)
+    assert all(seen.values()), (at_kill, seen)
+    assert calls(master).get("report_rank_n", 0) > 0
+    summary = poll_status(master, lambda st: st["summary"], 120)["summary"]
+    ray.kill(master, no_restart=True)
+    assert summary["status"] == "succeeded", summary["error"]
+
+
+@pytest.mark.slow  # waits out a hang bound
+def test_a_hung_rank_behind_an_agent_is_blamed(ray_cluster, job_dir):
+    master = start("nr-hang", job_dir, steps=400, step_s=0.1, hang_rank=2, hang_step=5,
+                   hang_timeout_s=4)
+    summary = poll_status(master, lambda st: st["summary"], 180)["summary"]
+    c = calls(master)
+    ray.kill(master, no_restart=True)
+    assert c.get("report_batch", 0) >= 1, c  # the ranks did report through the agent
+    failed = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
+              if e["event"] == "instance_failed"]
+    assert failed and failed[0]["kind"] == "hang", failed
+    assert failed[0]["rank"] == 2, failed[0]["message"]
+    assert summary["status"] == "failed"
