@@ -35,6 +35,40 @@ For each state size (float32 tensors, 16 of them per state), in one run:
   same state saved by 1 rank, loaded by 1 (each the median of ``--repeat`` loads, at
   least 3, by new actors); ``restore_other_over_same``: their ratio.
 
+- ``state_bytes``: the bytes of the state's tensors; ``load_cold_vs_preadv``: the same
+  ratio as ``load_over_pread_shm`` (a fresh saver's load from shared memory over the
+  bare preadv bound of the same bytes);
+- the probe of each size, a job of its own: a Ray actor that does only what a trainer's
+  checkpointing does (builds the state, then ``--repeat`` + 1 saves with a flash saver,
+  each persisted and waited for: two slots, one for a lean size) beside a new persister
+  process. ``persist_gib_s``: the state's bytes over the persister's own time for one
+  save (its history's ``seconds``: the shard written with its crc32 and ``fsync``, then
+  the commit), median of the saves after the first; ``write_fsync_gib_s``: a bare
+  sequential ``write`` of the same bytes from the trainer's tensors into a new file in
+  the same checkpoint directory, then ``fsync``, after each of those saves (median);
+  ``persist_vs_write_fsync``: their ratio;
+- ``peak_rss_trainer_bytes`` / ``peak_rss_persister_bytes``: the kernel's ``VmHWM``
+  (peak resident set, ``/proc/<pid>/status``) of the probe's trainer process and of its
+  persister process over their lives: it counts the interpreter, torch and Ray (the
+  process's start, ``rss_detail.trainer_base_bytes`` / ``persister_base_bytes``) and
+  every page of a shared-memory slot the process touched (the trainer writes every
+  slot, the persister reads them), as Linux counts mapped shared pages in the resident
+  set. ``rss_detail`` splits them, sampled every 10 ms from the same file: the peak
+  of ``RssAnon`` (private memory) and of ``RssShmem`` (the mapped slot pages) of each,
+  and ``trainer_extra_anon_bytes`` (peak private memory less the start's and less the
+  state itself) and ``persister_extra_anon_bytes`` (peak private memory less the
+  start's): what a save or a persist allocates beyond the slots, i.e. any second copy.
+
+Sizes above ``--full-max-mib`` (default 1024) run lean, so that a state of 6 GiB fits a
+machine of 24 GiB (the state and one slot of it in memory at a time): ``lean: true`` in
+their figures, and ``None`` for ``flash_save_unreserved_gib_s``,
+``torch_save_fsync_gib_s``, ``torch_load_gib_s``, ``torch_load_warm_gib_s``,
+``load_over_torch_load``, ``dcp_save_gib_s`` (a second copy or more time: a torch.load
+makes a new state) and the ``replica_*`` and ``restore_*`` figures (peer buffers, a state
+per actor); ``flash_save_first_gib_s`` from one saver, and the memcpy bound through a
+reused destination of 256 MiB (see :func:`bench_cpu`). ``probe_slots``: the slots of
+the probe's saver (2; 1 at a lean size).
+
 Each figure is the median of ``--repeat`` runs (at least 5 for the in-memory ones,
 which are interleaved: one memcpy, one save, one load per round). With a CUDA GPU the state is also
 measured GPU-resident (``gpu`` list: device-to-pinned-host copy bound, flash save,
@@ -48,6 +82,7 @@ copy, :mod:`dlrover_plugin_flashckpt.staging`), against ``to_cpu_non_blocking_gi
 a plain ``tensor.to("cpu", non_blocking=True)`` of the same tensors into pinned memory.
 
     .venv/bin/python benchmarks/flash_checkpoint.py [--sizes-mib 256,1024] [--repeat 3]
+        [--full-max-mib 1024]
 """
 
 from __future__ import annotations
@@ -346,8 +381,9 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
     os.close(bound[0])
     if not lean:
         os.unlink(bound_path)
-    assert torch.equal(flash.template["model"]["layer0.weight"],
-                       state["model"]["layer0.weight"])
+    if not lean:  # (lean: the state is its own template; load() checked step and source)
+        assert torch.equal(flash.template["model"]["layer0.weight"],
+                           state["model"]["layer0.weight"])
     del flash, dst
     if lean:
         saver.wait()  # untimed: persisted once, so that close() leaves no write behind
@@ -390,6 +426,15 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
     shutil.rmtree(dcp_dir, ignore_errors=True)
     shutil.rmtree(ckpt, ignore_errors=True)
     return out
+
+
+class CpuBench:
+    """A Ray actor that runs :func:`bench_cpu` (on the benchmark's node), so that a size's
+    memory is returned when the actor is killed."""
+
+    def run(self, size_mib: int, work: str, repeat: int, job: str, lean: bool) -> dict:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        return bench_cpu(size_mib, work, repeat, job, lean)
 
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
@@ -453,18 +498,18 @@ def write_fsync_s(state: dict, path: str) -> float:
 
 class TrainerProbe:
     """A Ray actor that does only what a trainer's checkpointing does, for its peak
-    resident memory: builds the state, saves it with a default flash saver (two slots,
-    every save persisted) ``saves`` times, each waited for until committed, and after
+    resident memory: builds the state, saves it with a flash saver of ``slots`` slots
+    (every save persisted) ``saves`` times, each waited for until committed, and after
     each save a bare write+fsync of the same bytes into the checkpoint directory (the
     same disk as the persister's)."""
 
-    def run(self, size_mib: int, job: str, ckpt: str, saves: int) -> dict:
+    def run(self, size_mib: int, job: str, ckpt: str, saves: int, slots: int) -> dict:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         base = proc_status()
         sampler = RssSampler()
         state = make_state(size_mib)
         made = proc_status()
-        saver = flash_saver(job, ckpt)
+        saver = flash_saver(job, ckpt, slots=slots)
         writes = []
         for step in range(1, saves + 1):
             saver.save(step, state)
@@ -477,7 +522,7 @@ class TrainerProbe:
                 "role": saver.context.role, "pid": os.getpid()}
 
 
-def bench_probe(size_mib: int, work: str, job: str, repeat: int) -> dict:
+def bench_probe(size_mib: int, work: str, job: str, repeat: int, slots: int = 2) -> dict:
     """The peak resident memory of a trainer process and of its persister during saves
     and persists, and the persister's write against a bare write+fsync (see the module
     docstring). A job of its own (``<job>-p<size>``: a new persister process, so that
@@ -497,7 +542,7 @@ def bench_probe(size_mib: int, work: str, job: str, repeat: int) -> dict:
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     probe = ray.remote(num_cpus=0)(TrainerProbe).options(scheduling_strategy=here).remote()
     try:
-        got = ray.get(probe.run.remote(size_mib, job, ckpt, repeat + 1))
+        got = ray.get(probe.run.remote(size_mib, job, ckpt, repeat + 1, slots))
         ppeak = psampler.stop()
         hist = [h for h in ray.get(persister.status.remote())["history"]
                 if h["role"] == got["role"] and h["step"] > 1 and h["committed"]]
@@ -868,18 +913,26 @@ def main(argv: list[str] | None = None) -> int:
     cluster.wait_for_nodes()
     init_ray(cluster.address)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     results, gpu = [], []
     try:
         for size in sizes:
             lean = size > args.full_max_mib
             cjob = f"{job}-c{size}"
+            # in an actor of its own, killed after: whatever a size kept (its state, its
+            # mappings) is gone before the probe and the next size
+            bench = ray.remote(num_cpus=0)(CpuBench).options(scheduling_strategy=here).remote()
             try:
-                r = bench_cpu(size, work, args.repeat, cjob, lean)
+                r = ray.get(bench.run.remote(size, work, args.repeat, cjob, lean))
             finally:  # its persister unmaps the buffers: the memory is free again
+                ray.kill(bench)
                 finish_job(cjob, timeout=120)
                 for path in shm.list_segments("/dev/shm", shm.job_prefix(cjob)):
                     os.unlink(path)
-            r.update(bench_probe(size, work, job, args.repeat))
+            r.update(bench_probe(size, work, job, args.repeat, 1 if lean else 2))
+            r["probe_slots"] = 1 if lean else 2
             if lean:
                 for k in ("replica_gib_s", "replica_lag_s", "replica_over_memcpy",
                           "replica_ray_gib_s", "replica_ray_lag_s",
