@@ -107,6 +107,29 @@ def test_event_check_wants_a_recovery_for_every_fault():
     assert any("restarts" in v for v in bad), bad
 
 
+def test_a_full_disk_needs_its_health_event_only_when_a_persist_was_due_meanwhile():
+    """Seen in a run (seed 7): the disk filled while a rank was hung, no save came while
+    it was full, so nothing hit ENOSPC and no event could report it; a save due for the
+    disk inside the window without a ``health_failing`` event is still a violation."""
+    chaos = _chaos()
+    fault = {"i": 2, "kind": "disk_full", "ts": 100.0, "end_ts": 120.0, "t_rel": 50.0,
+             "target": "/ckpt", "commit_after": {"step": 40, "ts": 130.0}}
+    steps = [{"ts": 125.0, "event": "step", "step": 30}]
+    fin = {"ts": 131.0, "event": "job_finished", "steps": 41, "status": "succeeded"}
+    summary = {"status": "succeeded", "steps": 41, "restarts": {"total": 0},
+               "wall_s": 10.0, "goodput": None}
+    quiet = [{"ts": 99.0, "event": "checkpoint_saved", "step": 20},
+             {"ts": 110.0, "event": "checkpoint_saved", "step": 25}, fin]
+    bad, _, ok = chaos.check_events(quiet, steps, [fault], summary)
+    assert bad == [] and ok == 1, bad
+    due = quiet + [{"ts": 112.0, "event": "checkpoint_saved", "step": 40}]
+    bad, _, ok = chaos.check_events(due, steps, [fault], summary)
+    assert ok == 0 and any("no health_failing" in v for v in bad), bad
+    named = due + [{"ts": 113.0, "event": "health_failing"}]
+    bad, _, ok = chaos.check_events(named, steps, [fault], summary)
+    assert bad == [] and ok == 1, bad
+
+
 def test_schedule_is_due_at_steps_within_the_run_and_pairs_some_faults():
     chaos = _chaos()
     kinds = list(chaos.KINDS)
