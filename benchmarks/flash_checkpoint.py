@@ -69,6 +69,9 @@ per actor); ``flash_save_first_gib_s`` from one saver, and the memcpy bound thro
 reused destination of 256 MiB (see :func:`bench_cpu`). ``probe_slots``: the slots of
 the probe's saver (2; 1 at a lean size).
 
+The figures of :func:`bench_cpu` are taken in a Ray actor of their own per size
+(:class:`CpuBench`), killed after it, so that no size's memory stays for the next.
+
 Each figure is the median of ``--repeat`` runs (at least 5 for the in-memory ones,
 which are interleaved: one memcpy, one save, one load per round). With a CUDA GPU the state is also
 measured GPU-resident (``gpu`` list: device-to-pinned-host copy bound, flash save,
