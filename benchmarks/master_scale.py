@@ -1,7 +1,8 @@
 """Master scale benchmark: N simulated ranks report steps at R Hz to a real JobMaster.
 
     .venv/bin/python benchmarks/master_scale.py                       # N = 100, 1000, 5000 at 1 Hz
-    .venv/bin/python benchmarks/master_scale.py --ranks 1000 --rate-hz 1 --measure-s 20
+    .venv/bin/python benchmarks/master_scale.py --ranks 1000,10000 --measure-s 15
+    .venv/bin/python benchmarks/master_scale.py --ranks 1000 --node-size 0   # no agents
 
 What runs: a local Ray cluster owned by this process; a real JobMaster (created with
 ``create_master``, as ``dlrover submit`` does) running a one-rank job whose worker
@@ -14,18 +15,29 @@ rank 0 every step, every other rank once per ``report_interval_s(N)`` with its n
 step, phases spread evenly over the period. ``--no-coalesce`` sends every step of every
 rank (the behaviour before ``StepReporter``).
 
+With ``--node-size K`` (default 8; 0: off) the ranks are on simulated nodes of K ranks,
+and every rank but rank 0 reports through its node's agent
+(:mod:`dlrover_core.runtime.node_reporter`): each simulated node sends one
+``JobMaster.report_batch`` call per ``report_interval_s(N)`` holding the newest step of
+each of its ranks, as the agent forwards them; rank 0 still reports every step directly.
+
 Baseline, measured in the same run: the same senders, with the same traffic, drive a
 ``ReportSink`` actor whose ``report`` does nothing, created with the master's actor
 options: Ray's own cost of the calls. ``cpu_ratio`` = master CPU / sink CPU.
 
 Figures, per N, over the measurement window (after ``--warmup-s``):
-- ``master_cpu_share``: CPU seconds of the master process (all its threads, from
+- ``master_cpu``: CPU seconds of the master process (all its threads, from
   ``/proc/<pid>/stat``) per wall second; 1.0 = one core busy;
 - ``lag_p50_s``, ``lag_p99_s``: from the sender's ``report.remote()`` to the reply
   being seen by the sender (s);
 - ``sqlite_writes_per_s``: committed JobContext writes (``JobContext.writes``; rows
   changed per s from SQLite's ``total_changes`` on older masters);
-- ``reports_per_s``: reports sent per second.
+- ``reports_per_s``: calls to the master per second (a batch is one call);
+  ``entries_per_s``: rank reports carried by them;
+- ``master_rss_bytes``: the master's resident memory at the end of the window;
+- ``reattach_s``: ``null``: not measured. The simulated ranks have no actors behind them,
+  so a restarted master's re-attach (which probes each rank's actor) cannot be timed
+  for them honestly here.
 
 The machine is shared and small (2 cores here): the senders, the raylet and the master
 compete for the same cores, so figures move from run to run; run it three times.
@@ -71,6 +83,10 @@ class ReportSink:
     def report(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
         return None
 
+    @ray.method(concurrency_group="report")
+    def report_batch(self, entries: list) -> None:
+        return None
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -80,29 +96,36 @@ class RankSimulator:
     """Speaks for ``ranks`` from ``start_at`` (unix s) for ``duration_s``, each rank
     stepping at ``rate_hz`` and sending as ``BaseWorkload.report`` does: rank 0 every
     step; every other rank once per ``interval_s`` (its newest step), phases spread
-    evenly. ``interval_s`` = 0 sends every step of every rank (no coalescing)."""
+    evenly. ``interval_s`` = 0 sends every step of every rank (no coalescing).
+    ``node_size`` > 0: ``ranks`` are node indices instead; each node (ranks
+    ``node * node_size`` ...) sends one ``report_batch`` of its non-zero ranks per
+    ``interval_s``, and node 0's rank 0 reports every step."""
 
     async def run(self, target_name: str, namespace: str, ranks: list[int], n_total: int,
                   rate_hz: float, interval_s: float, start_at: float, duration_s: float,
-                  measure_from: float) -> dict:
+                  measure_from: float, node_size: int = 0) -> dict:
         target = ray.get_actor(target_name, namespace=namespace)
         period = 1.0 / rate_hz
         lags: list[float] = []
         tasks: list[asyncio.Task] = []
-        sent = 0
+        sent = entries = 0
 
         async def track(ref: Any, ts: float, measured: bool) -> None:
             await ref
             if measured:
                 lags.append(time.time() - ts)
 
-        events = []  # (offset s, rank)
+        events = []  # (offset s, rank or -1 - node)
+        n_nodes = -(-n_total // node_size) if node_size else 0
         for r in ranks:
-            every = period if (r == 0 or interval_s <= 0) else interval_s
-            t = (r / n_total) * every
-            while t < duration_s:
-                events.append((t, r))
-                t += every
+            units = [(r, r, n_total)] if not node_size else [(-1 - r, r, n_nodes)] + (
+                [(0, 0, n_total)] if r == 0 else [])
+            for who, index, count in units:
+                every = period if (who == 0 or interval_s <= 0) else interval_s
+                t = (index / count) * every
+                while t < duration_s:
+                    events.append((t, who))
+                    t += every
         events.sort()
         i = 0
         while i < len(events):
@@ -115,14 +138,24 @@ class RankSimulator:
                 offset, rank = events[i]
                 step = int(offset / period)
                 ts = time.time()
-                ref = target.report.remote(SIM_ROLE, rank, step, {"loss": 1.0 / (step + 1)}, ts)
+                metrics = {"loss": 1.0 / (step + 1)}
+                if rank >= 0:
+                    ref = target.report.remote(SIM_ROLE, rank, step, metrics, ts)
+                    carried = 1
+                else:  # a node's agent: the newest step of each of its non-zero ranks
+                    first = (-1 - rank) * node_size
+                    batch = [(SIM_ROLE, r, step, metrics, ts)
+                             for r in range(max(1, first), min(n_total, first + node_size))]
+                    ref = target.report_batch.remote(batch)
+                    carried = len(batch)
                 tasks.append(asyncio.ensure_future(track(ref, ts, ts >= measure_from)))
                 sent += ts >= measure_from
+                entries += carried if ts >= measure_from else 0
                 i += 1
             if len(tasks) > 256:
                 tasks = [t for t in tasks if not t.done()]
         await asyncio.gather(*tasks)
-        return {"lags": lags, "sent": sent}
+        return {"lags": lags, "sent": sent, "entries": entries}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -134,6 +167,15 @@ def cpu_seconds(pid: int) -> float:
 
 def _master_pid(scope: Any) -> int:
     return os.getpid()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (bytes), from ``/proc/<pid>/status``."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _sqlite_writes(master_self: Any) -> int:
@@ -172,7 +214,8 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 def drive(target_name: str, pid: int, n: int, rate_hz: float, interval_s: float, senders: int,
-          warmup_s: float, measure_s: float, sqlite_probe: Any = None) -> dict:
+          warmup_s: float, measure_s: float, sqlite_probe: Any = None,
+          node_size: int = 0) -> dict:
     """Run the senders against ``target_name``; measure the target process ``pid``."""
     from dlrover_core.runtime.context import MASTER_NAMESPACE
 
@@ -180,14 +223,17 @@ def drive(target_name: str, pid: int, n: int, rate_hz: float, interval_s: float,
     ray.get([s.__ray_ready__.remote() for s in sims])
     start_at = time.time() + 1.0
     measure_from = start_at + warmup_s
-    refs = [s.run.remote(target_name, MASTER_NAMESPACE, list(range(i, n, senders)), n,
-                         rate_hz, interval_s, start_at, warmup_s + measure_s, measure_from)
+    units = -(-n // node_size) if node_size else n  # nodes or ranks, spread over senders
+    refs = [s.run.remote(target_name, MASTER_NAMESPACE, list(range(i, units, senders)), n,
+                         rate_hz, interval_s, start_at, warmup_s + measure_s, measure_from,
+                         node_size)
             for i, s in enumerate(sims)]
     time.sleep(max(0.0, measure_from - time.time()))
     cpu0, t0 = cpu_seconds(pid), time.time()
     w0 = sqlite_probe() if sqlite_probe else None
     time.sleep(max(0.0, measure_from + measure_s - time.time()))
     cpu1, t1 = cpu_seconds(pid), time.time()
+    rss = rss_bytes(pid)
     w1 = sqlite_probe() if sqlite_probe else None
     outs = ray.get(refs, timeout=600)
     for s in sims:
@@ -195,7 +241,9 @@ def drive(target_name: str, pid: int, n: int, rate_hz: float, interval_s: float,
     lags = [x for o in outs for x in o["lags"]]
     out = {"cpu_share": round((cpu1 - cpu0) / (t1 - t0), 4),
            "lag_p50_s": _r(percentile(lags, 0.5)), "lag_p99_s": _r(percentile(lags, 0.99)),
-           "reports_per_s": round(sum(o["sent"] for o in outs) / measure_s, 1)}
+           "reports_per_s": round(sum(o["sent"] for o in outs) / measure_s, 1),
+           "entries_per_s": round(sum(o["entries"] for o in outs) / measure_s, 1),
+           "rss_bytes": rss}
     if w0 is not None:
         out["sqlite_writes_per_s"] = round((w1 - w0) / (t1 - t0), 2)
     return out
@@ -206,7 +254,7 @@ def _r(x: float | None) -> float | None:
 
 
 def run_one(n: int, rate_hz: float, coalesce: bool, senders: int, warmup_s: float,
-            measure_s: float, work_dir: str) -> dict:
+            measure_s: float, work_dir: str, node_size: int = 0) -> dict:
     from dlrover_core import DLJobBuilder
     from dlrover_core.master.client import MASTER_MAX_RESTARTS, create_master
     from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
@@ -220,7 +268,7 @@ def run_one(n: int, rate_hz: float, coalesce: bool, senders: int, warmup_s: floa
         name=sink_name, namespace=MASTER_NAMESPACE, max_concurrency=64, num_cpus=0,
         max_restarts=MASTER_MAX_RESTARTS).remote()
     base = drive(sink_name, ray.get(sink.pid.remote()), n, rate_hz, interval_s, senders,
-                 warmup_s, measure_s)
+                 warmup_s, measure_s, node_size=node_size)
     ray.kill(sink)
 
     name = f"scale-{n}"
@@ -237,17 +285,21 @@ def run_one(n: int, rate_hz: float, coalesce: bool, senders: int, warmup_s: floa
     pid = ray.get(master.__ray_call__.remote(_master_pid))
     ours = drive(master_actor_name(name), pid, n, rate_hz, interval_s, senders, warmup_s,
                  measure_s,
-                 lambda: ray.get(master.__ray_call__.remote(_sqlite_writes)))
+                 lambda: ray.get(master.__ray_call__.remote(_sqlite_writes)), node_size)
     st = ray.get(master.status.remote())
     master.stop.remote()
     ray.get(master.wait.remote(60))
     ray.kill(master, no_restart=True)
-    return {"ranks": n, "rate_hz": rate_hz, "report_interval_s": interval_s,
-            "master_cpu_share": ours["cpu_share"],
+    return {"ranks": n, "node_size": node_size, "rate_hz": rate_hz,
+            "report_interval_s": interval_s,
+            "master_cpu": ours["cpu_share"],
             "lag_p50_s": ours["lag_p50_s"], "lag_p99_s": ours["lag_p99_s"],
+            "reattach_s": None,  # not measured: see the module doc
             "sqlite_writes_per_s": ours.get("sqlite_writes_per_s"),
-            "reports_per_s": ours["reports_per_s"],
-            "baseline_cpu_share": base["cpu_share"], "baseline_lag_p99_s": base["lag_p99_s"],
+            "reports_per_s": ours["reports_per_s"], "entries_per_s": ours["entries_per_s"],
+            "master_rss_bytes": ours["rss_bytes"],
+            "baseline_cpu": base["cpu_share"], "baseline_lag_p99_s": base["lag_p99_s"],
+            "baseline_reports_per_s": base["reports_per_s"],
             "cpu_ratio": round(ours["cpu_share"] / base["cpu_share"], 2)
             if base["cpu_share"] > 0 else None,
             "master_step": st["step"]}
@@ -255,7 +307,11 @@ def run_one(n: int, rate_hz: float, coalesce: bool, senders: int, warmup_s: floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[100, 1000, 5000])
+    ap.add_argument("--ranks", nargs="+", default=["100,1000,5000"],
+                    help="rank counts, comma or space separated")
+    ap.add_argument("--node-size", type=int, default=8,
+                    help="ranks per simulated node, each node reporting through one agent "
+                         "(0: every rank reports directly)")
     ap.add_argument("--rate-hz", type=float, default=1.0, help="steps per second per rank")
     ap.add_argument("--senders", type=int, default=4, help="simulator actors")
     ap.add_argument("--no-coalesce", action="store_true",
@@ -264,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-s", type=float, default=12.0)
     ap.add_argument("--cpus", type=int, default=4, help="num_cpus of the local Ray cluster")
     args = ap.parse_args(argv)
+    try:
+        args.ranks = [int(x) for arg in args.ranks for x in str(arg).split(",") if x]
+    except ValueError:
+        ap.error(f"--ranks: {args.ranks!r} is invalid; allowed: integers >= 1, e.g. 1000,10000")
+    if args.node_size < 0:
+        ap.error(f"--node-size: {args.node_size} is invalid; allowed: an integer >= 0")
     for key in ("rate_hz", "warmup_s", "measure_s"):
         if getattr(args, key) <= 0:
             ap.error(f"--{key.replace('_', '-')}: {getattr(args, key)} is invalid; allowed: > 0")
@@ -278,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(None, num_cpus=args.cpus, _temp_dir=temp_dir)
     try:
         runs = [run_one(n, args.rate_hz, not args.no_coalesce, args.senders, args.warmup_s,
-                        args.measure_s, work_dir) for n in args.ranks]
+                        args.measure_s, work_dir, args.node_size) for n in args.ranks]
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -286,10 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     target = next((r for r in runs if r["ranks"] == 1000), None)
     print(json.dumps({
         "benchmark": "master_scale", "rate_hz": args.rate_hz, "senders": args.senders,
-        "coalesce": not args.no_coalesce,
-        "measure_s": args.measure_s, "cpu_count": os.cpu_count(), "runs": runs,
+        "coalesce": not args.no_coalesce, "node_size": args.node_size,
+        "measure_s": args.measure_s, "cpu_count": os.cpu_count(), "rows": runs,
         "target_1000_met": None if target is None else bool(
-            target["master_cpu_share"] < 0.2 and (target["lag_p99_s"] or 0) < 1.0),
+            target["master_cpu"] < 0.2 and (target["lag_p99_s"] or 0) < 1.0),
         "median_cpu_ratio": statistics.median([r["cpu_ratio"] for r in runs
                                                if r["cpu_ratio"] is not None] or [0]),
     }))

@@ -176,3 +176,32 @@ def test_a_hung_rank_behind_an_agent_is_blamed(ray_cluster, job_dir):
     assert failed and failed[0]["kind"] == "hang", failed
     assert failed[0]["rank"] == 2, failed[0]["message"]
     assert summary["status"] == "failed"
+
+
+@pytest.mark.slow  # a master restart mid-run
+def test_agents_report_to_a_restarted_master(ray_cluster, job_dir):
+    steps = 150
+    master = start("nr-restart", job_dir, steps=steps, step_s=0.2)
+    until(lambda: calls(master).get("report_batch", 0) >= 1)
+    old_pid = ray.get(master.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(master, no_restart=False)  # Ray restarts it; it re-attaches from SQLite
+
+    def restarted() -> bool:  # a new master process, running the job again
+        try:
+            pid = ray.get(master.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+            return pid != old_pid and ray.get(master.status.remote())["state"] == "running"
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False  # restarting
+
+    until(restarted, 120, every=0.5)
+    # the new master (its counters start at 0) gets the non-zero ranks' steps from the
+    # agents again, and none of them directly while the ranks run
+    c = until(lambda: (lambda c: c if c.get("batch_entries", 0) >= 3 * (RANKS - 1)
+                       else None)(calls(master)))
+    assert c.get("report_rank_n", 0) == 0, c
+    summary = poll_status(master, lambda st: st["summary"], 180)["summary"]
+    ray.kill(master, no_restart=True)
+    assert summary["status"] == "succeeded", summary["error"]
+    reattached = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
+                  if e["event"] == "master_reattached"]
+    assert reattached and len(reattached[0]["attached"]) == RANKS, reattached
