@@ -106,7 +106,14 @@ def test_unpersisted_buffers_of_a_dead_job_stay_at_the_next_start_until_forced(
     master = create_master(spec(dead, str(tmp_path / "dead"), max_steps=100_000), job_dir)
     ray.get(master.start.remote())
     deadline = time.monotonic() + 600
-    while len(buffers(dead)) < 4:
+    # its buffers laid out, and a save of a whole step in one of them (the buffers
+    # exist before the first save ends: a kill before it leaves none holding a step)
+
+    def holding_now() -> list[str]:
+        return [r["name"] for r in hygiene.describe("/dev/shm")
+                if r.get("job") == dead and r.get("not_persisted")]
+
+    while len(buffers(dead)) < 4 or not holding_now():
         assert time.monotonic() < deadline, "the job did not save"
         time.sleep(0.1)
     # the whole job dies without its end: master, persister and trainers killed
@@ -120,9 +127,8 @@ def test_unpersisted_buffers_of_a_dead_job_stay_at_the_next_start_until_forced(
             pass  # already gone with its owner
     assert len(buffers(dead)) == 4  # left behind
     # the buffers holding a whole step (a save cut short by the kill holds none)
-    holding = sorted(r["name"] for r in hygiene.describe("/dev/shm")
-                     if r.get("job") == dead and r.get("not_persisted"))
-    assert holding
+    holding = sorted(holding_now())
+    assert holding  # a kill cuts short at most the save under way, never a whole one
 
     name = f"flashnext-{uuid.uuid4().hex[:6]}"
     summary = submit_job(spec(name, str(tmp_path / "next"), max_steps=4), job_dir=str(
