@@ -78,7 +78,10 @@ def test_quick_subset_of_the_disk_saver_has_no_violation():
 @pytest.mark.timeout(2400)  # the whole enumeration: about 13 min on 2 busy cores
 def test_every_crash_point_fault_and_rank_count_has_no_violation():
     run, out = harness(timeout=1800)
-    assert out["violations"] == 0, run.stdout[-12000:]
+    # the harness's own lines (each violation, each saver's count), not the tail of
+    # stdout: Ray's notices about the workers the faults killed fill that
+    said = [x for x in run.stdout.splitlines() if x.startswith(("VIOLATION", "# "))]
+    assert out["violations"] == 0, "\n".join(said)[-12000:]
     assert run.returncode == 0
     assert set(out["savers"]) == {"disk", "flash", "odl"}
     assert os.path.exists(HARNESS)
