@@ -115,10 +115,11 @@ class NodeReporter:
             return 0
         try:
             if self._master is None:
-                from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
+                from dlrover_core.runtime.host_base import master_handle
 
-                self._master = ray.get_actor(master_actor_name(self.job),
-                                             namespace=MASTER_NAMESPACE)
+                self._master = master_handle(self.job)
+                if self._master is None:
+                    raise LookupError(f"no JobMaster of job {self.job!r} now")
             ray.get(self._master.report_batch.remote(list(batch.values())),
                     timeout=FORWARD_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - master restarting or gone: keep, look up again
@@ -171,8 +172,6 @@ class NodeRelay:
         self._retry_at = 0.0
         self._last: Any = None
         self._last_at = 0.0
-        #: how many times this rank gave its agent up
-        self.failures = 0
 
     def push(self, step: int, metrics: dict, ts: float) -> bool:
         """Hand a report to the agent; False when there is none to hand it to (send
@@ -221,7 +220,6 @@ class NodeRelay:
     def _drop(self) -> None:
         self._agent = self._last = None
         self._retry_at = time.time() + RETRY_S
-        self.failures += 1
 
 
 def node_relay(job: str, role: str, rank: int, world_size: int, local_world_size: int,

@@ -78,8 +78,6 @@ class StepReporter:
         self._send = send
         self._relay = relay if rank != 0 else None
         self._master_step: int | None = None  # the newest step ``send`` sent
-        #: reports handed to the relay
-        self.relayed = 0
         self.rank = rank
         self.interval_s = interval_s
         self._lock = threading.Lock()
@@ -144,7 +142,6 @@ class StepReporter:
         relay = self._relay
         if not direct and relay is not None and not relay.lost() and relay.push(
                 step, metrics, ts):
-            self.relayed += 1
             return
         self._master_step = step
         self.last_sent = self._send(step, metrics, ts)
