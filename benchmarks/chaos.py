@@ -466,12 +466,17 @@ class Injector:
         steps = [i.get("step", -1) for i in (st or {}).get("instances", {}).values()]
         return max([s for s in steps if isinstance(s, int)] or [-1])
 
+    def reached(self, f: dict) -> bool:
+        """Whether the job reached fault ``f``'s point: its step ``at_step``, or for a
+        schedule without steps its second ``at_s`` since the injector started."""
+        if f.get("at_step") is None:
+            return time.time() - self.t0 >= f["at_s"]
+        return self.step() >= f["at_step"]
+
     def run(self, schedule: list[dict]) -> None:
         for f in schedule:
             if f["trigger"] != "with_previous":
-                while self.alive() and (time.time() - self.t0 < f["at_s"]
-                                        if f.get("at_step") is None
-                                        else self.step() < f["at_step"]):
+                while self.alive() and not self.reached(f):
                     self.sleep(0.5)
             if not self.alive():
                 self.skipped += [dict(g, why="the job had ended") for g in schedule[f["i"]:]]

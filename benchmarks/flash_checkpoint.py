@@ -484,16 +484,13 @@ def write_fsync_s(state: dict, path: str) -> float:
     """Seconds of a bare sequential write of the state's tensor bytes to a new file at
     ``path`` (unbuffered ``write`` of each tensor, then ``fsync``); the file is removed
     after."""
+    from dlrover_core.atomic_io import write_all  # the persister's own write loop
+
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
+    with open(path, "wb", buffering=0) as f:
         for v in state["model"].values():
-            view = memoryview(v.numpy()).cast("B")
-            while view:
-                view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            write_all(f, memoryview(v.numpy()))
+        os.fsync(f.fileno())
     seconds = time.perf_counter() - t0
     os.unlink(path)
     return seconds
