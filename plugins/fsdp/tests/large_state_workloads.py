@@ -1,9 +1,10 @@
 """The workload of ``test_fsdp_large_state`` (imported by Ray workers as
 ``plugins.fsdp.tests.large_state_workloads``): a model whose training state is about
-1 GiB per rank of 2."""
+1 GiB per rank of 2 (2 GiB at world size 1)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -39,6 +40,27 @@ def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).mean()
 
 
+def tensor_digest(t: torch.Tensor, rank: int, world_size: int) -> dict:
+    """The sha256 of the bytes of ``t``'s local part on ``rank`` of ``world_size``
+    (``hex``), its local ``shape`` and the ``rows`` ``[start, end)`` of the full
+    tensor's dim 0 it holds: FSDP2's ``Shard(0)`` splits dim 0 as ``torch.chunk`` does
+    (``ceil(n / world_size)`` rows a rank); a plain tensor (AdamW's ``step``) is whole
+    on every rank. Raises ``AssertionError`` when the local part is not that split."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local.detach().contiguous()
+    if hasattr(t, "to_local") and t.dim() > 0:
+        n = t.shape[0]
+        chunk = -(-n // world_size)
+        start = min(rank * chunk, n)
+        end = min(start + chunk, n)
+        assert local.shape[0] == end - start, (t.shape, local.shape, rank, world_size)
+    else:
+        start, end = 0, (t.shape[0] if t.dim() > 0 else 0)
+    data = local.view(-1).view(torch.uint8).numpy()
+    return {"hex": hashlib.sha256(memoryview(data)).hexdigest(),
+            "shape": list(local.shape), "rows": [start, end]}
+
+
 class LargeState(BaseWorkload):
     """A job workload (``run()``): :class:`Wide` sharded by FSDP2 (one ``fully_shard``
     per layer), AdamW, ``config.max_steps`` steps, saving every
@@ -49,7 +71,13 @@ class LargeState(BaseWorkload):
     ``loaded-<rank>-<attempt>.json``: the step and source of the load and the digest of
     the loaded state. A digest: the float64 sum and the sum of squares of every local
     tensor of the state (parameter shards, both AdamW moments, the steps), and the
-    state's local bytes."""
+    state's local bytes. With ``config.tensor_digests: true`` the digest also has
+    ``tensors``: per tensor of the state (``<param name>`` and
+    ``<param name>.<exp_avg|exp_avg_sq|step>``), :func:`tensor_digest` of the rank's
+    local part. With ``config.slices_of: W`` a load's digest also has ``slices``: per
+    tensor, a list of W ``{"hex", "rows"}``, the sha256 of the full tensor's dim-0
+    rows that rank r of W held (the same split as :func:`tensor_digest`; the tensor
+    must be whole here, as at world size 1)."""
 
     def setup(self) -> None:
         torch.manual_seed(0)
@@ -59,9 +87,11 @@ class LargeState(BaseWorkload):
         self.extra = {"step": 0}
         loaded = self.checkpointer.load(model=self.model, optimizer=self.opt, extra=self.extra)
         if loaded is not None:
-            self._write(f"loaded-{self.rank}-{self.attempt}",
-                        {"step": loaded, "source": self.checkpointer.saver.last_load_source,
-                         **self.digest()})
+            data = {"step": loaded, "source": self.checkpointer.saver.last_load_source,
+                    "world_size": self.world_size, **self.digest()}
+            if self.config.get("slices_of"):
+                data["slices"] = self.slices(int(self.config.slices_of))
+            self._write(f"loaded-{self.rank}-{self.attempt}", data)
 
     def digest(self) -> dict:
         total, squares, nbytes = 0.0, 0.0, 0
@@ -74,7 +104,45 @@ class LargeState(BaseWorkload):
             total += float(d.sum())
             squares += float(d.pow(2).sum())
             nbytes += local.numel() * local.element_size()
-        return {"sum": total, "squares": squares, "bytes": nbytes}
+        out = {"sum": total, "squares": squares, "bytes": nbytes}
+        if self.config.get("tensor_digests", False):
+            out["tensors"] = {name: tensor_digest(t, self.rank, self.world_size)
+                              for name, t in self.named_state().items()}
+        return out
+
+    def slices(self, world_size: int) -> dict[str, list[dict]]:
+        """Per tensor of the state (whole on this rank), the sha256 and ``rows`` of
+        the part that each rank of ``world_size`` holds under FSDP2's split."""
+        out = {}
+        for name, t in self.named_state().items():
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            full = full.detach().contiguous()
+            parts = []
+            for r in range(world_size):
+                if full.dim() == 0:
+                    part, rows = full, [0, 0]
+                else:
+                    n = full.shape[0]
+                    chunk = -(-n // world_size)
+                    start = min(r * chunk, n)
+                    rows = [start, min(start + chunk, n)]
+                    part = full[rows[0]:rows[1]]
+                data = part.contiguous().view(-1).view(torch.uint8).numpy()
+                parts.append({"hex": hashlib.sha256(memoryview(data)).hexdigest(),
+                              "rows": rows})
+            out[name] = parts
+        return out
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the training state by name: the parameters and, per
+        parameter, AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step``."""
+        named = dict(self.model.named_parameters())
+        names = {id(p): n for n, p in named.items()}
+        for p, st in self.opt.state.items():
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    named[f"{names[id(p)]}.{key}"] = v
+        return named
 
     def _write(self, name: str, data: dict) -> None:
         path = os.path.join(str(self.config.out), f"{name}.json")
