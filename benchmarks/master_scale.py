@@ -35,9 +35,23 @@ Figures, per N, over the measurement window (after ``--warmup-s``):
 - ``reports_per_s``: calls to the master per second (a batch is one call);
   ``entries_per_s``: rank reports carried by them;
 - ``master_rss_bytes``: the master's resident memory at the end of the window;
-- ``reattach_s``: ``null``: not measured. The simulated ranks have no actors behind them,
-  so a restarted master's re-attach (which probes each rank's actor) cannot be timed
-  for them honestly here.
+- ``reattach_s`` (with agents only): after the window the master process is SIGKILLed,
+  Ray restarts it, and the new master re-attaches
+  (:mod:`dlrover_core.master.reattach`): the ``seconds`` of its ``master_reattached``
+  event (the job's context read back, the agents asked, the actors probed);
+  ``restart_to_reattached_s``: from the kill to that event (Ray's restart of the actor
+  included); ``reattached`` / ``reattached_from_agents`` / ``reattach_lost``: the
+  instances it attached, those of them from an agent's roster, and those it found
+  lost. Simulation part: the simulated ranks' rows are written to the job's context
+  (node ``simnode-<k>``), and each sender answers as the agent of its nodes: the
+  master learns ``node -> sender`` from the ``report_batch`` calls (as it learns a
+  real agent's name), and a sender's ``roster(node)`` lists that node's ranks with
+  the sender's own handle and pid (alive), as a real agent lists its ranks. So the
+  master's side is real (one look-up and one ``roster`` call per node, the
+  attach of every rank, the watch of every rank's handle); the answering side is
+  four processes instead of one per node.
+- ``master_rss_per_1000_ranks_bytes`` (top level): the master's RSS at the largest N
+  less that at the smallest N of the run, per 1,000 ranks between them (bytes).
 
 The machine is shared and small (2 cores here): the senders, the raylet and the master
 compete for the same cores, so figures move from run to run; run it three times.
@@ -84,7 +98,8 @@ class ReportSink:
         return None
 
     @ray.method(concurrency_group="report")
-    def report_batch(self, entries: list) -> None:
+    def report_batch(self, entries: list, agent: str | None = None,
+                     node_id: str | None = None) -> None:
         return None
 
     def pid(self) -> int:
@@ -101,14 +116,41 @@ class RankSimulator:
     ``node * node_size`` ...) sends one ``report_batch`` of its non-zero ranks per
     ``interval_s``, and node 0's rank 0 reports every step."""
 
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.nodes: dict[str, list[int]] = {}  # simulated node -> its ranks
+        self.newest_step = -1
+        self._stopped: asyncio.Event | None = None
+
+    async def roster(self, node_id: str | None = None) -> list[dict]:
+        """As :meth:`NodeReporter.roster`: the simulated ranks of ``node_id``, each with
+        this actor's handle and pid (the simulation part: module doc)."""
+        me = ray.get_runtime_context().current_actor
+        info = {"node_id": node_id, "ip": "127.0.0.1", "pid": os.getpid()}
+        return [{"role": SIM_ROLE, "rank": r, "actor_name": f"sim-{r}", "handle": me,
+                 "info": info, "step": self.newest_step, "metrics": {},
+                 "alive": os.path.exists(f"/proc/{os.getpid()}")}
+                for r in self.nodes.get(node_id, [])]
+
+    async def wait_run(self) -> None:
+        """The master's watch of a re-attached rank: returns when the actor dies."""
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        await self._stopped.wait()
+
     async def run(self, target_name: str, namespace: str, ranks: list[int], n_total: int,
                   rate_hz: float, interval_s: float, start_at: float, duration_s: float,
                   measure_from: float, node_size: int = 0) -> dict:
         target = ray.get_actor(target_name, namespace=namespace)
+        if node_size:
+            self.nodes = {f"simnode-{k}": list(range(max(1, k * node_size),
+                                                     min(n_total, (k + 1) * node_size)))
+                          for k in ranks}
         period = 1.0 / rate_hz
         lags: list[float] = []
         tasks: list[asyncio.Task] = []
         sent = entries = 0
+        batched: set[int] = set()  # nodes that sent a batch
 
         async def track(ref: Any, ts: float, measured: bool) -> None:
             await ref
@@ -146,7 +188,10 @@ class RankSimulator:
                     first = (-1 - rank) * node_size
                     batch = [(SIM_ROLE, r, step, metrics, ts)
                              for r in range(max(1, first), min(n_total, first + node_size))]
-                    ref = target.report_batch.remote(batch)
+                    ref = target.report_batch.remote(batch, self.name,
+                                                     f"simnode-{-1 - rank}")
+                    self.newest_step = max(self.newest_step, step)
+                    batched.add(-1 - rank)
                     carried = len(batch)
                 tasks.append(asyncio.ensure_future(track(ref, ts, ts >= measure_from)))
                 sent += ts >= measure_from
@@ -155,7 +200,7 @@ class RankSimulator:
             if len(tasks) > 256:
                 tasks = [t for t in tasks if not t.done()]
         await asyncio.gather(*tasks)
-        return {"lags": lags, "sent": sent, "entries": entries}
+        return {"lags": lags, "sent": sent, "entries": entries, "nodes": len(batched)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -192,18 +237,64 @@ def _scope(master_self: Any) -> Any:
     return controller.scope if controller is not None else master_self
 
 
-def _add_sim_ranks(master_self: Any, n: int) -> int:
-    """Enter ``n`` simulated ranks of role ``sim`` into the master's instance table, as
-    running instances without an actor (the simulation part of this benchmark)."""
+def _add_sim_ranks(master_self: Any, n: int, node_size: int = 0) -> int:
+    """Enter ``n`` simulated ranks of role ``sim`` into the master's instance table and
+    its context (one transaction), as running instances without an actor on nodes
+    ``simnode-<rank // node_size>`` (the simulation part of this benchmark)."""
     from dlrover_core.master.instances import Instance, InstanceState
 
     table = _scope(master_self).instances
     now = time.time()
+    rows = []
     for r in range(n):
         inst = Instance(SIM_ROLE, r, None, f"sim-{r}", state=InstanceState.RUNNING,
                         last_report_ts=now)
+        if node_size:
+            inst.node_id = f"simnode-{r // node_size}"
         table.adopt(inst)
+        rows.append(inst.record())
+    table.context.put_instances(rows)
     return n
+
+
+def _forget_sim_handles(master_self: Any) -> int:
+    """Before the job stops: the simulated ranks' handles (the senders) are dropped,
+    so that stopping the job does not kill the senders once per simulated rank."""
+    n = 0
+    for inst in list(_scope(master_self).instances.roles.values()):
+        if inst.role == SIM_ROLE:
+            inst.handle = None
+            n += 1
+    return n
+
+
+def _events(job_dir: str, name: str) -> list[dict]:
+    from dlrover_core.master.events import read_events
+
+    path = os.path.join(job_dir, "events.jsonl")
+    return [e for e in read_events(path) if e["event"] == name] if os.path.exists(path) else []
+
+
+def restart_and_reattach(master: Any, job_dir: str, pid: int, timeout_s: float = 300) -> dict:
+    """SIGKILL the master process ``pid``; Ray restarts it and it re-attaches. Returns
+    the figures of its ``master_reattached`` event (module doc)."""
+    import signal
+
+    before = len(_events(job_dir, "master_reattached"))
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    deadline = t_kill + timeout_s
+    while True:
+        found = _events(job_dir, "master_reattached")
+        if len(found) > before:
+            e = found[-1]
+            return {"reattach_s": e["seconds"],
+                    "restart_to_reattached_s": round(e["ts"] - t_kill, 3),
+                    "reattached": len(e["attached"]), "reattached_from_agents":
+                    e.get("from_agents"), "reattach_lost": len(e["lost"])}
+        if time.time() > deadline:
+            raise RuntimeError(f"the restarted master did not re-attach in {timeout_s} s")
+        time.sleep(0.2)
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -215,11 +306,16 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 def drive(target_name: str, pid: int, n: int, rate_hz: float, interval_s: float, senders: int,
           warmup_s: float, measure_s: float, sqlite_probe: Any = None,
-          node_size: int = 0) -> dict:
-    """Run the senders against ``target_name``; measure the target process ``pid``."""
+          node_size: int = 0, after: Any = None) -> dict:
+    """Run the senders against ``target_name``; measure the target process ``pid``.
+    ``after(nodes)``: called once the senders are done, while they still live, with
+    the number of simulated nodes that sent a batch; its dict is added to the figures."""
     from dlrover_core.runtime.context import MASTER_NAMESPACE
 
-    sims = [RankSimulator.remote() for _ in range(senders)]
+    tag = f"{target_name}-{time.time_ns()}"
+    sims = [RankSimulator.options(name=f"sim-sender-{tag}-{i}",
+                                  namespace=MASTER_NAMESPACE).remote(f"sim-sender-{tag}-{i}")
+            for i in range(senders)]
     ray.get([s.__ray_ready__.remote() for s in sims])
     start_at = time.time() + 1.0
     measure_from = start_at + warmup_s
@@ -236,6 +332,7 @@ def drive(target_name: str, pid: int, n: int, rate_hz: float, interval_s: float,
     rss = rss_bytes(pid)
     w1 = sqlite_probe() if sqlite_probe else None
     outs = ray.get(refs, timeout=600)
+    extra = after(sum(o["nodes"] for o in outs)) if after is not None else {}
     for s in sims:
         ray.kill(s)
     lags = [x for o in outs for x in o["lags"]]
@@ -246,6 +343,7 @@ def drive(target_name: str, pid: int, n: int, rate_hz: float, interval_s: float,
            "rss_bytes": rss}
     if w0 is not None:
         out["sqlite_writes_per_s"] = round((w1 - w0) / (t1 - t0), 2)
+    out.update(extra)
     return out
 
 
@@ -281,12 +379,28 @@ def run_one(n: int, rate_hz: float, coalesce: bool, senders: int, warmup_s: floa
         if time.time() > deadline:
             raise RuntimeError("the benchmark job did not reach running in 120 s")
         time.sleep(0.2)
-    ray.get(master.__ray_call__.remote(_add_sim_ranks, n))
+    ray.get(master.__ray_call__.remote(_add_sim_ranks, n, node_size))
     pid = ray.get(master.__ray_call__.remote(_master_pid))
+    job_dir = os.path.join(work_dir, name)
+
+    def after(want: int) -> dict:
+        if not node_size:
+            return {}
+        # every agent that sent known and persisted (the master flushes every few s)
+        deadline = time.time() + 60
+        while len(ray.get(master.__ray_call__.remote(
+                lambda self: _scope(self).context.get("agents") or {}))) < want:
+            if time.time() > deadline:
+                raise RuntimeError(f"the master did not persist {want} agents in 60 s")
+            time.sleep(0.5)
+        return restart_and_reattach(master, job_dir, pid)
+
     ours = drive(master_actor_name(name), pid, n, rate_hz, interval_s, senders, warmup_s,
                  measure_s,
-                 lambda: ray.get(master.__ray_call__.remote(_sqlite_writes)), node_size)
+                 lambda: ray.get(master.__ray_call__.remote(_sqlite_writes)), node_size,
+                 after)
     st = ray.get(master.status.remote())
+    ray.get(master.__ray_call__.remote(_forget_sim_handles))
     master.stop.remote()
     ray.get(master.wait.remote(60))
     ray.kill(master, no_restart=True)
@@ -294,7 +408,11 @@ def run_one(n: int, rate_hz: float, coalesce: bool, senders: int, warmup_s: floa
             "report_interval_s": interval_s,
             "master_cpu": ours["cpu_share"],
             "lag_p50_s": ours["lag_p50_s"], "lag_p99_s": ours["lag_p99_s"],
-            "reattach_s": None,  # not measured: see the module doc
+            "reattach_s": ours.get("reattach_s"),
+            "restart_to_reattached_s": ours.get("restart_to_reattached_s"),
+            "reattached": ours.get("reattached"),
+            "reattached_from_agents": ours.get("reattached_from_agents"),
+            "reattach_lost": ours.get("reattach_lost"),
             "sqlite_writes_per_s": ours.get("sqlite_writes_per_s"),
             "reports_per_s": ours["reports_per_s"], "entries_per_s": ours["entries_per_s"],
             "master_rss_bytes": ours["rss_bytes"],
@@ -303,6 +421,16 @@ def run_one(n: int, rate_hz: float, coalesce: bool, senders: int, warmup_s: floa
             "cpu_ratio": round(ours["cpu_share"] / base["cpu_share"], 2)
             if base["cpu_share"] > 0 else None,
             "master_step": st["step"]}
+
+
+def _rss_slope(rows: list[dict]) -> int | None:
+    """The master's RSS growth per 1,000 ranks between the smallest and the largest
+    rank count of the run (bytes), or ``None`` with fewer than two counts."""
+    rows = sorted(rows, key=lambda r: r["ranks"])
+    if len(rows) < 2 or rows[-1]["ranks"] == rows[0]["ranks"]:
+        return None
+    return int((rows[-1]["master_rss_bytes"] - rows[0]["master_rss_bytes"])
+               / (rows[-1]["ranks"] - rows[0]["ranks"]) * 1000)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "measure_s": args.measure_s, "cpu_count": os.cpu_count(), "rows": runs,
         "target_1000_met": None if target is None else bool(
             target["master_cpu"] < 0.2 and (target["lag_p99_s"] or 0) < 1.0),
+        "master_rss_per_1000_ranks_bytes": _rss_slope(runs),
         "median_cpu_ratio": statistics.median([r["cpu_ratio"] for r in runs
                                                if r["cpu_ratio"] is not None] or [0]),
     }))

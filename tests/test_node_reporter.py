@@ -7,6 +7,8 @@ directly); a hung rank is still found and blamed by itself. The role env lowers
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -128,6 +130,33 @@ def test_flush_sends_directly_what_only_the_relay_got():
     assert direct == [5]
 
 
+def test_the_roster_names_each_rank_with_its_newest_step_and_whether_it_lives():
+    """What a restarted master reads from an agent (no Ray: the agent's object)."""
+    from dlrover_core.runtime.node_reporter import NodeReporter
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer exists: a dead rank's
+    agent = NodeReporter("job", interval_s=3600, node_id="n1")
+    assert agent.name == agent_name("job", "n1")
+
+    def ident(pid: int, node: str) -> dict:
+        return {"info": {"node_id": node, "ip": "10.0.0.1", "pid": pid},
+                "actor_name": f"actor-{pid}", "handle": None}
+
+    agent.push("trainer", 1, 4, {"loss": 0.5}, 1.0, ident(os.getpid(), "n1"))
+    agent.push("trainer", 1, 6, {"loss": 0.4}, 2.0)  # later pushes carry no identity
+    agent.push("trainer", 1, 5, {"loss": 0.45}, 1.5)  # out of order: not the newest
+    agent.push("trainer", 2, 3, {}, 1.0, ident(gone.pid, "n1"))
+    agent.push("trainer", 3, 3, {}, 1.0)  # never introduced itself: not listed
+    agent.push("trainer", 5, 1, {}, 1.0, ident(os.getpid(), "n2"))
+    roster = {e["rank"]: e for e in agent.roster("n1")}
+    assert sorted(roster) == [1, 2]
+    assert roster[1]["step"] == 6 and roster[1]["metrics"] == {"loss": 0.4}
+    assert roster[1]["alive"] is True and roster[1]["actor_name"] == f"actor-{os.getpid()}"
+    assert roster[2]["alive"] is False
+    assert sorted(e["rank"] for e in agent.roster()) == [1, 2, 5]
+
+
 @pytest.mark.slow  # a 4-rank job of about 12 s
 def test_batched_and_a_killed_agent_loses_no_steps(ray_cluster, job_dir):
     steps = 60
@@ -186,6 +215,10 @@ def test_agents_report_to_a_restarted_master(ray_cluster, job_dir):
     steps = 300
     master = start("nr-restart", job_dir, steps=steps, step_s=0.2)
     until(lambda: calls(master).get("report_batch", 0) >= 1)
+    # the agent that forwarded is known to the master, persisted for its successor
+    agents = until(lambda: ray.get(master.__ray_call__.remote(
+        lambda self: self.controller.scope.context.get("agents"))), 60)
+    assert list(agents.values()) == [agent_name("nr-restart", next(iter(agents)))]
     old_pid = ray.get(master.__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(master, no_restart=False)  # Ray restarts it; it re-attaches from SQLite
 
@@ -208,3 +241,5 @@ def test_agents_report_to_a_restarted_master(ray_cluster, job_dir):
     reattached = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
                   if e["event"] == "master_reattached"]
     assert reattached and len(reattached[0]["attached"]) == RANKS, reattached
+    # ranks 1-3 from their agent's roster, rank 0 (it reports directly) by its own probe
+    assert reattached[0]["from_agents"] == RANKS - 1, reattached

@@ -51,10 +51,20 @@ class JobContext:
 
     def put_instance(self, row: dict) -> None:
         """Insert or replace one ``instances`` row (keys: ``INSTANCE_COLUMNS``)."""
+        self.put_instances([row])
+
+    def put_instances(self, rows: list[dict]) -> None:
+        """Insert or replace ``instances`` rows in one transaction."""
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO instances VALUES (:role, :rank, :actor_name, :node_id,"
-                " :pid, :state, :attempt, :last_step)", row)
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO instances VALUES (:role, :rank, :actor_name,"
+                    " :node_id, :pid, :state, :attempt, :last_step)", rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
             self.writes += 1
 
     def update_instance(self, role: str, rank: int, **fields: Any) -> None:

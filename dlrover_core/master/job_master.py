@@ -127,11 +127,14 @@ class JobMaster:
         progress.on_report(role, rank, step, metrics, ts)
 
     @ray.method(concurrency_group="report")
-    def report_batch(self, entries: list) -> None:
+    def report_batch(self, entries: list, agent: str | None = None,
+                     node_id: str | None = None) -> None:
         """Step reports of several ranks in one call (a node's agent,
         :mod:`dlrover_core.runtime.node_reporter`): ``entries`` of ``(role, rank, step,
-        metrics, ts)``, each applied as :meth:`report` applies one."""
-        self.controller.progress.on_batch(entries)
+        metrics, ts)``, each applied as :meth:`report` applies one. ``agent``: the
+        sender's Ray actor name, ``node_id`` its node (hex): a restarted master asks
+        that agent for the node's ranks."""
+        self.controller.progress.on_batch(entries, agent, node_id)
 
     def tuning_sync(self, role: str, rank: int, initial: dict) -> dict | None:
         """A rank of ``role`` starts: the current tuning config as a dict (the first

@@ -36,6 +36,7 @@ class ProgressRecorder:
         self.metrics_log = EventLog(scope.run_paths.metrics)
         self._last_flush = 0.0
         self._job_dirty = False  # rank 0 moved the job's step since the last flush
+        self._agents_dirty = False  # an agent not yet persisted reported
         #: the job's ``TuningController`` (set by the JobMaster when tuning is on)
         self.tuning: Any = None
         #: the job's ``StragglerDetector`` (set by the controller)
@@ -44,9 +45,16 @@ class ProgressRecorder:
         #: directly), ``report_batch`` (a node agent's calls), ``batch_entries``
         self.calls: collections.Counter = collections.Counter()
 
-    def on_batch(self, entries: list) -> None:
+    def on_batch(self, entries: list, agent: str | None = None,
+                 node_id: str | None = None) -> None:
         """Reports of several ranks (``(role, rank, step, metrics, ts)`` each), applied
-        one by one as :meth:`on_report` applies a single report."""
+        one by one as :meth:`on_report` applies a single report. ``agent``/``node_id``:
+        the Ray actor name of the agent that sent them and its node, remembered in
+        ``scope.agents`` (persisted by :meth:`flush_due`) for a restarted master."""
+        if agent and node_id and self.scope.agents.get(node_id) != agent:
+            with self.scope.lock:
+                self.scope.agents[node_id] = agent
+                self._agents_dirty = True
         self.calls["report_batch"] += 1
         self.calls["batch_entries"] += len(entries)
         for role, rank, step, metrics, ts in entries:
@@ -118,6 +126,10 @@ class ProgressRecorder:
                 s.context.set("progress", {"step": s.step, "metrics": s.metrics})
                 s.context.set("step_times", s.step_times)
                 written += 2
+            if self._agents_dirty:
+                self._agents_dirty = False
+                s.context.set("agents", s.agents)
+                written += 1
         return written
 
     def close(self) -> None:

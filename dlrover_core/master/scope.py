@@ -61,6 +61,10 @@ class JobScope:
     step: int = -1
     metrics: dict[str, float] = field(default_factory=dict)
     step_times: dict[int, float] = field(default_factory=dict)
+    #: node id -> the Ray actor name of the job's step-report agent on that node
+    #: (:mod:`dlrover_core.runtime.node_reporter`), learnt from its forwards; a
+    #: restarted master asks them for their ranks (:mod:`dlrover_core.master.reattach`)
+    agents: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -257,6 +257,7 @@ class WorkloadHost(HostBase):
             pm = self._plugin_manager()
             self.workload._plugins = pm
             self.workload._heal = (heal, live)
+            self.workload._identity = self._identity
             t.append(time.perf_counter())
             if ctx.backend:
                 self.workload._backend = self._backend_session()

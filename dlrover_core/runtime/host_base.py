@@ -96,6 +96,13 @@ class HostBase:
                 "placement_group_id": pg, "assigned_resources": assigned,
                 "device": self.device_assignment()}
 
+    def _identity(self) -> dict:
+        """This actor as its node's step-report agent names it to a restarted master
+        (:meth:`dlrover_core.runtime.node_reporter.NodeReporter.push`)."""
+        ctx = ray.get_runtime_context()
+        return {"info": self.node_info(), "actor_name": ctx.get_actor_name(),
+                "handle": ctx.current_actor}
+
     @ray.method(concurrency_group="monitor")
     def ping(self) -> float:
         return time.time()

@@ -23,6 +23,12 @@ nodes, not ranks.
   again. A report the agent acknowledged but had not forwarded when it died is
   replaced by the rank's next step (sent directly); a rank that makes no further step
   after that loses that one report.
+- **Re-attach**: a rank's first push to an agent carries its identity (its actor's
+  ``node_info``, Ray actor name and handle). The agent names itself and its node in
+  every forward, so the master knows which agent serves which node; a restarted
+  master asks each known agent once for its node's ranks (:meth:`NodeReporter.roster`:
+  identity, newest step, and whether the rank's process still exists) instead of
+  probing each rank (:mod:`dlrover_core.master.reattach`).
 - Rank 0 of a role and its final report (``StepReporter.flush``/``close``) always go
   directly. Roles of fewer than :func:`min_world` ranks, and ranks alone on their node,
   report directly: an agent process would cost more than it saves.
@@ -76,25 +82,59 @@ class NodeReporter:
     Args:
         job: the job name (the master is found by name).
         interval_s: seconds between forwards.
+        node_id: the node it runs on (hex); its name is ``agent_name(job, node_id)``.
     """
 
-    def __init__(self, job: str, interval_s: float) -> None:
+    def __init__(self, job: str, interval_s: float, node_id: str = "") -> None:
         self.job = job
         self.interval_s = interval_s
+        self.node_id = node_id
+        self.name = agent_name(job, node_id)
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], tuple] = {}
+        #: (role, rank) -> {"identity": ..., "step": ..., "metrics": ...}: every rank
+        #: that pushed with its identity, for :meth:`roster`
+        self._ranks: dict[tuple[str, int], dict] = {}
         self._master: Any = None
         self.calls = 0
         self.entries = 0
         self.failed = 0
         threading.Thread(target=self._loop, name="dlrover-node-reporter", daemon=True).start()
 
-    def push(self, role: str, rank: int, step: int, metrics: dict, ts: float) -> None:
-        """The newest report of ``role``/``rank`` (``ts``: unix s when the step ended)."""
+    def push(self, role: str, rank: int, step: int, metrics: dict, ts: float,
+             identity: dict | None = None) -> None:
+        """The newest report of ``role``/``rank`` (``ts``: unix s when the step ended).
+        ``identity`` (a rank's first push): ``{"info": its actor's node_info(),
+        "actor_name": str, "handle": its actor handle}``."""
         with self._lock:
             old = self._pending.get((role, rank))
             if old is None or step >= old[2]:
                 self._pending[(role, rank)] = (role, rank, step, metrics, ts)
+            known = self._ranks.get((role, rank))
+            if identity is not None:
+                known = self._ranks[(role, rank)] = {"identity": identity, "step": -1,
+                                                     "metrics": {}}
+            if known is not None and step >= known["step"]:
+                known["step"], known["metrics"] = step, metrics
+
+    def roster(self, node_id: str | None = None) -> list[dict]:
+        """The ranks that pushed to this agent with their identity, for a restarted
+        master: per rank ``role``, ``rank``, ``actor_name``, ``handle``, ``info`` (its
+        ``node_info()``), ``step`` and ``metrics`` (its newest push) and ``alive``
+        (its process still exists on this node: ``kill(pid, 0)``). ``node_id``: only
+        that node's ranks (all of an agent's ranks are on its node)."""
+        with self._lock:
+            ranks = list(self._ranks.items())
+        out = []
+        for (role, rank), known in ranks:
+            ident = known["identity"]
+            info = ident["info"]
+            if node_id is not None and info.get("node_id") != node_id:
+                continue
+            out.append({"role": role, "rank": rank, "actor_name": ident["actor_name"],
+                        "handle": ident["handle"], "info": info, "step": known["step"],
+                        "metrics": known["metrics"], "alive": _pid_alive(info["pid"])})
+        return out
 
     def stats(self) -> dict:
         """``calls`` (forwards the master answered), ``entries`` (reports in them),
@@ -120,7 +160,8 @@ class NodeReporter:
                 self._master = master_handle(self.job)
                 if self._master is None:
                     raise LookupError(f"no JobMaster of job {self.job!r} now")
-            ray.get(self._master.report_batch.remote(list(batch.values())),
+            ray.get(self._master.report_batch.remote(list(batch.values()), self.name,
+                                                     self.node_id),
                     timeout=FORWARD_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - master restarting or gone: keep, look up again
             self._master = None
@@ -154,7 +195,18 @@ def get_agent(job: str, interval_s: float, node_id: str | None = None) -> Any:
         name=agent_name(job, node_id), namespace=MASTER_NAMESPACE, get_if_exists=True,
         num_cpus=0, max_restarts=0, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(job, interval_s)
+    ).remote(job, interval_s, node_id)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this node)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
 
 
 class NodeRelay:
@@ -163,11 +215,18 @@ class NodeRelay:
     Args:
         job, role, rank: who reports.
         interval_s: the agent's forward interval (s), for an agent this rank creates.
+        identity: returns this rank's identity for the agent's roster
+            (:meth:`NodeReporter.push`), sent with the first push to each agent;
+            ``None``: none is sent (the agent cannot name this rank to a restarted
+            master, which then probes the rank itself).
     """
 
-    def __init__(self, job: str, role: str, rank: int, interval_s: float) -> None:
+    def __init__(self, job: str, role: str, rank: int, interval_s: float,
+                 identity: Any = None) -> None:
         self.job, self.role, self.rank = job, role, rank
         self.interval_s = interval_s
+        self._identity = identity
+        self._introduced = False  # the current agent has this rank's identity
         self._agent: Any = None
         self._retry_at = 0.0
         self._last: Any = None
@@ -179,11 +238,18 @@ class NodeRelay:
         agent = self._agent_or_none()
         if agent is None:
             return False
+        ident = None
+        if not self._introduced and self._identity is not None:
+            try:
+                ident = self._identity()
+            except Exception:  # noqa: BLE001 - not in an actor: the master probes it
+                self._identity = None
         try:
-            self._last = agent.push.remote(self.role, self.rank, step, metrics, ts)
+            self._last = agent.push.remote(self.role, self.rank, step, metrics, ts, ident)
         except Exception:  # noqa: BLE001 - the handle is unusable
             self._drop()
             return False
+        self._introduced = True
         self._last_at = time.time()
         return True
 
@@ -219,13 +285,15 @@ class NodeRelay:
 
     def _drop(self) -> None:
         self._agent = self._last = None
+        self._introduced = False
         self._retry_at = time.time() + RETRY_S
 
 
 def node_relay(job: str, role: str, rank: int, world_size: int, local_world_size: int,
-               interval_s: float) -> NodeRelay | None:
+               interval_s: float, identity: Any = None) -> NodeRelay | None:
     """The relay of a rank that reports through its node's agent, or ``None`` (rank 0,
-    a world smaller than :func:`min_world`, a rank alone on its node)."""
+    a world smaller than :func:`min_world`, a rank alone on its node). ``identity``:
+    see :class:`NodeRelay`."""
     if rank == 0 or local_world_size < 2 or world_size < min_world():
         return None
-    return NodeRelay(job, role, rank, interval_s)
+    return NodeRelay(job, role, rank, interval_s, identity)

@@ -321,7 +321,8 @@ class BaseWorkload:
             reporter = self._reporter = StepReporter(
                 lambda step, m, ts: master.report.remote(role, rank, step, m, ts), rank,
                 interval, node_relay(c.job, role, rank, self.world_size,
-                                     c.local_world_size, interval))
+                                     c.local_world_size, interval,
+                                     getattr(self, "_identity", None)))
         return reporter
 
     def teardown(self) -> None:
