@@ -14,10 +14,12 @@ Every rank lists the complete saves it can read from memory: its own slots, with
 buffers of every saved rank, of this or another world size, on this node (its slots
 and the replicas it holds; :mod:`.reshard`). When all ranks hold a common step that
 is not older than the newest committed step on disk, each rank reads it into the live
-state in place, ``pread`` straight into the live tensors (:mod:`.reader`; checks:
-state, step, crc32 of the meta block, the tensor table against the live tensors, the
-slot's sequence number before and after the copy; with ``verify_memory: data`` also
-the crc32 of the data), or resharded when the world size or the layout differs.
+state in place: a copy from its own mapping of the buffer when this process filled
+that mapping's page tables (it saved through it: an in-place survivor), else
+``pread`` straight into the live tensors (:mod:`.reader`), or resharded when the
+world size or the layout differs. Checks: state, step, crc32 of the meta block, the
+tensor table against the live tensors, the slot's sequence number before and after
+the copy; with ``verify_memory: data`` also the crc32 of the data.
 Otherwise, or when any rank fails, the newest committed step whose files match the
 manifest is loaded (resharded when its world size or layout differs); a corrupt step
 is skipped with a warning. After a load, the buffers are reserved in the background
@@ -31,6 +33,8 @@ import os
 import re
 import zlib
 from typing import Any
+
+import torch
 
 from dlrover_core.checkpoint.manifest import CheckpointLoadError, CorruptCheckpointError
 from dlrover_core.checkpoint.saver import quarantine, step_dir_name
@@ -73,6 +77,10 @@ class Loader:
         self.pool, self.group, self.replicas, self.relayout = pool, group, replicas, relayout
         self.opts, self.dir = opts, directory
         self.rank, self.world_size = group.rank, group.world_size
+        #: how the newest load from this rank's own buffer read the data: ``"mapping"``
+        #: (a copy from this process's populated mapping) or ``"pread"``; ``None``
+        #: before any
+        self.last_memory_read: str | None = None
 
     def _memory_steps(self) -> dict[tuple[int, str], int]:
         """``(step, attempt tag) -> slot`` of the complete saves this rank's buffers
@@ -115,11 +123,31 @@ class Loader:
             else:
                 log.info("%s: no data crc32 recorded yet (not persisted); header checks only",
                          where)
+        # warm: this process mapped the buffer with its page tables filled (its own
+        # saves went through it), so a contiguous CPU or GPU tensor is copied from the
+        # mapping (a memcpy); otherwise pread into it (no page tables to fill)
+        warm = seg.populated
+        self.last_memory_read = "mapping" if warm else "pread"
         with ShardReader(seg.path, h.data_offset) as rd:
             if os.fstat(rd.fd).st_ino != seg.inode:
                 raise TornRead(f"{where} was replaced while it was read")
-            layout.restore(state_dict, m["skeleton"], m["table"], None, where,
-                           fill=lambda e, dst: rd.submit(dst, e.offset))
+
+            def fill(e: Any, dst: Any) -> None:
+                nbytes = dst.numel() * dst.element_size()
+                if not warm or not dst.is_contiguous():
+                    rd.submit(dst, e.offset)
+                    return
+                if e.offset < 0 or e.offset + nbytes > h.data_len:
+                    raise CorruptCheckpointError(
+                        f"{where}: tensor at bytes {e.offset}-{e.offset + nbytes} lies "
+                        f"outside the data block of {h.data_len} bytes")
+                if nbytes:
+                    src = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes,
+                                           offset=h.data_offset + e.offset)
+                    dst.view(-1).view(torch.uint8).copy_(src)
+                    del src  # the mapping may be closed later: hold no view of it
+
+            layout.restore(state_dict, m["skeleton"], m["table"], None, where, fill=fill)
             rd.drain()
         with seg.locked():
             h2 = seg.read_header()

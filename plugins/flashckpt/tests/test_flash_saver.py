@@ -82,6 +82,36 @@ def test_save_wait_load_from_memory_and_disk(job, tmp_path):
     assert same(got, state(2))
 
 
+def test_the_saving_process_loads_through_its_own_mapping_a_new_one_with_pread(job, tmp_path):
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    s.save(1, state(1))
+    s.save(2, state(2))
+    s.wait()
+    got = blank()
+    # an in-place survivor: its saves filled the mapping's page tables; it copies from it
+    assert s.load(got) == 2 and s.last_load_source == "memory"
+    assert s.loader.last_memory_read == "mapping"
+    assert same(got, state(2))
+    got = blank()
+    assert s.load(got, step=1) == 1 and s.loader.last_memory_read == "mapping"
+    assert same(got, state(1))
+    # a non-contiguous live tensor (a transposed view) is read with pread, same bytes
+    got = blank()
+    got["model"]["h"] = torch.zeros(8, 8).half().t()
+    assert not got["model"]["h"].is_contiguous()
+    assert s.load(got) == 2 and same(got, state(2))
+    s.save(3, state(3))  # the saver still saves after its loads
+    s.wait()
+    s.close()
+
+    fresh = make_saver(job, d)  # a new process of the rank: its mapping is not filled
+    got = blank()
+    assert fresh.load(got) == 3 and fresh.loader.last_memory_read == "pread"
+    assert same(got, state(3))
+    fresh.close()
+
+
 def test_corrupted_shard_on_disk_is_skipped_for_the_previous_step(job, tmp_path, caplog):
     d = str(tmp_path / "ckpt")
     on_disk_only(job, d, (1, 2))
