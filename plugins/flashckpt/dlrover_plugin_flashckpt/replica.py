@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 import zlib
@@ -72,13 +73,20 @@ def peer_of(node_id: str, alive: list[str]) -> str | None:
 
 
 def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dict,
-          fill: Callable[[memoryview], bool] | None = None) -> str | None:
+          fill: Callable[[memoryview], bool] | None = None,
+          mapped: dict[str, shm.Segment] | None = None) -> str | None:
     """Write one replica on the holder: ``info`` (``dir``, ``rank``, ``world_size``,
     ``step``, ``meta`` bytes, ``data_len``) and ``data`` (a buffer of ``data_len``
     bytes), or, with ``fill``, what ``fill(dst)`` writes into the buffer's data area
     ``dst`` (``data_len`` bytes; it returns False when what it wrote is torn: the
     buffer is then left EMPTY). Takes the replica buffer of this rank that does not
     hold the newest step, grows it when too small. Returns its name (``None``: torn).
+
+    ``mapped``: path -> the caller's mapping of that buffer, kept between calls (the
+    holder's): a buffer is mapped once with its page tables filled (``MAP_POPULATE``)
+    and reused while it is the file at its path, so the bytes of later replicas are
+    written without a page fault per 4 KiB; entries whose file was replaced or removed
+    are unmapped. ``None``: every buffer is mapped for this call and closed after it.
 
     Raises:
         ShmSpaceError: too little shared memory on the holder.
@@ -97,7 +105,12 @@ def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dic
             return True
     paths = [os.path.join(shm_dir, replica_name(job, info["dir"], info["rank"], k, holder))
              for k in range(REPLICA_SLOTS)]
-    segs = [shm.Segment.attach(p) for p in paths]
+    if mapped is not None:
+        for path in [p for p, seg in mapped.items() if seg.replaced()]:
+            mapped.pop(path).close()  # its file is gone or another: free its memory
+        segs = [mapped.get(p) or shm.Segment.attach(p, populate=True) for p in paths]
+    else:
+        segs = [shm.Segment.attach(p) for p in paths]
     try:
         def rank_of(seg: shm.Segment | None) -> tuple[int, int]:
             if seg is None:
@@ -140,9 +153,16 @@ def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dic
             seg.write_header(h)
         return seg.name
     finally:
-        for s in segs:
-            if s is not None:
+        for path, s in zip(paths, segs):
+            if s is None:
+                continue
+            if mapped is None:
                 s.close()
+            elif mapped.get(path) is not s:
+                old = mapped.get(path)
+                mapped[path] = s
+                if old is not None:
+                    old.close()
 
 
 class ReplicaHolder:
@@ -157,6 +177,10 @@ class ReplicaHolder:
     def __init__(self, ranks: NodeRanks, job: str, session: str, node_id: str) -> None:
         self.ranks = ranks
         self.job, self.session, self.node_id = job, session, node_id
+        #: the replica buffers this holder writes, mapped once, page tables filled
+        #: (:func:`store`'s ``mapped``); ``_mapped_lock`` serializes the stores
+        self._mapped: dict[str, shm.Segment] = {}
+        self._mapped_lock = threading.Lock()
 
     def _allowed_replica(self, path: str) -> str:
         """``path`` when it names a replica buffer of this job in an allowed shared-
@@ -193,8 +217,9 @@ class ReplicaHolder:
         Raises:
             ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's."""
         ident = self._replica_ident(info)
-        return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
-                     data, ident)  # type: ignore[return-value]
+        with self._mapped_lock:
+            return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
+                         data, ident, mapped=self._mapped)  # type: ignore[return-value]
 
     def pull(self, info: dict, addr: tuple[str, int], token: bytes) -> str | None:
         """Hold a replica of another node's save, received over TCP from that node's
@@ -209,8 +234,10 @@ class ReplicaHolder:
 
         ident = self._replica_ident(info)
         where = (str(addr[0]), int(addr[1]))
-        return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info, None,
-                     ident, fill=lambda dst: receive(where, bytes(token), dst))
+        with self._mapped_lock:
+            return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
+                         None, ident, fill=lambda dst: receive(where, bytes(token), dst),
+                         mapped=self._mapped)
 
     def listed(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
         """Replicas of ``directory`` held on this node: ``{"node_id", "held": [{"name",

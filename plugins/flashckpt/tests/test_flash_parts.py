@@ -241,6 +241,36 @@ def test_replica_holder_stores_lists_and_reads_and_checks_paths(tmp_path):
             os.unlink(os.path.join(shm_dir, p))
 
 
+def test_replica_holder_keeps_its_buffers_mapped_and_drops_removed_ones(tmp_path):
+    shm_dir, d = str(tmp_path), "/ckpt/trainer"
+    ranks = NodeRanks(JOB, *shm.my_identity())
+    ranks.register(Registration(role="trainer", rank=0, world_size=1, dir=d, keep=1,
+                                slots=[], shm_dir=shm_dir))
+    holder = ReplicaHolder(ranks, JOB, "", "ab12cd34ef56")
+    info = {"dir": d, "rank": 1, "world_size": 2, "meta": b"m", "data_len": 4096,
+            "shm_dir": shm_dir}
+    try:
+        first = holder.store({**info, "step": 1}, b"a" * 4096)
+        second = holder.store({**info, "step": 2}, b"b" * 4096)
+        assert first != second  # two replica buffers of the rank, alternating
+        mapped = dict(holder._mapped)
+        assert sorted(os.path.basename(p) for p in mapped) == sorted([first, second])
+        assert all(seg.populated for seg in mapped.values())
+        third = holder.store({**info, "step": 3}, b"c" * 4096)
+        assert third == first  # the older buffer, written through the same mapping
+        assert all(holder._mapped[p] is seg for p, seg in mapped.items())
+        got = holder.read(os.path.join(shm_dir, third), 3)
+        assert bytes(got["data"]) == b"c" * 4096
+        os.unlink(os.path.join(shm_dir, second))  # removed (e.g. by the buffer hygiene)
+        holder.store({**info, "step": 4}, b"d" * 4096)
+        gone = mapped[os.path.join(shm_dir, second)]
+        assert gone.mm.closed  # its memory is not held by a stale mapping
+        assert holder._mapped[os.path.join(shm_dir, second)] is not gone
+    finally:
+        for p in os.listdir(shm_dir):
+            os.unlink(os.path.join(shm_dir, p))
+
+
 def test_loop_thread_runs_its_loop_when_woken_and_ends():
     import threading
 
