@@ -219,7 +219,10 @@ class FlashPersister:
 
     def status(self) -> dict:
         """``pid``, ``current`` (the persist in progress: role, step, rank, bytes),
-        ``history`` (finished persists), ``errors``, ``registered`` ranks, ``failing``
+        ``history`` (finished persists: ``role``, ``step``, ``ranks`` written,
+        ``committed``, ``seconds`` from the claim to the end of the commit try and
+        ``write_seconds`` until the files were written and fsynced), ``errors``,
+        ``registered`` ranks, ``failing``
         (``None``, or what fails: ``{"what", "error", "since", "last", "tries",
         "retry_in_s"}``, times in unix seconds) and ``recovered`` (the last failing
         state that ended: ``{"what", "error", "since", "at", "tries"}``, or ``None``)."""

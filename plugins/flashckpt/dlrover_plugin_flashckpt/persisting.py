@@ -253,12 +253,14 @@ class PersistLoop:
             with self._lock:
                 self._release(claims, results)
                 self.current = None
+        written_s = time.monotonic() - t0
         committed = None
         if len(results) == len(claims):
             committed = self.committer.commit(role, step, first, attempts[0])
         with self._lock:
             self.history.append({"role": role, "step": step, "ranks": sorted(results),
                                  "committed": bool(committed),
-                                 "seconds": round(time.monotonic() - t0, 4)})
+                                 "seconds": round(time.monotonic() - t0, 4),
+                                 "write_seconds": round(written_s, 4)})
             del self.history[:-50]
         return committed is not None
