@@ -1,12 +1,14 @@
 """Flash checkpoint vs the usual ways to save and load a training state.
 
-For each state size (float32 tensors, 16 of them per state), in one run:
+For each state size (float32 tensors, 16 of them per state), in one run, one entry
+of ``results`` with ``size_mib`` (the size asked for) and:
 
 - ``memcpy_gib_s``: ``Tensor.copy_`` of the state into preallocated tensors: the
   physical bound of a save into memory on this machine;
 - ``flash_save_gib_s``: the blocking time of ``FlashSaver.save`` (steady state: both
   shared-memory slots laid out and faulted in; the persister's disk write of the
   previous save is waited for, untimed, so that it does not compete for the cores);
+  ``save_over_memcpy``: its ratio to ``memcpy_gib_s``;
 - ``torch_save_fsync_gib_s``: ``torch.save`` to a file on local disk + ``fsync``;
 - ``dcp_save_gib_s``: ``torch.distributed.checkpoint.save`` (one process) with
   ``sync_files=True``;
@@ -16,13 +18,20 @@ For each state size (float32 tensors, 16 of them per state), in one run:
   ``os.preadv`` calls (32 MiB each, over the reader's threads) of the same bytes from a
   ``/dev/shm`` file into the preallocated state: the kernel's copy out of shared memory,
   the bound of a load that does not map the buffer (``load_over_pread_shm``);
+- ``load_warm_gib_s``: ``FlashSaver.load`` of the newest save by the saver that made it
+  (its mappings exist, as in a survivor that restores in place) into the same
+  preallocated state, header checks included; ``load_warm_vs_memcpy`` its ratio to
+  ``memcpy_gib_s``. The first save after such a load starts the saver's new attempt
+  (rank 0 writes the lineage file): each round makes that save untimed after the load;
 - ``torch_load_gib_s``: ``torch.load`` of the ``torch.save`` file after its pages were
   dropped from the page cache (``posix_fadvise(DONTNEED)``), i.e. from the disk;
   ``torch_load_warm_gib_s`` is the same from the page cache;
-- ``flash_save_first_gib_s`` / ``first_over_steady``: the first save of a saver whose
+- ``flash_save_first_gib_s``: the first save of a saver whose
   ``load()`` found no checkpoint and reserved the buffers in the background (waited
   for, untimed: the first training steps), median over ``--repeat`` savers (a saver
-  has one first save); ``flash_save_unreserved_gib_s``: the first save of a saver
+  has one first save); ``first_over_steady``: the seconds of that first save over
+  those of a steady save (``flash_save_gib_s``), in every result, lean ones included
+  (> 1: the first save is slower); ``flash_save_unreserved_gib_s``: the first save of a saver
   that reserved nothing; ``reserve_s``: the background reservation (median);
 - ``replica_gib_s`` / ``replica_lag_s``: ``replicas: 1``, the persister's copy of a
   save into the peer node's memory (this machine runs two raylets) over its TCP
@@ -43,10 +52,15 @@ For each state size (float32 tensors, 16 of them per state), in one run:
   each persisted and waited for: two slots, one for a lean size) beside a new persister
   process. ``persist_gib_s``: the state's bytes over the persister's own time for one
   save (its history's ``seconds``: the shard written with its crc32 and ``fsync``, then
-  the commit), median of the saves after the first; ``write_fsync_gib_s``: a bare
+  the commit, which prunes the older step), median of the saves after the first;
+  ``persist_write_gib_s``: the same saves until the files were written and fsynced
+  (the history's ``write_seconds``: no commit); ``write_fsync_gib_s``: a bare
   sequential ``write`` of the same bytes from the trainer's tensors into a new file in
   the same checkpoint directory, then ``fsync``, after each of those saves (median);
-  ``persist_vs_write_fsync``: their ratio;
+  ``persist_vs_write_fsync`` and ``persist_write_vs_write_fsync``: the ratios of
+  ``persist_gib_s`` and of ``persist_write_gib_s`` to it; ``crc32_gib_s``: ``zlib.crc32``
+  of the same bytes in the persister's 8 MiB pieces, one pass on one core, after each
+  of those saves (median): the persister's checksum, which runs beside its write;
 - ``peak_rss_trainer_bytes`` / ``peak_rss_persister_bytes``: the kernel's ``VmHWM``
   (peak resident set, ``/proc/<pid>/status``) of the probe's trainer process and of its
   persister process over their lives: it counts the interpreter, torch and Ray (the
@@ -54,7 +68,9 @@ For each state size (float32 tensors, 16 of them per state), in one run:
   every page of a shared-memory slot the process touched (the trainer writes every
   slot, the persister reads them), as Linux counts mapped shared pages in the resident
   set. ``rss_detail`` splits them, sampled every 10 ms from the same file: the peak
-  of ``RssAnon`` (private memory) and of ``RssShmem`` (the mapped slot pages) of each,
+  of ``RssAnon`` (private memory) and of ``RssShmem`` (the mapped slot pages) of each
+  (``trainer_peak_anon_bytes``, ``trainer_peak_shmem_bytes``,
+  ``persister_peak_anon_bytes``, ``persister_peak_shmem_bytes``),
   and ``trainer_extra_anon_bytes`` (peak private memory less the start's and less the
   state itself) and ``persister_extra_anon_bytes`` (peak private memory less the
   start's): what a save or a persist allocates beyond the slots, i.e. any second copy.
@@ -233,6 +249,14 @@ class FlashRounds:
         if self.sync is not None:
             self.sync()
 
+    def load_warm(self) -> None:
+        """A load by :attr:`saver` itself (the saver that made the save: its mappings
+        exist, as in a survivor that restores in place), into :attr:`template`."""
+        got = self.saver.load(self.template)
+        assert got == self.step and self.saver.last_load_source == "memory", got
+        if self.sync is not None:
+            self.sync()
+
     def unmap(self) -> None:
         while self.fresh:
             self.fresh.pop().close()
@@ -360,7 +384,8 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
     bound.append(os.open(bound_path, os.O_RDONLY))
     flash.load()
     flash.unmap()
-    times: dict[str, list[float]] = {"memcpy": [], "save": [], "load": [], "pread": []}
+    times: dict[str, list[float]] = {"memcpy": [], "save": [], "load": [], "pread": [],
+                                     "load_warm": []}
     pread_shm()
     for _ in range(max(repeat, 5)):
         times["memcpy"].append(median_s(memcpy, 1))
@@ -370,6 +395,12 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
             saver.wait()  # untimed: the persister's write would compete for the cores
         times["load"].append(median_s(flash.load, 1))
         flash.unmap()
+        times["load_warm"].append(median_s(flash.load_warm, 1))
+        # untimed: the first save after a load starts the saver's new attempt (rank 0
+        # writes the lineage file), which the timed save of the next round must not pay
+        flash.save()
+        if not lean:
+            saver.wait()
     out["memcpy_gib_s"] = gib / statistics.median(times["memcpy"])
     out["flash_save_gib_s"] = gib / statistics.median(times["save"])
     out["flash_save_first_gib_s"] = gib / first
@@ -378,6 +409,8 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
     out["load_memory_gib_s"] = gib / statistics.median(times["load"])
     out["pread_shm_gib_s"] = gib / statistics.median(times["pread"])
     out["load_over_memcpy"] = out["load_memory_gib_s"] / out["memcpy_gib_s"]
+    out["load_warm_gib_s"] = gib / statistics.median(times["load_warm"])
+    out["load_warm_vs_memcpy"] = out["load_warm_gib_s"] / out["memcpy_gib_s"]
     out["load_over_pread_shm"] = out["load_memory_gib_s"] / out["pread_shm_gib_s"]
     out["load_cold_vs_preadv"] = out["load_over_pread_shm"]
     pool.shutdown()
@@ -496,6 +529,23 @@ def write_fsync_s(state: dict, path: str) -> float:
     return seconds
 
 
+def crc32_s(state: dict) -> float:
+    """Seconds of ``zlib.crc32`` over the state's tensor bytes in the persister's
+    pieces (``storage.CHUNK``), one pass on one core: the bound of the persister's
+    checksum."""
+    import zlib
+
+    from dlrover_plugin_flashckpt.storage import CHUNK
+
+    t0 = time.perf_counter()
+    crc = 0
+    for v in state["model"].values():
+        view = memoryview(v.numpy()).cast("B")
+        for o in range(0, len(view), CHUNK):
+            crc = zlib.crc32(view[o:o + CHUNK], crc)
+    return time.perf_counter() - t0
+
+
 class TrainerProbe:
     """A Ray actor that does only what a trainer's checkpointing does, for its peak
     resident memory: builds the state, saves it with a flash saver of ``slots`` slots
@@ -516,9 +566,14 @@ class TrainerProbe:
             saver.wait()
             if step > 1:  # the first save lays out the slot: not a steady persist
                 writes.append(write_fsync_s(state, os.path.join(ckpt, "bare-write")))
+        # after the saves: between them it would change when the next write follows the
+        # last file removed (on a VM that hands freed memory back to its host, that
+        # decides the speed of a write into the page cache: docs/flash-checkpoint.md)
+        crcs = [crc32_s(state) for _ in writes]
         peak = sampler.stop()
         saver.close()
         return {"base": base, "made": made, "peak": peak, "write_fsync_s": writes,
+                "crc32_s": crcs,
                 "role": saver.context.role, "pid": os.getpid()}
 
 
@@ -558,10 +613,14 @@ def bench_probe(size_mib: int, work: str, job: str, repeat: int, slots: int = 2)
         raise RuntimeError(f"persister history has {len(hist)} committed steady persists, "
                            f"expected {repeat}: {hist}")
     persist = gib / statistics.median(h["seconds"] for h in hist)
+    persist_write = gib / statistics.median(h["write_seconds"] for h in hist)
     bare = gib / statistics.median(got["write_fsync_s"])
     tpeak, tbase = got["peak"], got["base"]
     return {"persist_gib_s": persist, "write_fsync_gib_s": bare,
             "persist_vs_write_fsync": persist / bare,
+            "persist_write_gib_s": persist_write,
+            "persist_write_vs_write_fsync": persist_write / bare,
+            "crc32_gib_s": gib / statistics.median(got["crc32_s"]),
             "peak_rss_trainer_bytes": tpeak["VmHWM"],
             "peak_rss_persister_bytes": ppeak["VmHWM"],
             "rss_detail": {
@@ -842,9 +901,11 @@ def _cpu_line(r: dict) -> str:
             f"{r['flash_save_first_gib_s']:.2f}, unreserved "
             f"{_fmt(r['flash_save_unreserved_gib_s'])}) | torch.save+fsync "
             f"{_fmt(r['torch_save_fsync_gib_s'])} | dcp {_fmt(r['dcp_save_gib_s'])} | load memory "
-            f"{r['load_memory_gib_s']:6.2f} (pread {r['pread_shm_gib_s']:.2f}) | torch.load disk "
+            f"{r['load_memory_gib_s']:6.2f} (pread {r['pread_shm_gib_s']:.2f}, warm "
+            f"{r['load_warm_gib_s']:.2f}) | torch.load disk "
             f"{_fmt(r['torch_load_gib_s'])} (page cache {_fmt(r['torch_load_warm_gib_s'])}) | "
-            f"persist {r['persist_gib_s']:.2f} (write+fsync {r['write_fsync_gib_s']:.2f}) | "
+            f"persist {r['persist_gib_s']:.2f} (files {r['persist_write_gib_s']:.2f}; bare "
+            f"write+fsync {r['write_fsync_gib_s']:.2f}; crc32 {r['crc32_gib_s']:.2f}) | "
             f"peak RSS trainer {r['peak_rss_trainer_bytes'] / GIB:.2f} GiB, persister "
             f"{r['peak_rss_persister_bytes'] / GIB:.2f} GiB | replica {_fmt(r['replica_gib_s'])} "
             f"(ray {_fmt(r['replica_ray_gib_s'])}) | restore 2->1 ranks "
