@@ -59,8 +59,9 @@ of ``results`` with ``size_mib`` (the size asked for) and:
   the same checkpoint directory, then ``fsync``, after each of those saves (median);
   ``persist_vs_write_fsync`` and ``persist_write_vs_write_fsync``: the ratios of
   ``persist_gib_s`` and of ``persist_write_gib_s`` to it; ``crc32_gib_s``: ``zlib.crc32``
-  of the same bytes in the persister's 8 MiB pieces, one pass on one core, after each
-  of those saves (median): the persister's checksum, which runs beside its write;
+  of the same bytes in the persister's 8 MiB pieces, one pass on one core, as many
+  times as those saves, after them (median): the persister's checksum, which runs
+  beside its write;
 - ``peak_rss_trainer_bytes`` / ``peak_rss_persister_bytes``: the kernel's ``VmHWM``
   (peak resident set, ``/proc/<pid>/status``) of the probe's trainer process and of its
   persister process over their lives: it counts the interpreter, torch and Ray (the
