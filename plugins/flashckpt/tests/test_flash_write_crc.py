@@ -8,6 +8,7 @@ import errno
 import os
 import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -90,9 +91,18 @@ def test_a_failed_write_leaves_no_file_and_no_crc_thread(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(f, chunk)
 
+    pools: list[ThreadPoolExecutor] = []
+
+    class Pool(ThreadPoolExecutor):  # records the helper pools this write makes
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            pools.append(self)
+
     monkeypatch.setattr(storage, "write_all", write_all)
+    monkeypatch.setattr(storage, "ThreadPoolExecutor", Pool)
     with pytest.raises(OSError) as e:
         storage.write_shard(str(tmp_path), 2, 0, 1, b"m", memoryview(_payload(6 * PIECE)))
     assert e.value.errno == errno.ENOSPC
     assert os.listdir(storage.tmp_dir(str(tmp_path), 2)) == []
-    assert not [t for t in threading.enumerate() if t.name.startswith("flash-crc32")]
+    threads = [t for p in pools for t in p._threads]
+    assert threads and not [t for t in threads if t.is_alive()]
