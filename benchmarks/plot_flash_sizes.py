@@ -28,10 +28,13 @@ holds no line with ``results``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import os
 import sys
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_output import json_objects  # noqa: E402
 
 GIB = float(1 << 30)
 
@@ -50,30 +53,13 @@ RSS = [("peak_rss_trainer_bytes", "peak RSS, trainer"),
 
 
 def read_runs(paths: list[str]) -> list[list[dict]]:
-    """The ``results`` list of every JSON line with one, over ``paths`` in order."""
-    runs = []
-    for path in paths:
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()
-        except OSError as exc:
-            raise SystemExit(f"plot_flash_sizes: cannot read {path!r}: {exc}") from exc
-        found = 0
-        for line in lines:
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(obj, dict) and isinstance(obj.get("results"), list):
-                runs.append(obj["results"])
-                found += 1
-        if not found:
-            raise SystemExit(f"plot_flash_sizes: {path!r} has no JSON line with 'results' "
-                             "(the last line benchmarks/flash_checkpoint.py prints)")
-    return runs
+    """The ``results`` list of every JSON line with one, over ``paths`` in order.
+
+    Raises:
+        SystemExit: a file cannot be read or has no such line."""
+    return [obj["results"] for obj in json_objects(
+        paths, lambda obj: isinstance(obj.get("results"), list),
+        "benchmarks/flash_checkpoint.py output (a JSON object with 'results')")]
 
 
 def by_size(runs: list[list[dict]], key: str) -> dict[int, list[float]]:

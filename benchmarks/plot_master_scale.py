@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_output import json_objects  # noqa: E402
 
 KEYS = ("master_cpu", "baseline_cpu", "lag_p99_s", "baseline_lag_p99_s", "reattach_s",
         "restart_to_reattached_s", "master_rss_bytes", "reports_per_s")
@@ -31,27 +35,11 @@ def read_runs(paths: list[str]) -> list[dict]:
     """The benchmark's JSON lines in ``paths`` (every other line is skipped).
 
     Raises:
-        SystemExit: a file holds no ``master_scale`` line.
+        SystemExit: a file cannot be read or holds no ``master_scale`` line.
     """
-    runs = []
-    for path in paths:
-        found = 0
-        with open(path, errors="replace") as f:
-            for line in f:
-                line = line.strip()
-                if not line.startswith("{"):
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if obj.get("benchmark") == "master_scale":
-                    runs.append(obj)
-                    found += 1
-        if not found:
-            raise SystemExit(f"{path}: no line of benchmarks/master_scale.py output "
-                             f"(a JSON object with \"benchmark\": \"master_scale\")")
-    return runs
+    return json_objects(paths, lambda obj: obj.get("benchmark") == "master_scale",
+                        "benchmarks/master_scale.py output (a JSON object with "
+                        "\"benchmark\": \"master_scale\")")
 
 
 def summarize(runs: list[dict]) -> dict[int, dict[str, tuple[float, float, float]]]:
