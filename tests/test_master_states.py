@@ -84,6 +84,14 @@ def test_instance_table_persists_one_model(tmp_path):
                                     "last_step": 17}
     assert rows[("trainer", 1)]["last_step"] == 16 and rows[("trainer", 1)]["state"] == "starting"
     assert rows[(DRIVER, 0)]["attempt"] == 2
+    # a report overtaken by a newer one (its step ended earlier) moves no step back,
+    # but its arrival still counts (hang detection)
+    table.note_report("trainer", 0, 20, ts=200.0)
+    a.last_report_ts = 0.0
+    table.note_report("trainer", 0, 18, ts=180.0)
+    assert (a.last_step, a.last_step_ts) == (20, 200.0) and a.last_report_ts > 0
+    table.note_report("trainer", 0, 19, ts=210.0)  # later, a lower step: a rollback
+    assert (a.last_step, a.last_step_ts) == (19, 210.0)
     # a new actor in the same slot is a new generation
     b2 = table.register("trainer", 1, None, "dlrover-j-trainer-1-a1", attempt=1)
     assert b2.generation == b.generation + 1 and not table.is_current(b)

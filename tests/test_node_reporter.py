@@ -18,7 +18,15 @@ from dlrover_core import BaseWorkload, DLJobBuilder
 from dlrover_core.master.client import create_master
 from dlrover_core.master.events import read_events
 from dlrover_core.runtime.context import MASTER_NAMESPACE
-from dlrover_core.runtime.node_reporter import MIN_WORLD_ENV, agent_name, min_world
+from dlrover_core.runtime.node_reporter import (
+    MIN_WORLD_ENV,
+    PUSH_TIMEOUT_S,
+    NodeRelay,
+    agent_name,
+    get_agent,
+    min_world,
+    relay_stale_s,
+)
 from dlrover_core.runtime.reporting import StepReporter
 from dlrover_core.testing import poll_status
 
@@ -36,6 +44,25 @@ class Stepper(BaseWorkload):
             self.report(step, loss=1.0 / (step + 1))
             if self.rank == int(cfg.get("hang_rank", -1)) and step == int(cfg.hang_step):
                 time.sleep(3600)
+
+
+class SilentAgent:
+    """Holds an agent's name but answers no push (sleeps in each): an agent that is
+    stuck, or still starting on a loaded machine."""
+
+    def push(self, *args) -> float:
+        time.sleep(600)
+        return 0.0
+
+
+def silent_agent(job: str) -> object:
+    """A :class:`SilentAgent` under ``job``'s agent name on this node (ranks on this
+    node then find it instead of creating theirs)."""
+    node = ray.get_runtime_context().get_node_id()
+    agent = ray.remote(SilentAgent).options(
+        name=agent_name(job, node), namespace=MASTER_NAMESPACE, num_cpus=0).remote()
+    ray.get(agent.__ray_ready__.remote())
+    return agent
 
 
 def start(name: str, job_dir: str, hang_timeout_s: float = 0, **config) -> object:
@@ -130,6 +157,44 @@ def test_flush_sends_directly_what_only_the_relay_got():
     assert direct == [5]
 
 
+def test_a_relay_waits_on_its_agent_a_quarter_of_the_hang_timeout_at_most():
+    assert relay_stale_s(0.5) == PUSH_TIMEOUT_S  # no hang timeout
+    assert relay_stale_s(0.5, 4.0) == 1.0
+    assert relay_stale_s(1.0, 3.0) == 2.0  # never below two intervals
+    assert relay_stale_s(10.0, 1800.0) == PUSH_TIMEOUT_S
+
+
+def test_a_relay_drops_an_agent_that_does_not_answer_or_cannot_forward(ray_cluster):
+    """A real relay against (1) an agent that answers no push while the rank goes on
+    pushing every 0.1 s: the oldest unanswered push bounds the wait, so it is dropped
+    (before, each new push restarted the clock and a stuck agent was never dropped);
+    (2) a real agent whose forwards cannot go through (its job has no master): its
+    answers say so and it is dropped. A dropped agent makes ``push`` say False: the
+    rank reports directly."""
+    silent = silent_agent("nr-silent")
+    relay = NodeRelay("nr-silent", "trainer", 1, interval_s=0.1, stale_s=1.0)
+    t0 = time.time()
+    assert relay.push(0, {}, t0)
+    step = 0
+    while not relay.lost():
+        step += 1
+        assert relay.push(step, {}, time.time())
+        assert time.time() - t0 < 60, "a silent agent was never dropped"
+        time.sleep(0.1)
+    assert relay.dropped == "unanswered" and step >= 5  # not before stale_s
+    assert relay.push(step + 1, {}, time.time()) is False
+    ray.kill(silent, no_restart=True)
+
+    agent = get_agent("nr-nomaster", 0.1)  # forwards every 0.1 s, to no master
+    ray.get(agent.stats.remote())  # started
+    relay = NodeRelay("nr-nomaster", "trainer", 1, interval_s=0.1, stale_s=2.0)
+    assert relay.push(0, {}, time.time())
+    until(lambda: relay.lost() or not relay.push(1, {}, time.time()), 60, every=0.1)
+    assert relay.dropped == "lagging", relay.dropped
+    assert ray.get(agent.stats.remote())["failed"] >= 1
+    ray.kill(agent, no_restart=True)
+
+
 def test_the_roster_names_each_rank_with_its_newest_step_and_whether_it_lives():
     """What a restarted master reads from an agent (no Ray: the agent's object)."""
     from dlrover_core.runtime.node_reporter import NodeReporter
@@ -200,6 +265,27 @@ def test_a_hung_rank_behind_an_agent_is_blamed(ray_cluster, job_dir):
     c = calls(master)
     ray.kill(master, no_restart=True)
     assert c.get("report_batch", 0) >= 1, c  # the ranks did report through the agent
+    failed = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
+              if e["event"] == "instance_failed"]
+    assert failed and failed[0]["kind"] == "hang", failed
+    assert failed[0]["rank"] == 2, failed[0]["message"]
+    assert summary["status"] == "failed"
+
+
+@pytest.mark.slow  # waits out a hang bound
+def test_a_hung_rank_behind_a_silent_agent_is_blamed(ray_cluster, job_dir):
+    """The agent answers nothing (stuck, or still starting on a loaded machine, as
+    in the CI run where rank 1 was blamed for rank 2's hang): the healthy ranks drop
+    it within a quarter of the hang timeout and report directly, so only the hung
+    rank goes silent and it alone is blamed."""
+    silent = silent_agent("nr-silent-hang")
+    master = start("nr-silent-hang", job_dir, steps=400, step_s=0.1, hang_rank=2,
+                   hang_step=5, hang_timeout_s=4)
+    summary = poll_status(master, lambda st: st["summary"], 180)["summary"]
+    c = calls(master)
+    ray.kill(master, no_restart=True)
+    ray.kill(silent, no_restart=True)
+    assert c.get("report_batch", 0) == 0 and c.get("report_rank_n", 0) >= 2, c
     failed = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
               if e["event"] == "instance_failed"]
     assert failed and failed[0]["kind"] == "hang", failed

@@ -168,15 +168,23 @@ class InstanceTable:
         row = inst.record()
         self.context.update_instance(inst.role, inst.rank, **{c: row[c] for c in columns})
 
-    def note_report(self, role: str, rank: int, step: int) -> Instance | None:
-        """A step report arrived: remember the step (persisted by
-        :meth:`flush_progress`) and the time."""
+    def note_report(self, role: str, rank: int, step: int,
+                    ts: float | None = None) -> Instance | None:
+        """A step report arrived (``ts``: unix s, the worker's clock, when ``step``
+        ended): remember the arrival time, and the step (persisted by
+        :meth:`flush_progress`) with ``ts`` unless the instance already holds a step
+        that ended later in this attempt: a report overtaken by a newer one (Ray runs
+        the master's calls out of order; a rank that dropped its node's agent reports
+        directly while the agent may still forward older steps) moves nothing back."""
         inst = self.get(role, rank)
         if inst is not None:
-            inst.last_step = step
             inst.last_report_ts = time.time()
             inst.reported = True
-            self._progress_dirty.add(inst.key)
+            if ts is None or ts >= inst.last_step_ts:
+                inst.last_step = step
+                if ts is not None:
+                    inst.last_step_ts = ts
+                self._progress_dirty.add(inst.key)
         return inst
 
     def flush_progress(self) -> int:

@@ -300,6 +300,7 @@ class Launcher:
         for (inst, _), res in zip(setups, results):
             inst.last_report_ts = time.time()
             inst.reported = False
+            inst.last_step_ts = 0.0  # this attempt's reports start afresh
             s.instances.set_state(inst, InstanceState.RUNNING)
             s.invocations.setdefault(inst.role, res.get("invocations", {}))
             s.emit("instance_started", role=inst.role, rank=inst.rank, pid=inst.pid,

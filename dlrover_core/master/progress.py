@@ -6,7 +6,8 @@ threaded actor's calls out of order, so two reports of one sender can arrive swa
 ``metrics.jsonl`` is in arrival order, and the job's step only ever moves forward.
 Rank 0's report moves the job's step and metrics, goes to ``metrics.jsonl`` and to the
 ``dlrover_step_reported`` hook; every report updates its instance's ``last_step`` and ``last_step_ts`` (hang
-detection and blame, re-attach). Nothing is written to SQLite per report:
+detection and blame, re-attach) unless it was overtaken by a newer one
+(``InstanceTable.note_report``). Nothing is written to SQLite per report:
 :meth:`ProgressRecorder.flush_due` writes the instances' last steps and the job's step,
 metrics and step times on a timer (``PROGRESS_FLUSH_S``). Workers already coalesce
 their reports (``dlrover_core.runtime.reporting``).
@@ -65,9 +66,7 @@ class ProgressRecorder:
         worker's unix time when the step ended."""
         s = self.scope
         with s.lock:
-            inst = s.instances.note_report(role, rank, step)
-            if inst is not None:
-                inst.last_step_ts = ts
+            s.instances.note_report(role, rank, step, ts)
             if rank == 0:
                 s.metrics.update(metrics)
                 if step > s.step:

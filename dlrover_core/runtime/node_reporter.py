@@ -16,11 +16,15 @@ nodes, not ranks.
   newer report of the rank came meanwhile) and looks the master up by name again.
 - A **rank** (:class:`NodeRelay`, used by
   :class:`~dlrover_core.runtime.reporting.StepReporter`) pushes its newest step
-  fire-and-forget. Before each push, and once per interval, it checks the previous push:
-  failed (the agent died) or unanswered for :data:`PUSH_TIMEOUT_S` (stuck) means the
-  rank drops the agent, sends its newest report directly to the master, and goes on
-  directly for :data:`RETRY_S` before it looks for (or creates) its node's agent
-  again. A report the agent acknowledged but had not forwarded when it died is
+  fire-and-forget. Before each push, and once per interval, it checks its pushes: one
+  failed (the agent died), the oldest unanswered push waited longer than the relay's
+  ``stale_s`` (the agent is stuck or still starting), or the agent answered that its
+  forwards have not gone through for longer than ``stale_s`` (the master does not
+  answer it) means the rank drops the agent, sends its newest report directly to the
+  master, and goes on directly for :data:`RETRY_S` before it looks for (or creates)
+  its node's agent again. ``stale_s`` (:func:`relay_stale_s`) is a quarter of the
+  hang timeout (at most :data:`PUSH_TIMEOUT_S`), so a slow agent never makes a
+  healthy rank look hung. A report the agent acknowledged but had not forwarded when it died is
   replaced by the rank's next step (sent directly); a rank that makes no further step
   after that loses that one report.
 - **Re-attach**: a rank's first push to an agent carries its identity (its actor's
@@ -44,7 +48,8 @@ from typing import Any
 #: environment variable: the smallest world size whose ranks report through agents
 MIN_WORLD_ENV = "DLROVER_NODE_REPORTER_MIN_WORLD"
 DEFAULT_MIN_WORLD = 32
-#: a push the agent has not answered in this many seconds counts as lost (agent stuck)
+#: without a hang timeout: a push the agent has not answered in this many seconds, or
+#: an agent whose forwards have not gone through for as long, counts as lost
 PUSH_TIMEOUT_S = 30.0
 #: seconds a rank reports directly after its agent failed, before it looks again
 RETRY_S = 30.0
@@ -55,6 +60,17 @@ FORWARD_TIMEOUT_S = 30.0
 def agent_name(job: str, node_id: str) -> str:
     """The Ray actor name of ``job``'s agent on node ``node_id`` (hex)."""
     return f"dlrover-node-reporter:{job}:{node_id}"
+
+
+def relay_stale_s(interval_s: float, hang_timeout_s: float = 0.0) -> float:
+    """Seconds a rank waits on its agent (an unanswered push, forwards that do not go
+    through) before it reports directly: :data:`PUSH_TIMEOUT_S`, and with a hang timeout
+    (> 0) at most ``max(2 * interval_s, hang_timeout_s / 4)``, so that a rank's report
+    reaches the master well within the hang timeout even when its agent is stuck or
+    still starting."""
+    if hang_timeout_s > 0:
+        return min(PUSH_TIMEOUT_S, max(2 * interval_s, hang_timeout_s / 4))
+    return PUSH_TIMEOUT_S
 
 
 def min_world() -> int:
@@ -96,16 +112,20 @@ class NodeReporter:
         #: that pushed with its identity, for :meth:`roster`
         self._ranks: dict[tuple[str, int], dict] = {}
         self._master: Any = None
+        #: unix s of the newest forward that went through or had nothing to send
+        self._ok_at = time.time()
         self.calls = 0
         self.entries = 0
         self.failed = 0
         threading.Thread(target=self._loop, name="dlrover-node-reporter", daemon=True).start()
 
     def push(self, role: str, rank: int, step: int, metrics: dict, ts: float,
-             identity: dict | None = None) -> None:
+             identity: dict | None = None) -> float:
         """The newest report of ``role``/``rank`` (``ts``: unix s when the step ended).
         ``identity`` (a rank's first push): ``{"info": its actor's node_info(),
-        "actor_name": str, "handle": its actor handle}``."""
+        "actor_name": str, "handle": its actor handle}``. Returns the forward lag (s):
+        how long ago a forward last went through or had nothing to send (about one
+        interval when the master answers; growing while it does not)."""
         with self._lock:
             old = self._pending.get((role, rank))
             if old is None or step >= old[2]:
@@ -116,6 +136,7 @@ class NodeReporter:
                                                      "metrics": {}}
             if known is not None and step >= known["step"]:
                 known["step"], known["metrics"] = step, metrics
+        return time.time() - self._ok_at
 
     def roster(self, node_id: str | None = None) -> list[dict]:
         """The ranks that pushed to this agent with their identity, for a restarted
@@ -152,6 +173,7 @@ class NodeReporter:
         with self._lock:
             batch, self._pending = self._pending, {}
         if not batch:
+            self._ok_at = time.time()
             return 0
         try:
             if self._master is None:
@@ -172,6 +194,7 @@ class NodeReporter:
                     if newer is None or newer[2] < entry[2]:
                         self._pending[key] = entry
             return 0
+        self._ok_at = time.time()
         self.calls += 1
         self.entries += len(batch)
         return len(batch)
@@ -215,6 +238,8 @@ class NodeRelay:
     Args:
         job, role, rank: who reports.
         interval_s: the agent's forward interval (s), for an agent this rank creates.
+        stale_s: seconds after which an unanswered push, or an agent whose forwards have
+            not gone through, counts as lost (:func:`relay_stale_s`).
         identity: returns this rank's identity for the agent's roster
             (:meth:`NodeReporter.push`), sent with the first push to each agent;
             ``None``: none is sent (the agent cannot name this rank to a restarted
@@ -222,15 +247,18 @@ class NodeRelay:
     """
 
     def __init__(self, job: str, role: str, rank: int, interval_s: float,
-                 identity: Any = None) -> None:
+                 identity: Any = None, stale_s: float = PUSH_TIMEOUT_S) -> None:
         self.job, self.role, self.rank = job, role, rank
         self.interval_s = interval_s
+        self.stale_s = stale_s
         self._identity = identity
         self._introduced = False  # the current agent has this rank's identity
         self._agent: Any = None
         self._retry_at = 0.0
-        self._last: Any = None
-        self._last_at = 0.0
+        self._last: Any = None  # the newest push not seen answered yet
+        self._waiting_since = 0.0  # unix s of the oldest push not seen answered
+        #: why the agent was last dropped ("failed", "unanswered", "lagging"), for tests
+        self.dropped: str | None = None
 
     def push(self, step: int, metrics: dict, ts: float) -> bool:
         """Hand a report to the agent; False when there is none to hand it to (send
@@ -245,17 +273,21 @@ class NodeRelay:
             except Exception:  # noqa: BLE001 - not in an actor: the master probes it
                 self._identity = None
         try:
-            self._last = agent.push.remote(self.role, self.rank, step, metrics, ts, ident)
+            ref = agent.push.remote(self.role, self.rank, step, metrics, ts, ident)
         except Exception:  # noqa: BLE001 - the handle is unusable
-            self._drop()
+            self._drop("failed")
             return False
+        if self._last is None:
+            self._waiting_since = time.time()
+        self._last = ref  # an actor answers in order: this one answered means all did
         self._introduced = True
-        self._last_at = time.time()
         return True
 
     def lost(self) -> bool:
-        """Whether the newest push failed or went unanswered for ``PUSH_TIMEOUT_S``: the
-        agent is dropped and the caller sends that report directly."""
+        """Whether the agent is lost: a push failed, the oldest push not answered yet
+        waited more than ``stale_s``, or the agent answered that its forwards have not
+        gone through for more than ``stale_s``. A lost agent is dropped and the caller
+        sends its newest report directly."""
         ref = self._last
         if ref is None:
             return False
@@ -263,15 +295,18 @@ class NodeRelay:
 
         ready, _ = ray.wait([ref], timeout=0)
         if ready:
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001 - the agent died
-                self._drop()
-                return True
             self._last = None
+            try:
+                lag_s = ray.get(ref)
+            except Exception:  # noqa: BLE001 - the agent died
+                self._drop("failed")
+                return True
+            if isinstance(lag_s, (int, float)) and lag_s > self.stale_s:
+                self._drop("lagging")
+                return True
             return False
-        if time.time() - self._last_at > PUSH_TIMEOUT_S:
-            self._drop()
+        if time.time() - self._waiting_since > self.stale_s:
+            self._drop("unanswered")
             return True
         return False
 
@@ -283,17 +318,21 @@ class NodeRelay:
                 self._retry_at = time.time() + RETRY_S
         return self._agent
 
-    def _drop(self) -> None:
+    def _drop(self, why: str) -> None:
+        self.dropped = why
         self._agent = self._last = None
         self._introduced = False
         self._retry_at = time.time() + RETRY_S
 
 
 def node_relay(job: str, role: str, rank: int, world_size: int, local_world_size: int,
-               interval_s: float, identity: Any = None) -> NodeRelay | None:
+               interval_s: float, identity: Any = None,
+               hang_timeout_s: float = 0.0) -> NodeRelay | None:
     """The relay of a rank that reports through its node's agent, or ``None`` (rank 0,
     a world smaller than :func:`min_world`, a rank alone on its node). ``identity``:
-    see :class:`NodeRelay`."""
+    see :class:`NodeRelay`; ``hang_timeout_s``: the role's (0: none), which bounds how
+    long the rank waits on its agent (:func:`relay_stale_s`)."""
     if rank == 0 or local_world_size < 2 or world_size < min_world():
         return None
-    return NodeRelay(job, role, rank, interval_s, identity)
+    return NodeRelay(job, role, rank, interval_s, identity,
+                     relay_stale_s(interval_s, hang_timeout_s))

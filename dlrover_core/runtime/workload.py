@@ -322,7 +322,7 @@ class BaseWorkload:
                 lambda step, m, ts: master.report.remote(role, rank, step, m, ts), rank,
                 interval, node_relay(c.job, role, rank, self.world_size,
                                      c.local_world_size, interval,
-                                     getattr(self, "_identity", None)))
+                                     getattr(self, "_identity", None), c.hang_timeout_s))
         return reporter
 
     def teardown(self) -> None:
