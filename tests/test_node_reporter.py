@@ -164,6 +164,7 @@ def test_a_relay_waits_on_its_agent_a_quarter_of_the_hang_timeout_at_most():
     assert relay_stale_s(10.0, 1800.0) == PUSH_TIMEOUT_S
 
 
+@pytest.mark.slow  # a few seconds of real agents (the fast lane is near its budget)
 def test_a_relay_drops_an_agent_that_does_not_answer_or_cannot_forward(ray_cluster):
     """A real relay against (1) an agent that answers no push while the rank goes on
     pushing every 0.1 s: the oldest unanswered push bounds the wait, so it is dropped
