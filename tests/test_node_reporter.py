@@ -260,11 +260,17 @@ def test_batched_and_a_killed_agent_loses_no_steps(ray_cluster, job_dir):
 
 @pytest.mark.slow  # waits out a hang bound
 def test_a_hung_rank_behind_an_agent_is_blamed(ray_cluster, job_dir):
+    # the node's agent is up before the job (the ranks find it, as they would one
+    # another rank made): one that a rank starts can take longer than the job lives
+    # on a loaded machine, and the ranks then rightly report directly (the next test)
+    agent = get_agent("nr-hang", 0.5)
+    ray.get(agent.stats.remote())
     master = start("nr-hang", job_dir, steps=400, step_s=0.1, hang_rank=2, hang_step=5,
                    hang_timeout_s=4)
     summary = poll_status(master, lambda st: st["summary"], 180)["summary"]
     c = calls(master)
     ray.kill(master, no_restart=True)
+    ray.kill(agent, no_restart=True)
     assert c.get("report_batch", 0) >= 1, c  # the ranks did report through the agent
     failed = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
               if e["event"] == "instance_failed"]
