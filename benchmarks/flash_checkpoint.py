@@ -39,6 +39,10 @@ of ``results`` with ``size_mib`` (the size asked for) and:
   return until the replica is complete; ``replica_over_memcpy``: ``replica_gib_s`` /
   ``memcpy_gib_s``; ``replica_ray_gib_s`` / ``replica_ray_lag_s``: the same through
   Ray's object store (``replica_transport: ray``), the path before the TCP one;
+  ``socket_copy_gib_s``: the bound of the TCP path measured in the same run, a bare
+  loopback TCP copy of the same bytes into a populated buffer until the receiver
+  acknowledges the last byte (:func:`socket_copy_s`), and ``replica_vs_socket``:
+  ``replica_gib_s`` over it;
 - ``restore_other_world_size_s``: a state saved by 2 ranks (``Shard(0)`` DTensors,
   gloo, Ray actors) loaded into 1 rank from memory; ``restore_same_world_size_s``: the
   same state saved by 1 rank, loaded by 1 (each the median of ``--repeat`` loads, at
@@ -547,6 +551,61 @@ def crc32_s(state: dict) -> float:
     return time.perf_counter() - t0
 
 
+def socket_copy_s(state: dict, repeat: int) -> float:
+    """The bound of the TCP replica: a bare loopback TCP copy of the state's tensor
+    bytes (``sendall`` of each tensor) into one populated buffer of their size
+    (``recv_into`` in the replica stream's pieces, its socket buffer sizes), timed from
+    the first byte sent until the receiver acknowledges the last one; a receiving
+    thread, and the sender in this one (both calls leave the GIL). Median (s) of
+    ``repeat`` copies after a first one."""
+    import socket
+    import threading
+
+    from dlrover_plugin_flashckpt.replica_stream import RECV_CHUNK, SOCKET_BUFFER
+
+    total = nbytes(state)
+    dst = torch.empty(total, dtype=torch.uint8)
+    dst.fill_(1)  # populated, as the holder's kept mappings are
+    view = memoryview(dst.numpy()).cast("B")
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    rounds = repeat + 1
+    failed: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            with socket.create_connection(srv.getsockname()) as conn:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+                for _ in range(rounds):
+                    off = 0
+                    while off < total:
+                        got = conn.recv_into(view[off:off + RECV_CHUNK])
+                        if not got:
+                            raise ConnectionError(f"closed after {off} of {total} bytes")
+                        off += got
+                    conn.sendall(b"\x01")
+        except BaseException as exc:  # noqa: BLE001 - reported by the sender
+            failed.append(exc)
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    conn, _ = srv.accept()
+    seconds = []
+    with conn:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for v in state["model"].values():
+                conn.sendall(memoryview(v.numpy()).cast("B"))
+            if conn.recv(1) != b"\x01":
+                raise RuntimeError(f"socket copy not acknowledged: {failed}")
+            seconds.append(time.perf_counter() - t0)
+    receiver.join()
+    srv.close()
+    if failed:
+        raise RuntimeError(f"socket copy failed: {failed[0]!r}")
+    return statistics.median(seconds[1:])
+
+
 class TrainerProbe:
     """A Ray actor that does only what a trainer's checkpointing does, for its peak
     resident memory: builds the state, saves it with a flash saver of ``slots`` slots
@@ -691,7 +750,7 @@ class ReshardRank:
     """A Ray actor holding one rank of a ``Shard(0)`` DTensor state (FSDP2's layout)
     on a gloo process group, saving or loading it through the flash saver."""
 
-    def __init__(self, rank: int, world: int, port: int, size_mib: int, job: str,
+    def __init__(self, rank: int, world: int, init_method: str, size_mib: int, job: str,
                  ckpt: str) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -700,7 +759,7 @@ class ReshardRank:
         from dlrover_plugin_flashckpt.saver import FlashSaver
 
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world)
         self.mesh = init_device_mesh("cpu", (world,))
         self.size_mib, self.rank = size_mib, rank
@@ -738,21 +797,21 @@ def bench_reshard(size_mib: int, work: str, job: str, repeat: int) -> dict:
     DTensors, gloo) loaded into 1 rank from shared memory (and, for comparison, the
     load of the same state saved by 1 rank: ``restore_same_world_size_s``); each the
     median of ``repeat`` loads by new actors; ``restore_other_over_same`` their ratio."""
-    import socket
+    import uuid
 
     import ray
 
-    def port() -> int:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
+    def rendezvous() -> str:
+        """A new file rendezvous (``FileStore``): no port to pick, so none another
+        process can take between the pick and the bind (a run failed on EADDRINUSE)."""
+        return f"file://{os.path.join(work, 'rdzv-' + uuid.uuid4().hex)}"
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0)(ReshardRank).options(scheduling_strategy=here)
     ckpt = os.path.join(work, f"reshard{size_mib}")
-    p = port()
+    p = rendezvous()
     two = [actor.remote(r, 2, p, size_mib, job, ckpt) for r in range(2)]
     ray.get([a.save.remote(1) for a in two])
     for a in two:
@@ -762,7 +821,7 @@ def bench_reshard(size_mib: int, work: str, job: str, repeat: int) -> dict:
         """Seconds of ``repeat`` loads, each by a new 1-rank actor (a restarted trainer)."""
         seconds = []
         for _ in range(repeat):
-            one = actor.remote(0, 1, port(), size_mib, job, ckpt)
+            one = actor.remote(0, 1, rendezvous(), size_mib, job, ckpt)
             got = ray.get(one.load.remote())
             assert got["step"] == step and got["source"] == source and got["exact"], got
             seconds.append(got["seconds"])
@@ -909,7 +968,8 @@ def _cpu_line(r: dict) -> str:
             f"write+fsync {r['write_fsync_gib_s']:.2f}; crc32 {r['crc32_gib_s']:.2f}) | "
             f"peak RSS trainer {r['peak_rss_trainer_bytes'] / GIB:.2f} GiB, persister "
             f"{r['peak_rss_persister_bytes'] / GIB:.2f} GiB | replica {_fmt(r['replica_gib_s'])} "
-            f"(ray {_fmt(r['replica_ray_gib_s'])}) | restore 2->1 ranks "
+            f"(ray {_fmt(r['replica_ray_gib_s'])}; bare socket {_fmt(r['socket_copy_gib_s'])}) "
+            f"| restore 2->1 ranks "
             f"{_fmt(r['restore_other_world_size_s'], '.3f')} s (1->1 "
             f"{_fmt(r['restore_same_world_size_s'], '.3f')} s)")
 
@@ -997,6 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
             r["probe_slots"] = 1 if lean else 2
             if lean:
                 for k in ("replica_gib_s", "replica_lag_s", "replica_over_memcpy",
+                          "socket_copy_gib_s", "replica_vs_socket",
                           "replica_ray_gib_s", "replica_ray_lag_s",
                           "restore_other_world_size_s", "restore_same_world_size_s",
                           "restore_other_over_same"):
@@ -1004,6 +1065,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 r.update(bench_replica(size, work, max(args.repeat, 3), job))
                 r["replica_over_memcpy"] = r["replica_gib_s"] / r["memcpy_gib_s"]
+                state = make_state(size)
+                r["socket_copy_gib_s"] = (nbytes(state) / GIB
+                                          / socket_copy_s(state, max(args.repeat, 3)))
+                del state
+                r["replica_vs_socket"] = r["replica_gib_s"] / r["socket_copy_gib_s"]
                 ray_path = bench_replica(size, work, max(args.repeat, 3), job, "ray")
                 r["replica_ray_gib_s"] = ray_path["replica_gib_s"]
                 r["replica_ray_lag_s"] = ray_path["replica_lag_s"]
