@@ -24,9 +24,9 @@ nodes, not ranks.
   master, and goes on directly for :data:`RETRY_S` before it looks for (or creates)
   its node's agent again. ``stale_s`` (:func:`relay_stale_s`) is a quarter of the
   hang timeout (at most :data:`PUSH_TIMEOUT_S`), so a slow agent never makes a
-  healthy rank look hung. A report the agent acknowledged but had not forwarded when it died is
-  replaced by the rank's next step (sent directly); a rank that makes no further step
-  after that loses that one report.
+  healthy rank look hung. A report the agent acknowledged but had not forwarded when
+  it died is replaced by the rank's next step (sent directly); a rank that makes no
+  further step after that loses that one report.
 - **Re-attach**: a rank's first push to an agent carries its identity (its actor's
   ``node_info``, Ray actor name and handle). The agent names itself and its node in
   every forward, so the master knows which agent serves which node; a restarted
