@@ -182,6 +182,9 @@ class Chaos:
             f"checkpoint.options.persist_every_steps={PERSIST_EVERY}",
             "checkpoint.options.replicas=1",
             "failover.max_restarts=1000", "failover.max_node_failures=1000",
+            # a 30-minute schedule draws several master kills (seed 1: 7 of 30); the
+            # default of 3 Ray restarts ended the job's control at the 4th
+            "failover.master_max_restarts=1000",
             f"failover.hang_timeout_s={HANG_TIMEOUT_S:g}", "failover.pg_timeout_s=60",
             "failover.survivor_grace_s=5", "node_health.skip_node_check=true"]
 

@@ -253,6 +253,29 @@ def test_master_killed_mid_run(ray_cluster, job_dir):
     assert events(job_dir, "master_reattached")[0]["attached"] == ["trainer-0", "trainer-1"]
 
 
+@pytest.mark.slow  # four master restarts
+def test_master_restarted_more_often_than_the_default_by_its_spec_key(ray_cluster, job_dir):
+    """``failover.master_max_restarts`` is the JobMaster actor's Ray restart budget: with
+    4, the master SIGKILLed four times (one more than the default of 3, which ended a
+    30-minute chaos run's job) comes back each time and the job still runs."""
+    job = (DLJobBuilder().name("ft-master-x4")
+           .workload("trainer", "tests.test_node_reporter", "Stepper").total(2)
+           .resource(cpu=0.1).config({"steps": 100000, "step_s": 0.05})
+           .failover(master_max_restarts=4).skip_node_check().build())
+    master = start(job.spec, job_dir)
+    step = wait_step(master, 3)["step"]
+    for _ in range(4):
+        pid = ray.get(master.__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGKILL)  # the process dies: Ray restarts the actor
+        # back, re-attached, and the ranks' steps reach it again
+        step = poll_status(master, lambda st, s=step: st["state"] == "running"
+                           and st["step"] > s + 3, 180)["step"]
+    assert len(events(job_dir, "master_restarted")) == 4
+    ray.get(master.stop.remote())
+    summary = finish(master)
+    assert summary["status"] == "stopped", summary
+
+
 def test_driver_killed_resumes_and_roles_keep_running(ray_cluster, job_dir):
     job = (DLJobBuilder().name("ft-driver").trainer("tests.workloads", "StepDriver")
            .config({"iterations": 30, "sleep_s": 0.1})

@@ -18,6 +18,7 @@ from dlrover_core.master.dir_lock import HANDOVER_S, DirLock, LockKeeper
 from dlrover_core.runs import read_summary  # noqa: F401 - re-exported (the CLI, tests)
 from dlrover_core.runtime.context import MASTER_NAMESPACE, master_actor_name
 
+#: the default of ``failover.master_max_restarts``: Ray's restarts of the JobMaster actor
 MASTER_MAX_RESTARTS = 3
 HEAD_RESOURCE = "node:__internal_head__"  # Ray puts it (1.0) on the head node only
 HEAD_RESOURCE_SHARE = 0.001  # what the master and the lock keeper ask of it
@@ -104,8 +105,8 @@ def create_master(spec: DictConfig, job_dir: str, fresh: bool = False) -> Any:
     cls = ray.remote(concurrency_groups={"report": 1})(JobMaster)
     return cls.options(
         name=master_actor_name(spec.name), namespace=MASTER_NAMESPACE, lifetime="detached",
-        max_restarts=MASTER_MAX_RESTARTS, max_concurrency=64, num_cpus=0,
-        **_master_placement(),
+        max_restarts=int(spec.failover.get("master_max_restarts", MASTER_MAX_RESTARTS)),
+        max_concurrency=64, num_cpus=0, **_master_placement(),
     ).remote(OmegaConf.to_container(spec, resolve=True), job_dir, fresh)
 
 

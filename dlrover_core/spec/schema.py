@@ -96,9 +96,14 @@ class FailoverSpec:
     process start; the spare holds a reservation like a rank's, a placement-group bundle
     with one rank's resources (CPU, GPU, memory), so the cluster needs room for one more
     rank per role (:mod:`dlrover_core.master.standby`; without room it waits, not warm).
+    ``master_max_restarts``: how many times Ray restarts the JobMaster's actor after its
+    process died, over the job's life (Ray's ``max_restarts`` of that actor; each
+    restart re-attaches to the running job). One more death ends the job's control: a
+    long job that must survive more master failures sets it higher.
     """
 
     max_restarts: int = spec_field(3, ge=0)
+    master_max_restarts: int = spec_field(3, ge=0)
     max_node_failures: int = 2
     hang_timeout_s: float = spec_field(0.0, ge=0, unit="seconds", note="0 = off")
     call_hang_min_s: float = spec_field(
