@@ -178,7 +178,8 @@ class DLJobBuilder:
         return self
 
     def failover(self, **kwargs: Any) -> DLJobBuilder:
-        """``max_restarts``, ``max_node_failures``, ``hang_timeout_s``, ``pg_timeout_s``."""
+        """``max_restarts``, ``master_max_restarts``, ``max_node_failures``,
+        ``hang_timeout_s``, ``pg_timeout_s`` (``dlrover_core.spec.schema.FailoverSpec``)."""
         self._spec.setdefault("failover", {}).update(kwargs)
         return self
 
