@@ -87,6 +87,22 @@ def last_steps(master) -> dict[int, int]:
         if i.role == "trainer"}))
 
 
+def run_hang_job(name: str, job_dir: str) -> dict:
+    """Run a 4-rank job whose rank 2 hangs after step 5 (hang timeout 4 s), check that
+    it failed with a hang blamed on rank 2, and return the master's report calls."""
+    master = start(name, job_dir, steps=400, step_s=0.1, hang_rank=2, hang_step=5,
+                   hang_timeout_s=4)
+    summary = poll_status(master, lambda st: st["summary"], 180)["summary"]
+    c = calls(master)
+    ray.kill(master, no_restart=True)
+    failed = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
+              if e["event"] == "instance_failed"]
+    assert failed and failed[0]["kind"] == "hang", failed
+    assert failed[0]["rank"] == 2, failed[0]["message"]
+    assert summary["status"] == "failed"
+    return c
+
+
 def until(fn, timeout: float = 120.0, every: float = 0.2):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -265,18 +281,9 @@ def test_a_hung_rank_behind_an_agent_is_blamed(ray_cluster, job_dir):
     # on a loaded machine, and the ranks then rightly report directly (the next test)
     agent = get_agent("nr-hang", 0.5)
     ray.get(agent.stats.remote())
-    master = start("nr-hang", job_dir, steps=400, step_s=0.1, hang_rank=2, hang_step=5,
-                   hang_timeout_s=4)
-    summary = poll_status(master, lambda st: st["summary"], 180)["summary"]
-    c = calls(master)
-    ray.kill(master, no_restart=True)
+    c = run_hang_job("nr-hang", job_dir)
     ray.kill(agent, no_restart=True)
     assert c.get("report_batch", 0) >= 1, c  # the ranks did report through the agent
-    failed = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
-              if e["event"] == "instance_failed"]
-    assert failed and failed[0]["kind"] == "hang", failed
-    assert failed[0]["rank"] == 2, failed[0]["message"]
-    assert summary["status"] == "failed"
 
 
 @pytest.mark.slow  # waits out a hang bound
@@ -286,18 +293,9 @@ def test_a_hung_rank_behind_a_silent_agent_is_blamed(ray_cluster, job_dir):
     it within a quarter of the hang timeout and report directly, so only the hung
     rank goes silent and it alone is blamed."""
     silent = silent_agent("nr-silent-hang")
-    master = start("nr-silent-hang", job_dir, steps=400, step_s=0.1, hang_rank=2,
-                   hang_step=5, hang_timeout_s=4)
-    summary = poll_status(master, lambda st: st["summary"], 180)["summary"]
-    c = calls(master)
-    ray.kill(master, no_restart=True)
+    c = run_hang_job("nr-silent-hang", job_dir)
     ray.kill(silent, no_restart=True)
     assert c.get("report_batch", 0) == 0 and c.get("report_rank_n", 0) >= 2, c
-    failed = [e for e in read_events(os.path.join(job_dir, "events.jsonl"))
-              if e["event"] == "instance_failed"]
-    assert failed and failed[0]["kind"] == "hang", failed
-    assert failed[0]["rank"] == 2, failed[0]["message"]
-    assert summary["status"] == "failed"
 
 
 @pytest.mark.slow  # a master restart mid-run
