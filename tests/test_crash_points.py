@@ -75,9 +75,9 @@ def test_quick_subset_of_the_disk_saver_has_no_violation():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # the whole enumeration: about 13 min on 2 busy cores
+@pytest.mark.timeout(2700)  # the whole enumeration: 13-23 min on 2 busy cores (CI: 1344 s)
 def test_every_crash_point_fault_and_rank_count_has_no_violation():
-    run, out = harness(timeout=1800)
+    run, out = harness(timeout=2400)
     # the harness's own lines (each violation, each saver's count), not the tail of
     # stdout: Ray's notices about the workers the faults killed fill that
     said = [x for x in run.stdout.splitlines() if x.startswith(("VIOLATION", "# "))]

@@ -22,6 +22,16 @@ MODULES = ["dlrover_plugin_flashckpt.saver", "dlrover_plugin_flashckpt.persister
            "dlrover_plugin_flashckpt.storage", "dlrover_plugin_flashckpt.persisting",
            "dlrover_plugin_flashckpt.shm", "dlrover_plugin_flashckpt.lineage"]
 SHM_DIR = "/dev/shm"
+
+#: the fault phase: :data:`.plan.FAULT_OPS` with a ``wait`` after the save of 20, so that
+#: 10 and 20 are persisted before 30 is saved: 30 then takes 10's buffer and the rollback
+#: ``load(20)`` reads 20 from shared memory. Without it a persister slow to take up 10
+#: (a loaded machine) lets the save of 30 replace 20 before 20 was persisted (a save never
+#: waits), the rollback finds 20 nowhere, and no fault-free run reaches the memory load's
+#: points (CI, 2026-11-30: ``flash.load.memory_read never reached``)
+FAULT_OPS: list[tuple] = [("load", None), ("save", 10), ("save", 20), ("wait",), ("save", 30),
+                          ("wait",), ("load", 20), ("save", 25), ("save", 35), ("wait",),
+                          ("close",)]
 OPTIONS = {"wait_timeout_s": 20, "persist_every_steps": 1}
 _COMMIT_LOCK_RE = re.compile(r"^\.step_\d{8,}\.commit$")
 _RAY: dict = {}
