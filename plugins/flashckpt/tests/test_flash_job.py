@@ -64,6 +64,30 @@ def test_sigkill_after_save_is_persisted_at_breakpoint_and_restored_from_memory(
     assert buffers(name) == [] and persisters_of(name) == {}
 
 
+def test_a_rank_finishes_only_once_its_final_step_is_committed(ray_cluster, job_dir):
+    """The final save (step 6, not due for the disk: only the job's end writes it) is
+    committed before either rank reports itself finished: the rank's ``run()`` drains
+    its saver. Before, the job's end hook committed it after the job had succeeded, so a
+    node lost in between (the chaos run, seed 52) ended the job "succeeded" without its
+    final step on disk."""
+    from dlrover_core.master.events import read_events
+    from dlrover_core.runs import run_paths
+
+    name = f"flashfin-{uuid.uuid4().hex[:6]}"
+    ckpt = os.path.join(job_dir, "ckpt")
+    summary = submit_job(spec(name, ckpt, max_steps=6), job_dir=job_dir, progress=False)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert committed_steps(os.path.join(ckpt, "trainer")) == [6]
+    committed_at = os.stat(os.path.join(ckpt, "trainer", "step_00000006",
+                                        "manifest.json")).st_mtime
+    events = read_events(run_paths(job_dir).events)
+    finished = [e["ts"] for e in events if e["event"] == "instance_finished"]
+    succeeded = [e["ts"] for e in events if e["event"] == "job_state_changed"
+                 and e["state"] == "succeeded"]
+    assert len(finished) == 2 and len(succeeded) == 1
+    assert committed_at <= min(finished) <= succeeded[0], (committed_at, finished, succeeded)
+
+
 def test_stop_persists_the_newest_step_and_removes_buffers(ray_cluster, job_dir):
     name = f"flashstop-{uuid.uuid4().hex[:6]}"
     ckpt = os.path.join(job_dir, "ckpt")
