@@ -29,7 +29,9 @@ end). Kinds (:data:`KINDS`):
 - ``kill_persister``: SIGKILL of a node's flash persister actor process;
 - ``node_loss``: SIGKILL of every process of a worker node hosting a rank (its raylet,
   agents and workers) and of that node's shared-memory slot buffers (its memory; this
-  machine shares /dev/shm between the "nodes"); a new node joins 20-40 s later;
+  machine shares /dev/shm between the "nodes"); a new node joins 20-40 s later (in a
+  thread: the schedule goes on while it joins), or at once when the next fault is a
+  node loss too (so that it finds a node to take at its step, not after the job's end);
 - ``kill_master``: SIGKILL of the JobMaster actor's process (Ray restarts the actor);
 - ``hang_rank``: SIGSTOP of a rank for ``hang_timeout_s + 15`` s, then SIGCONT;
 - ``disk_full``: the checkpoint tmpfs filled to the last byte for 20-40 s;
@@ -50,7 +52,10 @@ goodput); after ``cluster down`` no process of the cluster is left, no
 The last line of output is one JSON object: ``status``, ``faults_injected``,
 ``faults_recovered``, ``violations``, ``goodput``, ``steps_redone``, ``recovery_s``
 (``{"median", "max"}``, s from a fault to the first step after its recovery),
-``seed`` and the run's details (``faults``: each fault's kind, trigger, target, time).
+``seed`` and the run's details (``faults``: each fault's kind, trigger, target, time;
+``skipped``: the faults not made, and why: the job had ended before their step, or a
+fault that restarts something came after every rank had finished its last step, see
+:func:`after_last_step`).
 Exit status 0 when ``violations`` is empty.
 """
 
@@ -365,6 +370,7 @@ class Injector:
         self.done: list[dict] = []       # injected faults
         self.skipped: list[dict] = []    # scheduled, not injected (and why)
         self.comebacks: list[float] = []  # when a lost node's replacement is due (unix s)
+        self.joining: list[threading.Thread] = []  # replacements starting and joining now
         self.pids_seen: set[int] = set()
         self.timers: list[threading.Timer] = []
         self.commits: list[tuple[float, int]] = []  # (unix s, newest committed step) seen
@@ -379,7 +385,9 @@ class Injector:
             time.sleep(min(0.2, max(0.0, end - time.time())))
 
     def service(self) -> None:
-        """Start the nodes that are due to come back; note the cluster's processes."""
+        """Start the nodes that are due to come back, each joining in a thread of its own
+        (the schedule's steps go on meanwhile: a fault due while a node joins is not
+        late); note the cluster's processes."""
         now = time.time()
         self.note_commits()
         if now - getattr(self, "_noted", 0.0) > 5.0:
@@ -387,12 +395,27 @@ class Injector:
             self.ch.cluster_pids()
         for due in [d for d in self.comebacks if d <= now]:
             self.comebacks.remove(due)
-            node = self.ch.lc.add_node(self.ch.state, num_cpus=2, wait=False)
-            log(f"node back: {node['name']} joins")
-            try:
-                self.ch.lc.wait_for_nodes(self.ch.state, 180)
-            except Exception as e:  # noqa: BLE001 - the job goes on with one node
-                log(f"node {node['name']} did not join: {e}")
+            t = threading.Thread(target=self._come_back, name="chaos-node-back", daemon=True)
+            t.start()
+            self.joining.append(t)
+        self.joining = [t for t in self.joining if t.is_alive()]
+
+    def _come_back(self) -> None:
+        node = self.ch.lc.add_node(self.ch.state, num_cpus=2, wait=False)
+        log(f"node back: {node['name']} joins")
+        try:
+            self.ch.lc.wait_for_nodes(self.ch.state, 180)
+            log(f"node back: {node['name']} joined")
+        except Exception as e:  # noqa: BLE001 - the job goes on with one node
+            log(f"node {node['name']} did not join: {e}")
+
+    def nodes_back(self) -> None:
+        """Bring back at once every lost node not back yet, and wait until they joined."""
+        self.comebacks = [0.0] * len(self.comebacks)
+        self.service()
+        for t in self.joining:
+            t.join()
+        self.joining = []
 
     def events(self) -> list[dict]:
         """``events.jsonl`` so far, read on from where the last call stopped (without
@@ -452,6 +475,12 @@ class Injector:
             self.sleep(0.05)
         return False
 
+    def ended(self) -> bool:
+        """Whether the job reached a final state (a ``job_state_changed`` to succeeded,
+        failed or stopped in the events)."""
+        return any(e["event"] == "job_state_changed"
+                   and e.get("state") in ("succeeded", "failed", "stopped") for e in self.events())
+
     def wait_running(self, timeout_s: float = 300) -> dict | None:
         end = time.time() + timeout_s
         while time.time() < end and self.alive():
@@ -478,6 +507,14 @@ class Injector:
 
     def run(self, schedule: list[dict]) -> None:
         for f in schedule:
+            if f["kind"] == "node_loss" and f["trigger"] != "with_previous" and self.comebacks:
+                # the node lost last comes back now, not at its drawn time: it joins while
+                # the job steps on to this fault's step, which then finds it back (were it
+                # brought back only once the step is reached, the fault would come late:
+                # after the job's end when the step is near it)
+                log(f"fault {f['i']} is a node loss: the node lost before comes back now")
+                self.comebacks = [0.0] * len(self.comebacks)
+                self.service()
             if f["trigger"] != "with_previous":
                 while self.alive() and not self.reached(f):
                     self.sleep(0.5)
@@ -497,6 +534,9 @@ class Injector:
                     f = dict(f, trigger="time (no commit seen)")
             else:
                 self.wait_running()
+            if not self.alive() or self.ended():  # the trigger's wait outlasted the job
+                self.skipped += [dict(g, why="the job had ended") for g in schedule[f["i"]:]]
+                break
             try:
                 rec = self.inject(f)
             except Exception as e:  # noqa: BLE001 - a fault that could not be made
@@ -504,15 +544,15 @@ class Injector:
                 self.skipped.append(dict(f, why=f"{type(e).__name__}: {e}"))
             if rec is not None:
                 self.done.append(rec)
-        while (self.comebacks or any(t.is_alive() for t in self.timers)) and self.alive():
+        while (self.comebacks or self.joining or any(t.is_alive() for t in self.timers)) \
+                and self.alive():
             self.sleep(1.0)
         for t in self.timers:  # the job ended first: end the faults (SIGCONT, space back)
             if t.is_alive():
                 t.cancel()
                 t.function()
-        if self.comebacks:  # ... and bring the node back (the cluster goes down clean)
-            self.comebacks = [0.0]
-            self.service()
+        if self.comebacks or self.joining:  # ... and bring the node back (the cluster goes
+            self.nodes_back()                # down clean)
         while self.alive():  # the commits up to the job's end
             self.sleep(1.0)
         self.note_commits()
@@ -580,9 +620,8 @@ class Injector:
             rec.update(target="JobMaster", pid=pid)
             os.kill(pid, signal.SIGKILL)
         elif kind == "node_loss":
-            if len(self.ch.worker_nodes()) < 2:  # the last lost one is not back yet
-                self.comebacks = [0.0] * len(self.comebacks)
-                self.service()
+            if len(self.ch.worker_nodes()) < 2 or self.joining:  # the last lost one is
+                self.nodes_back()                                   # not back yet
                 self.wait_running()
             r = self._rank(f)
             node = self.ch.node_of(r[1]["node_id"]) if r else None
@@ -812,6 +851,36 @@ def check_events(events: list[dict], metrics: list[dict], faults: list[dict],
     return bad, rec_s, ok
 
 
+def after_last_step(events: list[dict], faults: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Split the injected ``faults`` into those the job met and those made after every
+    rank had finished its last step (an ``instance_finished`` of each rank of the last
+    attempt before the fault) with no recovery (``recovery_started``,
+    ``master_restarted``) after them: a fault that restarts something, made in the
+    instant between the last step and the job's end (the injector saw the job running),
+    has nothing left to recover. Those count as not injected (the job's other
+    invariants, the final commit and the leaks, still hold them). Returns
+    ``(met, late)``, each with ``why`` added to the late ones."""
+    met, late = [], []
+    for f in faults:
+        if f["kind"] not in RESTARTING | {"kill_master"}:
+            met.append(f)
+            continue
+        before = [e for e in events if e["ts"] <= f["ts"]]
+        started = [e for e in before if e["event"] == "instance_started"]
+        ranks = {(e["role"], e["rank"]) for e in started}
+        last = max((e["ts"] for e in started), default=0.0)
+        finished = {(e["role"], e["rank"]) for e in before
+                    if e["event"] == "instance_finished" and e["ts"] >= last}
+        recovered = any(e["event"] in ("recovery_started", "master_restarted")
+                        and e["ts"] >= f["ts"] for e in events)
+        if ranks and finished >= ranks and not recovered:
+            late.append(dict(f, why="made after every rank had finished its last step "
+                                    "(nothing left to recover)"))
+        else:
+            met.append(f)
+    return met, late
+
+
 def _persist_due(events: list[dict], f: dict) -> bool:
     """Whether a save due for the disk (``checkpoint_saved`` of a step that is a multiple
     of :data:`PERSIST_EVERY`) came while the fault ``f`` lasted (1 s after its start to
@@ -919,7 +988,10 @@ def main(argv: list[str] | None = None) -> int:
                          ch.overrides(names[-1], steps, ckpt, os.path.join(job_dir, "samples")),
                          on_running=faults)
         inj = holder.get("inj")
-        done = inj.done if inj else []
+        events = read_jsonl(os.path.join(job_dir, "events.jsonl"))
+        done, late = after_last_step(events, inj.done if inj else [])
+        if inj:
+            inj.skipped += late
         summary = run["summary"] or {}
         result.update(status=summary.get("status"), faults_injected=len(done),
                       goodput=summary.get("goodput"), steps=steps,
@@ -958,7 +1030,6 @@ def main(argv: list[str] | None = None) -> int:
         if (summary.get("checkpoint_steps") or {}).get("trainer") != steps:
             violations.append(f"summary.json checkpoint_steps {summary.get('checkpoint_steps')}"
                               f" != {steps}")
-        events = read_jsonl(os.path.join(job_dir, "events.jsonl"))
         metrics = read_jsonl(os.path.join(job_dir, "metrics.jsonl"))
         bad, rec_s, ok = check_events(events, metrics, done, summary)
         violations += bad

@@ -130,6 +130,33 @@ def test_a_full_disk_needs_its_health_event_only_when_a_persist_was_due_meanwhil
     assert bad == [] and ok == 1, bad
 
 
+def test_a_restarting_fault_after_every_rank_finished_counts_as_not_injected():
+    """Seen in a run (seed 52, 1,200 steps): a node was lost just after both ranks had
+    finished their last step; nothing was left to recover, so no recovery followed and
+    the check called it unrecovered. Such a fault is moved to the skipped ones; one
+    before the last step, or one a recovery followed, is still held to its recovery."""
+    chaos = _chaos()
+    events = [{"ts": 10.0, "event": "instance_started", "role": "trainer", "rank": 0},
+              {"ts": 10.0, "event": "instance_started", "role": "trainer", "rank": 1},
+              {"ts": 50.0, "event": "instance_finished", "role": "trainer", "rank": 0},
+              {"ts": 50.1, "event": "instance_finished", "role": "trainer", "rank": 1},
+              {"ts": 50.2, "event": "job_state_changed", "state": "succeeded"}]
+    late = {"i": 4, "kind": "node_loss", "ts": 50.15}
+    half = {"i": 3, "kind": "kill_rank", "ts": 50.05}  # rank 1 still stepping
+    persister = {"i": 5, "kind": "kill_persister", "ts": 50.3}  # held to its commit
+    met, skipped = chaos.after_last_step(events, [half, late, persister])
+    assert [f["i"] for f in met] == [3, 5] and [f["i"] for f in skipped] == [4]
+    assert "finished its last step" in skipped[0]["why"]
+    restarted = events + [{"ts": 51.0, "event": "master_restarted"}]
+    master = {"i": 6, "kind": "kill_master", "ts": 50.16}
+    met, skipped = chaos.after_last_step(restarted, [master])
+    assert met == [master] and skipped == []
+    # a later attempt's start makes the earlier finish not count
+    again = events + [{"ts": 50.12, "event": "instance_started", "role": "trainer", "rank": 1}]
+    met, skipped = chaos.after_last_step(again, [late])
+    assert met == [late] and skipped == []
+
+
 def test_schedule_is_due_at_steps_within_the_run_and_pairs_some_faults():
     chaos = _chaos()
     kinds = list(chaos.KINDS)
