@@ -240,10 +240,12 @@ class Chaos:
             ours |= kids
         out = {}
         for p in ours:
-            c = _cmdline(p)
-            if c is not None:
+            # a process of a node's group may have started after the /proc scan above
+            # (a node joining in the injector's thread): read it now
+            st, c = procs.get(p) or _stat(p), _cmdline(p)
+            if c is not None and st is not None:
                 out[p] = c
-                self.seen[p] = procs[p][2]
+                self.seen[p] = st[2]
         return out
 
     def master_pid(self) -> int | None:

@@ -157,6 +157,31 @@ def test_a_restarting_fault_after_every_rank_finished_counts_as_not_injected():
     assert met == [late] and skipped == []
 
 
+def test_cluster_pids_takes_a_process_that_started_after_its_scan():
+    """Seen in the 30-minute run of seed 3: a node joining in the injector's thread
+    started a process between the scan of /proc and the read of the node's process
+    group, and the lookup raised KeyError, which ended the run as a harness error. The
+    group here starts a real process at the moment it is read."""
+    chaos = _chaos()
+    started = []
+
+    class Groups:  # a node's process group that gains a process as it is read
+        def group_pids(self, pgid):
+            started.append(subprocess.Popen(["sleep", "60"]))
+            return [started[-1].pid]
+
+    ch = chaos.Chaos.__new__(chaos.Chaos)  # no cluster: only the process bookkeeping
+    ch.lc, ch.state, ch.seen = Groups(), {"nodes": [{"pgid": 0}]}, {}
+    try:
+        out = ch.cluster_pids()
+        pid = started[0].pid
+        assert out[pid].startswith("sleep") and ch.seen[pid] > 0
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+
+
 def test_schedule_is_due_at_steps_within_the_run_and_pairs_some_faults():
     chaos = _chaos()
     kinds = list(chaos.KINDS)
