@@ -5,7 +5,8 @@ in :data:`dlrover_core.crashpoints.POINTS`, each fault that applies to the point
 1, 2 and 4 ranks in separate processes, a run:
 
 1. the **fault phase**: fresh rank processes run :data:`.plan.FAULT_OPS` (saves, a
-   prune by ``keep``, a rollback ``load(step=N)`` and more saves) with the point armed
+   prune by ``keep``, a rollback ``load(step=N)`` and more saves; a case may have its
+   own: the flash case waits once more, the ODL case has no rollback) with the point armed
    in the process that passes it (a rank; the flash persister for its persist, commit
    and prune points); every rank journals each operation it begins and each that
    returns (:mod:`.journal`, fsynced);

@@ -1,4 +1,5 @@
-"""The operations of a run, the same on every rank (and for every saver).
+"""The operations of a run, the same on every rank (for every saver whose case does
+not set its own ``FAULT_OPS``: the flash and ODL cases do).
 
 The fault phase saves 10, 20, 30 (``keep`` = 2 prunes 10), waits, rolls back with
 ``load(step=20)``, saves 25 and 35 on that new lineage (pruning by number) and waits;
