@@ -411,13 +411,15 @@ class Injector:
         except Exception as e:  # noqa: BLE001 - the job goes on with one node
             log(f"node {node['name']} did not join: {e}")
 
-    def nodes_back(self) -> None:
-        """Bring back at once every lost node not back yet, and wait until they joined."""
+    def nodes_back(self, wait: bool = True) -> None:
+        """Bring back at once every lost node not back yet; with ``wait``, wait until
+        they joined."""
         self.comebacks = [0.0] * len(self.comebacks)
         self.service()
-        for t in self.joining:
-            t.join()
-        self.joining = []
+        if wait:
+            for t in self.joining:
+                t.join()
+            self.joining = []
 
     def events(self) -> list[dict]:
         """``events.jsonl`` so far, read on from where the last call stopped (without
@@ -515,8 +517,7 @@ class Injector:
                 # brought back only once the step is reached, the fault would come late:
                 # after the job's end when the step is near it)
                 log(f"fault {f['i']} is a node loss: the node lost before comes back now")
-                self.comebacks = [0.0] * len(self.comebacks)
-                self.service()
+                self.nodes_back(wait=False)
             if f["trigger"] != "with_previous":
                 while self.alive() and not self.reached(f):
                     self.sleep(0.5)
