@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -168,6 +169,12 @@ def test_cluster_pids_takes_a_process_that_started_after_its_scan():
     class Groups:  # a node's process group that gains a process as it is read
         def group_pids(self, pgid):
             started.append(subprocess.Popen(["sleep", "60"]))
+            # Popen returns at exec's point of no return, before the kernel has set
+            # up the new command line (/proc/PID/cmdline reads empty for a moment, as
+            # CI saw): wait for it, as a process that joined a node would have it
+            path, deadline = f"/proc/{started[-1].pid}/cmdline", time.monotonic() + 10
+            while not open(path, "rb").read() and time.monotonic() < deadline:
+                time.sleep(0.001)
             return [started[-1].pid]
 
     ch = chaos.Chaos.__new__(chaos.Chaos)  # no cluster: only the process bookkeeping
