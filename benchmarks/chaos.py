@@ -11,7 +11,8 @@ tiny model (1 layer, width 32), 2 ranks under FSDP2 spread over the worker nodes
 flash saver with ``replicas: 1`` (a save every 5 steps, a commit to disk every 20th),
 the checkpoint folder on a tmpfs of its own (so that "disk full" is a real ENOSPC), the
 ranks' sample-id logs (``config.record_samples``). The job's ``max_steps`` is sized from
-a short calibration job so that the fault-free run takes about 60 % of ``--minutes``.
+a calibration job (the mean step time over the second half of 800 steps) so that the
+fault-free run takes about 60 % of ``--minutes``.
 
 First the job runs with no faults (same seed, same steps), then with faults. The
 schedule (``random.Random(seed)``) draws each fault's kind from ``--faults``, its point
@@ -914,18 +915,45 @@ def leaks(ch: Chaos, jobs: list[str], dirs: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ main
+CAL_STEPS = 800  # the calibration job's max_steps
+
+
+def steady_step_s(ts: list[float]) -> float:
+    """Seconds a step over the second half of the steps' timestamps ``ts`` (s): the mean,
+    so that the saves and commits among the steps count. The first steps of a job run
+    while the cluster's other processes (persisters, the replica, the master's first
+    reports) still start: the median step of a 100-step job was 0.026-0.031 s where the
+    fault-free runs of 35,000-39,000 steps took 0.017-0.019 s a step (seeds 2 and 3),
+    and the runs with faults lasted 15-20 of their 30 minutes.
+
+    Raises ValueError with fewer than 4 timestamps."""
+    if len(ts) < 4:
+        raise ValueError(f"steady_step_s: {len(ts)} step timestamps; allowed: at least 4")
+    mid = len(ts) // 2
+    return (ts[-1] - ts[mid]) / (len(ts) - 1 - mid)
+
+
 def calibrate(ch: Chaos, minutes: float) -> tuple[int, float]:
-    """Steps for a fault-free run of about 60 % of ``minutes``, from the median step
-    time of a 100-step job; returns ``(steps, step_s)``."""
+    """Steps for a fault-free run of about 60 % of ``minutes`` (the faults made the runs
+    1.3-1.8 times longer), from :func:`steady_step_s` of a ``CAL_STEPS``-step job;
+    returns ``(steps, step_s)``. Raises RuntimeError when the calibration job reported
+    too few steps."""
     jd = os.path.join(ch.work, "job-cal")
     ckpt = os.path.join(ch.work, "ckpt-cal")
     out = run_to_end(ch, f"chaos-cal-{ch.seed}", jd,
-                     ch.overrides(f"chaos-cal-{ch.seed}", 100, ckpt, os.path.join(jd, "samples")))
+                     ch.overrides(f"chaos-cal-{ch.seed}", CAL_STEPS, ckpt,
+                                  os.path.join(jd, "samples")))
     ts = [r["ts"] for r in read_jsonl(os.path.join(jd, "metrics.jsonl")) if r.get("event") == "step"]
-    gaps = [b - a for a, b in zip(ts, ts[1:]) if b > a]
-    step_s = statistics.median(gaps) if gaps else 0.1
+    try:
+        step_s = steady_step_s(ts)
+    except ValueError as e:
+        raise RuntimeError(f"calibration job (rc {out['rc']}): {e}") from None
+    q = max(1, len(ts) // 4)
+    quarters = [round((ts[min(k + q, len(ts) - 1)] - ts[k]) / max(1, min(q, len(ts) - 1 - k)), 4)
+                for k in range(0, len(ts) - 1, q)]
     steps = int(0.6 * minutes * 60 / step_s) // PERSIST_EVERY * PERSIST_EVERY
-    log(f"calibration: rc {out['rc']}, {step_s:.3f} s a step -> {steps} steps")
+    log(f"calibration: rc {out['rc']}, {len(ts)} steps, s a step by quarter {quarters}; "
+        f"second half {step_s:.4f} s a step -> {steps} steps")
     return max(steps, 10 * PERSIST_EVERY), step_s
 
 

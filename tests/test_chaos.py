@@ -205,3 +205,20 @@ def test_schedule_is_due_at_steps_within_the_run_and_pairs_some_faults():
     assert chaos.make_schedule(1, kinds, 600.0, 30, 6000) == sched  # the seed fixes it
     with pytest.raises(ValueError, match="n=0"):
         chaos.make_schedule(1, kinds, 600.0, 0, 6000)
+
+
+def test_calibration_takes_the_steady_step_time_not_the_start():
+    """The 30-minute runs of seeds 2 and 3 were sized from a 100-step job's median step
+    (0.026-0.031 s) where the long runs took 0.017-0.019 s a step, so the runs with
+    faults lasted 15-20 of their 30 minutes. A job whose first half runs at 0.03 s a step
+    and whose second half at 0.02 s (with a commit of 0.1 s every 20th step) is sized by
+    the second half, commits included."""
+    chaos = _chaos()
+    ts, t = [], 0.0
+    for i in range(800):
+        t += 0.03 if i < 400 else (0.02 + (0.1 if i % 20 == 0 else 0.0))
+        ts.append(t)
+    step_s = chaos.steady_step_s(ts)
+    assert abs(step_s - (0.02 + 0.1 / 20)) < 1e-3  # not 0.03 (the start), not 0.02 (no commits)
+    with pytest.raises(ValueError, match="at least 4"):
+        chaos.steady_step_s([0.0, 1.0, 2.0])
