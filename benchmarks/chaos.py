@@ -938,9 +938,9 @@ def steady_step_s(ts: list[float]) -> float:
 
 
 def calibrate(ch: Chaos, minutes: float) -> tuple[int, float]:
-    """Steps for a fault-free run of ``FAULT_FREE_SHARE`` of ``minutes``, from :func:`steady_step_s` of a ``CAL_STEPS``-step job;
-    returns ``(steps, step_s)``. Raises RuntimeError when the calibration job reported
-    too few steps."""
+    """Steps for a fault-free run of ``FAULT_FREE_SHARE`` of ``minutes``, from
+    :func:`steady_step_s` of a ``CAL_STEPS``-step job; returns ``(steps, step_s)``.
+    Raises RuntimeError when the calibration job reported too few steps."""
     jd = os.path.join(ch.work, "job-cal")
     ckpt = os.path.join(ch.work, "ckpt-cal")
     out = run_to_end(ch, f"chaos-cal-{ch.seed}", jd,
@@ -951,9 +951,9 @@ def calibrate(ch: Chaos, minutes: float) -> tuple[int, float]:
         step_s = steady_step_s(ts)
     except ValueError as e:
         raise RuntimeError(f"calibration job (rc {out['rc']}): {e}") from None
-    q = max(1, len(ts) // 4)
-    quarters = [round((ts[min(k + q, len(ts) - 1)] - ts[k]) / max(1, min(q, len(ts) - 1 - k)), 4)
-                for k in range(0, len(ts) - 1, q)]
+    q, last = max(1, len(ts) // 4), len(ts) - 1  # the step time by quarter, for the log
+    quarters = [round((ts[min(k + q, last)] - ts[k]) / (min(k + q, last) - k), 4)
+                for k in range(0, last, q)]
     steps = int(FAULT_FREE_SHARE * minutes * 60 / step_s) // PERSIST_EVERY * PERSIST_EVERY
     log(f"calibration: rc {out['rc']}, {len(ts)} steps, s a step by quarter {quarters}; "
         f"second half {step_s:.4f} s a step -> {steps} steps")
