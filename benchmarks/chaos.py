@@ -12,7 +12,8 @@ flash saver with ``replicas: 1`` (a save every 5 steps, a commit to disk every 2
 the checkpoint folder on a tmpfs of its own (so that "disk full" is a real ENOSPC), the
 ranks' sample-id logs (``config.record_samples``). The job's ``max_steps`` is sized from
 a calibration job (the mean step time over the second half of 800 steps) so that the
-fault-free run takes about 70 % of ``--minutes`` (:data:`FAULT_FREE_SHARE`).
+fault-free run takes about ``--minutes`` (:data:`FAULT_FREE_SHARE`), and the run with
+faults longer.
 
 First the job runs with no faults (same seed, same steps), then with faults. The
 schedule (``random.Random(seed)``) draws each fault's kind from ``--faults``, its point
@@ -916,10 +917,11 @@ def leaks(ch: Chaos, jobs: list[str], dirs: list[str]) -> list[str]:
 
 # ------------------------------------------------------------------ main
 CAL_STEPS = 800  # the calibration job's max_steps
-# the fault-free run's share of --minutes: the 30-minute runs with faults took 1.32-1.76
-# times their fault-free run (seeds 1-4), so 0.7 puts them at about 28-37 minutes (0.6 put
-# seed 4's, sized by the steady step time, at 22)
-FAULT_FREE_SHARE = 0.7
+# the fault-free run's share of --minutes: 1, as a run with faults is never shorter than
+# its fault-free run, and at least --minutes is the promise. The runs with faults took
+# 1.13-1.76 times their fault-free run (seeds 1-6), so no smaller share keeps it: at 0.6
+# seed 4 lasted 22 minutes with faults, at 0.7 seeds 5 and 6 lasted 29 and 21
+FAULT_FREE_SHARE = 1.0
 
 
 def steady_step_s(ts: list[float]) -> float:
@@ -963,7 +965,8 @@ def calibrate(ch: Chaos, minutes: float) -> tuple[int, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0,
-                    help="length of the run with faults (about; default 30)")
+                    help="minutes of the fault-free run (about; the run with faults lasts "
+                         "longer: 1.13-1.76 times here; default 30)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the schedule and the job")
     ap.add_argument("--faults", default=",".join(KINDS),
                     help=f"comma-separated kinds to draw from (default all: {','.join(KINDS)})")
