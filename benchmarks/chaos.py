@@ -917,8 +917,9 @@ def leaks(ch: Chaos, jobs: list[str], dirs: list[str]) -> list[str]:
 
 # ------------------------------------------------------------------ main
 CAL_STEPS = 800  # the calibration job's max_steps
-# the fault-free run's share of --minutes: 1, as a run with faults is never shorter than
-# its fault-free run, and at least --minutes is the promise. The runs with faults took
+# the fault-free run's share of --minutes: 1, as the faults slow a run (only a 3-minute
+# run, on a machine whose load fell between its two jobs, was ever shorter with faults),
+# and at least --minutes is the promise. The runs with faults took
 # 1.13-1.76 times their fault-free run (seeds 1-6), so no smaller share keeps it: at 0.6
 # seed 4 lasted 22 minutes with faults, at 0.7 seeds 5 and 6 lasted 29 and 21
 FAULT_FREE_SHARE = 1.0
