@@ -42,7 +42,9 @@ of ``results`` with ``size_mib`` (the size asked for) and:
   ``socket_copy_gib_s``: the bound of the TCP path measured in the same run, a bare
   loopback TCP copy of the same bytes into a populated buffer until the receiver
   acknowledges the last byte (:func:`socket_copy_s`), and ``replica_vs_socket``:
-  ``replica_gib_s`` over it;
+  ``replica_gib_s`` over it; ``replica_connect_s`` / ``replica_stream_s``: the TCP
+  replica's time split, from the pull request until the holder's token was accepted,
+  and from the first byte until the holder acknowledged the last (medians);
 - ``restore_other_world_size_s``: a state saved by 2 ranks (``Shard(0)`` DTensors,
   gloo, Ray actors) loaded into 1 rank from memory; ``restore_same_world_size_s``: the
   same state saved by 1 rank, loaded by 1 (each the median of ``--repeat`` loads, at
@@ -717,7 +719,7 @@ def bench_replica(size_mib: int, work: str, repeat: int, job: str,
     saver = flash_saver(job, ckpt, replicas=1, persist_every_steps=10**9,
                         replica_transport=transport)
     persister = get_persister(job)
-    seconds, lags = [], []
+    seconds, lags, split = [], [], {"connect_s": [], "stream_s": []}
     for step in range(1, repeat + 2):
         saver.save(step, state)
         t0 = time.perf_counter()
@@ -737,13 +739,18 @@ def bench_replica(size_mib: int, work: str, repeat: int, job: str,
         if step > 1:
             seconds.append(hist[0]["seconds"])
             lags.append(time.perf_counter() - t0)
+            for k, v in split.items():
+                if k in hist[0]:
+                    v.append(hist[0][k])
     saver.close()
     finish_job(job, timeout=60)   # the persisters stop and unmap the buffers
     for path in shm.list_segments("/dev/shm", shm.job_prefix(job)):
         os.unlink(path)           # not committed (never persisted): finish_job keeps them
     shutil.rmtree(ckpt, ignore_errors=True)
-    return {"replica_gib_s": gib / statistics.median(seconds),
-            "replica_lag_s": statistics.median(lags)}
+    out = {"replica_gib_s": gib / statistics.median(seconds),
+           "replica_lag_s": statistics.median(lags)}
+    out.update({f"replica_{k}": statistics.median(v) for k, v in split.items() if v})
+    return out
 
 
 class ReshardRank:
@@ -1057,6 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
             r["probe_slots"] = 1 if lean else 2
             if lean:
                 for k in ("replica_gib_s", "replica_lag_s", "replica_over_memcpy",
+                          "replica_connect_s", "replica_stream_s",
                           "socket_copy_gib_s", "replica_vs_socket",
                           "replica_ray_gib_s", "replica_ray_lag_s",
                           "restore_other_world_size_s", "restore_same_world_size_s",

@@ -12,10 +12,11 @@ named ``dlrflash-<job>-<dir digest>-r<rank>-p<k>-n<holder node>``, two per sourc
 rank (one is written while the other keeps the previous step), READY with the step,
 the meta block and its crc32. Imports no torch.
 
-Transfer: the source persister maps its slot and sends its data area over one TCP
-connection to the holder's persister, which receives it straight into its buffer
-(:mod:`.replica_stream`); when the slot's sequence number moved meanwhile (a save
-overwrote it) the replica is dropped, never marked READY. When the TCP path fails
+Transfer: the source persister sends its slot's data area from the slot's file
+(``sendfile``) over one TCP connection to the holder's persister, which receives it
+straight into its buffer (:mod:`.replica_stream`); when the slot's sequence number
+moved before the holder acknowledged the last byte (a save overwrote it) the replica
+is dropped, never marked READY. When the TCP path fails
 (no connection: a firewall between the nodes), the source puts the data area into
 the Ray object store instead and the holder copies it out after Ray's object
 transfer (``transport`` in :meth:`ReplicaSender.status`'s history says which).
@@ -278,7 +279,8 @@ class ReplicaSender:
         #: (role, rank) -> (step, seq) of the last save replicated to the peer
         self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
         self._ray_only_peers: set[str] = set()   # peers the TCP replica path failed for
-        #: finished replications: role, rank, step, peer, bytes, seconds
+        #: finished replications: role, rank, step, peer, bytes, seconds (and, over TCP,
+        #: ``connect_s`` and ``stream_s``: :func:`.replica_stream.send`)
         self.history: list[dict] = []
         #: the ``flash-replicate`` thread (woken by a registration asking for replicas)
         self.thread = LoopThread("flash-replicate", self._replicate_loop)
@@ -337,9 +339,10 @@ class ReplicaSender:
         holder = self._peer(peer)
         transport = ("tcp" if r.replica_transport == "tcp" and peer not in self._ray_only_peers
                      else "ray")
+        timings: dict = {}
         if transport == "tcp":
             try:
-                name = send_over_tcp(holder, info, seg, h)
+                name = send_over_tcp(holder, info, seg, h, timings)
             except StreamError as exc:
                 log.warning("flash replica of %s rank %d step %d over TCP to node %s failed "
                             "(%s); through Ray's object store, for this peer from now on",
@@ -363,6 +366,7 @@ class ReplicaSender:
                                          "peer": peer, "name": name, "bytes": h.data_len,
                                          "transport": transport,
                                          "seconds": round(time.monotonic() - t0, 4),
+                                         **{k: round(v, 4) for k, v in timings.items()},
                                          "done_at": time.time()})
             del self.history[:-50]
         return True

@@ -3,10 +3,11 @@ the holder's replica buffer (``checkpoint.options.replicas``, :mod:`.replica`).
 
 The Ray object path copies a save three times (into the source's object store, the
 object transfer between the raylets, out of the holder's store into its buffer)
-and moves it in the object manager's chunks; this one sends the slot's mapped
-pages with ``sendall`` and the holder ``recv_into``\\ s its mapped buffer, so the
-bytes cross the kernel once each way (the way a parameter server or NCCL's socket
-transport moves tensors between hosts; across machines the NIC bounds it).
+and moves it in the object manager's chunks; this one hands the slot's file pages to
+the socket with ``sendfile(2)`` (no copy in the source's user space) and the holder
+``recv_into``\\ s its mapped buffer, so the bytes are copied once, into the holder
+(the way a parameter server or NCCL's socket transport moves tensors between hosts;
+across machines the NIC bounds it).
 
 Protocol (one connection per replica; the source listens, the holder connects, so
 only the source's port needs to be reachable):
@@ -16,10 +17,14 @@ only the source's port needs to be reachable):
    16-byte random token;
 2. the holder connects and sends the token; the source compares it (a connection
    with another token is closed, the source keeps waiting until its deadline);
-3. the source sends the ``data_len`` bytes of its slot, then one verdict byte:
-   ``1`` when the slot's sequence number did not move while it was sent, ``0``
-   when a save overwrote it meanwhile (the holder then leaves the buffer not
-   READY: a torn replica is never listed or loaded).
+3. the source sends the ``data_len`` bytes of its slot; the holder, once it holds the
+   last byte, sends one acknowledgement byte (:data:`ACK`);
+4. after the acknowledgement the source sends one verdict byte: ``1`` when the slot's
+   sequence number did not move while it was sent, ``0`` when a save overwrote it
+   meanwhile (the holder then leaves the buffer not READY: a torn replica is never
+   listed or loaded). The verdict waits for the acknowledgement because ``sendfile``
+   queues references to the slot's pages, not copies: until the holder has the last
+   byte, a save could still change what it receives.
 
 Imports no torch; Ray only in :func:`send_over_tcp`.
 """
@@ -30,9 +35,11 @@ import hmac
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 TOKEN_BYTES = 16
+#: the holder's byte after it received the whole replica
+ACK = b"\x06"
 #: bytes per ``recv_into`` at most
 RECV_CHUNK = 16 << 20
 #: socket buffer sizes asked for (the kernel may cap them)
@@ -43,6 +50,14 @@ CONNECT_TIMEOUT_S = 10.0
 
 class StreamError(RuntimeError):
     """The replica stream failed (no connection, a short read, a bad token)."""
+
+
+class FileRange(NamedTuple):
+    """``count`` bytes at ``offset`` of the open file ``fd`` (a slot's file in
+    ``/dev/shm``): what :func:`send` hands to ``sendfile(2)``."""
+    fd: int
+    offset: int
+    count: int
 
 
 def new_token() -> bytes:
@@ -56,20 +71,27 @@ def listen(host: str) -> socket.socket:
     return srv
 
 
-def send(srv: socket.socket, token: bytes, data: memoryview, verdict: Callable[[], bool],
-         timeout_s: float = 60.0, gave_up: Callable[[], bool] = lambda: False) -> bool:
+def send(srv: socket.socket, token: bytes, data: memoryview | FileRange,
+         verdict: Callable[[], bool], timeout_s: float = 60.0,
+         gave_up: Callable[[], bool] = lambda: False,
+         timings: dict | None = None) -> bool:
     """Serve one replica on the listening ``srv``: accept the holder's connection
-    (closing any that sends another token), send ``data``, then the verdict byte of
-    ``verdict()`` (called after the last byte). Returns the verdict.
+    (closing any that sends another token), send ``data`` (a :class:`FileRange`:
+    with ``socket.sendfile``, no user-space copy; a buffer: ``sendall``), wait for the
+    holder's acknowledgement of the last byte, then send the verdict byte of
+    ``verdict()`` (called after the acknowledgement). Returns the verdict.
 
     ``gave_up()`` is polled while waiting for the connection (the holder's call
-    failed: stop waiting).
+    failed: stop waiting). ``timings``, when given, gets ``connect_s`` (from the call
+    until the holder's token was accepted) and ``stream_s`` (from the first byte sent
+    until the acknowledgement), in s.
 
     Raises:
         StreamError: no connection with the token within ``timeout_s`` s, or the
-            connection broke.
+            connection broke, or the holder did not acknowledge the bytes.
     """
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     srv.settimeout(0.2)
     while True:
         if time.monotonic() > deadline or gave_up():
@@ -89,7 +111,23 @@ def send(srv: socket.socket, token: bytes, data: memoryview, verdict: Callable[[
             continue
         break
     try:  # the connection has the listening socket's send buffer size
-        conn.sendall(data)
+        t1 = time.monotonic()
+        if isinstance(data, FileRange):
+            with os.fdopen(os.dup(data.fd), "rb", buffering=0) as f:
+                sent = conn.sendfile(f, data.offset, data.count) if data.count else 0
+            if sent != data.count:
+                raise StreamError(f"sendfile sent {sent} of {data.count} bytes")
+        else:
+            conn.sendall(data)
+        try:
+            ack = _recv_exact(conn, 1)
+        except StreamError as exc:
+            raise StreamError(f"the holder did not acknowledge the replica's bytes: {exc}"
+                              ) from exc
+        if ack != ACK:
+            raise StreamError(f"the holder did not acknowledge the replica's bytes: {ack!r}")
+        if timings is not None:
+            timings.update(connect_s=t1 - t0, stream_s=time.monotonic() - t1)
         ok = bool(verdict())
         conn.sendall(b"\x01" if ok else b"\x00")
         return ok
@@ -103,7 +141,8 @@ def receive(addr: tuple[str, int], token: bytes, dst: memoryview,
             timeout_s: float = 60.0) -> bool:
     """Connect to the source at ``addr`` (within :data:`CONNECT_TIMEOUT_S`), send
     ``token``, receive ``len(dst)`` bytes into ``dst`` (in place, no other copy; each
-    ``recv`` waits ``timeout_s`` at most) and the verdict byte. Returns the verdict
+    ``recv`` waits ``timeout_s`` at most), acknowledge them (:data:`ACK`) and receive
+    the verdict byte. Returns the verdict
     (``False``: the source's slot changed while it was sent; ``dst`` is torn).
 
     Raises:
@@ -130,6 +169,7 @@ def receive(addr: tuple[str, int], token: bytes, dst: memoryview,
             if not got:
                 raise StreamError(f"replica stream from {addr} ended after {off} of {n} bytes")
             off += got
+        conn.sendall(ACK)
         return _recv_exact(conn, 1) == b"\x01"
     except OSError as exc:
         raise StreamError(f"replica stream from {addr} broke: {exc}") from exc
@@ -137,11 +177,12 @@ def receive(addr: tuple[str, int], token: bytes, dst: memoryview,
         conn.close()
 
 
-def send_over_tcp(holder: Any, info: dict, seg: Any, h: Any) -> str | None:
+def send_over_tcp(holder: Any, info: dict, seg: Any, h: Any,
+                  timings: dict | None = None) -> str | None:
     """Send the data of the slot ``seg`` (a :class:`.shm.Segment`, header ``h``) to the
-    ``holder`` persister actor (its ``pull_replica``) over one TCP connection.
-    Returns the holder's buffer name, or ``None`` when a save overwrote the slot
-    while it was sent.
+    ``holder`` persister actor (its ``pull_replica``) over one TCP connection, from the
+    slot's file (``sendfile``). Returns the holder's buffer name, or ``None`` when a
+    save overwrote the slot while it was sent. ``timings``: as in :func:`send`.
 
     Raises:
         StreamError: no connection, or it broke (the caller falls back to Ray)."""
@@ -158,12 +199,8 @@ def send_over_tcp(holder: Any, info: dict, seg: Any, h: Any) -> str | None:
             again = seg.read_header()
             return again.seq == h.seq and holds_step(again)
 
-        whole = memoryview(seg.mm)
-        try:
-            send(srv, token, whole[h.data_offset:h.data_offset + h.data_len], unchanged,
-                 gave_up=lambda: bool(ray.wait([fut], timeout=0)[0]))
-        finally:
-            whole.release()
+        send(srv, token, FileRange(seg.fd, h.data_offset, h.data_len), unchanged,
+             gave_up=lambda: bool(ray.wait([fut], timeout=0)[0]), timings=timings)
         try:
             return ray.get(fut, timeout=600)
         except Exception as exc:  # noqa: BLE001 - the holder's side failed: fall back

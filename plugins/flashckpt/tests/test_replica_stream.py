@@ -35,15 +35,18 @@ def ident() -> dict:
             "session": "s", "run_id": "", "replica_of": "source-node"}
 
 
-def serve(data: bytes, verdict: bool, token: bytes, timeout_s: float = 30.0):
-    """Start the source side in a thread; returns (address, thread, result box)."""
+def serve(data, verdict, token: bytes, timeout_s: float = 30.0, timings=None):
+    """Start the source side in a thread (``data``: bytes, or a ``FileRange``;
+    ``verdict``: a bool or a callable); returns (address, thread, result box)."""
     srv = replica_stream.listen("127.0.0.1")
     box: dict = {}
+    src = data if isinstance(data, replica_stream.FileRange) else memoryview(data)
+    judge = verdict if callable(verdict) else (lambda: verdict)
 
     def run() -> None:
         try:
-            box["ok"] = replica_stream.send(srv, token, memoryview(data), lambda: verdict,
-                                            timeout_s=timeout_s)
+            box["ok"] = replica_stream.send(srv, token, src, judge, timeout_s=timeout_s,
+                                            timings=timings)
         except Exception as exc:  # noqa: BLE001 - the test reads it
             box["error"] = exc
         finally:
@@ -115,3 +118,70 @@ def test_no_holder_is_a_stream_error_and_a_dead_source_is_one_too(shm_dir):
         addr = s.getsockname()[:2]
     with pytest.raises(replica_stream.StreamError, match="could not connect"):
         pull(shm_dir, addr, replica_stream.new_token(), 10)
+
+
+def test_a_slots_file_is_sent_with_sendfile_and_judged_after_the_holder_has_every_byte(
+        shm_dir, monkeypatch):
+    """The source's path (a ``FileRange`` of the slot's file: ``sendfile``): the bytes
+    at the offset land bit for bit, and ``verdict()`` runs only once the holder holds
+    the last byte (it reads the holder's buffer); 32 MiB, more than the socket buffers
+    hold, so a verdict taken when the source's last byte left would see a partial buffer."""
+    n, offset = (32 << 20) + 5, 4096 + 17
+    data = os.urandom(n)
+    path = os.path.join(shm_dir, "slot-file")
+    with open(path, "wb") as f:
+        f.write(os.urandom(offset) + data + os.urandom(99))
+    fd = os.open(path, os.O_RDONLY)
+    seen: dict = {"sendfile_bytes": 0}
+    real_sendfile = os.sendfile
+
+    def counted_sendfile(*a):
+        sent = real_sendfile(*a)
+        seen["sendfile_bytes"] += sent
+        return sent
+
+    # socket.sendfile falls back to read() + send() when sendfile(2) fails: count it
+    monkeypatch.setattr(os, "sendfile", counted_sendfile)
+
+    def verdict() -> bool:
+        seen["holder_had"] = bytes(seen["dst"]) == data
+        return True
+
+    def fill(dst):
+        seen["dst"] = dst
+        return replica_stream.receive(addr, token, dst)
+
+    try:
+        token, timings = replica_stream.new_token(), {}
+        addr, t, box = serve(replica_stream.FileRange(fd, offset, n), verdict, token,
+                             timings=timings)
+        name = replica.store(shm_dir, JOB, HOLDER, info(n), None, ident(), fill=fill)
+        t.join(10)
+    finally:
+        os.close(fd)
+    assert box == {"ok": True} and name is not None
+    assert seen["holder_had"] is True
+    assert seen["sendfile_bytes"] == n      # every byte through sendfile(2)
+    [h] = replica.held(shm_dir, JOB, DIR, HOLDER)
+    assert replica.read(h["path"], 7)["data"].tobytes() == data
+    assert set(timings) == {"connect_s", "stream_s"}
+    assert all(0 <= v < 30 for v in timings.values())
+
+
+def test_a_holder_that_does_not_acknowledge_the_bytes_gets_no_verdict():
+    """A holder that reads every byte and closes without the acknowledgement: the
+    source raises, and never asked for the verdict (nothing was judged complete)."""
+    data = os.urandom(1 << 20)
+    token = replica_stream.new_token()
+    asked: list = []
+    addr, t, box = serve(data, lambda: asked.append(1) or True, token)
+    with socket.create_connection(addr, timeout=10) as conn:
+        conn.sendall(token)
+        got = 0
+        while got < len(data):
+            chunk = conn.recv(1 << 20)
+            assert chunk
+            got += len(chunk)
+    t.join(10)
+    assert isinstance(box.get("error"), replica_stream.StreamError)
+    assert "acknowledge" in str(box["error"]) and asked == []
