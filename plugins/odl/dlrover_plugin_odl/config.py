@@ -13,6 +13,8 @@ Example (YAML)::
         chunk_batches: 32     # batches per chunk (one source read: 2048 records)
         buffer: 4             # chunks between source and trainer, at most
         publish_every: 50     # trainer steps between published model versions
+        publish_every_s: 0    # and/or seconds between them (0: off)
+        checkpoint_every_s: 0 # seconds between checkpoints, besides checkpoint.every_steps
 """
 
 from __future__ import annotations
@@ -61,7 +63,15 @@ class ODLConfig:
     Delivery and models:
         publish_every: trainer steps between published model versions (0: only at
             the end), written to ``<job dir>/published`` after the trainer call in
-            which a multiple of it is reached. report_every: trainer steps between
+            which a multiple of it is reached. publish_every_s: seconds between
+            published versions as well (0: off): the driver asks for one with the
+            first trainer call it sends once that many seconds have passed since
+            the stream started or since the call it last asked on.
+            checkpoint_every_s: the same cadence in seconds for checkpoints (0: off;
+            besides ``checkpoint.every_steps``): the asked call saves its starting
+            step, as a step-cadence checkpoint is saved. One clock (the driver's)
+            decides for every trainer rank, so DDP ranks save the same steps.
+            report_every: trainer steps between
             metric reports (likewise at the end of a call). window: records in the
             sliding prequential accuracy (whole trainer calls). log_record_ids
             (default true): every source instance appends the records it hands out,
@@ -81,6 +91,8 @@ class ODLConfig:
     max_time_s: float = spec_field(0.0, ge=0, unit="seconds", note="0: off")
     idle_timeout_s: float = spec_field(0.0, ge=0, unit="seconds", note="0: off")
     publish_every: int = spec_field(50, ge=0, note="0: off")
+    publish_every_s: float = spec_field(0.0, ge=0, unit="seconds", note="0: off")
+    checkpoint_every_s: float = spec_field(0.0, ge=0, unit="seconds", note="0: off")
     report_every: int = spec_field(1, ge=1)
     window: int = spec_field(1000, ge=1)
     log_record_ids: bool = True

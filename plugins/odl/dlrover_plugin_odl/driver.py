@@ -200,6 +200,19 @@ class ODLTrainer(BaseTrainer):
         return None
 
     # ------------------------------------------------------------------ commits and eval
+    def _due_by_time(self) -> tuple[bool, bool]:
+        """(save, publish) for the next trainer call by the driver's clock:
+        ``config.odl.checkpoint_every_s`` / ``publish_every_s`` passed since the stream
+        started or since the call that last asked (0: never)."""
+        now, due = time.monotonic(), []
+        for k, every in (("save", self.odl.checkpoint_every_s),
+                         ("publish", self.odl.publish_every_s)):
+            ok = bool(every) and now - self._asked_t[k] >= every
+            if ok:
+                self._asked_t[k] = now
+            due.append(ok)
+        return due[0], due[1]
+
     def _commit(self, committed: dict | None) -> None:
         if not committed:
             return
@@ -245,6 +258,7 @@ class ODLTrainer(BaseTrainer):
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         self._t0 = self._last_record_t = time.monotonic()
+        self._asked_t = {"save": self._t0, "publish": self._t0}   # _due_by_time
         self._next_partition = self._next_pre = self._next_eval = 0
         self._commit_refs: list = []
         self._eval_refs: collections.deque = collections.deque()
@@ -289,7 +303,7 @@ class ODLTrainer(BaseTrainer):
                 size = self.odl.batch_size
                 steps = max(1, max(-(-c.meta["n"] // size) for c in chunks))
                 call = Call(chunks, next_step, issued_offsets, self._issued_records, steps,
-                             [])
+                             [], *self._due_by_time())
                 self.failover.send(call)
                 next_step += steps
                 training.append(call)

@@ -35,7 +35,9 @@ MAX_REPLACEMENTS = 3
 class Call:
     """One trainer call in flight: its chunks (the driver's ``_Chunk``), the step it
     starts at, the stream offsets and record count it was sent with, its optimizer
-    steps and the ``ObjectRef`` of each trainer rank's ``train_step``."""
+    steps, the ``ObjectRef`` of each trainer rank's ``train_step``, and whether the
+    driver's clock asked it to save its starting step and to publish
+    (``config.odl.checkpoint_every_s``, ``publish_every_s``; kept when it is sent again)."""
 
     chunks: list
     step: int
@@ -43,6 +45,8 @@ class Call:
     records: int
     steps: int
     refs: list
+    save: bool = False
+    publish: bool = False
 
 
 class PreprocessFailover:
@@ -83,7 +87,8 @@ class PreprocessFailover:
         call.refs = [h.call.remote("train_step", call.step,
                                    chunks[r].batch if r < len(chunks) else None,
                                    call.offsets, call.records, call.steps,
-                                   None if r < len(chunks) else chunks[0].batch)
+                                   None if r < len(chunks) else chunks[0].batch,
+                                   call.save, call.publish)
                      for r, h in enumerate(d.trainers)]
 
     def retrying(self, get: Callable[[], Any]) -> Any:

@@ -56,11 +56,12 @@ class ToyTrainer(OnlineTrainerWorkload):
         return toy_model(int(self.config.get("toy", {}).get("features", 4)))
 
     def train_step(self, step: int, chunk: dict | None, offsets: dict, records: int,
-                   steps: int = 1, shadow: dict | None = None) -> dict:
+                   steps: int = 1, shadow: dict | None = None, save: bool = False,
+                   publish: bool = False) -> dict:
         delay = float(self.config.get("toy", {}).get("step_sleep_s", 0.0))
         if delay:
             time.sleep(delay * steps)
-        return super().train_step(step, chunk, offsets, records, steps, shadow)
+        return super().train_step(step, chunk, offsets, records, steps, shadow, save, publish)
 
 
 class ToyEval(EvalWorkload):

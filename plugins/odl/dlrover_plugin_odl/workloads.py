@@ -189,7 +189,8 @@ class OnlineTrainerWorkload(BaseWorkload):
         return {"step": step, "offsets": offsets}
 
     def train_step(self, step: int, chunk: dict | None, offsets: dict, records: int,
-                   steps: int = 1, shadow: dict | None = None) -> dict:
+                   steps: int = 1, shadow: dict | None = None, save: bool = False,
+                   publish: bool = False) -> dict:
         """Run ``steps`` prequential optimizer steps on ``chunk``, batch ``i`` being its
         records ``[i * batch_size, (i + 1) * batch_size)``: each batch is scored with
         the current model, then trained on. A rank whose chunk has fewer batches than
@@ -200,10 +201,12 @@ class OnlineTrainerWorkload(BaseWorkload):
 
         Before training, the state after ``step`` steps is checkpointed when a
         multiple of ``checkpoint.every_steps`` lies in ``(previous call's step,
-        step]`` (with one step per call: when it divides ``step``). Afterwards the
+        step]`` (with one step per call: when it divides ``step``), or when ``save``
+        (the driver's clock: ``config.odl.checkpoint_every_s``). Afterwards the
         progress is ``step + steps`` with the stream ``offsets`` and ``records``
         (global totals) the driver passes; a model is published when a multiple of
-        ``config.odl.publish_every`` lies in ``(step, step + steps]``.
+        ``config.odl.publish_every`` lies in ``(step, step + steps]``, or when
+        ``publish`` (``config.odl.publish_every_s``).
 
         Returns:
             ``{"n", "correct", "loss", "prequential", "committed"}``: records of
@@ -225,7 +228,9 @@ class OnlineTrainerWorkload(BaseWorkload):
             raise ValueError(f"train_step(steps={steps}) for a chunk of {n} records: "
                              f"{own} batches of config.odl.batch_size={size}")
         every = self.checkpointer.every_steps
-        if step > 0 and every and step // every > self._call_step // every:
+        if step > 0 and ((every and step // every > self._call_step // every)
+                         or (save and step not in self._awaiting
+                             and step != self._committed_step)):
             self._save(step)
         self._call_step = step
         predicted, losses = [], []
@@ -261,8 +266,9 @@ class OnlineTrainerWorkload(BaseWorkload):
             ledger.write_trained(self._id_log, chunk["ids"], step)
         self.progress = {"step": step + steps, "records": int(records),
                          "offsets": dict(offsets), "prequential": self.stats.state()}
-        publish = self.odl.publish_every
-        if self.rank == 0 and publish and (step + steps) // publish > step // publish:
+        every_p = self.odl.publish_every
+        if self.rank == 0 and (publish or (every_p and (step + steps) // every_p
+                                           > step // every_p)):
             self._publish()
         return {"n": n, "correct": correct if self.rank == 0 else 0,
                 "loss": float(torch.stack(losses).mean()) if losses else float("nan"),

@@ -245,6 +245,37 @@ def test_chunks_of_several_batches_train_one_batch_per_step(cluster, job_dir):
     assert version == 60 and meta["records"] == n
 
 
+def test_checkpoints_and_publishes_by_time_when_the_step_cadence_never_comes(cluster,
+                                                                             job_dir):
+    """``checkpoint_every_s`` / ``publish_every_s``: with ``every_steps`` and
+    ``publish_every`` past the stream's end, the driver's clock alone asks for the
+    checkpoints and the versions. The toy trainer sleeps 0.03 s a step, so the 60 steps
+    take at least 1.8 s and a 0.3 s cadence comes at least 4 times before the last call
+    is sent (whatever the machine's speed: a slower one only adds). Each is taken at a
+    chunk boundary (multiples of 4 steps), the final save and version come at 60."""
+    n, batch = 960, 16
+    spec = odl_spec("odl-by-time", {
+        "source": {"kind": "replay", "options": {"records": f"{TOY}:toy_records",
+                                                  "kwargs": {"n": n}}},
+        "batch_size": batch, "chunk_batches": 4, "buffer": 3, "publish_every": 10**6,
+        "publish_every_s": 0.3, "checkpoint_every_s": 0.3, "report_every": 1},
+        every=10**6, toy={"step_sleep_s": 0.03})
+    summary = finish(start(spec, job_dir))
+    assert summary["status"] == "succeeded", summary["error"]
+    check_summary(summary, n, trained_ids(job_dir), max_duplicated=0, learned=False)
+    saved = saved_steps(job_dir)
+    assert saved[-1] == 60 and len(saved) >= 5, saved
+    assert all(s % 4 == 0 and 0 < s for s in saved) and saved == sorted(set(saved)), saved
+    from dlrover_plugin_odl.publish import versions
+
+    published = versions(os.path.join(job_dir, "published"))   # the newest 3 are kept
+    assert published[-1] == 60 and all(v % 4 == 0 for v in published), published
+    # every version the driver saw published while it ran (one report per call)
+    seen = {r["published_version"] for r in driver_rows(job_dir)
+            if r.get("published_version", -1) >= 0}
+    assert len(seen - {60}) >= 4 and all(v % 4 == 0 for v in seen), sorted(seen)
+
+
 @pytest.mark.parametrize("n, steps", [(1000, 32), (936, 31)])
 def test_two_ddp_ranks_with_an_uneven_last_round_join_every_step(cluster, job_dir, n, steps):
     """2 trainer ranks (DDP, gloo), chunks of 4 batches of 16, 7 full rounds (896
