@@ -29,9 +29,16 @@ def _load(order: str) -> tuple[tuple[tuple[float, ...], int], ...]:
     return tuple(rows)
 
 
-def shuttle_records(limit: int = 0, order: str = "time") -> Iterator[dict]:
+def shuttle_records(limit: int = 0, order: str = "time", loops: int = 1) -> Iterator[dict]:
     """``{"id": i, "x": [9 floats], "y": 0 | 1}`` in stream order (``id`` = position in
-    that order); ``limit`` > 0 keeps the first ``limit`` records."""
+    the replay); ``limit`` > 0 keeps the first ``limit`` records. ``loops``: times the
+    records are replayed one after the other (0: endlessly, for a stream longer than
+    the dataset); loop ``k``'s ids are ``k * n + i`` (``n`` records a loop), so ids stay
+    unique."""
     rows = _load(order)
-    for i, (x, y) in enumerate(rows[:limit] if limit else rows):
-        yield {"id": i, "x": list(x), "y": y}
+    rows = rows[:limit] if limit else rows
+    k = 0
+    while loops <= 0 or k < loops:
+        for i, (x, y) in enumerate(rows):
+            yield {"id": k * len(rows) + i, "x": list(x), "y": y}
+        k += 1
