@@ -6,6 +6,9 @@ values span -26,739 .. 15,164), so any preprocess instance can take any chunk.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 from dlrover_plugin_odl.workloads import (
     EvalWorkload,
@@ -16,9 +19,10 @@ from dlrover_plugin_odl.workloads import (
 from examples.odl_shuttle.data import FEATURES
 
 
-def features(rows: list[list[float]]) -> torch.Tensor:
-    """Raw attributes ``[N, 9]`` -> float32 ``sign(x) * log1p(|x|)``."""
-    x = torch.tensor(rows, dtype=torch.float32)
+def features(rows: Any) -> torch.Tensor:
+    """Raw attributes ``[N, 9]`` (a NumPy array or a list of lists) -> float32
+    ``sign(x) * log1p(|x|)``."""
+    x = torch.as_tensor(np.asarray(rows, dtype=np.float32))
     return torch.sign(x) * torch.log1p(x.abs())
 
 
@@ -29,9 +33,9 @@ def build_model(hidden: int = 32) -> torch.nn.Module:
 
 
 class ShuttlePreprocess(PreprocessWorkload):
-    def transform(self, records: list[dict]) -> dict[str, torch.Tensor]:
-        return {"x": features([r["x"] for r in records]),
-                "y": torch.tensor([int(r["y"]) for r in records], dtype=torch.int64)}
+    def transform_columns(self, columns: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {"x": features(columns["x"]),
+                "y": torch.as_tensor(np.asarray(columns["y"], dtype=np.int64))}
 
 
 class ShuttleTrainer(OnlineTrainerWorkload):

@@ -58,6 +58,16 @@ def record_id(record: dict, key: Any, position: Any) -> str:
     return f"{key}@{position}" if rid is None else str(rid)
 
 
+def column_ids(ids: Any, key: Any, positions: list) -> list[str]:
+    """:func:`record_id` of each record of a columnar chunk: ``ids`` is its ``id``
+    column (an array, a list with ``None`` where a record has none, or ``None`` when
+    no record has one) and ``positions`` the records' positions."""
+    if ids is None:
+        return [f"{key}@{p}" for p in positions]
+    values = ids.tolist() if hasattr(ids, "tolist") else ids
+    return [f"{key}@{p}" if v is None else str(v) for v, p in zip(values, positions)]
+
+
 def open_log(job_dir: str | None, kind: str, name: Any) -> TextIO | None:
     """The append-mode log ``<job_dir>/odl/<kind>/<prefix><name>.txt``: ``kind``
     :data:`TRAINED` (prefix ``rank``, ``name`` the trainer rank) or

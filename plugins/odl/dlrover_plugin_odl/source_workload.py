@@ -7,6 +7,7 @@ from typing import Any
 
 from dlrover_core import BaseWorkload
 from dlrover_plugin_odl import ledger
+from dlrover_plugin_odl.columns import to_columns
 from dlrover_plugin_odl.config import ODLConfig
 
 
@@ -37,7 +38,8 @@ class SourceWorkload(BaseWorkload):
         "last", "end"}`` (``key``: the partition whose offset ``last`` is, ``str``);
         the records stay in the object store, referenced by ``data``
         (a one-element list holding the ``ObjectRef``, so the driver never fetches
-        them)."""
+        them), as columns (:func:`dlrover_plugin_odl.columns.to_columns`): the object
+        is ``{"partition", "key", "positions", "n", "columns"}``."""
         import ray
 
         r = self.stream.read(max_records, self.odl.read_timeout_s)
@@ -49,15 +51,16 @@ class SourceWorkload(BaseWorkload):
                                 "first": r.positions[0] if r.positions else None,
                                 "last": r.positions[-1] if r.positions else None}
         if r.records:
+            columns = to_columns(r.records)
             meta["data"] = [ray.put({"partition": self.rank, "key": str(key),
-                                     "positions": r.positions, "records": r.records})]
+                                     "positions": r.positions, "n": len(r.records),
+                                     "columns": columns})]
             if self.odl.log_record_ids and self.job_dir:
                 if str(key) not in self._logs:
                     self._logs[str(key)] = ledger.open_log(self.job_dir, ledger.HANDED_OUT,
                                                            key)
-                ledger.write_handed_out(self._logs[str(key)], r.positions, [
-                    ledger.record_id(rec, key, pos)
-                    for rec, pos in zip(r.records, r.positions)])
+                ledger.write_handed_out(self._logs[str(key)], r.positions,
+                                        ledger.column_ids(columns.get("id"), key, r.positions))
         return meta
 
     def commit(self, position: Any, partition: int | None = None) -> None:

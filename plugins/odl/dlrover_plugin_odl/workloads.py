@@ -6,16 +6,18 @@ role        you provide                                    the driver calls
 ==========  =============================================  ==============================
 source      nothing: :class:`SourceWorkload` reads the     ``seek``, ``read``, ``commit``,
             stream source ``config.odl.source.kind``        ``stats``
-preprocess  ``transform(records) -> batch`` (default:      ``process``
-            ``x`` and ``y`` of each record as tensors)
+preprocess  ``transform_columns(columns) -> batch``        ``process``
+            (default: the ``x`` and ``y`` columns as
+            tensors), or row-wise ``transform(records)``
 trainer     ``build_model()``; optionally                  ``resume_state``, ``train_step``,
             ``build_optimizer``, ``loss``, ``predict``      ``finish``
 eval        ``build_model()``; optionally ``predict``       ``score``
 ==========  =============================================  ==============================
 
 A *chunk* is what one source read returns: up to ``config.odl.batch_size *
-config.odl.chunk_batches`` records of one partition; the trainer runs one optimizer
-step per ``batch_size`` of them. A batch is a dict of tensors with dim 0 = records (``x``:
+config.odl.chunk_batches`` records of one partition, as columns from the source on
+(:mod:`dlrover_plugin_odl.columns`); the trainer runs one optimizer step per
+``batch_size`` of them. A batch is a dict of tensors with dim 0 = records (``x``:
 float32 ``[N, features]``, ``y``: int64 ``[N]`` by default).
 
 The trainer is prequential (test-then-train, Gama et al., 2013): each batch is
@@ -32,11 +34,13 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from dlrover_core import BaseWorkload
 from dlrover_core.crashpoints import crashpoint, declare
 from dlrover_plugin_odl import ledger
+from dlrover_plugin_odl.columns import to_records
 from dlrover_plugin_odl.config import ODLConfig
 from dlrover_plugin_odl.prequential import PrequentialStats
 from dlrover_plugin_odl.source_workload import SourceWorkload
@@ -72,23 +76,41 @@ class PreprocessWorkload(BaseWorkload):
 
         return check_failover_policy(self.role, (self.config or {}).get("failover"))
 
+    def transform_columns(self, columns: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A chunk's columns (:func:`dlrover_plugin_odl.columns.to_columns`: field ->
+        NumPy array of dim 0 = records, or a list) -> batch. Default: ``x`` (float32
+        ``[N, F]``) from the ``x`` column and ``y`` (int64 ``[N]``) from ``y``, whole
+        columns at once. Override this (or, row by row, :meth:`transform`).
+
+        Raises:
+            KeyError: the records have no ``x`` or ``y``.
+        """
+        x = torch.as_tensor(np.asarray(columns["x"], dtype=np.float32))
+        y = torch.as_tensor(np.asarray(columns["y"], dtype=np.int64))
+        return {"x": x, "y": y}
+
     def transform(self, records: list[dict]) -> dict[str, torch.Tensor]:
-        """Records -> batch. Default: ``x`` (float32 ``[N, F]``) from each record's
-        ``x`` (a list of numbers) and ``y`` (int64 ``[N]``) from its ``y``. Override."""
+        """Row-wise records -> batch: used instead of :meth:`transform_columns` when a
+        subclass overrides it (the records rebuilt from the columns,
+        :func:`~dlrover_plugin_odl.columns.to_records`); the default is the same batch
+        as :meth:`transform_columns`'s."""
         x = torch.tensor([r["x"] for r in records], dtype=torch.float32)
         y = torch.tensor([int(r["y"]) for r in records], dtype=torch.int64)
         return {"x": x, "y": y}
 
     def process(self, chunk: dict) -> dict:
-        """``{"partition", "key", "positions", "records"}`` -> ``{"partition", "n",
-        "ids", "batch"}`` (``ids``: :func:`dlrover_plugin_odl.ledger.record_id` of each
-        record, ``str``)."""
-        records = chunk["records"]
+        """``{"partition", "key", "positions", "n", "columns"}`` (what the source put)
+        -> ``{"partition", "n", "ids", "batch"}`` (``ids``:
+        :func:`dlrover_plugin_odl.ledger.record_id` of each record, ``str``)."""
+        columns, n = chunk["columns"], int(chunk["n"])
         key = chunk.get("key", chunk["partition"])
-        return {"partition": chunk["partition"], "n": len(records),
-                "ids": [ledger.record_id(r, key, p)
-                        for r, p in zip(records, chunk["positions"])],
-                "batch": self.transform(records)}
+        if type(self).transform is not PreprocessWorkload.transform:   # a row-wise override
+            batch = self.transform(to_records(columns, n))
+        else:
+            batch = self.transform_columns(columns)
+        return {"partition": chunk["partition"], "n": n,
+                "ids": ledger.column_ids(columns.get("id"), key, chunk["positions"]),
+                "batch": batch}
 
 
 # ---------------------------------------------------------------------------- trainer
