@@ -23,6 +23,10 @@ of ``results`` with ``size_mib`` (the size asked for) and:
   preallocated state, header checks included; ``load_warm_vs_memcpy`` its ratio to
   ``memcpy_gib_s``. The first save after such a load starts the saver's new attempt
   (rank 0 writes the lineage file): each round makes that save untimed after the load;
+- ``load_standby_gib_s``: ``FlashSaver.load`` by a new saver in a process that ran
+  ``FlashSaver.prepare_standby`` first (untimed: a warm standby maps the node's slots
+  while it waits), a promoted standby's load; ``load_standby_vs_memcpy`` its ratio to
+  ``memcpy_gib_s``;
 - ``torch_load_gib_s``: ``torch.load`` of the ``torch.save`` file after its pages were
   dropped from the page cache (``posix_fadvise(DONTNEED)``), i.e. from the disk;
   ``torch_load_warm_gib_s`` is the same from the page cache;
@@ -264,6 +268,25 @@ class FlashRounds:
         if self.sync is not None:
             self.sync()
 
+    def premap(self) -> None:
+        """Untimed: what a warm standby does while it waits (the saver's
+        ``prepare_standby``: this node's slots of the role mapped, page tables filled)."""
+        from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+        from dlrover_plugin_flashckpt.saver import FlashSaver
+
+        FlashSaver.prepare_standby(SaverConfig(dir=self.ckpt, job=self.job,
+                                               options=self.options), SaverContext())
+
+    def load_standby(self) -> None:
+        """A load by a new saver after :meth:`premap` (a promoted standby: its saver
+        takes the premapped slots), into :attr:`template`; it must copy from them."""
+        self.fresh.append(flash_saver(self.job, self.ckpt, **self.options))
+        got = self.fresh[-1].load(self.template)
+        assert got == self.step and self.fresh[-1].last_load_source == "memory", got
+        assert self.fresh[-1].loader.last_memory_read == "mapping"
+        if self.sync is not None:
+            self.sync()
+
     def unmap(self) -> None:
         while self.fresh:
             self.fresh.pop().close()
@@ -392,7 +415,7 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
     flash.load()
     flash.unmap()
     times: dict[str, list[float]] = {"memcpy": [], "save": [], "load": [], "pread": [],
-                                     "load_warm": []}
+                                     "load_warm": [], "load_standby": []}
     pread_shm()
     for _ in range(max(repeat, 5)):
         times["memcpy"].append(median_s(memcpy, 1))
@@ -403,6 +426,9 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
         times["load"].append(median_s(flash.load, 1))
         flash.unmap()
         times["load_warm"].append(median_s(flash.load_warm, 1))
+        flash.premap()
+        times["load_standby"].append(median_s(flash.load_standby, 1))
+        flash.unmap()
         # untimed: the first save after a load starts the saver's new attempt (rank 0
         # writes the lineage file), which the timed save of the next round must not pay
         flash.save()
@@ -418,6 +444,8 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
     out["load_over_memcpy"] = out["load_memory_gib_s"] / out["memcpy_gib_s"]
     out["load_warm_gib_s"] = gib / statistics.median(times["load_warm"])
     out["load_warm_vs_memcpy"] = out["load_warm_gib_s"] / out["memcpy_gib_s"]
+    out["load_standby_gib_s"] = gib / statistics.median(times["load_standby"])
+    out["load_standby_vs_memcpy"] = out["load_standby_gib_s"] / out["memcpy_gib_s"]
     out["load_over_pread_shm"] = out["load_memory_gib_s"] / out["pread_shm_gib_s"]
     out["load_cold_vs_preadv"] = out["load_over_pread_shm"]
     pool.shutdown()
@@ -969,7 +997,7 @@ def _cpu_line(r: dict) -> str:
             f"{_fmt(r['flash_save_unreserved_gib_s'])}) | torch.save+fsync "
             f"{_fmt(r['torch_save_fsync_gib_s'])} | dcp {_fmt(r['dcp_save_gib_s'])} | load memory "
             f"{r['load_memory_gib_s']:6.2f} (pread {r['pread_shm_gib_s']:.2f}, warm "
-            f"{r['load_warm_gib_s']:.2f}) | torch.load disk "
+            f"{r['load_warm_gib_s']:.2f}, standby {r['load_standby_gib_s']:.2f}) | torch.load disk "
             f"{_fmt(r['torch_load_gib_s'])} (page cache {_fmt(r['torch_load_warm_gib_s'])}) | "
             f"persist {r['persist_gib_s']:.2f} (files {r['persist_write_gib_s']:.2f}; bare "
             f"write+fsync {r['write_fsync_gib_s']:.2f}; crc32 {r['crc32_gib_s']:.2f}) | "

@@ -8,6 +8,7 @@ and a real named actor under the master's name (the lookup finds it)."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import ray
@@ -52,6 +53,59 @@ def test_a_spare_imports_the_saver_and_finds_the_master_before_it_is_promoted(ra
     finally:
         ray.kill(host)
         ray.kill(master)
+
+
+def test_a_spare_maps_its_roles_flash_slots_on_its_node_while_it_waits(ray_cluster, tmp_path):
+    """``prepare()`` runs the saver's ``prepare_standby``: a spare of a flash job maps the
+    slots of its role's checkpoint directory on its node (every rank's: it does not know
+    its own yet), with their page tables filled, and not those of another directory.
+    The slots are made by a real flash saver in this process (rank 0 of one)."""
+    import uuid
+
+    import torch
+
+    from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
+    from dlrover_plugin_flashckpt import shm
+    from dlrover_plugin_flashckpt.persister import finish_job
+    from dlrover_plugin_flashckpt.saver import FlashSaver
+
+    job = f"premap-{uuid.uuid4().hex[:8]}"
+    root = str(tmp_path / "ckpt")
+
+    def saver(role):
+        return FlashSaver(SaverConfig(dir=f"{root}/{role}", keep=2, job=job,
+                                      options={"wait_timeout_s": 60}), SaverContext())
+
+    mine, other = saver("trainer"), saver("critic")
+    host = None
+    try:
+        for s in (mine, other):
+            s.save(1, {"w": torch.ones(1000)})
+            s.wait()
+        host = remote_workload_host().options(num_cpus=0).remote(
+            "tests.workloads:Echo", WorkerContext(
+                job=job, role="trainer", rank=0, world_size=1, local_rank=0,
+                local_world_size=1, checkpoint={"saver": "flash", "dir": root,
+                                                "options": {"wait_timeout_s": 60}}))
+        ray.get(host.prepare.remote(), timeout=120)
+
+        def premapped(self):
+            from dlrover_plugin_flashckpt import premap
+
+            p = premap._current
+            return None if p is None else sorted(
+                (path, seg.populated) for path, seg in p.mapped.items())
+
+        got = ray.get(host.__ray_call__.remote(premapped), timeout=60)
+        assert got == sorted((path, True) for path in mine.paths)
+    finally:
+        if host is not None:
+            ray.kill(host)
+        for s in (mine, other):
+            s.close()
+        finish_job(job, timeout=30, grace_s=3.0)
+        for path in shm.list_segments("/dev/shm", shm.job_prefix(job)):
+            os.unlink(path)
 
 
 def test_the_first_setup_freezes_the_imports_and_not_what_the_workload_makes(ray_cluster):

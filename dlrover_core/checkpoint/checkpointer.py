@@ -34,6 +34,26 @@ def checkpoint_classes(ctx: WorkerContext, plugins: Any) -> tuple[type, type | N
     return saver_cls, resolve(plugins.state_dict_engines.get(engine_name).engine)
 
 
+def saver_config(ctx: WorkerContext) -> SaverConfig:
+    """The :class:`SaverConfig` of a role instance: ``checkpoint.dir`` (default ``<job
+    dir>/ckpt``) joined with the role, ``keep`` (3), the job, ``checkpoint.options``, the
+    run id and the job directory."""
+    ck = ctx.checkpoint
+    directory = os.path.join(ck.get("dir") or os.path.join(ctx.job_dir, "ckpt"), ctx.role)
+    return SaverConfig(dir=directory, keep=int(ck.get("keep", 3)), job=ctx.job,
+                       options=dict(ck.get("options") or {}), run_id=ctx.run_id,
+                       job_dir=ctx.job_dir)
+
+
+def saver_context(ctx: WorkerContext) -> SaverContext:
+    """The :class:`SaverContext` of a role instance (``distributed``: a torch.distributed
+    group is up in this process now)."""
+    import torch.distributed as dist
+
+    return SaverContext(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
+                        role=ctx.role, distributed=dist.is_available() and dist.is_initialized())
+
+
 class Checkpointer:
     """Save / load named objects of one rank.
 
@@ -95,18 +115,8 @@ class Checkpointer:
             raise ValueError("Checkpointer.for_worker: no plugin manager; pass plugins= or run "
                              "the workload in a WorkloadHost (which sets workload._plugins)")
         ck = ctx.checkpoint
-        directory = ck.get("dir") or os.path.join(ctx.job_dir, "ckpt")
-        directory = os.path.join(directory, ctx.role)
         saver_cls, engine_cls = checkpoint_classes(ctx, pm)
-        import torch.distributed as dist
-
-        saver = saver_cls(
-            SaverConfig(dir=directory, keep=int(ck.get("keep", 3)), job=ctx.job,
-                        options=dict(ck.get("options") or {}), run_id=ctx.run_id,
-                        job_dir=ctx.job_dir),
-            SaverContext(rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
-                         role=ctx.role, distributed=dist.is_available() and dist.is_initialized()),
-        )
+        saver = saver_cls(saver_config(ctx), saver_context(ctx))
         engine: StateDictEngineBase = engine_cls() if engine_cls is not None else PlainEngine()
 
         def on_saved(step: int, seconds: float) -> None:

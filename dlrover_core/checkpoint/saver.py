@@ -106,6 +106,14 @@ class Saver(ABC):
     def close(self) -> None:
         """Release resources (threads, buffers)."""
 
+    @classmethod
+    def prepare_standby(cls, config: SaverConfig, context: SaverContext) -> None:
+        """Called once in a warm standby process (``failover.standby: true``) by its
+        ``prepare()``, before it knows which rank it will replace: get ready to load
+        fast once promoted (the flash saver maps this node's buffers of the role).
+        ``context.rank`` is the spare's placeholder. Must not block for long or raise
+        for a missing checkpoint. Default: nothing."""
+
 
 def committed_steps(directory: str) -> list[int]:
     """Steps with a committed ``step_<n>`` directory under ``directory``, oldest first.

@@ -137,9 +137,10 @@ class WorkloadHost(HostBase):
         its own: :func:`in_own_thread`) and the workload's ``warm_up()``, then import
         the job's checkpoint saver and engine and look up the JobMaster
         (:meth:`_warm_job_lookups`), so that a promoted standby skips the imports and
-        first-use costs; last, collect and freeze the heap (:func:`freeze_heap`). A
-        backend warm-up or a look-up that raises is reported on stderr and skipped (the
-        spare stays usable); the workload's warm-up raises. Returns seconds."""
+        first-use costs, and run the saver's ``prepare_standby`` (:meth:`_prepare_saver`);
+        last, collect and freeze the heap (:func:`freeze_heap`). A backend warm-up, a
+        look-up or a saver preparation that raises is reported on stderr and skipped
+        (the spare stays usable); the workload's warm-up raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.workload import unwrap_actor_class
 
@@ -159,6 +160,11 @@ class WorkloadHost(HostBase):
         except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
             sys.stderr.write(f"dlrover: checkpoint/master look-ups ahead failed, skipped:\n"
                              f"{traceback.format_exc()}")
+        try:
+            self._prepare_saver()
+        except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
+            sys.stderr.write(f"dlrover: the saver's standby preparation failed, skipped:\n"
+                             f"{traceback.format_exc()}")
         if not self._heap_frozen:
             freeze_heap(collect=True)
             self._heap_frozen = True
@@ -174,6 +180,23 @@ class WorkloadHost(HostBase):
 
         checkpoint_classes(self.context, self._plugin_manager())
         master_handle(self.context.job)
+
+    def _prepare_saver(self) -> None:
+        """Standby only: the job's saver's :meth:`~dlrover_core.checkpoint.saver.Saver.
+        prepare_standby` (the flash saver maps this node's buffers of the role, so that
+        a promoted spare's first load copies from memory)."""
+        from dlrover_core.checkpoint.checkpointer import (
+            checkpoint_classes,
+            saver_config,
+            saver_context,
+        )
+
+        if not self.context.checkpoint:
+            return
+        saver_cls, _ = checkpoint_classes(self.context, self._plugin_manager())
+        prepare = getattr(saver_cls, "prepare_standby", None)   # a Saver's: may be absent
+        if callable(prepare):
+            prepare(saver_config(self.context), saver_context(self.context))
 
     @ray.method(concurrency_group="monitor")
     def progress(self) -> dict:

@@ -57,7 +57,7 @@ from typing import Any
 
 from dlrover_core.checkpoint.saver import Saver, SaverConfig, SaverContext
 from dlrover_core.spec.errors import SpecError
-from dlrover_plugin_flashckpt import layout, shm, storage
+from dlrover_plugin_flashckpt import layout, premap, shm, storage
 from dlrover_plugin_flashckpt.group import Attempts, RankGroup
 from dlrover_plugin_flashckpt.loading import Loader
 from dlrover_plugin_flashckpt.meta import pack_meta
@@ -104,6 +104,7 @@ class FlashSaver(Saver):
                               shm.slot_name(self.job, self.dir, self.rank, s))
                  for s in range(self.opts.slots)]
         self._run_id: str | None = None
+        premap.settle(paths)   # a promoted standby keeps its mappings of these slots only
         # the parts (docs/architecture.md, "The flash saver")
         self.pool = SlotPool(self.opts, paths, self.rank, self.world_size, self.dir,
                              context.role, self._ident)
@@ -133,6 +134,20 @@ class FlashSaver(Saver):
             pass
         if self.opts.reserve_mib:
             self.reserve(int(self.opts.reserve_mib * 2**20))
+
+    @classmethod
+    def prepare_standby(cls, config: SaverConfig, context: SaverContext) -> None:
+        """In a warm standby: keep this node's slots of the role's checkpoint directory
+        mapped with their page tables filled until the standby is promoted
+        (:mod:`.premap`), so that its first load copies from memory at memcpy speed
+        instead of ``pread``-ing. Bad options are left for the promoted rank to raise."""
+        try:
+            opts = FlashOptions.parse(config.options)
+            directory = os.path.abspath(local_dir(config.dir))
+        except SpecError:
+            return
+        if os.path.isdir(opts.shm_dir):
+            premap.start(opts.shm_dir, config.job or "job", directory)
 
     # ================================================================== the pool's
     @property

@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from dlrover_core.crashpoints import crashpoint, declare
-from dlrover_plugin_flashckpt import capacity, layout, shm
+from dlrover_plugin_flashckpt import capacity, layout, premap, shm
 
 log = logging.getLogger("dlrover_plugin_flashckpt.saver")
 
@@ -169,8 +169,8 @@ class SlotPool:
         if seg is not None and seg.replaced():
             seg.close()
             seg = self.segs[i] = None
-        if seg is None:
-            seg = self.segs[i] = shm.Segment.attach(self.paths[i])
+        if seg is None:   # a promoted standby's premapped one first (.premap)
+            seg = self.segs[i] = premap.take(self.paths[i]) or shm.Segment.attach(self.paths[i])
         return seg
 
     def fits(self, seg: shm.Segment, data: int, meta: int) -> bool:

@@ -112,6 +112,52 @@ def test_the_saving_process_loads_through_its_own_mapping_a_new_one_with_pread(j
     fresh.close()
 
 
+def test_a_standby_premaps_the_slots_and_once_promoted_loads_through_the_mapping(job,
+                                                                                tmp_path):
+    """A warm standby (``prepare_standby``, as a spare's ``prepare()`` calls it) maps the
+    role's slots on this node before it knows its rank; promoted (its FlashSaver made),
+    it loads through those mappings (a copy) where a new process reads with pread
+    (previous test); a slot replaced by a larger save after the premap is mapped again,
+    never read stale. The standby is this process: its saver and the rank's saver are
+    two objects here, two processes in a job."""
+    from dlrover_plugin_flashckpt import premap
+
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    s.save(1, state(1))
+    s.save(2, state(2))
+    s.wait()
+    paths = s.paths
+    cfg = SaverConfig(dir=d, keep=2, job=job, options={"wait_timeout_s": 60})
+    try:
+        FlashSaver.prepare_standby(cfg, SaverContext(rank=0, world_size=1))
+        p = premap._current
+        assert p is not None and sorted(p.mapped) == sorted(paths)   # mapped by the call
+        assert all(seg.populated for seg in p.mapped.values())
+        # the rank saves a larger state: its slot is laid out again in a new file
+        s.save(3, state(3, n=1 << 20))
+        s.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with p._lock:
+                fresh_maps = all(not seg.replaced() for seg in p.mapped.values())
+            if fresh_maps and len(p.mapped) == len(paths):
+                break
+            time.sleep(0.1)
+        assert fresh_maps, "the premapper did not map the replaced slot again"
+        s.close()                               # the rank's process died
+
+        promoted = make_saver(job, d)           # the standby becomes rank 0
+        assert not p.thread.is_alive()          # it stopped scanning
+        got = blank(1 << 20)
+        assert promoted.load(got) == 3 and promoted.last_load_source == "memory"
+        assert promoted.loader.last_memory_read == "mapping"
+        assert same(got, state(3, n=1 << 20))
+        promoted.close()
+    finally:
+        premap.settle([])
+
+
 def test_corrupted_shard_on_disk_is_skipped_for_the_previous_step(job, tmp_path, caplog):
     d = str(tmp_path / "ckpt")
     on_disk_only(job, d, (1, 2))
