@@ -15,6 +15,9 @@ a calibration job (the mean step time over the second half of 800 steps) so that
 fault-free run takes about ``--minutes`` (:data:`FAULT_FREE_SHARE`), and the run with
 faults longer.
 
+SIGTERM or SIGINT stops a run early (status ``stopped``): its cluster goes down, and
+the cut-off job's flash buffers and the checkpoint tmpfs are removed.
+
 First the job runs with no faults (same seed, same steps), then with faults. The
 schedule (``random.Random(seed)``) draws each fault's kind from ``--faults``, its point
 in the run (a step: the run with faults is slower than the fault-free one, so a time
@@ -963,6 +966,15 @@ def calibrate(ch: Chaos, minutes: float) -> tuple[int, float]:
     return max(steps, 10 * PERSIST_EVERY), step_s
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGINT reached the harness: the run ends early, its cluster goes down
+    and what it leaves (flash buffers, mounts, its work folder) is removed."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0,
@@ -995,7 +1007,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"status": None, "faults_injected": 0, "faults_recovered": 0,
                     "violations": violations, "goodput": None, "steps_redone": None,
                     "recovery_s": {"median": None, "max": None}, "seed": args.seed}
-    names = []
+    names: list[str] = []
+    # a run started in the background ignores SIGINT unless asked, and SIGTERM would
+    # skip the cleanup below: both stop it the same way
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    stopped = None
     try:
         steps = args.steps or calibrate(ch, args.minutes)[0]
         # the fault-free run
@@ -1077,16 +1094,28 @@ def main(argv: list[str] | None = None) -> int:
                       recovery_s={"median": round(statistics.median(rec_s), 3) if rec_s else None,
                                   "max": round(max(rec_s), 3) if rec_s else None,
                                   "n": len(rec_s)})
+    except Stopped as e:
+        stopped = str(e)
+        log(f"stopped by {stopped}: taking the cluster down and cleaning up")
+        result["status"] = "stopped"
+        violations.append(f"stopped by {stopped} before the end")
     except Exception as e:  # noqa: BLE001 - reported as a violation, the cluster still goes down
         import traceback
 
         traceback.print_exc()
         violations.append(f"chaos harness error: {type(e).__name__}: {e}")
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):   # the cleanup is not interrupted
+            signal.signal(sig, signal.SIG_IGN)
         ch.down()
         time.sleep(2)
         violations += leaks(ch, names, [os.path.join(work, d) for d in os.listdir(work)
                                         if d.startswith(("job-", "ckpt-"))])
+        if stopped:   # a job cut off mid-run leaves its flash buffers: remove them
+            from dlrover_plugin_flashckpt import hygiene
+
+            for name in [f"chaos-cal-{args.seed}", *names]:
+                hygiene.remove_job("/dev/shm", name)
         ch.unmount_all()  # after the check: the checkpoint folders are on these
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +44,43 @@ def test_short_chaos_schedule_has_no_violation(tmp_path):
     assert "with_previous" in [f["trigger"] for f in result["faults"]], result["faults"]
     assert result["faults_recovered"] == result["faults_injected"], result
     assert out.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_chaos_run_sigtermed_in_its_fault_free_run_cleans_up(tmp_path):
+    """SIGTERM (and SIGINT, which a run started in the background would otherwise
+    ignore) stops the harness the way its end does: the cluster down, no process of it
+    left, the cut-off job's flash buffers and the checkpoint tmpfs gone, and a last JSON
+    line with status ``stopped``."""
+    from dlrover_plugin_flashckpt import shm
+
+    seed = 53
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--minutes", "3",
+           "--seed", str(seed), "--count", "3", "--steps", "20000",
+           "--work", str(tmp_path / "work")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    prefix = shm.job_prefix(f"chaos-ref-{seed}")
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not shm.list_segments("/dev/shm", prefix):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(1)
+        assert shm.list_segments("/dev/shm", prefix), "the fault-free run never saved"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["status"] == "stopped" and proc.returncode == 1, err[-3000:]
+    assert "stopped by SIGTERM before the end" in result["violations"], result["violations"]
+    assert shm.list_segments("/dev/shm", prefix) == []
+    work = str(tmp_path / "work")
+    with open("/proc/mounts") as f:
+        assert not [line for line in f if work in line]
+    assert not [v for v in result["violations"] if v.startswith("process left")], result
 
 
 def _chaos():
