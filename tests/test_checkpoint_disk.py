@@ -167,3 +167,29 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch, exchange
         outcomes.add((crashed, got[1]))
     # crashes before the swap (old), after it (new), and a finished save (new)
     assert outcomes == {(True, False), (True, True), (False, True)}
+
+
+def test_checkpointer_close_for_a_resetup_asks_the_saver_to_hand_on_what_it_can(tmp_path):
+    """``Checkpointer.close(for_resetup=True)`` (a survivor's re-setup in place, from the
+    WorkloadHost) calls the saver's ``close_for_resetup``; a plain close calls
+    ``close``; the base class's ``close_for_resetup`` is a plain close (the disk saver's)."""
+    calls = []
+
+    class Recording(DiskSaver):
+        def close(self):
+            calls.append("close")
+
+        def close_for_resetup(self):
+            calls.append("close_for_resetup")
+
+    cfg = SaverConfig(dir=str(tmp_path / "ck"))
+    Checkpointer(Recording(cfg, SaverContext())).close(for_resetup=True)
+    Checkpointer(Recording(cfg, SaverContext())).close()
+    assert calls == ["close_for_resetup", "close"]
+
+    class Plain(DiskSaver):
+        def close(self):
+            calls.append("plain close")
+
+    Checkpointer(Plain(cfg, SaverContext())).close(for_resetup=True)
+    assert calls[-1] == "plain close"

@@ -203,8 +203,14 @@ class Checkpointer:
         """:meth:`Saver.drain`: the host calls it when ``run()`` returns."""
         self.saver.drain()
 
-    def close(self) -> None:
-        self.saver.close()
+    def close(self, for_resetup: bool = False) -> None:
+        """Close the saver; ``for_resetup``: this process sets the role instance up
+        again in place next (:meth:`Saver.close_for_resetup`, where the saver has it)."""
+        resetup = getattr(self.saver, "close_for_resetup", None) if for_resetup else None
+        if callable(resetup):
+            resetup()
+        else:
+            self.saver.close()
 
 
 def _heal_of(workload: Any, engine: StateDictEngineBase) -> Any:

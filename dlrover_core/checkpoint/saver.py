@@ -106,6 +106,13 @@ class Saver(ABC):
     def close(self) -> None:
         """Release resources (threads, buffers)."""
 
+    def close_for_resetup(self) -> None:
+        """Called instead of :meth:`close` when this process sets the same role instance
+        up again in place (a survivor after a peer failed) and makes a new saver: a
+        saver may hand what the next one can reuse on (the flash saver its filled
+        mappings of the slots). Default: :meth:`close`."""
+        self.close()
+
     @classmethod
     def prepare_standby(cls, config: SaverConfig, context: SaverContext) -> None:
         """Called once in a warm standby process (``failover.standby: true``) by its

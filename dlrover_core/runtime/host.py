@@ -263,7 +263,7 @@ class WorkloadHost(HostBase):
         ctx = self.context
         live = live_state_of(self.workload) if heal else None
         if self.workload is not None:  # re-setup in place after a peer failed
-            self._teardown_workload()
+            self._teardown_workload(resetup=True)
             self.workload = None
         ctx.master_addr, ctx.master_port, ctx.attempt = master_addr, master_port, attempt
         if local_rank is not None:
@@ -354,13 +354,17 @@ class WorkloadHost(HostBase):
         self._stop.set()
         self._teardown_workload()
 
-    def _teardown_workload(self) -> None:
+    def _teardown_workload(self, resetup: bool = False) -> None:
+        """Tear the workload down: its reporter, ``teardown()``, its checkpointer (for a
+        re-setup in place, ``resetup``: the saver may hand its mappings to the next
+        one), its backend session. Errors are printed, not raised."""
         w = self.workload
         if w is None:
             return
         reporter = getattr(w, "_reporter", None)
+        ck = w._checkpointer
         for fn in ((reporter.close if reporter is not None else None), w.teardown,
-                   (w._checkpointer.close if w._checkpointer else None),
+                   ((lambda: ck.close(for_resetup=resetup)) if ck else None),
                    (w._backend.teardown if w._backend else None)):
             if fn is None:
                 continue

@@ -9,7 +9,9 @@ role on this node mapped with its page tables filled (``MAP_POPULATE``): it scan
 ``shm_dir`` every :data:`SCAN_S` seconds, maps a slot that appeared or was replaced
 (a larger save lays out a new file) and unmaps one that is gone. Once promoted, the
 rank's :class:`.saver.FlashSaver` keeps the mappings of its own slots (:func:`settle`)
-and its pool takes them (:func:`take`), so its first load copies from them.
+and its pool takes them (:func:`take`), so its first load copies from them. A survivor
+set up again in place (after a peer failed) hands its saver's mappings to its next saver
+the same way (:func:`hand_over`).
 
 Costs, in the standby only: the page tables (8 bytes per 4 KiB page: 2 MiB per GiB of
 slots mapped) and one scan per :data:`SCAN_S`; a slot file the ranks replace stays
@@ -34,6 +36,8 @@ _SLOT_TAIL = re.compile(r"^\d{5}-s\d+$")
 
 _lock = threading.Lock()
 _current: Premapper | None = None
+#: mappings a closed saver of this process handed over (:func:`hand_over`)
+_held: dict[str, shm.Segment] = {}
 
 
 class Premapper:
@@ -121,15 +125,42 @@ def start(shm_dir: str, job: str, directory: str, scan_s: float = SCAN_S) -> Pre
 
 def settle(paths: list[str]) -> None:
     """This process became a rank whose slots are at ``paths``: stop scanning and
-    unmap every other slot (nothing when no premapper runs)."""
+    unmap every other slot, premapped or handed over (nothing when there is none)."""
     with _lock:
         p = _current
+        drop = [_held.pop(k) for k in list(_held) if k not in paths]
     if p is not None:
         p.stop(keep=paths)
+    for seg in drop:
+        seg.close()
+
+
+def hand_over(segs: list[shm.Segment]) -> None:
+    """Keep the mappings ``segs`` (page tables filled) of a saver this process closes for
+    its next saver here: a survivor set up again in place after a peer failed
+    (:meth:`.saver.FlashSaver.close_for_resetup`), whose new saver's pool takes them
+    (:func:`take`) so that its load copies from memory. A mapping of the same path held
+    before is unmapped."""
+    old = []
+    with _lock:
+        for seg in segs:
+            prev = _held.get(seg.path)
+            if prev is not None and prev is not seg:
+                old.append(prev)
+            _held[seg.path] = seg
+    for seg in old:
+        seg.close()
 
 
 def take(path: str) -> shm.Segment | None:
-    """The premapped mapping of ``path`` (see :meth:`Premapper.take`), or ``None``."""
+    """The mapping of ``path`` handed over (:func:`hand_over`) or premapped (see
+    :meth:`Premapper.take`), or ``None``; one whose file was replaced since is unmapped
+    and not returned."""
     with _lock:
         p = _current
+        seg = _held.pop(path, None)
+    if seg is not None:
+        if not seg.replaced():
+            return seg
+        seg.close()
     return p.take(path) if p is not None else None

@@ -369,11 +369,18 @@ class FlashSaver(Saver):
         """
         self.wait()
 
-    def close(self) -> None:
+    def close_for_resetup(self) -> None:
+        """:meth:`close`, keeping this process's filled mappings of the slots for the
+        saver its re-setup in place makes next (:func:`.premap.hand_over`): that saver
+        loads through them (a memcpy) instead of with ``preadv``."""
+        self.close(hand_over=True)
+
+    def close(self, hand_over: bool = False) -> None:
         """Ask the persister to persist the newest save (the request is waited for, not
         the write: the job's end must find the save registered in the threaded actor,
-        whose calls may run out of order) and unmap the buffers. The buffers stay for a
-        restart; the job's end removes them."""
+        whose calls may run out of order) and unmap the buffers (``hand_over``: see
+        :meth:`close_for_resetup`). The buffers stay for a restart; the job's end
+        removes them."""
         newest = self.pool.newest_saved
         if self._persister is not None and newest is not None:
             try:
@@ -385,4 +392,4 @@ class FlashSaver(Saver):
             except Exception as exc:  # noqa: BLE001 - Ray may be shutting down
                 log.warning("asking the flash persister to persist step %s at close "
                             "failed: %s", newest, exc)
-        self.pool.close()
+        self.pool.close(hand_over=hand_over)

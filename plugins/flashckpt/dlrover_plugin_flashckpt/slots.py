@@ -93,18 +93,26 @@ class SlotPool:
         fut = self._reserving
         return fut is not None and not fut.done()
 
-    def close(self) -> None:
+    def close(self, hand_over: bool = False) -> None:
         """Wait for the background thread and unmap the buffers (they stay in
-        ``shm_dir`` for a restart)."""
+        ``shm_dir`` for a restart). ``hand_over``: keep the mappings whose page tables
+        are filled for this process's next pool of the same slots instead
+        (:func:`.premap.hand_over`: a re-setup in place)."""
         self._closing.set()
         self.wait_reserved()
         self._bg.shutdown(wait=True)
         self._unpin()
         self._views.clear()
+        kept = []
         for i, seg in enumerate(self.segs):
             if seg is not None:
-                seg.close()
+                if hand_over and seg.populated and not seg.replaced():
+                    kept.append(seg)
+                else:
+                    seg.close()
             self.segs[i] = None
+        if kept:
+            premap.hand_over(kept)
 
     def wait_reserved(self) -> None:
         """Wait for a background reservation (at most one runs; every method that

@@ -112,6 +112,42 @@ def test_the_saving_process_loads_through_its_own_mapping_a_new_one_with_pread(j
     fresh.close()
 
 
+def test_a_survivor_set_up_again_in_place_loads_through_its_old_savers_mappings(job,
+                                                                               tmp_path):
+    """A re-setup in place closes the saver with ``close_for_resetup`` (the WorkloadHost
+    does, through ``Checkpointer.close(for_resetup=True)``): the next saver of the same
+    slots in this process takes its filled mappings and copies from them, where after a
+    plain ``close`` it reads with pread (the test above); a saver of other slots does not
+    get them."""
+    from dlrover_plugin_flashckpt import premap
+
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    s.save(1, state(1))
+    s.save(2, state(2))
+    s.wait()
+    try:
+        s.close_for_resetup()
+        assert sorted(premap._held) == sorted(s.paths)
+        again = make_saver(job, d)
+        got = blank()
+        assert again.load(got) == 2 and again.loader.last_memory_read == "mapping"
+        assert same(got, state(2))
+        again.save(3, state(3))      # it saves through them as its own
+        again.wait()
+        again.close_for_resetup()
+        other = make_saver(job, str(tmp_path / "other"))   # another directory's slots
+        assert premap._held == {}                          # it dropped the handed-over ones
+        other.close()
+        plain = make_saver(job, d)
+        got = blank()
+        assert plain.load(got) == 3 and plain.loader.last_memory_read == "pread"
+        assert same(got, state(3))
+        plain.close()
+    finally:
+        premap.settle([])
+
+
 def test_a_standby_premaps_the_slots_and_once_promoted_loads_through_the_mapping(job,
                                                                                 tmp_path):
     """A warm standby (``prepare_standby``, as a spare's ``prepare()`` calls it) maps the
