@@ -81,3 +81,27 @@ def test_window_rate_is_samples_over_wall_time_with_a_bursty_loader():
     last8 = 8 * SAMPLES / (ends[-1] - ends[-9])
     assert m["samples_per_s"] == pytest.approx(last8, rel=0.05)
     assert m["interval_s"] >= m["step_s"] > 0
+
+
+def test_each_step_reports_its_minor_faults_and_involuntary_switches():
+    """``minor_faults`` and ``involuntary_switches`` of a step are that step's own:
+    a step that touches 64 MiB of fresh memory faults in at least its 16,384 pages,
+    and the next step, which touches none, far fewer."""
+    import mmap
+
+    timer = StepTimer()
+    timer.start_step()
+    with timer.phase("compute"):
+        m = mmap.mmap(-1, 64 << 20)
+        for off in range(0, 64 << 20, 4096):
+            m[off] = 1
+    faulting = timer.end_step(samples=1)
+    m.close()
+    timer.start_step()
+    with timer.phase("compute"):
+        sum(range(1000))
+    quiet = timer.end_step(samples=1)
+    assert faulting["minor_faults"] >= (64 << 20) // 4096
+    assert quiet["minor_faults"] < 1000
+    # involuntary switches depend on the machine's load: present, counted the same way
+    assert {"minor_faults", "involuntary_switches"} <= set(quiet)

@@ -39,7 +39,12 @@ depth over the queue's capacity, ``num_workers * prefetch_factor``: 0..1; a load
 that keeps ahead of the step keeps its queue nearly full, one at its capacity finds it
 nearly empty whether or not the step waits), and ``loader_refill``
 (``1.0``, only on a step that took a batch of a change's transition:
-:attr:`ElasticDataLoader.refilling <dlrover_core.tuning.dataloader.ElasticDataLoader.refilling>`).
+:attr:`ElasticDataLoader.refilling <dlrover_core.tuning.dataloader.ElasticDataLoader.refilling>`),
+``minor_faults`` and ``involuntary_switches`` (the training process's minor page faults
+and involuntary context switches during the step, every thread included:
+``getrusage(RUSAGE_SELF)``'s ``ru_minflt`` and ``ru_nivcsw``; loader worker processes
+not included): what explains a step slower than another of the same settings (memory
+being faulted in, a core taken by another process).
 
 Units: seconds, bytes, samples/s. ``data_wait_s`` is host time
 (``time.perf_counter``). Where CUDA is initialised, the ``compute`` and ``optimizer``
@@ -220,6 +225,7 @@ class StepTimer:
         self._refill = False
         self._events: list[tuple[str, object, object]] = []  # phase, CUDA start, end
         self._waited = COMM_WAIT.total()  # the collective wait before this step
+        self._rusage: tuple[int, int] | None = None  # minor faults, involuntary switches
         self.last: dict[str, float] = {}
 
     def start_step(self) -> None:
@@ -234,6 +240,7 @@ class StepTimer:
         self._waited = COMM_WAIT.total()
         self._prefetch, self._fill = [], []
         self._refill = False
+        self._rusage = _faults_and_switches()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -343,9 +350,20 @@ class StepTimer:
             out["prefetch_fill"] = sum(self._fill) / len(self._fill)
         if self._refill:
             out["loader_refill"] = 1.0
+        if self._rusage is not None:
+            faults, switches = _faults_and_switches()
+            out["minor_faults"] = float(faults - self._rusage[0])
+            out["involuntary_switches"] = float(switches - self._rusage[1])
         self._t0 = None
         self.last = out
         return out
+
+
+def _faults_and_switches() -> tuple[int, int]:
+    """This process's minor page faults and involuntary context switches so far, every
+    thread included (``getrusage(RUSAGE_SELF)``: ``ru_minflt``, ``ru_nivcsw``)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_nivcsw
 
 
 def _cuda_sync() -> None:
