@@ -2,6 +2,27 @@
 
     .venv/bin/python benchmarks/tuning.py [--window-s 240] [--warmup-steps 5]
         [--grid 4x16,8x16,8x32] [--shorter-windows-s 120]
+    .venv/bin/python benchmarks/tuning.py --sliced [--workload known_optimum]
+        [--window-s 240] [--slice-s 20]
+
+``--sliced``: the tuned job and a fresh job at the peer settings (``known_optimum``:
+``examples/known_optimum``, whose costs are sleeps, at its optimum by the cost model;
+``nanogpt``: at ``--best``, the best grid point of an earlier run) are submitted
+together and run in alternating slices of ``--slice-s`` seconds: one runs while the
+other stands still before a step (``config.pause_file``, :mod:`examples.slices`; the
+paused time is out of its step timer's intervals and so out of the tuner's windows),
+until each ran ``--window-s`` seconds, so that a drift of the machine's speed hits
+both alike. A slice's rate is the samples of the steps it ran over its seconds (from
+the resume to the moment every rank stood still). Printed: ``sliced_ratio``: the
+geometric mean of the tuned job's rate over the peer's in adjacent slices (each pair
+of neighbours in time: a linear drift cancels) from the first slice the tuned job ran
+wholly under its final tuning version (steady state), with the 90 % t-interval
+(``lower90``, ``upper90``; adjacent pairs share a slice, so half the pairs count as
+degrees of freedom); ``tuning_cost``: the same geometric mean over the slices before;
+``vs_optimum`` (``vs_peer`` for nanogpt): the tuned job's samples over its first
+``--window-s`` active seconds, trials included, over the peer's; ``restarts``,
+``final_version``, ``final_config``, every slice (``slices``), and the cost model's
+optimum (``known_optimum``).
 
 The job: ``examples/nanogpt/job_tuned.yaml`` (nanoGPT whose input pipeline reads every
 sample from simulated storage), 2 FSDP2 ranks on gloo. Every run is submitted to a
@@ -140,6 +161,192 @@ def ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
+# ---------------------------------------------------------------------------- --sliced
+KNOWN = os.path.join(ROOT, "examples", "known_optimum", "job.yaml")
+#: two-sided 90 % t quantiles by degrees of freedom (1..30); beyond: 1.645
+T90 = [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782,
+       1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711,
+       1.708, 1.706, 1.703, 1.701, 1.699, 1.697]
+
+
+def start_paused(name: str, job: str, overrides: list[str], pause_file: str):
+    """A job submitted with ``config.pause_file`` already present: its ranks set up and
+    stop before their first step. Returns ``(master, job_dir)``."""
+    import ray
+
+    from dlrover_core import load_spec
+    from dlrover_core.master.client import create_master
+
+    open(pause_file, "w").close()
+    spec = load_spec(job, [f"name={name}", f"+config.pause_file={pause_file}", *overrides])
+    job_dir = tempfile.mkdtemp(prefix=f"dlrover-bench-{name}-")
+    master = create_master(spec, job_dir)
+    ray.get(master.start.remote())
+    return master, job_dir
+
+
+def slice_samples(job_dir: str, first: int, stop: int) -> tuple[float, int | None]:
+    """Global samples of steps ``[first, stop)`` (rank 0's step records; a step reported
+    twice, after a restart, once) and the ``tuning_version`` of the last of them."""
+    seen: dict[int, dict] = {}
+    for r in step_records(job_dir):
+        if first <= r["step"] < stop:
+            seen[r["step"]] = r
+    version = seen[max(seen)].get("tuning_version") if seen else None
+    return sum(float(r["samples"]) for r in seen.values()), \
+        None if version is None else int(version)
+
+
+def interval90(logs: list[float], n_eff: int) -> tuple[float, float]:
+    """The 90 % t-interval of the mean of ``logs`` (log ratios) with ``n_eff`` degrees
+    of freedom + 1, as ratios."""
+    import math
+    import statistics
+
+    m = statistics.fmean(logs)
+    if len(logs) < 2 or n_eff < 2:
+        return math.exp(m), math.exp(m)
+    se = statistics.stdev(logs) / math.sqrt(n_eff)
+    t = T90[n_eff - 2] if n_eff - 2 < len(T90) else 1.645
+    return math.exp(m - t * se), math.exp(m + t * se)
+
+
+def run_sliced(args: argparse.Namespace) -> dict:
+    """The tuned job and a fresh job at ``peer`` settings, both submitted at once and run
+    in alternating slices of ``--slice-s`` (one runs while the other stands still at a
+    step boundary: :mod:`examples.slices`), until each ran ``--window-s`` seconds. See
+    the module docstring (``--sliced``)."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    from examples.slices import PauseControl
+
+    job = KNOWN if args.workload == "known_optimum" else JOB
+    cfg = OmegaConf.load(job)
+    opts = OmegaConf.to_container(cfg.tuning.options, resolve=True)
+    max_w = int(opts.get("dataloader_workers", {}).get("max_num_workers", 8))
+    max_mb = int(opts.get("micro_batch", {}).get("max_micro_batch", 32))
+    per_rank = int(cfg.config.micro_batch) * int(cfg.config.grad_accum_steps)
+    known = None
+    if args.workload == "known_optimum":
+        from examples.known_optimum.workload import optimum
+
+        known = optimum(OmegaConf.to_container(cfg.config, resolve=True), max_w, max_mb)
+        peer = {k: known[k] for k in ("num_workers", "micro_batch", "grad_accum_steps")}
+    else:
+        if not args.best:
+            raise SystemExit("--sliced --workload nanogpt needs --best <num_workers>x"
+                             "<micro_batch> (the best grid point of an earlier run)")
+        nw, mb = (int(x) for x in args.best.split("x"))
+        peer = {"num_workers": nw, "micro_batch": mb, "grad_accum_steps": per_rank // mb}
+    ranks = int(cfg.roles.trainer.total)
+    stamp = time.strftime("%H%M%S")
+    work = tempfile.mkdtemp(prefix="dlrover-bench-sliced-")
+    far = [f"config.max_steps={FAR}"] + ([f"config.eval_every={FAR}"]
+                                         if args.workload == "nanogpt" else [])
+    jobs = {}
+    for key, over in (("tuned", ["tuning.enabled=true"]),
+                      ("peer", [f"config.{k}={v}" for k, v in peer.items()])):
+        pf = os.path.join(work, f"pause-{key}")
+        master, job_dir = start_paused(f"bench-sliced-{key}-{stamp}", job,
+                                       [*args.set, *far, *over], pf)
+        jobs[key] = {"master": master, "dir": job_dir, "ctl": PauseControl(pf, ranks),
+                     "active_s": 0.0, "step": 0, "slices": []}
+    try:
+        for j in jobs.values():   # both set up and standing before their first step
+            j["step"] = j["ctl"].pause(timeout_s=args.timeout_s)["step"]
+        order = ["tuned", "peer"]
+        while min(j["active_s"] for j in jobs.values()) < args.window_s:
+            for key in order:
+                j = jobs[key]
+                t0 = j["ctl"].resume()
+                time.sleep(args.slice_s)
+                stop = j["ctl"].pause(timeout_s=args.timeout_s)
+                secs = stop["ts"] - t0
+                samples, version = slice_samples(j["dir"], j["step"], stop["step"])
+                j["slices"].append({"t0": round(t0, 3), "seconds": round(secs, 3),
+                                    "steps": [j["step"], stop["step"]],
+                                    "samples": samples, "version": version})
+                j["active_s"] += secs
+                j["step"] = stop["step"]
+            log(f"slices: tuned {jobs['tuned']['active_s']:.0f} s, peer "
+                f"{jobs['peer']['active_s']:.0f} s of {args.window_s}")
+    finally:
+        import ray
+
+        for j in jobs.values():
+            j["ctl"].resume()
+            j["master"].stop.remote()
+        summaries = {}
+        for key, j in jobs.items():
+            try:
+                summaries[key] = ray.get(j["master"].wait.remote(120), timeout=180)
+            except Exception as exc:  # noqa: BLE001 - reported, the other job still ends
+                summaries[key] = {"error": str(exc)}
+            ray.kill(j["master"], no_restart=True)
+
+    def first_window(slices: list[dict]) -> float:
+        """Samples over the first ``--window-s`` active seconds (the last slice cut
+        in proportion)."""
+        left, samples = args.window_s, 0.0
+        for sl in slices:
+            take = min(1.0, left / sl["seconds"]) if sl["seconds"] else 0.0
+            samples += sl["samples"] * take
+            left -= sl["seconds"] * take
+            if left <= 1e-9:
+                break
+        return samples
+
+    tuned, other = jobs["tuned"]["slices"], jobs["peer"]["slices"]
+    final_version = tuned[-1]["version"]
+    # the first slice that ran wholly under the final version: steady state from there
+    steady_from = next((i for i, sl in enumerate(tuned) if all(
+        s2["version"] == final_version for s2 in tuned[i:])), len(tuned))
+    seq = []   # the slices in time order: (job, rate)
+    for i in range(len(tuned)):
+        seq.append(("tuned", tuned[i]["samples"] / tuned[i]["seconds"], i))
+        if i < len(other):
+            seq.append(("peer", other[i]["samples"] / other[i]["seconds"], i))
+
+    def adjacent_logs(lo: int, hi: int) -> list[float]:
+        out = []
+        for a, b in zip(seq, seq[1:]):
+            t, p = (a, b) if a[0] == "tuned" else (b, a)
+            if lo <= t[2] < hi and p[1] > 0 and t[1] > 0:
+                out.append(math.log(t[1] / p[1]))
+        return out
+
+    steady = adjacent_logs(steady_from, len(tuned))
+    transient = adjacent_logs(0, steady_from)
+    lo90, hi90 = interval90(steady, max(1, len(steady) // 2)) if steady else (None, None)
+    tuned_w, peer_w = first_window(tuned), first_window(other)
+    t_sum = summaries.get("tuned") or {}
+    out = {
+        "method": "alternating_slices",
+        "workload": args.workload, "slice_s": args.slice_s, "window_s": args.window_s,
+        "peer_config": peer,
+        "sliced_ratio": {
+            "geomean": round(math.exp(sum(steady) / len(steady)), 4) if steady else None,
+            "lower90": round(lo90, 4) if lo90 else None,
+            "upper90": round(hi90, 4) if hi90 else None,
+            "pairs": len(steady), "from_slice": steady_from},
+        "tuning_cost": {
+            "geomean_before_steady": round(math.exp(sum(transient) / len(transient)), 4)
+            if transient else None, "slices": steady_from},
+        "vs_optimum" if known else "vs_peer": ratio(tuned_w, peer_w),
+        "tuned_samples_in_window": round(tuned_w), "peer_samples_in_window": round(peer_w),
+        "restarts": int(((t_sum.get("restarts") or {}).get("total")) or 0),
+        "final_version": final_version,
+        "final_config": ((t_sum.get("tuning") or {}).get("config")),
+        "slices": {"tuned": tuned, "peer": other},
+    }
+    if known:
+        out["known_optimum"] = {k: round(v, 2) if isinstance(v, float) else v
+                                for k, v in known.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--window-s", type=float, default=240.0,
@@ -155,6 +362,15 @@ def main() -> None:
                     help="give up on a run after this long")
     ap.add_argument("--set", action="append", default=[],
                     help="an extra key=value override for every run (e.g. a smaller model)")
+    ap.add_argument("--sliced", action="store_true",
+                    help="the tuned job beside a fresh job at the optimum (or --best) in "
+                         "alternating slices (see the module docstring)")
+    ap.add_argument("--workload", choices=("known_optimum", "nanogpt"),
+                    default="known_optimum", help="--sliced: the job")
+    ap.add_argument("--best", default=None,
+                    help="--sliced --workload nanogpt: the peer's <num_workers>x<micro_batch>")
+    ap.add_argument("--slice-s", type=float, default=20.0,
+                    help="--sliced: seconds each job runs per slice")
     args = ap.parse_args()
     args.shorter_windows_s = [float(x) for x in filter(None, args.shorter_windows_s.split(","))]
     for s in args.shorter_windows_s:
@@ -162,6 +378,19 @@ def main() -> None:
             raise SystemExit(f"--shorter-windows-s: {s} is invalid; allowed: seconds in "
                              f"(0, --window-s = {args.window_s})")
     os.chdir(ROOT)  # the workers import examples.* from here
+    if args.sliced:
+        from dlrover_core.master.client import init_ray
+
+        started_here = init_ray(None)
+        try:
+            out = run_sliced(args)
+        finally:
+            if started_here:
+                import ray
+
+                ray.shutdown()
+        print(json.dumps(out))
+        return
 
     import ray
     from omegaconf import OmegaConf

@@ -105,3 +105,22 @@ def test_each_step_reports_its_minor_faults_and_involuntary_switches():
     assert quiet["minor_faults"] < 1000
     # involuntary switches depend on the machine's load: present, counted the same way
     assert {"minor_faults", "involuntary_switches"} <= set(quiet)
+
+
+def test_a_pause_between_steps_is_out_of_the_next_interval():
+    """``note_pause`` (a job paused from outside between two steps): the paused seconds
+    are not in the next step's ``interval_s`` nor in ``samples_per_s``."""
+    timer = StepTimer(rate_window=1)
+    timer.start_step()
+    timer.end_step(samples=10)
+    time.sleep(0.3)                  # paused between the steps
+    timer.note_pause(0.3)
+    timer.start_step()
+    m = timer.end_step(samples=10)
+    assert m["interval_s"] < 0.3, m   # without note_pause it holds the 0.3 s
+    timer.start_step()
+    time.sleep(0.3)
+    unpaused = timer.end_step(samples=10)
+    assert unpaused["interval_s"] >= 0.3
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        timer.note_pause(-1)

@@ -290,6 +290,20 @@ class StepTimer:
         self._refill = False
         self._waited = COMM_WAIT.total()
 
+    def note_pause(self, seconds: float) -> None:
+        """The loop was paused from outside for ``seconds`` between two steps (a
+        benchmark that runs jobs in alternating slices): that time is taken out of the
+        next step's ``interval_s``, so ``samples_per_s`` and the tuner's windows
+        measure the job while it ran.
+
+        Raises:
+            ValueError: ``seconds`` < 0.
+        """
+        if seconds < 0:
+            raise ValueError(f"note_pause({seconds}): allowed: seconds >= 0")
+        if self._last_end is not None:
+            self._last_end += float(seconds)
+
     def note_refill(self, refilling: bool) -> None:
         """Record whether a batch of this step belonged to a loader change's transition
         (reported as ``loader_refill``)."""

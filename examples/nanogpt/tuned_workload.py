@@ -18,8 +18,9 @@ Extra config keys: ``micro_batch``, ``grad_accum_steps``, ``num_workers`` (the
 starting settings), ``read_latency_s``, ``activation_checkpointing`` (bool),
 ``memory_budget_bytes`` (0: none; a stand-in for a GPU's memory on a machine without
 one: a micro-batch whose activations, estimated by :func:`activation_bytes`, exceed it
-raises ``MemoryError`` before its forward pass, as a CUDA allocation would), and, for
-tests, ``record_samples`` (a directory: each rank appends one JSON line per step with
+raises ``MemoryError`` before its forward pass, as a CUDA allocation would),
+``pause_file`` (:mod:`examples.slices`: a benchmark pauses the job between steps), and,
+for tests, ``record_samples`` (a directory: each rank appends one JSON line per step with
 the sample ids it trained on).
 """
 
@@ -43,6 +44,7 @@ from examples.nanogpt.data import CharDataset
 from examples.nanogpt.model import Block
 from examples.nanogpt.stored_data import StoredCharWindows
 from examples.nanogpt.workload import GPTWorkload
+from examples.slices import wait_while_paused
 
 
 #: float32 values one transformer layer keeps for backward per token and unit of width
@@ -132,6 +134,7 @@ class TunedGPTWorkload(GPTWorkload):
         step, val = self.start_step, float("nan")
         while step < max_steps:
             self._maybe_fault(step)
+            wait_while_paused(c, self.rank, step, self.tuning.timer)
             self.tuning.boundary(step)
             self.tuning.start_step()
             try:
