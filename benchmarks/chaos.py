@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/chaos.py --minutes 30 --seed 1      # make chaos MINUTES=30 SEED=1
     .venv/bin/python benchmarks/chaos.py --minutes 3 --seed 7 --faults kill_rank,kill_master
+    .venv/bin/python benchmarks/chaos.py --minutes 30 --seed 1 --elastic  # + resizes
 
 The cluster: ``dlrover cluster up`` (:mod:`dlrover_core.cli.local_cluster`): a head with
 no CPUs (the JobMaster) and two worker nodes of 2 CPUs, each its own ``ray start``
@@ -15,6 +16,16 @@ a calibration job (the mean step time over the second half of 800 steps) so that
 fault-free run takes about ``--minutes`` (:data:`FAULT_FREE_SHARE`), and the run with
 faults longer.
 
+``--elastic`` (:data:`ELASTIC`): the trainer role is elastic over the two worker nodes
+(``nodes: 1:2``, one rank a node) with a global batch of 2 micro-batches kept by
+gradient accumulation, and a lost node not replaced within 10 s: a node loss shrinks the
+role to 1 rank (it trains both micro-batches of each step), the node's return grows it
+back to 2 after the next checkpoint, and the trigger ``resize`` makes a fault while it
+grows. Micro-batch ``j`` of step ``s`` is the same samples at any world size
+(``examples/nanogpt/workload.py``), gradient clipping is off (a clip coefficient from a
+norm summed over 1 or 2 shards differs in its last bit), so a resize is exact: the
+losses are still compared bit for bit.
+
 SIGTERM or SIGINT stops a run early (status ``stopped``): its cluster goes down, and
 the cut-off job's flash buffers and the checkpoint tmpfs are removed.
 
@@ -25,10 +36,11 @@ drawn from the latter could fall after the end; a step between 5 % and 90 % of
 ``max_steps`` cannot) and its trigger: ``time`` (once the job's step reached that
 point and the job is running), ``commit`` (at the first save of a step due for the
 disk after that point: the node's persister is then committing it), ``recovery`` (at
-the recovery that the fault before it started: a fault inside a recovery) or
+the recovery that the fault before it started: a fault inside a recovery),
 ``with_previous`` (at once after the fault before it: two faults at the same instant;
 after a ``slow_rank``, which the injector carries out for its whole duration, at its
-end). Kinds (:data:`KINDS`):
+end) or, with ``--elastic`` and after a node loss, ``resize`` (at the ``elastic_room``
+event that starts the role's grow back onto the returned node). Kinds (:data:`KINDS`):
 
 - ``kill_rank``: SIGKILL of a trainer rank's process;
 - ``kill_persister``: SIGKILL of a node's flash persister actor process;
@@ -44,10 +56,12 @@ end). Kinds (:data:`KINDS`):
 
 Invariants (each failure is one string in ``violations``): the job succeeded; the
 final model state (the committed step ``max_steps`` on disk, every tensor) equals the
-fault-free run's bit for bit, and every step's loss too; per rank, the sample-id log
-replayed (a resume at step ``c`` rolls back the records of steps ``>= c``) trains
-every step ``0..max_steps-1`` exactly once, on the ids the data gives for it (no
-sample lost, none trained twice), and the committed steps agree with it; every fault
+fault-free run's bit for bit (when both ended at the same world size; else through the
+losses: ``final_state_compared``), and every micro-batch's loss at every step too; the
+ranks' sample-id logs replayed in time order (a resume at step ``c`` rolls back every
+micro-batch's records of steps ``>= c``) train each micro-batch of every step
+``0..max_steps-1`` exactly once, on the ids the data gives for it (no sample lost,
+none trained twice), and the committed steps agree with it; every fault
 injected is followed by its recovery in ``events.jsonl`` (a ``recovery_started`` /
 ``master_restarted`` and then a step, or for faults that need no restart, steps after
 the fault ended); ``summary.json`` agrees with the events (restarts per level, steps,
@@ -57,7 +71,8 @@ goodput); after ``cluster down`` no process of the cluster is left, no
 The last line of output is one JSON object: ``status``, ``faults_injected``,
 ``faults_recovered``, ``violations``, ``goodput``, ``steps_redone``, ``recovery_s``
 (``{"median", "max"}``, s from a fault to the first step after its recovery),
-``seed`` and the run's details (``faults``: each fault's kind, trigger, target, time;
+``seed``, ``elastic``, ``world_sizes`` (the role's world sizes in order, from the logs)
+and the run's details (``faults``: each fault's kind, trigger, target, time;
 ``skipped``: the faults not made, and why: the job had ended before their step, or a
 fault that restarts something came after every rank had finished its last step, see
 :func:`after_last_step`).
@@ -97,6 +112,16 @@ TINY = ["config.n_layer=1", "config.n_embd=32", "config.n_head=2", "config.block
         "config.warmup_steps=2"]
 SAVE_EVERY, PERSIST_EVERY = 5, 20
 HANG_TIMEOUT_S = 30.0
+#: ``--elastic``: the trainer role over 1 to 2 worker nodes (one rank each), the global
+#: batch of 2 micro-batches kept by accumulation at any world size, a lost node replaced
+#: within 10 s or the role shrinks (a lost node comes back 20-40 s later: then it grows)
+ELASTIC = ["roles.trainer.nodes={min: 1, max: 2}", "roles.trainer.per_node=1",
+           "elastic.global_batch=16", "elastic.micro_batch=8",
+           "elastic.replacement_timeout_s=10", "elastic.poll_interval_s=2",
+           # no clipping: a clip coefficient from a gradient norm summed over 1 or 2
+           # shards differs in its last bit; without it a resize is exact (the 1/2 of
+           # the accumulation is a power of 2)
+           "+config.grad_clip=0"]
 CKPT_FS_MIB = 32
 JOB_TIMEOUT_S = 3600.0
 
@@ -146,8 +171,10 @@ def read_jsonl(path: str) -> list[dict]:
 class Chaos:
     """One cluster, its jobs and the faults made in them."""
 
-    def __init__(self, work: str, seed: int) -> None:
+    def __init__(self, work: str, seed: int, elastic: bool = False) -> None:
         from dlrover_core.cli import local_cluster as lc
+
+        self.elastic = elastic
 
         self.lc, self.work, self.seed = lc, work, seed
         self.cluster_dir = os.path.join(work, "cluster")
@@ -196,7 +223,8 @@ class Chaos:
             # default of 3 Ray restarts ended the job's control at the 4th
             "failover.master_max_restarts=1000",
             f"failover.hang_timeout_s={HANG_TIMEOUT_S:g}", "failover.pg_timeout_s=60",
-            "failover.survivor_grace_s=5", "node_health.skip_node_check=true"]
+            "failover.survivor_grace_s=5", "node_health.skip_node_check=true",
+            *(ELASTIC if self.elastic else [])]
 
     def submit(self, name: str, job_dir: str, over: list[str]) -> subprocess.Popen:
         os.makedirs(job_dir, exist_ok=True)
@@ -327,14 +355,16 @@ def run_to_end(ch: Chaos, name: str, job_dir: str, over: list[str],
 
 # ------------------------------------------------------------------ the schedule
 def make_schedule(seed: int, kinds: list[str], window_s: float, n: int,
-                  steps: int | None = None) -> list[dict]:
+                  steps: int | None = None, elastic: bool = False) -> list[dict]:
     """``n`` faults of ``kinds`` at seeded random points ``x`` in ``[0.05, 0.9]`` of the
     run: ``at_s`` = ``x * window_s`` (s from the job's first step in the fault-free run)
     and ``at_step`` = ``x * steps`` (the step the job must have reached: the run with
     faults is slower, so a time would fall after its end; a step cannot). Each fault
     has its trigger (``time``: at that step; ``commit``; ``recovery``, only after a
     fault that restarts something; ``with_previous``, about one in six: at the same
-    instant as the fault before it, two faults at once), its duration (s; hang,
+    instant as the fault before it, two faults at once; with ``elastic``, ``resize``,
+    only after a node loss: while the role grows back onto the returned node), its
+    duration (s; hang,
     disk_full, slow_rank), the delay before a lost node comes back (s) and ``pick``
     (0..1: which candidate target it takes).
 
@@ -348,8 +378,14 @@ def make_schedule(seed: int, kinds: list[str], window_s: float, n: int,
     out: list[dict] = []
     for i, x in enumerate(points):
         kind = rng.choice(kinds)
-        trigger = rng.choices(("time", "commit", "recovery", "with_previous"),
-                              (0.4, 0.22, 0.22, 0.16))[0]
+        if elastic:
+            trigger = rng.choices(("time", "commit", "recovery", "with_previous", "resize"),
+                                  (0.32, 0.18, 0.18, 0.14, 0.18))[0]
+            if trigger == "resize" and not any(g["kind"] == "node_loss" for g in out[-2:]):
+                trigger = "time"
+        else:
+            trigger = rng.choices(("time", "commit", "recovery", "with_previous"),
+                                  (0.4, 0.22, 0.22, 0.16))[0]
         if trigger == "recovery" and not (out and out[-1]["kind"] in RESTARTING | {"kill_master"}):
             trigger = "time"
         if trigger == "with_previous" and not out:
@@ -534,6 +570,15 @@ class Injector:
             elif f["trigger"] == "recovery" and self.done:
                 if not self.in_recovery(self.done[-1]["ts"], 120):
                     f = dict(f, trigger="time (no recovery under way)")
+            elif f["trigger"] == "resize" and self.done:
+                # the role grows back onto the node that returned: its elastic_room
+                # event, then the resize right after the next checkpoint
+                ev = self.wait_event(lambda e: e["event"] == "elastic_room",
+                                     self.done[-1]["ts"], 180)
+                if ev is None:
+                    f = dict(f, trigger="time (no resize seen)")
+                else:
+                    f = dict(f, resize_ts=ev["ts"], resize_target=ev.get("target"))
             elif f["trigger"] == "commit":
                 since = time.time()
                 ev = self.wait_event(lambda e: e["event"] == "checkpoint_saved"
@@ -736,45 +781,68 @@ def fill(path: str) -> int:
 
 
 # ------------------------------------------------------------------ invariants
-def replay_samples(samples_dir: str, ranks: int, steps: int, seed: int, bs: int,
+def replay_samples(samples_dir: str, mbs: int, steps: int, seed: int, bs: int,
                    block: int) -> tuple[list[str], dict]:
-    """Replay each rank's sample-id log (a resume at ``c`` rolls back the records of
-    steps ``>= c``) and check that the kept history trains steps ``0..steps-1`` once
-    each, on the ids the data gives for ``(seed, rank, step)``. Returns
-    ``(violations, {"records", "rolled_back", "losses": {rank: [loss per step]}})``."""
+    """Replay the ranks' sample-id logs, every line of every rank in time order (``t``):
+    a resume at step ``c`` (any rank's: the ranks all restore the same step) rolls
+    back every micro-batch's records of steps ``>= c``; a record of micro-batch ``j``
+    (``mb``; a record without one is its rank's) must be of the step after the last
+    one kept for ``j``. The kept history must train micro-batches ``0..mbs-1`` of steps
+    ``0..steps-1`` once each, on the ids the data gives for ``(seed, j, step)``, at any
+    world size. Returns ``(violations, {"records", "rolled_back", "world_sizes",
+    "losses": {mb: [loss per step]}})``."""
     from examples.nanogpt.data import CharDataset
 
     data = CharDataset()
-    bad, out = [], {"records": 0, "rolled_back": 0, "losses": {}}
-    for r in range(ranks):
-        recs = read_jsonl(os.path.join(samples_dir, f"rank{r}.jsonl"))
-        out["records"] += len(recs)
-        kept: list[dict] = []
-        for rec in recs:
-            if "resumed_from" in rec:
-                c = int(rec["resumed_from"])
-                if c > len(kept):
-                    bad.append(f"rank {r}: resumed at step {c} (attempt {rec['attempt']}) but its "
-                               f"log holds steps below {len(kept)} only: samples of steps "
-                               f"{len(kept)}..{c - 1} lost")
-                out["rolled_back"] += max(0, len(kept) - c)
-                kept = kept[:c]
-            elif rec["step"] != len(kept):
-                bad.append(f"rank {r}: step {rec['step']} trained (attempt {rec['attempt']}, pid "
-                           f"{rec['pid']}) after step {len(kept) - 1} without a resume between: "
-                           + ("trained twice" if rec["step"] < len(kept) else "steps skipped"))
-                if rec["step"] < len(kept):
-                    kept = kept[:rec["step"]]
-                kept.append(rec)
-            else:
-                kept.append(rec)
-        if len(kept) != steps:
-            bad.append(f"rank {r}: {len(kept)} steps in the kept history; {steps} wanted")
-        wrong = [k["step"] for k in kept
-                 if k["ids"] != data.sample_ids("train", bs, block, seed, r, k["step"]).tolist()]
+    bad: list[str] = []
+    out: dict = {"records": 0, "rolled_back": 0, "world_sizes": [], "losses": {}}
+    recs = []
+    for name in sorted(os.listdir(samples_dir)) if os.path.isdir(samples_dir) else []:
+        if name.startswith("rank") and name.endswith(".jsonl"):
+            r = int(name[4:-6])
+            recs += [dict(x, mb=x.get("mb", r)) for x in read_jsonl(os.path.join(samples_dir,
+                                                                                name))]
+    out["records"] = len(recs)
+    recs.sort(key=lambda x: x.get("t", 0.0))
+    kept: dict[int, list[dict]] = {j: [] for j in range(mbs)}
+    for rec in recs:
+        ws = rec.get("world_size")
+        if ws is not None and (not out["world_sizes"] or out["world_sizes"][-1] != ws):
+            out["world_sizes"].append(ws)
+        if "resumed_from" in rec:
+            c = int(rec["resumed_from"])
+            short = [j for j in kept if len(kept[j]) < c]
+            if short:
+                bad.append(f"rank {rec['rank']} resumed at step {c} (attempt {rec['attempt']}) "
+                           f"but micro-batch(es) {short} hold steps below "
+                           f"{min(len(kept[j]) for j in short)} only: samples lost")
+            for j in kept:
+                out["rolled_back"] += max(0, len(kept[j]) - c)
+                kept[j] = kept[j][:c]
+            continue
+        j = int(rec["mb"])
+        if j not in kept:
+            bad.append(f"rank {rec['rank']}: micro-batch {j} of step {rec['step']}: only "
+                       f"{mbs} a step")
+            continue
+        if rec["step"] != len(kept[j]):
+            bad.append(f"micro-batch {j}: step {rec['step']} trained (rank {rec['rank']}, "
+                       f"attempt {rec['attempt']}, pid {rec['pid']}) after step "
+                       f"{len(kept[j]) - 1} without a resume between: "
+                       + ("trained twice" if rec["step"] < len(kept[j]) else "steps skipped"))
+            if rec["step"] < len(kept[j]):
+                kept[j] = kept[j][:rec["step"]]
+        kept[j].append(rec)
+    for j in range(mbs):
+        if len(kept[j]) != steps:
+            bad.append(f"micro-batch {j}: {len(kept[j])} steps in the kept history; "
+                       f"{steps} wanted")
+        wrong = [k["step"] for k in kept[j]
+                 if k["ids"] != data.sample_ids("train", bs, block, seed, j, k["step"]).tolist()]
         if wrong:
-            bad.append(f"rank {r}: sample ids differ from the data's at steps {wrong[:10]}")
-        out["losses"][r] = [k["loss"] for k in kept]
+            bad.append(f"micro-batch {j}: sample ids differ from the data's at steps "
+                       f"{wrong[:10]}")
+        out["losses"][j] = [k["loss"] for k in kept[j]]
     return bad, out
 
 
@@ -988,6 +1056,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None,
                     help="the job's max_steps (default: sized by a calibration job)")
     ap.add_argument("--work", default=None, help="keep the jobs' folders here")
+    ap.add_argument("--elastic", action="store_true",
+                    help="the trainer role elastic over the 2 worker nodes: a lost node not "
+                         "replaced within 10 s shrinks it, its return grows it back; faults "
+                         "also during that grow (trigger resize)")
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
     wrong = [k for k in kinds if k not in KINDS]
@@ -1002,11 +1074,12 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or tempfile.mkdtemp(prefix="chaos-", dir="/tmp")
     os.makedirs(work, exist_ok=True)
     t_start = time.time()
-    ch = Chaos(work, args.seed)
+    ch = Chaos(work, args.seed, elastic=args.elastic)
     violations: list[str] = []
     result: dict = {"status": None, "faults_injected": 0, "faults_recovered": 0,
                     "violations": violations, "goodput": None, "steps_redone": None,
-                    "recovery_s": {"median": None, "max": None}, "seed": args.seed}
+                    "recovery_s": {"median": None, "max": None}, "seed": args.seed,
+                    "elastic": args.elastic}
     names: list[str] = []
     # a run started in the background ignores SIGINT unless asked, and SIGTERM would
     # skip the cleanup below: both stop it the same way
@@ -1026,7 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
                       if r.get("event") == "step"), ref["t0"])
         window = max(60.0, ref["t_end"] - first)
         n = args.count or max(3, round(args.minutes))
-        schedule = make_schedule(args.seed, kinds, window, n, steps)
+        schedule = make_schedule(args.seed, kinds, window, n, steps, elastic=args.elastic)
         log(f"fault-free run: rc {ref['rc']}, {window:.0f} s of steps; schedule: "
             + ", ".join(f"{f['kind']}@step {f['at_step']}/{f['trigger']}" for f in schedule))
         # the run with faults
@@ -1063,25 +1136,32 @@ def main(argv: list[str] | None = None) -> int:
                               f"{summary.get('status')}, error {summary.get('error')}")
         if ref["rc"] != 0 or (ref["summary"] or {}).get("status") != "succeeded":
             violations.append(f"the fault-free run did not succeed: rc {ref['rc']}")
-        a, b = final_state(ref_ckpt, steps), final_state(ckpt, steps)
-        if a is None or b is None:
-            violations.append(f"final step {steps} not committed: fault-free {a is not None}, "
-                              f"with faults {b is not None}")
-        elif a != b:
-            violations.append(f"final model state differs from the fault-free run's: files "
-                              f"{sorted(k for k in a if a.get(k) != b.get(k))}")
         bs, block = 8, 32
         bad_ref, rep_ref = replay_samples(os.path.join(ref_dir, "samples"), 2, steps,
                                           args.seed, bs, block)
         bad, rep = replay_samples(os.path.join(job_dir, "samples"), 2, steps, args.seed, bs,
                                   block)
         violations += [f"fault-free run: {v}" for v in bad_ref] + bad
-        for r in (0, 1):
-            diff = [i for i, (x, y) in enumerate(zip(rep_ref["losses"].get(r, []),
-                                                     rep["losses"].get(r, []))) if x != y]
+        result.update(world_sizes=rep["world_sizes"])
+        a, b = final_state(ref_ckpt, steps), final_state(ckpt, steps)
+        if a is None or b is None:
+            violations.append(f"final step {steps} not committed: fault-free {a is not None}, "
+                              f"with faults {b is not None}")
+        elif rep["world_sizes"][-1:] != rep_ref["world_sizes"][-1:]:
+            # saved by another number of ranks: other files; the losses of every step
+            # (below) are compared instead, and the state through them
+            result["final_state_compared"] = (
+                f"through the losses: saved at world size {rep['world_sizes'][-1:]} against "
+                f"{rep_ref['world_sizes'][-1:]}")
+        elif a != b:
+            violations.append(f"final model state differs from the fault-free run's: files "
+                              f"{sorted(k for k in a if a.get(k) != b.get(k))}")
+        for j in (0, 1):
+            diff = [i for i, (x, y) in enumerate(zip(rep_ref["losses"].get(j, []),
+                                                     rep["losses"].get(j, []))) if x != y]
             if diff:
-                violations.append(f"rank {r}: loss differs from the fault-free run's at "
-                                  f"{len(diff)} steps, first {diff[0]}")
+                violations.append(f"micro-batch {j}: loss differs from the fault-free run's "
+                                  f"at {len(diff)} steps, first {diff[0]}")
         if (summary.get("checkpoint_steps") or {}).get("trainer") != steps:
             violations.append(f"summary.json checkpoint_steps {summary.get('checkpoint_steps')}"
                               f" != {steps}")

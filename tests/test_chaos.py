@@ -47,6 +47,31 @@ def test_short_chaos_schedule_has_no_violation(tmp_path):
 
 
 @pytest.mark.slow
+def test_short_elastic_chaos_schedule_has_no_violation(tmp_path):
+    """``--elastic``: the trainer role over 1 to 2 nodes. Seed 19's schedule: a node lost
+    (the role shrinks to 1 rank after the 10 s replacement wait and grows back when the
+    node returns), a rank SIGKILLed while the role grows back (trigger ``resize``), a
+    rank SIGKILLed at a commit, a node lost during a recovery. Every micro-batch of
+    every step is trained once in the kept history, with the fault-free run's losses
+    bit for bit, at any world size."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--minutes", "3",
+           "--seed", "19", "--count", "5", "--steps", "3000", "--elastic",
+           "--faults", "kill_rank,kill_master,node_loss,disk_full,kill_persister",
+           "--work", str(tmp_path / "work")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-4000:]
+    result = json.loads(lines[-1])
+    assert result["violations"] == [], out.stdout[-6000:] + out.stderr[-3000:]
+    assert result["status"] == "succeeded"
+    assert "resize" in [f["trigger"] for f in result["faults"]], result["faults"]
+    assert 1 in result["world_sizes"], result["world_sizes"]   # it did shrink
+    assert result["faults_recovered"] == result["faults_injected"], result
+    assert out.returncode == 0
+
+
+@pytest.mark.slow
 def test_a_chaos_run_sigtermed_in_its_fault_free_run_cleans_up(tmp_path):
     """SIGTERM (and SIGINT, which a run started in the background would otherwise
     ignore) stops the harness the way its end does: the cluster down, no process of it
@@ -125,6 +150,65 @@ def test_replay_of_sample_logs_finds_lost_and_twice_trained_steps(tmp_path):
                                       step(3)])
     bad, _ = chaos.replay_samples(str(tmp_path), 1, 4, 1, 8, 32)
     assert any("sample ids differ" in v and "[2]" in v for v in bad), bad
+
+
+def test_replay_follows_micro_batches_across_world_sizes(tmp_path):
+    """``--elastic``: 2 ranks train micro-batches 0 and 1 of steps 0-3; rank 1's node is
+    lost after it logged step 3 of micro-batch 1 but before the commit of step 4, so
+    rank 0 alone resumes at 2 (world size 1) and trains both micro-batches of steps
+    2-5; the role grows back, both ranks resume at 5 and train step 5 again, then 6.
+    Every line in time order: the kept history trains each micro-batch of steps 0-6
+    once. A world-size-1 rank that skips micro-batch 1 of a step is caught."""
+    from examples.nanogpt.data import CharDataset
+
+    chaos = _chaos()
+    data = CharDataset()
+    clock = iter(range(1, 1000))
+
+    def step(s, mb, rank, ws):
+        return {"rank": rank, "attempt": 0, "pid": 1, "t": next(clock), "world_size": ws,
+                "step": s, "mb": mb, "loss": 1.0,
+                "ids": data.sample_ids("train", 8, 32, 1, mb, s).tolist()}
+
+    def resume(c, rank, ws):
+        return {"rank": rank, "attempt": 1, "pid": 2, "t": next(clock), "world_size": ws,
+                "resumed_from": c}
+
+    r0, r1 = [resume(0, 0, 2)], [resume(0, 1, 2)]
+    for s in range(4):
+        r0.append(step(s, 0, 0, 2))
+        r1.append(step(s, 1, 1, 2))
+    r0.append(resume(2, 0, 1))                       # the shrink: rank 0 alone
+    for s in range(2, 6):
+        r0 += [step(s, 0, 0, 1), step(s, 1, 0, 1)]
+    r0.append(resume(5, 0, 2))                       # the grow
+    r1.append(resume(5, 1, 2))
+    for s in (5, 6):
+        r0.append(step(s, 0, 0, 2))
+        r1.append(step(s, 1, 1, 2))
+    _write(tmp_path / "rank0.jsonl", r0)
+    _write(tmp_path / "rank1.jsonl", r1)
+    bad, out = chaos.replay_samples(str(tmp_path), 2, 7, 1, 8, 32)
+    assert bad == [], bad
+    assert out["world_sizes"] == [2, 1, 2]
+    assert out["rolled_back"] == 4 + 2               # steps 2, 3 of both; then step 5 of both
+    assert len(out["losses"][0]) == len(out["losses"][1]) == 7
+    skipped = [x for x in r0 if not (x.get("mb") == 1 and x.get("step") == 3
+                                     and x.get("world_size") == 1)]
+    _write(tmp_path / "rank0.jsonl", skipped)
+    bad, _ = chaos.replay_samples(str(tmp_path), 2, 7, 1, 8, 32)
+    assert any("micro-batch 1: step 4 trained" in v and "steps skipped" in v for v in bad), bad
+
+
+def test_an_elastic_schedule_resizes_only_after_a_node_loss():
+    chaos = _chaos()
+    kinds = list(chaos.KINDS)
+    sched = chaos.make_schedule(3, kinds, 600.0, 40, 8000, elastic=True)
+    resizes = [i for i, f in enumerate(sched) if f["trigger"] == "resize"]
+    assert resizes, [f["trigger"] for f in sched]
+    assert all(any(g["kind"] == "node_loss" for g in sched[max(0, i - 2):i]) for i in resizes)
+    assert not any(f["trigger"] == "resize"
+                   for f in chaos.make_schedule(3, kinds, 600.0, 40, 8000))
 
 
 def test_event_check_wants_a_recovery_for_every_fault():

@@ -5,22 +5,33 @@ characters), gradients are averaged by the backend; every ``eval_every`` steps t
 validation loss is averaged over ranks and reported. Checkpoints go through the
 job's saver every ``checkpoint.every_steps``; a restart resumes from the newest.
 
+A step is ``world_size`` micro-batches of ``batch_size`` (one per rank); with the job's
+``elastic`` section (``global_batch``, ``micro_batch``) it is ``global_batch /
+micro_batch`` micro-batches at any world size, each rank accumulating its share
+(:meth:`GPTWorkload.micro_batches`), so a resize changes who trains a micro-batch, not
+what it holds. Micro-batch ``j`` of step ``s`` is :meth:`CharDataset.batch` of
+``(seed, j, s)``. ``config.grad_clip`` (default 1.0; 0: no clipping) is the gradient
+norm clipped to.
+
 ``config.record_samples`` (a directory; for the chaos benchmark and tests): each rank
 appends to ``rank<r>.jsonl`` one JSON line when it resumes (``{"rank", "attempt",
-"pid", "resumed_from"}``: the steps done in the state it loaded, 0 for none) and one
-after each optimizer step (``{"rank", "attempt", "pid", "step", "loss", "ids"}``:
-the sample ids trained on, :meth:`CharDataset.sample_ids`).
+"pid", "t", "world_size", "resumed_from"}``: the steps done in the state it loaded, 0
+for none) and one per micro-batch it trained (``{..., "step", "mb", "loss", "ids"}``:
+the micro-batch's index and sample ids, :meth:`CharDataset.sample_ids`); ``t`` is the
+unix time of the line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from dlrover_core import BaseWorkload
+from dlrover_core.tuning import gradient_sync
 from examples.char_training import (
     adamw,
     build_char_gpt,
@@ -58,7 +69,8 @@ class GPTWorkload(BaseWorkload):
         """One line of ``config.record_samples`` (see the module doc)."""
         if getattr(self, "_record", None) is not None:
             self._record.write(json.dumps({"rank": self.rank, "attempt": self.attempt,
-                                           "pid": os.getpid(), **fields}) + "\n")
+                                           "pid": os.getpid(), "t": time.time(),
+                                           "world_size": self.world_size, **fields}) + "\n")
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up for ``warmup_steps``, then cosine decay to ``lr / 10``."""
@@ -96,21 +108,42 @@ class GPTWorkload(BaseWorkload):
                                torch.cuda.max_memory_allocated(device) / 2 ** 20)
         super().report(step, **metrics)
 
+    def micro_batches(self) -> tuple[int, list[int]]:
+        """``(samples per micro-batch, this rank's micro-batch indices of a step)``. A
+        step is ``world_size x grad_accum_steps`` micro-batches, numbered globally; rank
+        ``r`` trains ``r * accum .. (r + 1) * accum - 1``. With the job's ``elastic``
+        section (``global_batch``, ``micro_batch``) the accumulation follows the world
+        size, so a step trains the same micro-batches, on the same samples, at any
+        world size; without it each rank trains one micro-batch of
+        ``config.batch_size``, its own index: ``rank``."""
+        ctx = self.context
+        accum = int(ctx.grad_accum_steps) if ctx.global_batch else 1
+        bs = int(ctx.micro_batch) if ctx.global_batch else int(self.config.batch_size)
+        return bs, [self.rank * accum + k for k in range(accum)]
+
     def run(self) -> dict:
         c = self.config
-        bs, seed, device = int(c.batch_size), int(c.get("seed", 1337)), self.backend.device
+        seed, device = int(c.get("seed", 1337)), self.backend.device
+        bs, mine = self.micro_batches()
+        clip = float(c.get("grad_clip", 1.0))
 
         def train_step(step: int) -> float:
-            x, y = self.data.batch("train", bs, self.cfg.block_size, seed, self.rank, step)
-            _, loss = self.model(x.to(device), y.to(device))
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            losses = []
+            for k, j in enumerate(mine):
+                x, y = self.data.batch("train", bs, self.cfg.block_size, seed, j, step)
+                with gradient_sync(self.model, k == len(mine) - 1):
+                    _, loss = self.model(x.to(device), y.to(device))
+                    # 1/accum: an exact power of 2 here, so accumulated gradients are
+                    # those of the same micro-batches on more ranks, bit for bit
+                    (loss / len(mine) if len(mine) > 1 else loss).backward()
+                losses.append(loss.item())
+                if getattr(self, "_record", None) is not None:
+                    ids = self.data.sample_ids("train", bs, self.cfg.block_size, seed, j, step)
+                    self._write_record(step=step, mb=j, loss=losses[-1], ids=ids.tolist())
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             self.opt.step()
-            if getattr(self, "_record", None) is not None:
-                ids = self.data.sample_ids("train", bs, self.cfg.block_size, seed, self.rank,
-                                           step)
-                self._write_record(step=step, loss=loss.item(), ids=ids.tolist())
-            return loss.item()
+            return sum(losses) / len(losses)
 
-        return train(self, train_step, bs * self.world_size)
+        return train(self, train_step, bs * len(mine) * self.world_size)
