@@ -29,7 +29,12 @@ losses are still compared bit for bit.
 SIGTERM or SIGINT stops a run early (status ``stopped``): its cluster goes down, and
 the cut-off job's flash buffers and the checkpoint tmpfs are removed.
 
-First the job runs with no faults (same seed, same steps), then with faults. The
+First the job runs with no faults (same seed, same steps), then with faults. The job's
+seed is ``--job-seed`` (default ``--seed``, which draws the schedule); the fault-free run
+of a job seed (its steps, final state digests, every micro-batch's losses) can be saved
+with ``--save-reference FILE`` and taken by later runs of the same job seed with
+``--reference FILE`` instead of running it again: the job is deterministic, so it is
+the same run. The
 schedule (``random.Random(seed)``) draws each fault's kind from ``--faults``, its point
 in the run (a step: the run with faults is slower than the fault-free one, so a time
 drawn from the latter could fall after the end; a step between 5 % and 90 % of
@@ -1034,6 +1039,39 @@ def calibrate(ch: Chaos, minutes: float) -> tuple[int, float]:
     return max(steps, 10 * PERSIST_EVERY), step_s
 
 
+#: the version of a --save-reference file's fields
+REFERENCE_FORMAT = 1
+
+
+def fault_free(ch: Chaos, work: str, steps: int, names: list[str], bs: int,
+               block: int) -> dict:
+    """Run the job of ``steps`` steps once without faults (its name appended to
+    ``names``) and return what the run with faults is checked against: ``steps``,
+    ``job_seed``, ``elastic``, ``window_s`` (seconds from its first step to its end),
+    ``wall_s``, ``final_state`` (:func:`final_state`), ``losses`` (micro-batch -> loss per
+    step), ``world_sizes``, ``violations`` (its own: it must succeed and replay clean),
+    ``ran_at`` (unix s), ``format``."""
+    ref_ckpt, _ = ch.ckpt_fs("ckpt-ref")
+    ref_dir = os.path.join(work, "job-ref")
+    names.append(f"chaos-ref-{ch.seed}")
+    log(f"fault-free run: {steps} steps")
+    ref = run_to_end(ch, names[-1], ref_dir,
+                     ch.overrides(names[-1], steps, ref_ckpt, os.path.join(ref_dir, "samples")))
+    first = next((r["ts"] for r in read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
+                  if r.get("event") == "step"), ref["t0"])
+    bad = []
+    if ref["rc"] != 0 or (ref["summary"] or {}).get("status") != "succeeded":
+        bad.append(f"the fault-free run did not succeed: rc {ref['rc']}")
+    replay_bad, rep = replay_samples(os.path.join(ref_dir, "samples"), 2, steps, ch.seed, bs,
+                                     block)
+    log(f"fault-free run: rc {ref['rc']}")
+    return {"format": REFERENCE_FORMAT, "steps": steps, "job_seed": ch.seed,
+            "elastic": ch.elastic, "window_s": max(60.0, ref["t_end"] - first),
+            "wall_s": (ref["summary"] or {}).get("wall_s"), "ran_at": round(time.time(), 1),
+            "final_state": final_state(ref_ckpt, steps), "losses": rep["losses"],
+            "world_sizes": rep["world_sizes"], "violations": bad + replay_bad}
+
+
 class Stopped(BaseException):
     """SIGTERM or SIGINT reached the harness: the run ends early, its cluster goes down
     and what it leaves (flash buffers, mounts, its work folder) is removed."""
@@ -1060,7 +1098,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="the trainer role elastic over the 2 worker nodes: a lost node not "
                          "replaced within 10 s shrinks it, its return grows it back; faults "
                          "also during that grow (trigger resize)")
+    ap.add_argument("--job-seed", type=int, default=None,
+                    help="the job's config.seed (default: --seed); runs of one job seed can "
+                         "share one fault-free run (--save-reference, --reference)")
+    ap.add_argument("--save-reference", default=None, metavar="FILE",
+                    help="write the fault-free run's results (steps, job seed, final state "
+                         "digests, every micro-batch's losses) to FILE (JSON)")
+    ap.add_argument("--reference", default=None, metavar="FILE",
+                    help="take the fault-free run from FILE (written by --save-reference "
+                         "for the same job seed and --elastic) instead of running it")
     args = ap.parse_args(argv)
+    job_seed = args.seed if args.job_seed is None else args.job_seed
+    reference = None
+    if args.reference:
+        try:
+            with open(args.reference) as f:
+                reference = json.load(f)
+        except (OSError, ValueError) as e:
+            ap.error(f"--reference {args.reference}: {e}")
+        for key, mine in (("job_seed", job_seed), ("elastic", args.elastic),
+                          ("format", REFERENCE_FORMAT)):
+            if reference.get(key) != mine:
+                ap.error(f"--reference {args.reference}: its {key} is "
+                         f"{reference.get(key)!r}, this run's {mine!r}; allowed: the same "
+                         "(give --job-seed and --elastic as when it was saved)")
+        if args.steps is not None and args.steps != reference["steps"]:
+            ap.error(f"--steps {args.steps}: the reference ran {reference['steps']} steps")
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
     wrong = [k for k in kinds if k not in KINDS]
     if wrong or not kinds:
@@ -1074,33 +1137,37 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or tempfile.mkdtemp(prefix="chaos-", dir="/tmp")
     os.makedirs(work, exist_ok=True)
     t_start = time.time()
-    ch = Chaos(work, args.seed, elastic=args.elastic)
+    ch = Chaos(work, job_seed, elastic=args.elastic)
     violations: list[str] = []
     result: dict = {"status": None, "faults_injected": 0, "faults_recovered": 0,
                     "violations": violations, "goodput": None, "steps_redone": None,
                     "recovery_s": {"median": None, "max": None}, "seed": args.seed,
-                    "elastic": args.elastic}
+                    "job_seed": job_seed, "elastic": args.elastic,
+                    "reference": args.reference}
     names: list[str] = []
     # a run started in the background ignores SIGINT unless asked, and SIGTERM would
     # skip the cleanup below: both stop it the same way
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     stopped = None
+    bs, block = 8, 32
     try:
-        steps = args.steps or calibrate(ch, args.minutes)[0]
-        # the fault-free run
-        ref_ckpt, _ = ch.ckpt_fs("ckpt-ref")
-        ref_dir = os.path.join(work, "job-ref")
-        names.append(f"chaos-ref-{args.seed}")
-        log(f"fault-free run: {steps} steps")
-        ref = run_to_end(ch, names[-1], ref_dir,
-                         ch.overrides(names[-1], steps, ref_ckpt, os.path.join(ref_dir, "samples")))
-        first = next((r["ts"] for r in read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
-                      if r.get("event") == "step"), ref["t0"])
-        window = max(60.0, ref["t_end"] - first)
+        if reference is None:
+            steps = args.steps or calibrate(ch, args.minutes)[0]
+            reference = fault_free(ch, work, steps, names, bs, block)
+            if args.save_reference:
+                from dlrover_core.atomic_io import atomic_write_json
+
+                atomic_write_json(args.save_reference, reference)
+                log(f"fault-free run saved as the reference {args.save_reference}")
+        else:
+            log(f"fault-free run: from {args.reference} ({reference['steps']} steps, job seed "
+                f"{job_seed}, run {reference['ran_at']})")
+        steps, window = reference["steps"], reference["window_s"]
+        violations += [f"fault-free run: {v}" for v in reference["violations"]]
         n = args.count or max(3, round(args.minutes))
         schedule = make_schedule(args.seed, kinds, window, n, steps, elastic=args.elastic)
-        log(f"fault-free run: rc {ref['rc']}, {window:.0f} s of steps; schedule: "
+        log(f"fault-free run: {window:.0f} s of steps; schedule: "
             + ", ".join(f"{f['kind']}@step {f['at_step']}/{f['trigger']}" for f in schedule))
         # the run with faults
         ckpt, mounted = ch.ckpt_fs("ckpt-chaos")
@@ -1129,21 +1196,18 @@ def main(argv: list[str] | None = None) -> int:
                       skipped=[{k: f.get(k) for k in ("i", "kind", "why")}
                                for f in (inj.skipped if inj else schedule)],
                       restarts=summary.get("restarts"), wall_s=summary.get("wall_s"),
-                      ref_wall_s=(ref["summary"] or {}).get("wall_s"))
+                      ref_wall_s=reference["wall_s"])
         # invariants
         if run["rc"] != 0 or summary.get("status") != "succeeded":
             violations.append(f"job did not succeed: rc {run['rc']}, status "
                               f"{summary.get('status')}, error {summary.get('error')}")
-        if ref["rc"] != 0 or (ref["summary"] or {}).get("status") != "succeeded":
-            violations.append(f"the fault-free run did not succeed: rc {ref['rc']}")
-        bs, block = 8, 32
-        bad_ref, rep_ref = replay_samples(os.path.join(ref_dir, "samples"), 2, steps,
-                                          args.seed, bs, block)
-        bad, rep = replay_samples(os.path.join(job_dir, "samples"), 2, steps, args.seed, bs,
+        bad, rep = replay_samples(os.path.join(job_dir, "samples"), 2, steps, job_seed, bs,
                                   block)
-        violations += [f"fault-free run: {v}" for v in bad_ref] + bad
+        violations += bad
+        rep_ref = {"losses": {int(k): v for k, v in reference["losses"].items()},
+                   "world_sizes": reference["world_sizes"]}
         result.update(world_sizes=rep["world_sizes"])
-        a, b = final_state(ref_ckpt, steps), final_state(ckpt, steps)
+        a, b = reference["final_state"], final_state(ckpt, steps)
         if a is None or b is None:
             violations.append(f"final step {steps} not committed: fault-free {a is not None}, "
                               f"with faults {b is not None}")
@@ -1194,7 +1258,7 @@ def main(argv: list[str] | None = None) -> int:
         if stopped:   # a job cut off mid-run leaves its flash buffers: remove them
             from dlrover_plugin_flashckpt import hygiene
 
-            for name in [f"chaos-cal-{args.seed}", *names]:
+            for name in [f"chaos-cal-{job_seed}", *names]:
                 hygiene.remove_job("/dev/shm", name)
         ch.unmount_all()  # after the check: the checkpoint folders are on these
         if not args.work:
