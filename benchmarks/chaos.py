@@ -121,6 +121,14 @@ HANG_TIMEOUT_S = 30.0
 #: batch of 2 micro-batches kept by accumulation at any world size, a lost node replaced
 #: within 10 s or the role shrinks (a lost node comes back 20-40 s later: then it grows)
 ELASTIC = ["roles.trainer.nodes={min: 1, max: 2}", "roles.trainer.per_node=1",
+           # a rank takes most of a worker node (2 CPUs): the other node cannot hold
+           # the lost node's rank, so the role shrinks (with 0.5 both fit on one node);
+           # 1.5, not 2: Ray sets OMP_NUM_THREADS to the floor of the CPUs (2 threads a
+           # rank on this 2-core machine made a step 4 times slower)
+           "roles.trainer.resources.cpu=1.5",
+           # a placement group per node-slot (pack, the default), not one for the role
+           # (spread): a resize keeps the survivors' groups and places the rest beside
+           "placement=pack",
            "elastic.global_batch=16", "elastic.micro_batch=8",
            "elastic.replacement_timeout_s=10", "elastic.poll_interval_s=2",
            # no clipping: a clip coefficient from a gradient norm summed over 1 or 2
@@ -1040,7 +1048,22 @@ def calibrate(ch: Chaos, minutes: float) -> tuple[int, float]:
 
 
 #: the version of a --save-reference file's fields
-REFERENCE_FORMAT = 1
+REFERENCE_FORMAT = 2
+
+
+#: steps per digest of the losses in a reference (:func:`loss_digests`)
+LOSS_BLOCK = 1000
+
+
+def loss_digests(losses: dict, block: int = LOSS_BLOCK) -> dict[str, list[str]]:
+    """``{micro-batch: [sha256 of the exact losses (``repr``) of steps k*block ..]}``: what a
+    reference keeps of every step's loss, a few KB instead of megabytes; a differing
+    digest names the block where a run left the reference."""
+    import hashlib
+
+    return {str(j): [hashlib.sha256("\n".join(map(repr, v[i:i + block])).encode()).hexdigest()
+                     for i in range(0, len(v), block)]
+            for j, v in sorted(losses.items(), key=lambda kv: int(kv[0]))}
 
 
 def fault_free(ch: Chaos, work: str, steps: int, names: list[str], bs: int,
@@ -1048,9 +1071,10 @@ def fault_free(ch: Chaos, work: str, steps: int, names: list[str], bs: int,
     """Run the job of ``steps`` steps once without faults (its name appended to
     ``names``) and return what the run with faults is checked against: ``steps``,
     ``job_seed``, ``elastic``, ``window_s`` (seconds from its first step to its end),
-    ``wall_s``, ``final_state`` (:func:`final_state`), ``losses`` (micro-batch -> loss per
-    step), ``world_sizes``, ``violations`` (its own: it must succeed and replay clean),
-    ``ran_at`` (unix s), ``format``."""
+    ``wall_s``, ``final_state`` (:func:`final_state`), ``loss_digests`` (every
+    micro-batch's loss at every step, :func:`loss_digests`) and ``loss_block``,
+    ``world_sizes``, ``violations`` (its own: it must succeed and replay clean), ``ran_at``
+    (unix s), ``format``."""
     ref_ckpt, _ = ch.ckpt_fs("ckpt-ref")
     ref_dir = os.path.join(work, "job-ref")
     names.append(f"chaos-ref-{ch.seed}")
@@ -1068,7 +1092,8 @@ def fault_free(ch: Chaos, work: str, steps: int, names: list[str], bs: int,
     return {"format": REFERENCE_FORMAT, "steps": steps, "job_seed": ch.seed,
             "elastic": ch.elastic, "window_s": max(60.0, ref["t_end"] - first),
             "wall_s": (ref["summary"] or {}).get("wall_s"), "ran_at": round(time.time(), 1),
-            "final_state": final_state(ref_ckpt, steps), "losses": rep["losses"],
+            "final_state": final_state(ref_ckpt, steps),
+            "loss_digests": loss_digests(rep["losses"]), "loss_block": LOSS_BLOCK,
             "world_sizes": rep["world_sizes"], "violations": bad + replay_bad}
 
 
@@ -1204,8 +1229,7 @@ def main(argv: list[str] | None = None) -> int:
         bad, rep = replay_samples(os.path.join(job_dir, "samples"), 2, steps, job_seed, bs,
                                   block)
         violations += bad
-        rep_ref = {"losses": {int(k): v for k, v in reference["losses"].items()},
-                   "world_sizes": reference["world_sizes"]}
+        rep_ref = {"world_sizes": reference["world_sizes"]}
         result.update(world_sizes=rep["world_sizes"])
         a, b = reference["final_state"], final_state(ckpt, steps)
         if a is None or b is None:
@@ -1220,12 +1244,16 @@ def main(argv: list[str] | None = None) -> int:
         elif a != b:
             violations.append(f"final model state differs from the fault-free run's: files "
                               f"{sorted(k for k in a if a.get(k) != b.get(k))}")
-        for j in (0, 1):
-            diff = [i for i, (x, y) in enumerate(zip(rep_ref["losses"].get(j, []),
-                                                     rep["losses"].get(j, []))) if x != y]
+        mine = loss_digests(rep["losses"], int(reference["loss_block"]))
+        for j, want in sorted(reference["loss_digests"].items()):
+            got = mine.get(j, [])
+            diff = [k for k in range(max(len(want), len(got)))
+                    if k >= len(want) or k >= len(got) or want[k] != got[k]]
             if diff:
+                b = int(reference["loss_block"])
                 violations.append(f"micro-batch {j}: loss differs from the fault-free run's "
-                                  f"at {len(diff)} steps, first {diff[0]}")
+                                  f"in {len(diff)} block(s) of {b} steps, first steps "
+                                  f"{diff[0] * b}..{(diff[0] + 1) * b - 1}")
         if (summary.get("checkpoint_steps") or {}).get("trainer") != steps:
             violations.append(f"summary.json checkpoint_steps {summary.get('checkpoint_steps')}"
                               f" != {steps}")

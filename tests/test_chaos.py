@@ -14,6 +14,7 @@ the same instant, a node lost at a commit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -198,6 +199,19 @@ def test_replay_follows_micro_batches_across_world_sizes(tmp_path):
     _write(tmp_path / "rank0.jsonl", skipped)
     bad, _ = chaos.replay_samples(str(tmp_path), 2, 7, 1, 8, 32)
     assert any("micro-batch 1: step 4 trained" in v and "steps skipped" in v for v in bad), bad
+
+
+def test_loss_digests_of_a_reference_find_the_block_where_a_run_left_it():
+    chaos = _chaos()
+    losses = {0: [1.0 + i / 7 for i in range(2500)], 1: [2.0 - i / 9 for i in range(2500)]}
+    ref = chaos.loss_digests(losses, block=1000)
+    assert [len(v) for v in ref.values()] == [3, 3]
+    assert chaos.loss_digests({k: list(v) for k, v in losses.items()}, 1000) == ref
+    off = {0: list(losses[0]), 1: list(losses[1])}
+    off[1][1500] = math.nextafter(off[1][1500], 0.0)   # the last bit only
+    assert off[1][1500] != losses[1][1500]
+    got = chaos.loss_digests(off, 1000)
+    assert got["0"] == ref["0"] and got["1"][0] == ref["1"][0] and got["1"][1] != ref["1"][1]
 
 
 def test_an_elastic_schedule_resizes_only_after_a_node_loss():

@@ -118,3 +118,28 @@ def test_a_shrink_that_cannot_be_placed_tries_the_next_smaller_size(ray_cluster,
         m.resize("t", 1, "shrink")
     assert [kw["world_size"] for ev, kw in log if ev == "elastic_placement_failed"] == [1, 1]
     assert ("stopped", {}) in log and not any(ev == "started" for ev, _ in log)
+
+
+def test_a_grow_counts_and_takes_the_room_its_standby_spare_holds(ray_cluster, cleanup):
+    """The standby spare's own placement group (past the plan's groups) holds the only
+    room left (found by the elastic chaos run: the returned node's CPUs went to the new
+    spare, and the role never grew back). The room counts for a grow, and the grow
+    kills the spare and removes its group before it reserves; the pool is asked for a
+    new spare afterwards only when the grow is dropped."""
+    m, la, log = _manager(1)
+    cleanup.extend(la.pgs)
+    other = _hold(1)   # another job: of the 4 CPUs, 1 ours, 1 theirs, 1 free, 1 the spare's
+    cleanup.append(other)
+    spare = _hold(1)   # the spare's own group
+    la.pgs.append(spare)
+    cleanup.append(spare)
+    calls: list = []
+    m.standby = SimpleNamespace(kept_out={}, drop=lambda: calls.append("drop"),
+                                ensure=lambda: calls.append("ensure"),
+                                forget_slots=lambda: calls.append("forget"))
+    assert m.node_slots("t") == 3          # its own, the free CPU, the spare's
+    out = m.resize("t", 3, "grow")
+    cleanup.extend(la.pgs)
+    assert out is not None and out["world_size"] == 3
+    assert calls[:2] == ["drop", "forget"] and "ensure" in calls
+    assert ray.util.placement_group_table(spare)["state"] == "REMOVED"

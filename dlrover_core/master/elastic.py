@@ -115,14 +115,55 @@ class ElasticManager:
         """How many node-slots of ``role`` (``per_node`` ranks each) it could run on now:
         on each alive node not marked bad (nor in ``exclude``), how many times what is
         free there (Ray's available resources: less what other roles and other jobs
-        hold) holds ``per_node`` ranks, plus the node-slots the role's own placement
-        groups hold on such nodes (a resize keeps them)."""
+        hold) and what the standby spares' own groups hold there (a grow removes them:
+        :meth:`resize`) holds ``per_node`` ranks, plus the node-slots the role's own
+        placement groups hold on such nodes (a resize keeps them)."""
         need = self._slot_need(role)
         skip = self._skip(role, exclude)
+        spare = self._spare_room(skip)
         slots = 0
         for node in ClusterResources.from_ray(exclude=skip, available=True).nodes:
-            slots += int(min(node.resources.get(k, 0.0) / v + 1e-9 for k, v in need.items()))
+            extra = spare.get(node.node_id, {})
+            slots += int(min((node.resources.get(k, 0.0) + extra.get(k, 0.0)) / v + 1e-9
+                             for k, v in need.items()))
         return slots + len(self._own_slots(role, skip)) // self.ranges[role].per_node
+
+    def _spare_groups(self) -> list[Any]:
+        """The standby spares' own placement groups: those past the plan's that no
+        current rank's slot is in (a promoted spare's rank keeps its group)."""
+        la = self.launcher
+        if la.plan is None:
+            return []
+        used = {sl.pg for sl in la.plan.slots.values()}
+        return [pg for i, pg in enumerate(la.pgs)
+                if i >= len(la.plan.groups) and i not in used]
+
+    def _spare_room(self, skip: set[str]) -> dict[str, dict[str, float]]:
+        """node id -> the resources the spares' own groups (:meth:`_spare_groups`) hold
+        on that alive node outside ``skip``: room for a grow, which removes those groups
+        first (:meth:`resize`; a resize's commit removes them anyway)."""
+        alive = alive_nodes()
+        out: dict[str, dict[str, float]] = {}
+        for pg in self._spare_groups():
+            t = _pg_table(pg)
+            if t.get("state") != "CREATED":
+                continue
+            for b, node in (t.get("bundles_to_node_id") or {}).items():
+                if node in alive and node not in skip:
+                    held = out.setdefault(node, {})
+                    for k, v in pg.bundle_specs[int(b)].items():
+                        held[k] = held.get(k, 0.0) + float(v)
+        return out
+
+    def _release_spares(self) -> None:
+        """Before a grow: kill the spares and remove their own groups, so that the room
+        they hold counts for the new ranks (:meth:`node_slots` counted it); the standby
+        pool makes a new spare after the resize, where room is left."""
+        groups = self._spare_groups()
+        self.standby.drop()
+        for pg in groups:
+            _remove(pg)
+        self.standby.forget_slots()
 
     def _slot_need(self, role: str) -> dict[str, float]:
         r = self.scope.graph.roles[role]
@@ -295,9 +336,11 @@ class ElasticManager:
         placement groups on healthy nodes (alive, not bad, not in ``exclude`` nor kept
         out of the role) are kept, the missing ones are made and must be ready within
         ``elastic.placement_timeout_s``. A grow (``world_size`` above the current size)
-        that cannot be reserved tries the smaller grows, and when none fits it is
-        dropped: nothing is stopped, an ``elastic_grow_dropped`` event says why, and this
-        returns ``None``. Any other resize that cannot be reserved tries the next smaller
+        first kills the standby spares and removes their own groups (the room they held
+        was counted for it: :meth:`node_slots`); one that cannot be reserved tries the
+        smaller grows, and when none fits it is dropped: no rank is stopped, an
+        ``elastic_grow_dropped`` event says why, a new spare is made, and this returns
+        ``None``. Any other resize that cannot be reserved tries the next smaller
         valid sizes down to ``MIN``, first with the ranks running, then (a placement
         group of the whole role holds the survivors' resources) after stopping them.
 
@@ -321,11 +364,14 @@ class ElasticManager:
         last_step = max((i.last_step for i in members), default=-1)
         attempts = {(role, i.rank): i.attempt + 1 for i in members}
         tried: list[str] = []
+        if world_size > old:  # the spares may hold the room the grow counted on
+            self._release_spares()
         got = reserve_first(self, role, sizes, skip, tried)
         if got is None and world_size > old:
             self._dropped[role] = (world_size, self.node_slots(role))
             s.emit("elastic_grow_dropped", role=role, world_size=old, target=world_size,
                    reason="; ".join(tried) or "no valid size above the current one")
+            self.standby.ensure()
             return None
         t_placed = time.time()
         self.standby.drop()
