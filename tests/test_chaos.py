@@ -56,7 +56,7 @@ def test_short_elastic_chaos_schedule_has_no_violation(tmp_path):
     every step is trained once in the kept history, with the fault-free run's losses
     bit for bit, at any world size."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--minutes", "3",
-           "--seed", "19", "--count", "5", "--steps", "3000", "--elastic",
+           "--seed", "19", "--count", "5", "--steps", "6000", "--elastic",
            "--faults", "kill_rank,kill_master,node_loss,disk_full,kill_persister",
            "--work", str(tmp_path / "work")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}

@@ -143,3 +143,26 @@ def test_a_grow_counts_and_takes_the_room_its_standby_spare_holds(ray_cluster, c
     assert out is not None and out["world_size"] == 3
     assert calls[:2] == ["drop", "forget"] and "ensure" in calls
     assert ray.util.placement_group_table(spare)["state"] == "REMOVED"
+
+
+def test_a_resize_takes_back_the_group_a_promoted_rank_left(ray_cluster, cleanup):
+    """After a spare's promotion a rank runs in the spare's group and its old plan group
+    holds the next spare or nothing: that room counts for a resize, which removes the
+    group first (found by the elastic chaos run: the only other node held that group,
+    so a node loss counted 0 node-slots and failed the job)."""
+    m, la, log = _manager(2)
+    cleanup.extend(la.pgs)
+    filler = _hold(1)   # another job
+    cleanup.append(filler)
+    moved = _hold(1)    # the promoted rank 1 moved here (a spare's group)...; 4 CPUs held
+    cleanup.append(moved)
+    la.pgs.append(moved)
+    la.plan.slots[("t", 1)] = la.plan.slots[("t", 1)].__class__(
+        **{**la.plan.slots[("t", 1)].__dict__, "pg": len(la.pgs) - 1, "bundle": 0})
+    left = la.pgs[1]    # ... leaving its plan group unused
+    # the ranks' groups (rank 0's, rank 1's new one) and the one rank 1 left
+    assert m.node_slots("t") == 3
+    out = m.resize("t", 1, "shrink")
+    cleanup.extend(la.pgs)
+    assert out is not None and out["world_size"] == 1
+    assert ray.util.placement_group_table(left)["state"] == "REMOVED"

@@ -115,12 +115,13 @@ class ElasticManager:
         """How many node-slots of ``role`` (``per_node`` ranks each) it could run on now:
         on each alive node not marked bad (nor in ``exclude``), how many times what is
         free there (Ray's available resources: less what other roles and other jobs
-        hold) and what the standby spares' own groups hold there (a grow removes them:
-        :meth:`resize`) holds ``per_node`` ranks, plus the node-slots the role's own
+        hold) and what the groups no rank runs in hold there (the standby spares', a
+        group a promoted spare's rank left: a resize removes them first, :meth:`resize`)
+        holds ``per_node`` ranks, plus the node-slots the role's own
         placement groups hold on such nodes (a resize keeps them)."""
         need = self._slot_need(role)
         skip = self._skip(role, exclude)
-        spare = self._spare_room(skip)
+        spare = self._spare_room(role, skip)
         slots = 0
         for node in ClusterResources.from_ray(exclude=skip, available=True).nodes:
             extra = spare.get(node.node_id, {})
@@ -128,23 +129,26 @@ class ElasticManager:
                              for k, v in need.items()))
         return slots + len(self._own_slots(role, skip)) // self.ranges[role].per_node
 
-    def _spare_groups(self) -> list[Any]:
-        """The standby spares' own placement groups: those past the plan's that no
-        current rank's slot is in (a promoted spare's rank keeps its group)."""
+    def _spare_groups(self, role: str) -> list[Any]:
+        """The placement groups no current rank runs in that a resize of ``role`` may
+        take back: the standby spares' own groups (past the plan's) and ``role``'s plan
+        groups that a rank left (a promoted spare's rank moved to the spare's bundle; its
+        old group holds the next spare or nothing)."""
         la = self.launcher
         if la.plan is None:
             return []
         used = {sl.pg for sl in la.plan.slots.values()}
-        return [pg for i, pg in enumerate(la.pgs)
-                if i >= len(la.plan.groups) and i not in used]
+        n = len(la.plan.groups)
+        return [pg for i, pg in enumerate(la.pgs) if i not in used and (
+            i >= n or la.plan.groups[i].name.split(":")[0] == role)]
 
-    def _spare_room(self, skip: set[str]) -> dict[str, dict[str, float]]:
-        """node id -> the resources the spares' own groups (:meth:`_spare_groups`) hold
-        on that alive node outside ``skip``: room for a grow, which removes those groups
-        first (:meth:`resize`; a resize's commit removes them anyway)."""
+    def _spare_room(self, role: str, skip: set[str]) -> dict[str, dict[str, float]]:
+        """node id -> the resources the groups no rank runs in (:meth:`_spare_groups`)
+        hold on that alive node outside ``skip``: room for a resize of ``role``, which
+        removes those groups first (:meth:`resize`)."""
         alive = alive_nodes()
         out: dict[str, dict[str, float]] = {}
-        for pg in self._spare_groups():
+        for pg in self._spare_groups(role):
             t = _pg_table(pg)
             if t.get("state") != "CREATED":
                 continue
@@ -155,11 +159,12 @@ class ElasticManager:
                         held[k] = held.get(k, 0.0) + float(v)
         return out
 
-    def _release_spares(self) -> None:
-        """Before a grow: kill the spares and remove their own groups, so that the room
-        they hold counts for the new ranks (:meth:`node_slots` counted it); the standby
-        pool makes a new spare after the resize, where room is left."""
-        groups = self._spare_groups()
+    def _release_spares(self, role: str) -> None:
+        """Before a resize of ``role``: kill the spares and remove the groups no rank runs
+        in (:meth:`_spare_groups`), so that the room they hold, which :meth:`node_slots`
+        counted, is there for the new size; the standby pool makes a new spare after the
+        resize, where room is left."""
+        groups = self._spare_groups(role)
         self.standby.drop()
         for pg in groups:
             _remove(pg)
@@ -335,12 +340,12 @@ class ElasticManager:
         The placement of the new size is reserved before any rank is stopped: the role's
         placement groups on healthy nodes (alive, not bad, not in ``exclude`` nor kept
         out of the role) are kept, the missing ones are made and must be ready within
-        ``elastic.placement_timeout_s``. A grow (``world_size`` above the current size)
-        first kills the standby spares and removes their own groups (the room they held
-        was counted for it: :meth:`node_slots`); one that cannot be reserved tries the
-        smaller grows, and when none fits it is dropped: no rank is stopped, an
-        ``elastic_grow_dropped`` event says why, a new spare is made, and this returns
-        ``None``. Any other resize that cannot be reserved tries the next smaller
+        ``elastic.placement_timeout_s``. First the standby spares are killed and the
+        groups no rank runs in removed (the room they held was counted for the resize:
+        :meth:`node_slots`). A grow (``world_size`` above the current size) that cannot
+        be reserved tries the smaller grows, and when none fits it is dropped: no rank is
+        stopped, an ``elastic_grow_dropped`` event says why, a new spare is made, and
+        this returns ``None``. Any other resize that cannot be reserved tries the next smaller
         valid sizes down to ``MIN``, first with the ranks running, then (a placement
         group of the whole role holds the survivors' resources) after stopping them.
 
@@ -364,8 +369,7 @@ class ElasticManager:
         last_step = max((i.last_step for i in members), default=-1)
         attempts = {(role, i.rank): i.attempt + 1 for i in members}
         tried: list[str] = []
-        if world_size > old:  # the spares may hold the room the grow counted on
-            self._release_spares()
+        self._release_spares(role)  # the spares may hold room the new size counted on
         got = reserve_first(self, role, sizes, skip, tried)
         if got is None and world_size > old:
             self._dropped[role] = (world_size, self.node_slots(role))
