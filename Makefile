@@ -21,9 +21,12 @@
 #             every crash point of the flash, disk and ODL savers x each fault x 1, 2, 4
 #             ranks, then a restart and the invariants; ends with one JSON line, exit 1 on
 #             a violation
-# make chaos [MINUTES=30] [SEED=0] [FAULTS=kill_rank,...]: benchmarks/chaos.py: a 3-node
+# make chaos [MINUTES=30] [SEED=0] [FAULTS=kill_rank,...] [ELASTIC=1] [JOB_SEED=n]
+#            [SAVE_REFERENCE=file | REFERENCE=file]: benchmarks/chaos.py: a 3-node
 #             cluster, the nanoGPT flash job once fault-free and once under a seeded random
-#             schedule of real faults, then the invariants; one JSON line, exit 1 on a violation
+#             schedule of real faults, then the invariants; one JSON line, exit 1 on a
+#             violation. ELASTIC=1: the role resizes with the nodes (faults during a
+#             resize); a saved fault-free run serves later seeds of the same JOB_SEED
 # make dist:  a wheel and an sdist of the core and every plugin under dist/ (twine check)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -91,9 +94,15 @@ crash-test: setup
 MINUTES ?= 30
 SEED ?= 0
 FAULTS ?=
+ELASTIC ?=
+JOB_SEED ?=
+REFERENCE ?=
+SAVE_REFERENCE ?=
 .PHONY: chaos
 chaos: setup
-	$(BIN)/python benchmarks/chaos.py --minutes $(MINUTES) --seed $(SEED) $(if $(FAULTS),--faults $(FAULTS))
+	$(BIN)/python benchmarks/chaos.py --minutes $(MINUTES) --seed $(SEED) $(if $(FAULTS),--faults $(FAULTS)) \
+		$(if $(ELASTIC),--elastic) $(if $(JOB_SEED),--job-seed $(JOB_SEED)) \
+		$(if $(REFERENCE),--reference $(REFERENCE)) $(if $(SAVE_REFERENCE),--save-reference $(SAVE_REFERENCE))
 
 dist: setup
 	scripts/build_dists.sh $(BIN)/python
