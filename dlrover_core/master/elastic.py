@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 from dlrover_core.graph.graph import CollocationGroup
 from dlrover_core.master.failover import JobFailed
 from dlrover_core.master.elastic_room import (_largest_valid, _pg_table, _remove, _valid,
-                                               ask_back, reserve_first)
+                                               ask_back, release_spares, reserve_first,
+                                               spare_room)
 from dlrover_core.master.monitor import alive_nodes
 from dlrover_core.placement import ClusterResources
 from dlrover_core.plugins.records import FailureKind
@@ -114,61 +115,19 @@ class ElasticManager:
     def node_slots(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> int:
         """How many node-slots of ``role`` (``per_node`` ranks each) it could run on now:
         on each alive node not marked bad (nor in ``exclude``), how many times what is
-        free there (Ray's available resources: less what other roles and other jobs
-        hold) and what the groups no rank runs in hold there (the standby spares', a
-        group a promoted spare's rank left: a resize removes them first, :meth:`resize`)
-        holds ``per_node`` ranks, plus the node-slots the role's own
+        free there (Ray's available resources) and what the groups no rank runs in hold
+        there (:func:`~dlrover_core.master.elastic_room.spare_room`: a resize removes
+        them first) holds ``per_node`` ranks, plus the node-slots the role's own
         placement groups hold on such nodes (a resize keeps them)."""
         need = self._slot_need(role)
         skip = self._skip(role, exclude)
-        spare = self._spare_room(role, skip)
+        spare = spare_room(self, role, skip)
         slots = 0
         for node in ClusterResources.from_ray(exclude=skip, available=True).nodes:
             extra = spare.get(node.node_id, {})
             slots += int(min((node.resources.get(k, 0.0) + extra.get(k, 0.0)) / v + 1e-9
                              for k, v in need.items()))
         return slots + len(self._own_slots(role, skip)) // self.ranges[role].per_node
-
-    def _spare_groups(self, role: str) -> list[Any]:
-        """The placement groups no current rank runs in that a resize of ``role`` may
-        take back: the standby spares' own groups (past the plan's) and ``role``'s plan
-        groups that a rank left (a promoted spare's rank moved to the spare's bundle; its
-        old group holds the next spare or nothing)."""
-        la = self.launcher
-        if la.plan is None:
-            return []
-        used = {sl.pg for sl in la.plan.slots.values()}
-        n = len(la.plan.groups)
-        return [pg for i, pg in enumerate(la.pgs) if i not in used and (
-            i >= n or la.plan.groups[i].name.split(":")[0] == role)]
-
-    def _spare_room(self, role: str, skip: set[str]) -> dict[str, dict[str, float]]:
-        """node id -> the resources the groups no rank runs in (:meth:`_spare_groups`)
-        hold on that alive node outside ``skip``: room for a resize of ``role``, which
-        removes those groups first (:meth:`resize`)."""
-        alive = alive_nodes()
-        out: dict[str, dict[str, float]] = {}
-        for pg in self._spare_groups(role):
-            t = _pg_table(pg)
-            if t.get("state") != "CREATED":
-                continue
-            for b, node in (t.get("bundles_to_node_id") or {}).items():
-                if node in alive and node not in skip:
-                    held = out.setdefault(node, {})
-                    for k, v in pg.bundle_specs[int(b)].items():
-                        held[k] = held.get(k, 0.0) + float(v)
-        return out
-
-    def _release_spares(self, role: str) -> None:
-        """Before a resize of ``role``: kill the spares and remove the groups no rank runs
-        in (:meth:`_spare_groups`), so that the room they hold, which :meth:`node_slots`
-        counted, is there for the new size; the standby pool makes a new spare after the
-        resize, where room is left."""
-        groups = self._spare_groups(role)
-        self.standby.drop()
-        for pg in groups:
-            _remove(pg)
-        self.standby.forget_slots()
 
     def _slot_need(self, role: str) -> dict[str, float]:
         r = self.scope.graph.roles[role]
@@ -342,7 +301,7 @@ class ElasticManager:
         out of the role) are kept, the missing ones are made and must be ready within
         ``elastic.placement_timeout_s``. First the standby spares are killed and the
         groups no rank runs in removed (the room they held was counted for the resize:
-        :meth:`node_slots`). A grow (``world_size`` above the current size) that cannot
+        :meth:`node_slots`, :func:`~dlrover_core.master.elastic_room.release_spares`). A grow (``world_size`` above the current size) that cannot
         be reserved tries the smaller grows, and when none fits it is dropped: no rank is
         stopped, an ``elastic_grow_dropped`` event says why, a new spare is made, and
         this returns ``None``. Any other resize that cannot be reserved tries the next smaller
@@ -369,7 +328,7 @@ class ElasticManager:
         last_step = max((i.last_step for i in members), default=-1)
         attempts = {(role, i.rank): i.attempt + 1 for i in members}
         tried: list[str] = []
-        self._release_spares(role)  # the spares may hold room the new size counted on
+        release_spares(self, role)  # the spares may hold room the new size counted on
         got = reserve_first(self, role, sizes, skip, tried)
         if got is None and world_size > old:
             self._dropped[role] = (world_size, self.node_slots(role))

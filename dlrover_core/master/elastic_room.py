@@ -1,8 +1,10 @@
 """Room for an elastic role's resize (:mod:`dlrover_core.master.elastic`): which world
 sizes are valid (:func:`_valid`: ``k * per_node`` ranks that split ``elastic.global_batch``
 into ``elastic.micro_batch`` micro-batches when those are set), the reservation of a new
-size's placement before any rank stops (:func:`reserve`, :func:`reserve_first`), asking
-the cluster for room a role lost (:func:`ask_back`) and the target of a straggler shrink.
+size's placement before any rank stops (:func:`reserve`, :func:`reserve_first`), the
+room the standby spares hold and its release before a resize (:func:`spare_room`,
+:func:`release_spares`), asking the cluster for room a role lost (:func:`ask_back`) and
+the target of a straggler shrink.
 The functions that take ``mgr`` work on an ``ElasticManager``'s state (its launcher,
 scope, ranges and requests)."""
 
@@ -152,6 +154,50 @@ def straggler_shrink_target(scope: JobScope, role: str) -> tuple[int | None, str
                       f"roles.{role}.nodes min {rng.min_nodes} node(s) of {rng.per_node} "
                       "(or no smaller size splits elastic.global_batch)")
     return target, ""
+
+
+def spare_groups(mgr: Any, role: str) -> list[Any]:
+    """The placement groups no current rank runs in that a resize of ``role`` may take
+    back: the standby spares' own groups (past the plan's) and ``role``'s plan groups
+    that a rank left (a promoted spare's rank moved to the spare's bundle; its old group
+    holds the next spare or nothing)."""
+    la = mgr.launcher
+    if la.plan is None:
+        return []
+    used = {sl.pg for sl in la.plan.slots.values()}
+    n = len(la.plan.groups)
+    return [pg for i, pg in enumerate(la.pgs) if i not in used and (
+        i >= n or la.plan.groups[i].name.split(":")[0] == role)]
+
+
+def spare_room(mgr: Any, role: str, skip: set[str]) -> dict[str, dict[str, float]]:
+    """node id -> the resources the groups no rank runs in (:func:`spare_groups`) hold on
+    that alive node outside ``skip``: room for a resize of ``role``, which removes those
+    groups first (:func:`release_spares`)."""
+    alive = alive_nodes()
+    out: dict[str, dict[str, float]] = {}
+    for pg in spare_groups(mgr, role):
+        t = _pg_table(pg)
+        if t.get("state") != "CREATED":
+            continue
+        for b, node in (t.get("bundles_to_node_id") or {}).items():
+            if node in alive and node not in skip:
+                held = out.setdefault(node, {})
+                for k, v in pg.bundle_specs[int(b)].items():
+                    held[k] = held.get(k, 0.0) + float(v)
+    return out
+
+
+def release_spares(mgr: Any, role: str) -> None:
+    """Before a resize of ``role``: kill the standby spares and remove the groups no rank
+    runs in (:func:`spare_groups`), so that the room they hold, which the manager's
+    ``node_slots`` counted, is there for the new size; the standby pool makes a new
+    spare after the resize, where room is left."""
+    groups = spare_groups(mgr, role)
+    mgr.standby.drop()
+    for pg in groups:
+        _remove(pg)
+    mgr.standby.forget_slots()
 
 
 def _pg_table(pg: Any) -> dict:

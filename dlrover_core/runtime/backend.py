@@ -43,7 +43,7 @@ class BackendSession:
         one-off process costs (imports, the first use of its wrap and of a training step)
         so that a promoted standby does not. Must not touch CUDA (a spare may have no
         GPU yet) and must leave no process group behind. The standby runs it in a thread
-        of its own (``dlrover_core.runtime.host.in_own_thread``: what torch caches per
+        of its own (``dlrover_core.runtime.warming.in_own_thread``: what torch caches per
         thread from a fake group, as rank 0, must not reach the rank the spare becomes).
         Default: nothing."""
 

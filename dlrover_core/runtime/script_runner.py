@@ -236,7 +236,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - the command imports it (or fails) itself
             pass
     if not got.is_set():  # spare: what the imports made leaves every later collection
-        gc.collect()      # (dlrover_core.runtime.host.freeze_heap: 0.1-0.2 s per full one)
+        gc.collect()      # (dlrover_core.runtime.warming.freeze_heap: 0.1-0.2 s per full one)
         gc.freeze()
     try:
         sock.sendall(b"ready\n")
