@@ -376,7 +376,8 @@ def make_schedule(seed: int, kinds: list[str], window_s: float, n: int,
     has its trigger (``time``: at that step; ``commit``; ``recovery``, only after a
     fault that restarts something; ``with_previous``, about one in six: at the same
     instant as the fault before it, two faults at once; with ``elastic``, ``resize``,
-    only after a node loss: while the role grows back onto the returned node), its
+    only after a node loss, half of the faults right after one: while the role grows
+    back onto the returned node), its
     duration (s; hang,
     disk_full, slow_rank), the delay before a lost node comes back (s) and ``pick``
     (0..1: which candidate target it takes).
@@ -392,8 +393,11 @@ def make_schedule(seed: int, kinds: list[str], window_s: float, n: int,
     for i, x in enumerate(points):
         kind = rng.choice(kinds)
         if elastic:
+            # right after a node loss, every other fault lands during the grow back
+            after_loss = bool(out) and out[-1]["kind"] == "node_loss"
             trigger = rng.choices(("time", "commit", "recovery", "with_previous", "resize"),
-                                  (0.32, 0.18, 0.18, 0.14, 0.18))[0]
+                                  (0.2, 0.1, 0.1, 0.1, 0.5) if after_loss
+                                  else (0.32, 0.18, 0.18, 0.14, 0.18))[0]
             if trigger == "resize" and not any(g["kind"] == "node_loss" for g in out[-2:]):
                 trigger = "time"
         else:
