@@ -166,3 +166,48 @@ def test_a_resize_takes_back_the_group_a_promoted_rank_left(ray_cluster, cleanup
     cleanup.extend(la.pgs)
     assert out is not None and out["world_size"] == 1
     assert ray.util.placement_group_table(left)["state"] == "REMOVED"
+
+
+def test_start_over_removes_the_groups_of_an_elastic_resize(ray_cluster):
+    """A restarted JobMaster that cannot re-attach starts the job over: it must remove
+    every placement group of the job, also those a resize made
+    (``dlrover-<job>-<group>@<n>``: found by the elastic chaos run, whose start-over
+    could not place while the resized groups held the CPUs), and no other job's."""
+    from dlrover_core.master.launcher import Launcher
+
+    names = {"dlrover-jobx-trainer:0@3": True, "dlrover-jobx-trainer:1": True,
+             "dlrover-jobx-trainer-spare-ab12cd": True, "dlrover-jobx-trainer@2": True,
+             "dlrover-jobx2-trainer:0": False, "dlrover-jobx-trainerz:0": False}
+    pgs = {n: placement_group([{"CPU": 0.01}], name=n) for n in names}
+    try:
+        ray.get([pg.ready() for pg in pgs.values()], timeout=60)
+        la = SimpleNamespace(pgs=[], scope=SimpleNamespace(graph=SimpleNamespace(
+            roles={"trainer": None})), pg_name=lambda g: f"dlrover-jobx-{g}")
+        Launcher.remove_placement(la)
+        gone = {n: ray.util.placement_group_table(pg)["state"] == "REMOVED"
+                for n, pg in pgs.items()}
+        assert gone == names
+    finally:
+        for pg in pgs.values():
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - removed by the test already
+                pass
+
+
+def test_a_restarted_master_takes_the_world_sizes_back(ray_cluster, cleanup):
+    """``restore_world_sizes``: the resize history in the JobContext sets each elastic
+    role's total to its last size (the start-over plans it there: at the spec's size,
+    with a node still missing, the placement failed the job) and says that a resize
+    happened; a context without history changes nothing."""
+    from dlrover_core.master.elastic_room import restore_world_sizes
+
+    m, la, _ = _manager(2)
+    cleanup.extend(la.pgs)
+    m.scope.context = SimpleNamespace(get=lambda k: None)
+    assert restore_world_sizes(m) is False and m.scope.graph.roles["t"].total == 2
+    history = [{"role": "t", "world_size": 2, "step": -1, "reason": "start"},
+               {"role": "t", "world_size": 1, "step": 40, "reason": "shrink"}]
+    m.scope.context = SimpleNamespace(get=lambda k: history if k == "world_sizes" else None)
+    assert restore_world_sizes(m) is True
+    assert m.scope.graph.roles["t"].total == 1 and m.history == history

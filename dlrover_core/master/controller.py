@@ -37,6 +37,7 @@ from dlrover_core.atomic_io import atomic_write_json
 from dlrover_core.graph.graph import ComputationGraph
 from dlrover_core.master.context import JobContext
 from dlrover_core.master.elastic import ElasticManager
+from dlrover_core.master.elastic_room import restore_world_sizes
 from dlrover_core.master.events import EventLog
 from dlrover_core.master.failover import (
     FailoverCoordinator,
@@ -262,9 +263,12 @@ class JobController:
     def _reattach(self) -> None:
         """Ray restarted the master: take the persisted state back (a restore, not a
         transition), then go on where the old master was, or start over."""
+        resized = restore_world_sizes(self.elastic)  # the sizes the roles ran at
         found = reattach(self.scope, self.launcher, self.monitor, self.standby)
         self.state = found.previous
-        if not found.intact:  # it died mid-transition: start over from the checkpoints
+        # after an elastic resize the groups are not the spec's (names, which rank is
+        # in which): start over rather than re-attach to groups found by name
+        if not found.intact or resized:  # or it died mid-transition: from the checkpoints
             self.launcher.stop_instances(self.scope.instances.all())
             self.launcher.remove_placement()
             if self.state != JobState.RECOVERING:

@@ -156,6 +156,25 @@ def straggler_shrink_target(scope: JobScope, role: str) -> tuple[int | None, str
     return target, ""
 
 
+def restore_world_sizes(mgr: Any) -> bool:
+    """A restarted master: take the world sizes back from the JobContext
+    (``world_sizes``, the resize history of the manager ``mgr``) and set each role's
+    total to its last one, so that the job is planned and checked at the size it ran
+    at. Returns whether a resize happened (its placement groups are then not the
+    spec's: the re-attach starts over, ``JobController._reattach``)."""
+    import time
+
+    history = mgr.scope.context.get("world_sizes") or []
+    if not history:
+        return False
+    mgr.history = list(history)
+    for entry in history:
+        if entry.get("role") in mgr.ranges:
+            mgr._set_total(entry["role"], int(entry["world_size"]))
+    mgr._placements = int(time.time())  # this master's group names: new ones
+    return any(e.get("reason") != "start" for e in history)
+
+
 def spare_groups(mgr: Any, role: str) -> list[Any]:
     """The placement groups no current rank runs in that a resize of ``role`` may take
     back: the standby spares' own groups (past the plan's) and ``role``'s plan groups

@@ -10,6 +10,7 @@ never decides anything: failures come out as ``InstanceFailure``.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -163,13 +164,18 @@ class Launcher:
         return True
 
     def remove_placement(self) -> None:
-        """Remove the job's placement groups, the spares' too (an earlier master's
-        included: groups named ``dlrover-<job>-<role>-spare-...``)."""
+        """Remove the job's placement groups, an earlier master's included: the spares'
+        (``dlrover-<job>-<role>-spare-...``) and the groups of an elastic resize
+        (``dlrover-<job>-<group>@<n>``; a restarted master plans the spec's groups
+        again, and the resized ones it does not find would hold their resources: the
+        start-over's placement could not be ready, found by the elastic chaos run)."""
         pgs = list(self.pgs)
-        spare_prefixes = tuple(self.pg_name(f"{role}-spare-") for role in self.scope.graph.roles)
+        roles = "|".join(re.escape(r) for r in self.scope.graph.roles)
+        mine = re.compile(rf"^{re.escape(self.pg_name(''))}(?:{roles})"
+                          r"(?:-spare-.*|(?::\d+)?(?:@\d+)?)$")
         try:
             for info in ray.util.placement_group_table().values():
-                if str(info.get("name", "")).startswith(spare_prefixes) and \
+                if mine.match(str(info.get("name", ""))) and \
                         info.get("state") != "REMOVED":
                     try:
                         pgs.append(ray.util.get_placement_group(info["name"]))
