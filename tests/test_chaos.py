@@ -26,19 +26,27 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
-def test_short_chaos_schedule_has_no_violation(tmp_path):
+def run_short(tmp_path, seed: int, steps: int, *extra: str, timeout: float = 1500):
+    """A short chaos run of 5 faults as a subprocess; returns ``(its JSON result, the
+    completed process)`` after checking that it found no violation and succeeded."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--minutes", "3",
-           "--seed", "52", "--count", "5", "--steps", "1200",
+           "--seed", str(seed), "--count", "5", "--steps", str(steps), *extra,
            "--faults", "kill_rank,kill_master,node_loss,disk_full,kill_persister",
            "--work", str(tmp_path / "work")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout)
     lines = out.stdout.strip().splitlines()
     assert lines, out.stderr[-4000:]
     result = json.loads(lines[-1])
     assert result["violations"] == [], out.stdout[-6000:] + out.stderr[-3000:]
     assert result["status"] == "succeeded"
+    return result, out
+
+
+@pytest.mark.slow
+def test_short_chaos_schedule_has_no_violation(tmp_path):
+    result, out = run_short(tmp_path, 52, 1200)
     # every fault of the schedule was made (faults are due at steps before the end),
     # the two at the same instant included
     assert result["faults_injected"] == 5, result["skipped"]
@@ -59,17 +67,7 @@ def test_short_elastic_chaos_schedule_has_no_violation(tmp_path, seed):
     and failed), a persister SIGKILLed during the grow, the master SIGKILLed twice
     more. Every micro-batch of every step is trained once in the kept history, with
     the fault-free run's losses bit for bit, at any world size."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--minutes", "3",
-           "--seed", str(seed), "--count", "5", "--steps", "6000", "--elastic",
-           "--faults", "kill_rank,kill_master,node_loss,disk_full,kill_persister",
-           "--work", str(tmp_path / "work")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    lines = out.stdout.strip().splitlines()
-    assert lines, out.stderr[-4000:]
-    result = json.loads(lines[-1])
-    assert result["violations"] == [], out.stdout[-6000:] + out.stderr[-3000:]
-    assert result["status"] == "succeeded"
+    result, out = run_short(tmp_path, seed, 6000, "--elastic", timeout=1800)
     assert "resize" in [f["trigger"] for f in result["faults"]], result["faults"]
     assert 1 in result["world_sizes"], result["world_sizes"]   # it did shrink
     assert result["faults_recovered"] == result["faults_injected"], result
