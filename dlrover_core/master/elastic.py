@@ -299,14 +299,14 @@ class ElasticManager:
         The placement of the new size is reserved before any rank is stopped: the role's
         placement groups on healthy nodes (alive, not bad, not in ``exclude`` nor kept
         out of the role) are kept, the missing ones are made and must be ready within
-        ``elastic.placement_timeout_s``. First the standby spares are killed and the
-        groups no rank runs in removed (the room they held was counted for the resize:
-        :meth:`node_slots`, :func:`~dlrover_core.master.elastic_room.release_spares`). A grow (``world_size`` above the current size) that cannot
-        be reserved tries the smaller grows, and when none fits it is dropped: no rank is
+        ``elastic.placement_timeout_s``. First the spares are killed and the groups no
+        rank runs in removed (:func:`~.elastic_room.release_spares`: :meth:`node_slots`
+        counted their room). A grow (``world_size`` above the current size) that cannot
+        be reserved tries the smaller grows; when none fits it is dropped: no rank is
         stopped, an ``elastic_grow_dropped`` event says why, a new spare is made, and
-        this returns ``None``. Any other resize that cannot be reserved tries the next smaller
-        valid sizes down to ``MIN``, first with the ranks running, then (a placement
-        group of the whole role holds the survivors' resources) after stopping them.
+        this returns ``None``. Any other resize that cannot be reserved tries the next
+        smaller valid sizes down to ``MIN``, first with the ranks running, then (a group
+        of the whole role holds the survivors' resources) after stopping them.
 
         Returns:
             the phase timings (s) and the ``world_size`` reached, or ``None`` (a grow

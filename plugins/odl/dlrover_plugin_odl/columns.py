@@ -5,7 +5,7 @@ columns once (:func:`to_columns`) and puts those into Ray's object store, where 
 NumPy array is one buffer that the ``preprocess`` worker maps without unpickling it
 record by record, and a preprocess's :meth:`transform_columns
 <dlrover_plugin_odl.workloads.PreprocessWorkload.transform_columns>` builds the batch's
-tensors from whole columns (``torch.from_numpy``) instead of from lists of dicts.
+tensors from whole columns instead of from lists of dicts.
 
 Imports NumPy only.
 """
@@ -41,7 +41,8 @@ def to_columns(records: list[dict]) -> dict[str, Any]:
     """Row-wise records -> ``{field: column}``, one column per field any record has
     (fields in the order they first appear). A field every record has, with numbers
     (or same-length lists of numbers) in each, is a NumPy array of dim 0 = records
-    (int64 when every value is an integer, else float64); any other field is a list of the values (``None`` where a record lacks it).
+    (int64 when every value is an integer, else float64); any other field is a list
+    of the values (``None`` where a record lacks it).
 
     Raises:
         TypeError: a record is not a dict.
