@@ -337,7 +337,6 @@ class ElasticManager:
             self.standby.ensure()
             return None
         t_placed = time.time()
-        self.standby.drop()
         self.launcher.stop_instances(members)
         t_stop = time.time()
         if got is None:
