@@ -29,10 +29,12 @@ optional: the script runs unchanged under plain ``torchrun``, where they do noth
   events and the timeline, and the boundary an elastic role grows at
   (:mod:`dlrover_core.master.elastic`). ``FlashCheckpointer.save`` calls it.
   :func:`report_checkpoint_loaded` ``(step, source, path)``: the script restored
-  ``step`` (``checkpoint_loaded``). Both are silent no-ops outside dlrover. Both go
-  after the step reports that wait for the join (they wait for it, at most
-  ``JOIN_AT_EXIT_S``): a checkpoint may make the master end this process (an elastic
-  role grows at it), which would drop step reports still waiting.
+  ``step`` (``checkpoint_loaded``). Both are silent no-ops outside dlrover. Both are
+  non-blocking: one background thread sends them in the order made, each acknowledged
+  before the next, and the script's end waits for them (at most ``JOIN_AT_EXIT_S``).
+  They go after the step reports that wait for the join: a checkpoint may make the
+  master end this process (an elastic role grows at it), which would drop step reports
+  still waiting.
 - :func:`script_master`: the JobMaster and this rank's identity, from the environment a
   script role gives its script (:data:`SCRIPT_ENV`); ``ShardSampler.for_script`` uses it.
 - :func:`measure_comm_wait` ``(ddp_model)``: time the gradient all-reduce of the
@@ -279,30 +281,91 @@ def measure_comm_wait(ddp_model: Any) -> Any:
 
 def report_checkpoint(step: int, seconds: float = 0.0) -> bool:
     """The script saved a checkpoint of ``step``; its loop was blocked ``seconds`` s
-    (only rank 0's report counts, as for workloads). Fire-and-forget. Returns ``False``
-    (silently: plain ``torchrun``) outside dlrover or when no JobMaster is found.
+    (only rank 0's report counts, as for workloads). Non-blocking: the report goes in
+    order with the other checkpoint reports of this process (:class:`_CheckpointReports`).
+    Returns ``False`` (silently: plain ``torchrun``) outside dlrover, else ``True``.
 
     Raises:
         ValueError: ``step`` is negative or not an integer.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"report_checkpoint(step={step!r}): allowed: an integer >= 0")
-    sm = _master_or_none()
-    if sm is None:
+    if not in_dlrover():
         return False
-    sm.master.checkpoint_saved.remote(sm.role, sm.rank, step, float(seconds))
+    seconds = float(seconds)
+    _CheckpointReports.put(lambda sm: sm.master.checkpoint_saved.remote(
+        sm.role, sm.rank, step, seconds))
     return True
 
 
 def report_checkpoint_loaded(step: int, source: str | None, path: str = "") -> bool:
     """The script restored the checkpoint of ``step`` from ``source`` (``memory``,
-    ``disk``, ...; ``path``: the step's directory). Fire-and-forget; returns ``False``
-    outside dlrover, as :func:`report_checkpoint`."""
-    sm = _master_or_none()
-    if sm is None:
+    ``disk``, ...; ``path``: the step's directory). Non-blocking and in order, as
+    :func:`report_checkpoint`; returns ``False`` outside dlrover."""
+    if not in_dlrover():
         return False
-    sm.master.checkpoint_loaded.remote(sm.role, sm.rank, int(step), source, path, sm.attempt)
+    step = int(step)
+    _CheckpointReports.put(lambda sm: sm.master.checkpoint_loaded.remote(
+        sm.role, sm.rank, step, source, path, sm.attempt))
     return True
+
+
+class _CheckpointReports:
+    """This process's checkpoint reports, sent by one daemon thread in the order made,
+    each acknowledged by the master before the next: the master runs them in a thread
+    pool, where two sent at once may run out of order (the summary's
+    ``checkpoint_steps`` would go back). The thread first waits for the join
+    (:func:`_master_or_none`), so they go after the step reports waiting for it. When
+    the script ends, :meth:`flush` waits (at most ``JOIN_AT_EXIT_S``) for those not yet
+    acknowledged: a save a few ms before the end was lost with a fire-and-forget call.
+    A report not acknowledged within ``JOIN_AT_EXIT_S`` is logged and the next goes;
+    with no master (gone, or never found) the rest are dropped."""
+
+    queue: Any = None
+    lock = threading.Lock()
+
+    @classmethod
+    def put(cls, send: Callable[[ScriptMaster], Any]) -> None:
+        with cls.lock:
+            if cls.queue is None:
+                import queue
+
+                cls.queue = queue.Queue()
+                threading.Thread(target=cls._run, args=(cls.queue,), daemon=True,
+                                 name="dlrover-checkpoint-reports").start()
+                _before_atexit(cls.flush)
+            cls.queue.put(send)
+
+    @staticmethod
+    def _run(todo: Any) -> None:
+        sm, found = None, False
+        while True:
+            send = todo.get()
+            try:
+                if not found:
+                    sm, found = _master_or_none(), True
+                if sm is not None:
+                    ray = sys.modules["ray"]
+                    try:
+                        ray.get(send(sm), timeout=JOIN_AT_EXIT_S)
+                    except ray.exceptions.RayActorError:  # the master is gone
+                        sm = None
+            except Exception as exc:  # noqa: BLE001 - this one not acknowledged in time
+                logging.getLogger(__name__).warning(
+                    "a checkpoint report was not acknowledged: %s",
+                    f"{type(exc).__name__}: {str(exc)[:200]}")
+            finally:
+                todo.task_done()
+
+    @classmethod
+    def flush(cls, timeout_s: float = JOIN_AT_EXIT_S) -> bool:
+        """Wait until every report made so far is acknowledged (or dropped), at most
+        ``timeout_s`` s; ``True`` when none is left."""
+        todo = cls.queue
+        deadline = time.monotonic() + timeout_s
+        while todo is not None and todo.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return todo is None or not todo.unfinished_tasks
 
 
 def _master_or_none() -> ScriptMaster | None:

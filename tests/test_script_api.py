@@ -96,7 +96,7 @@ def test_a_failed_join_is_raised_by_the_next_report(ray_cluster, monkeypatch):
 def _recording_master(job: str, report_s: float = 0.0):
     """An actor under the JobMaster's name of ``job`` that records the step reports
     (``("report", step)``, each taking ``report_s`` s) and checkpoint reports
-    (``("checkpoint", step)``) it gets, in the order they arrive; ``seen()`` returns
+    (``("checkpoint", step)``, each taking its ``seconds`` s; ``("loaded", step)``) it gets, in the order they arrive; ``seen()`` returns
     them. Threaded (max_concurrency 8), as the JobMaster: calls may overlap."""
     import time
 
@@ -114,7 +114,11 @@ def _recording_master(job: str, report_s: float = 0.0):
             time.sleep(report_s)
 
         def checkpoint_saved(self, role, rank, step, seconds) -> None:
+            time.sleep(seconds)  # a slow call: a report sent after it must not overtake it
             self.calls.append(("checkpoint", step))
+
+        def checkpoint_loaded(self, role, rank, step, source, path, attempt) -> None:
+            self.calls.append(("loaded", step))
 
         def seen(self) -> list:
             return self.calls
@@ -224,6 +228,45 @@ def test_a_sigterm_lets_the_reports_waiting_for_the_join_go_first(ray_cluster, t
         proc = subprocess.run([sys.executable, str(tmp_path / "joined.py")], env=env,
                               capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0 and "default again" in proc.stdout, proc.stderr[-3000:]
+    finally:
+        ray.kill(master)
+
+
+CHECKPOINTS_AT_EXIT = """
+from dlrover_core import script_api
+
+assert script_api.report_checkpoint_loaded(5, "disk") is True
+assert script_api.report_checkpoint(10, 0.5) is True   # the master takes 0.5 s for it
+assert script_api.report_checkpoint(20) is True
+assert script_api.report_checkpoint(30) is True
+# and the script ends at once
+"""
+
+
+def test_checkpoint_reports_arrive_in_order_even_when_the_script_ends_at_once(
+        ray_cluster, tmp_path):
+    """A script that saves checkpoints and ends right after (the last save a few
+    milliseconds before its end, as examples/torchrun_flashckpt/train.py): every report
+    reaches the master, in the order made, although the master (threaded, as the
+    JobMaster) takes 0.5 s for the first. Sent fire-and-forget they could be lost at the
+    exit or overtake each other (``checkpoint_saved`` of step 10 after 20: the summary's
+    ``checkpoint_steps`` went back; plugins/flashckpt test_flash_script_reports, once in
+    CI)."""
+    import subprocess
+    import sys
+
+    import ray
+
+    master = _recording_master("ckpt-exit-job")
+    try:
+        (tmp_path / "ends.py").write_text(CHECKPOINTS_AT_EXIT)
+        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+               "DLROVER_JOB": "ckpt-exit-job", "DLROVER_ROLE": "trainer", "RANK": "0"}
+        proc = subprocess.run([sys.executable, str(tmp_path / "ends.py")], env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ray.get(master.seen.remote()) == [
+            ("loaded", 5), ("checkpoint", 10), ("checkpoint", 20), ("checkpoint", 30)]
     finally:
         ray.kill(master)
 
