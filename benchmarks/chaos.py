@@ -202,6 +202,7 @@ class Chaos:
         init_ray(self.state["address"])
         self.mounts: list[str] = []
         self.seen: dict[int, int] = {}  # pid -> start time of the cluster's processes
+        self.clients: list[subprocess.Popen] = []  # the `dlrover submit` processes
 
     # -------------------------------------------------------------- checkpoint tmpfs
     def ckpt_fs(self, name: str) -> tuple[str, bool]:
@@ -245,8 +246,10 @@ class Chaos:
         cmd = [sys.executable, "-m", "dlrover_core.cli.main", "submit",
                "examples/nanogpt/job_flash.yaml", *over, "--job-dir", job_dir, "--no-progress",
                "--address", self.state["address"]]
-        return subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out,
                                 stderr=subprocess.STDOUT)
+        self.clients.append(proc)
+        return proc
 
     def master_status(self, name: str) -> dict | None:
         import ray
@@ -328,6 +331,16 @@ class Chaos:
             self.lc.down(self.cluster_dir)
         except Exception as e:  # noqa: BLE001 - reported by the leak check
             log(f"cluster down: {e}")
+        # a run stopped mid-job leaves its submit client waiting for the cluster (Ray's
+        # driver retries the head for a minute), holding the job's run lock
+        for proc in self.clients:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def run_to_end(ch: Chaos, name: str, job_dir: str, over: list[str],

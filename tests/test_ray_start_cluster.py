@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -196,3 +197,60 @@ def test_worker_node_sigkilled_job_recovers_and_new_node_is_used(cluster, tmp_pa
     out, errs = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:] + errs[-2000:]
     assert new["node_id"] in {e["node_id"] for e in _started(job2)}
+
+
+LEAVES_A_PROCESS = """
+import os
+import subprocess
+
+import ray
+
+ray.init(namespace="leaves")
+
+
+@ray.remote
+class Holder:
+    def start(self) -> list:
+        self.child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        return [os.getpid(), self.child.pid]
+
+
+holder = Holder.options(name="holder", lifetime="detached").remote()
+print(*ray.get(holder.start.remote()))
+"""
+
+
+@pytest.mark.slow
+def test_cluster_down_ends_the_processes_the_nodes_started(tmp_path):
+    """``dlrover cluster down`` ends what the nodes started in sessions of their own
+    too: here a detached actor's child (``sleep``, a new session of its own), which
+    outlives the node's ``ray start`` group and its raylet (Ray ends a worker's children
+    when the worker ends, not when the raylet does); a Ray worker that notices its
+    raylet's end late on a busy machine is the same case (the chaos harness's JobMaster,
+    alive after the harness took its cluster down, once in CI). The worker is stopped
+    (SIGSTOP) before the cluster goes down, as one that does not get the CPU: without
+    the wait for the nodes' descendants its child was left. Each is SIGKILLed once the
+    grace after the nodes' stop has passed."""
+    from dlrover_core.pids import pid_alive
+
+    d = str(tmp_path / "cluster")
+    out = dlrover("cluster", "up", "--nodes", "1", "--cpus-per-node", "1", "--dir", d,
+                  env=_clean_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    pids = []
+    try:
+        exports = dict(ln.split(" ", 1)[1].split("=", 1) for ln in out.stdout.splitlines())
+        (tmp_path / "leave.py").write_text(LEAVES_A_PROCESS)
+        run = subprocess.run([sys.executable, str(tmp_path / "leave.py")], cwd=ROOT,
+                             env=_clean_env(**exports), capture_output=True, text=True,
+                             timeout=180)
+        assert run.returncode == 0, run.stderr[-3000:]
+        pids = [int(p) for p in run.stdout.split()[-2:]]  # the actor's worker, its child
+        assert all(pid_alive(p) for p in pids)
+        # a worker too slow to end its children (a busy machine): stopped; when it does
+        # not run, its child outlives the node's stop
+        os.kill(pids[0], signal.SIGSTOP)
+    finally:
+        down = dlrover("cluster", "down", "--dir", d, env=_clean_env())
+        assert down.returncode == 0, down.stderr
+    assert [p for p in pids if pid_alive(p)] == []

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from dlrover_core.cli.cluster_logs import node_tail
-from dlrover_core.pids import pid_alive
+from dlrover_core.pids import descendants, group_pids, pid_alive
 from dlrover_core.ports import free_port, free_ports
 
 STATE = "cluster.json"
@@ -74,22 +74,6 @@ def client_env(state: dict) -> dict[str, str]:
     ``RAY_ADDRESS``, ``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN_PATH``."""
     return {"RAY_ADDRESS": state["address"], "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": state["token_path"]}
-
-
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid`` (read from /proc)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
 
 
 def _ray_start(args: list[str], env: dict[str, str], log_path: str,
@@ -372,20 +356,30 @@ def _stop_node(node: dict, grace_s: float) -> None:
 
 def down(directory: str | None = None, grace_s: float = 10.0, keep_temp: bool = False) -> dict:
     """Stop the recorded cluster: worker nodes first, then the head; only the recorded
-    process groups are signalled. Removes the state file (and the nodes' temp dirs
-    unless ``keep_temp``). Returns the state that was stopped.
+    process groups and the processes they started (Ray's workers, in sessions of their
+    own) are signalled: the workers still alive ``grace_s`` s after their nodes stopped
+    (a worker notices its raylet's end late on a busy machine) get SIGKILL. Removes the
+    state file (and the nodes' temp dirs unless ``keep_temp``). Returns the state.
 
     Raises:
         ClusterError: no cluster is recorded in the state directory.
     """
+    import psutil
+
     directory = state_dir(directory)
     state = read_state(directory)
     if state is None:
         raise ClusterError(f"no cluster recorded in {directory} (no {STATE})")
+    workers = descendants([n["pgid"] for n in state["nodes"]])
     for node in sorted(state["nodes"], key=lambda n: n["head"]):
         _stop_node(node, grace_s)
     if state.get("redis"):
         _stop_node(state["redis"], grace_s)
+    for p in psutil.wait_procs(workers, timeout=grace_s)[1]:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
     if not keep_temp:
         shutil.rmtree(state["temp_root"], ignore_errors=True)
     os.remove(os.path.join(directory, STATE))
