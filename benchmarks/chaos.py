@@ -77,7 +77,8 @@ The last line of output is one JSON object: ``status``, ``faults_injected``,
 ``faults_recovered``, ``violations``, ``goodput``, ``steps_redone``, ``recovery_s``
 (``{"median", "max"}``, s from a fault to the first step after its recovery),
 ``seed``, ``elastic``, ``world_sizes`` (the role's world sizes in order, from the logs)
-and the run's details (``faults``: each fault's kind, trigger, target, time;
+and the run's details (``faults``: each fault's kind, trigger, target, time and, for a
+fault that restarts something, its ``recovery_s``;
 ``skipped``: the faults not made, and why: the job had ended before their step, or a
 fault that restarts something came after every rank had finished its last step, see
 :func:`after_last_step`).
@@ -912,6 +913,7 @@ def check_events(events: list[dict], metrics: list[dict], faults: list[dict],
             else:
                 ok += 1
                 rec_s.append(after["ts"] - ts)
+                f["recovery_s"] = round(after["ts"] - ts, 3)  # per fault in the JSON line
         else:  # nothing to restart: the job trains (and commits) on after the fault ended
             named = [e for e in events if e["ts"] >= ts and e["event"] in FAULT_EVENTS[kind]]
             stepped = any(s["ts"] > f["end_ts"] for s in steps) or summary.get(
@@ -1277,6 +1279,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics = read_jsonl(os.path.join(job_dir, "metrics.jsonl"))
         bad, rec_s, ok = check_events(events, metrics, done, summary)
         violations += bad
+        for row, f in zip(result["faults"], done):
+            row["recovery_s"] = f.get("recovery_s")  # fault to the first step after its recovery
         counts = collections.Counter(r["step"] for r in metrics if r.get("event") == "step")
         result.update(faults_recovered=ok, steps_redone=sum(c - 1 for c in counts.values()),
                       samples_rolled_back=rep["rolled_back"],

@@ -244,7 +244,7 @@ def test_event_check_wants_a_recovery_for_every_fault():
     events = [{"ts": 101.0, "event": "failure_classified", "action": "process"},
               {"ts": 101.5, "event": "recovery_started", "level": "process"}, fin]
     bad, rec, ok = chaos.check_events(events, steps, [fault], summary)
-    assert bad == [] and ok == 1 and rec == [3.0]
+    assert bad == [] and ok == 1 and rec == [3.0] and fault["recovery_s"] == 3.0
     bad, _, ok = chaos.check_events([fin], steps, [fault], summary)
     assert ok == 0 and any("no recovery_started" in v for v in bad)
     assert any("restarts" in v for v in bad), bad
