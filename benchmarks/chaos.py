@@ -82,7 +82,8 @@ fault that restarts something, its ``recovery_s``;
 ``skipped``: the faults not made, and why: the job had ended before their step, or a
 fault that restarts something came after every rank had finished its last step, see
 :func:`after_last_step`).
-Exit status 0 when ``violations`` is empty.
+Exit status 0 when ``violations`` is empty. A run with a violation keeps its files
+(``work``, in the JSON line; :func:`keep_evidence`), so that it can be explained.
 """
 
 from __future__ import annotations
@@ -1018,6 +1019,40 @@ def leaks(ch: Chaos, jobs: list[str], dirs: list[str]) -> list[str]:
     return bad
 
 
+def keep_evidence(work: str, max_bytes: int = 1 << 20) -> str:
+    """Copy what a violation needs from the checkpoint folders (``ckpt-*`` under
+    ``work``, on tmpfs mounts that the cleanup removes) into ``work/evidence/``: a
+    listing (path, bytes, mtime of every file and folder) and every file of at most
+    ``max_bytes`` (markers, manifests, intents, ``latest``, locks; not the shards).
+    The job folders (events, metrics, summary, sample logs) stay where they are.
+    Returns the evidence folder."""
+    out = os.path.join(work, "evidence")
+    os.makedirs(out, exist_ok=True)
+    rows = []
+    for d in sorted(os.listdir(work)):
+        if not d.startswith("ckpt-"):
+            continue
+        for root, names, files in os.walk(os.path.join(work, d)):
+            for n in sorted(names + files):
+                p = os.path.join(root, n)
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    continue
+                rel = os.path.relpath(p, work)
+                rows.append(f"{rel}\t{st.st_size}\t{st.st_mtime:.3f}"
+                            f"{'/' if os.path.isdir(p) else ''}")
+                if n in files and st.st_size <= max_bytes:
+                    os.makedirs(os.path.dirname(os.path.join(out, rel)), exist_ok=True)
+                    try:
+                        shutil.copy2(p, os.path.join(out, rel))
+                    except OSError:
+                        pass
+    with open(os.path.join(out, "listing.tsv"), "w") as f:
+        f.write("".join(r + "\n" for r in rows))
+    return out
+
+
 # ------------------------------------------------------------------ main
 CAL_STEPS = 800  # the calibration job's max_steps
 # the fault-free run's share of --minutes: 1, as the faults slow a run (only a 3-minute
@@ -1309,8 +1344,15 @@ def main(argv: list[str] | None = None) -> int:
 
             for name in [f"chaos-cal-{job_seed}", *names]:
                 hygiene.remove_job("/dev/shm", name)
+        kept = bool(violations) and not stopped  # a run's evidence, as Jepsen keeps its history
+        if kept:
+            keep_evidence(work)
         ch.unmount_all()  # after the check: the checkpoint folders are on these
-        if not args.work:
+        if kept:
+            result["work"] = work
+            log(f"violations: the run's files are kept in {work} (evidence/: the checkpoint "
+                f"folders' listing and small files)")
+        elif not args.work:
             shutil.rmtree(work, ignore_errors=True)
     result.update(minutes=args.minutes, total_s=round(time.time() - t_start, 1),
                   faults_kinds=kinds)

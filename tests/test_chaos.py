@@ -364,3 +364,27 @@ def test_calibration_takes_the_steady_step_time_not_the_start():
     assert abs(step_s - (0.02 + 0.1 / 20)) < 1e-3  # not 0.03 (the start), not 0.02 (no commits)
     with pytest.raises(ValueError, match="at least 4"):
         chaos.steady_step_s([0.0, 1.0, 2.0])
+
+
+def test_a_run_with_a_violation_keeps_the_checkpoint_folders_evidence(tmp_path):
+    """``keep_evidence`` copies the small files of the checkpoint folders (markers,
+    manifests, ``latest``) and a listing of everything into ``evidence/``, and leaves the
+    shards: the folders are tmpfs mounts that the cleanup removes (seed 14's temp folder
+    of the final step could not be explained once they were gone)."""
+    chaos = _chaos()
+    tmp = tmp_path / "ckpt-chaos" / "trainer" / ".step_00000010.tmp"
+    tmp.mkdir(parents=True)
+    (tmp / "rank_00000.a-1-x.done").write_text('{"rank": 0}')
+    (tmp / "rank_00000.a-1-x.data").write_bytes(b"\0" * 2048)
+    (tmp_path / "ckpt-chaos" / "trainer" / "latest").write_text("8")
+    (tmp_path / "job-chaos").mkdir()
+    out = chaos.keep_evidence(str(tmp_path), max_bytes=1024)
+    ev = tmp_path / "evidence" / "ckpt-chaos" / "trainer"
+    assert (ev / ".step_00000010.tmp" / "rank_00000.a-1-x.done").read_text() == '{"rank": 0}'
+    assert (ev / "latest").read_text() == "8"
+    assert not (ev / ".step_00000010.tmp" / "rank_00000.a-1-x.data").exists()
+    listing = (tmp_path / "evidence" / "listing.tsv").read_text().splitlines()
+    assert out == str(tmp_path / "evidence")
+    assert [ln.split("\t")[:2] for ln in listing if ln.split("\t")[0].endswith(".data")] \
+        == [["ckpt-chaos/trainer/.step_00000010.tmp/rank_00000.a-1-x.data", "2048"]]
+    assert not any("job-chaos" in ln for ln in listing)
