@@ -379,9 +379,16 @@ def main() -> None:
                              f"(0, --window-s = {args.window_s})")
     os.chdir(ROOT)  # the workers import examples.* from here
     if args.sliced:
+        from omegaconf import OmegaConf
+
         from dlrover_core.master.client import init_ray
 
-        started_here = init_ray(None)
+        # both jobs stand placed at once (one runs while the other is paused), so the
+        # local cluster gets the CPUs of both: with the machine's own count (2 here) the
+        # peer's ranks were never placed and never paused
+        t = OmegaConf.load(KNOWN if args.workload == "known_optimum" else JOB).roles.trainer
+        need = 2 * int(t.total) * float(t.get("resources", {}).get("cpu", 1))
+        started_here = init_ray(None, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
         try:
             out = run_sliced(args)
         finally:
