@@ -196,6 +196,21 @@ print("default again")
 """
 
 
+def _run_script(tmp_path, name: str, text: str, job: str):
+    """Run ``text`` as a script of rank 0 of role ``trainer`` of ``job`` on the test's
+    Ray cluster (the environment a script role gives); returns the finished process."""
+    import subprocess
+    import sys
+
+    import ray
+
+    (tmp_path / name).write_text(text)
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "DLROVER_JOB": job, "DLROVER_ROLE": "trainer", "RANK": "0"}
+    return subprocess.run([sys.executable, str(tmp_path / name)], env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
 def test_a_sigterm_lets_the_reports_waiting_for_the_join_go_first(ray_cluster, tmp_path):
     """A script stopped with SIGTERM (an elastic re-form, a failover) while its step
     reports still wait for ``report_step``'s background join: they reach the master
@@ -204,19 +219,13 @@ def test_a_sigterm_lets_the_reports_waiting_for_the_join_go_first(ray_cluster, t
     ``tests/scenarios/script_grow.py``, once in CI). The master is an actor under the
     master's name that records the reports it gets. Once joined, SIGTERM has Python's
     default action again."""
-    import subprocess
-    import sys
     import time
 
     import ray
 
     master = _recording_master("sigterm-job")
     try:
-        (tmp_path / "stopped.py").write_text(SIGTERMED)
-        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-               "DLROVER_JOB": "sigterm-job", "DLROVER_ROLE": "trainer", "RANK": "0"}
-        proc = subprocess.run([sys.executable, str(tmp_path / "stopped.py")], env=env,
-                              capture_output=True, text=True, timeout=180)
+        proc = _run_script(tmp_path, "stopped.py", SIGTERMED, "sigterm-job")
         assert proc.returncode == -15, proc.stderr[-3000:]
         deadline = time.monotonic() + 30
         while len(seen := ray.get(master.seen.remote())) < 5 and time.monotonic() < deadline:
@@ -224,9 +233,7 @@ def test_a_sigterm_lets_the_reports_waiting_for_the_join_go_first(ray_cluster, t
         assert seen == [("report", s) for s in range(5)], proc.stderr[-3000:]
         # once joined, SIGTERM has Python's default again (a handler would wait for the
         # main thread, which may be blocked in a collective with a dead peer)
-        (tmp_path / "joined.py").write_text(JOINED)
-        proc = subprocess.run([sys.executable, str(tmp_path / "joined.py")], env=env,
-                              capture_output=True, text=True, timeout=180)
+        proc = _run_script(tmp_path, "joined.py", JOINED, "sigterm-job")
         assert proc.returncode == 0 and "default again" in proc.stdout, proc.stderr[-3000:]
     finally:
         ray.kill(master)
@@ -252,18 +259,11 @@ def test_checkpoint_reports_arrive_in_order_even_when_the_script_ends_at_once(
     exit or overtake each other (``checkpoint_saved`` of step 10 after 20: the summary's
     ``checkpoint_steps`` went back; plugins/flashckpt test_flash_script_reports, once in
     CI)."""
-    import subprocess
-    import sys
-
     import ray
 
     master = _recording_master("ckpt-exit-job")
     try:
-        (tmp_path / "ends.py").write_text(CHECKPOINTS_AT_EXIT)
-        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-               "DLROVER_JOB": "ckpt-exit-job", "DLROVER_ROLE": "trainer", "RANK": "0"}
-        proc = subprocess.run([sys.executable, str(tmp_path / "ends.py")], env=env,
-                              capture_output=True, text=True, timeout=180)
+        proc = _run_script(tmp_path, "ends.py", CHECKPOINTS_AT_EXIT, "ckpt-exit-job")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert ray.get(master.seen.remote()) == [
             ("loaded", 5), ("checkpoint", 10), ("checkpoint", 20), ("checkpoint", 30)]
