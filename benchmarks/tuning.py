@@ -255,7 +255,8 @@ def run_sliced(args: argparse.Namespace) -> dict:
                      "active_s": 0.0, "step": 0, "slices": []}
     try:
         for j in jobs.values():   # both set up and standing before their first step
-            j["step"] = j["ctl"].pause(timeout_s=args.timeout_s)["step"]
+            # (submitted paused: pause() would wait for these notes to go first)
+            j["step"] = j["ctl"].wait_paused(timeout_s=args.timeout_s)["step"]
         order = ["tuned", "peer"]
         while min(j["active_s"] for j in jobs.values()) < args.window_s:
             for key in order:

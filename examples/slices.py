@@ -85,6 +85,17 @@ class PauseControl:
                 raise TimeoutError(f"{self.path}: a rank did not go on after the last pause")
             time.sleep(POLL_S)
         open(self.path, "w").close()
+        return self.wait_paused(max(0.0, deadline - time.monotonic()))
+
+    def wait_paused(self, timeout_s: float = 300.0) -> dict:
+        """Wait until every rank stands still at the pause that is asked now (a job
+        submitted with the pause file present: its ranks stop before their first step);
+        returns what :meth:`pause` returns.
+
+        Raises:
+            TimeoutError: not every rank stopped within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             notes = []
             for r in range(self.ranks):

@@ -113,7 +113,14 @@ def test_a_two_rank_job_is_paused_between_steps_and_goes_on(ray_cluster, tmp_pat
     ray.get(master.start.remote())
     ctl = PauseControl(pause, ranks=2)
     try:
-        assert ctl.pause(timeout_s=300)["step"] == 0
+        # both ranks standing already (their notes written) before the first call, as
+        # the second of the sliced benchmark's two jobs: pause() waited for those notes
+        # to go and timed out; wait_paused() takes them
+        deadline = time.monotonic() + 300
+        while not all(os.path.exists(f"{pause}.rank{r}") for r in range(2)):
+            assert time.monotonic() < deadline, "the ranks never paused"
+            time.sleep(0.1)
+        assert ctl.wait_paused(timeout_s=30)["step"] == 0
         ctl.resume()
         time.sleep(1.0)
         at = ctl.pause(timeout_s=120)
