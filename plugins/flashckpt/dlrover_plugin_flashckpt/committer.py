@@ -47,10 +47,12 @@ class Committer:
         with self.ranks.lock:
             return directory in self.committing
 
-    def retire(self, regs: list[Registration], newest: int | None) -> None:
-        """Mark saves at or below the newest committed step as persisted: that step
-        is on disk, or they will never be written, and a save must not keep them as
-        "waiting for the disk"."""
+    def retire(self, regs: list[Registration], lineage: dict | None,
+               newest: int | None) -> None:
+        """Mark the saves that ``(lineage, newest)`` (:func:`.storage.newest_with_lineage`,
+        read before the headers) makes obsolete as persisted (:func:`.storage.obsolete`):
+        their step is on disk, or they will never be written, and a save must not keep
+        them as "waiting for the disk"."""
         if newest is None:
             return
         for r in regs:
@@ -63,7 +65,9 @@ class Committer:
                     continue
                 with seg.locked():
                     h = seg.read_header()
-                    if h.state == shm.READY and h.step <= newest:
+                    if h.state == shm.READY and h.persisted_seq != h.seq and storage.obsolete(
+                            lineage, newest, h.step, save_attempt(seg.meta_bytes(h), r),
+                            h.saved_at):
                         h.persisted_seq = h.seq
                         seg.write_header(h)
                         crashpoint("flash.persist.committed", path=seg.path)
@@ -85,12 +89,12 @@ class Committer:
         finally:
             with self.ranks.lock:
                 self.committing.discard(reg.dir)
-        newest = storage.newest_committed(reg.dir)
+        lineage, newest = storage.newest_with_lineage(reg.dir)
         if newest is not None and newest >= step:
             self.failures.succeeded()
             with self.ranks.lock:
                 self._landed(role, step)
-                self.retire(self.ranks.of_role(role), newest)
+                self.retire(self.ranks.of_role(role), lineage, newest)
         return committed
 
     def candidates(self) -> list[tuple[str, int, Registration, dict | None]]:

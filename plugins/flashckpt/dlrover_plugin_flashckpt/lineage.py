@@ -126,12 +126,18 @@ def sizes_match(step_dir: str) -> bool | None:
     return True
 
 
-def lineage_steps(directory: str, check_sizes: bool = True) -> list[int]:
+_READ = object()
+
+
+def lineage_steps(directory: str, check_sizes: bool = True,
+                  lineage: dict | None | object = _READ) -> list[int]:
     """Committed steps of the current lineage, oldest first: not quarantined,
     accepted by :func:`accepts` (by the attempt in their manifest), and with
     ``check_sizes`` every file of the size its manifest gives; a step whose sizes
-    differ (truncated, cut short) is quarantined on the way."""
-    lineage = read_lineage(directory)
+    differ (truncated, cut short) is quarantined on the way. ``lineage``: the
+    contents of ``lineage.json`` as the caller read it (default: read now)."""
+    if lineage is _READ:
+        lineage = read_lineage(directory)
     out = []
     for s in committed_steps(directory):
         if lineage is not None:
@@ -154,6 +160,37 @@ def newest_committed(directory: str) -> int | None:
     ``None``."""
     steps = lineage_steps(directory)
     return steps[-1] if steps else None
+
+
+def newest_with_lineage(directory: str) -> tuple[dict | None, int | None]:
+    """``(lineage, newest)``: ``lineage.json`` as read once, and the newest verified
+    step of that lineage (:func:`newest_committed`), so that a caller judges saves
+    against the same lineage the step was chosen in (a new attempt may write its
+    lineage at any moment)."""
+    lineage = read_lineage(directory)
+    steps = lineage_steps(directory, lineage=lineage)
+    return lineage, (steps[-1] if steps else None)
+
+
+def obsolete(lineage: dict | None, newest: int | None, step: int, attempt: dict,
+             saved_at: float) -> bool:
+    """Whether a save of ``step`` by ``attempt`` at ``saved_at`` (unix s) will never
+    need writing, given ``(lineage, newest)`` of :func:`newest_with_lineage`: its step
+    is at or below ``newest`` and it is the lineage's own attempt's, or it was made
+    before the lineage started (an earlier attempt's, superseded or abandoned).
+
+    A save of another attempt made since the lineage started is not obsolete: it is a
+    newer attempt's whose lineage was not written yet when ``lineage`` was read (rank 0
+    writes it at its first save; another rank may save first, and a persister may read
+    the lineage just before). Its step, such as 210 after a rollback from 300 to 200,
+    is judged again against the new lineage (found by CI: the persister marked the
+    rollback's save of 210 persisted against the old lineage's 300, and never wrote
+    it)."""
+    if newest is None or step > newest:
+        return False
+    if lineage is None or attempt_tag(attempt) == attempt_tag(lineage.get("attempt") or {}):
+        return True
+    return saved_at < float(lineage.get("started") or 0.0)
 
 
 def latest_step(directory: str) -> int | None:

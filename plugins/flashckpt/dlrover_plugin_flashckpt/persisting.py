@@ -133,8 +133,8 @@ class PersistLoop:
         best: tuple[tuple, str, int] | None = None
         for role in roles:
             regs = self.ranks.of_role(role)
-            newest = storage.newest_committed(regs[0].dir)
-            self.committer.retire(regs, newest)
+            lineage, newest = storage.newest_with_lineage(regs[0].dir)
+            self.committer.retire(regs, lineage, newest)
             forced = self.forced.get(role, set())
             if newest is not None:
                 forced.difference_update({s for s in forced if s <= newest})

@@ -104,6 +104,8 @@ from dlrover_plugin_flashckpt.lineage import (  # noqa: F401
     meta_attempt,
     new_epoch,
     newest_committed,
+    newest_with_lineage,
+    obsolete,
     read_lineage,
     sizes_match,
     start_lineage,

@@ -15,6 +15,10 @@ from test_flash_saver import blank, make_saver, same, state
 
 from dlrover_core.checkpoint.manifest import CheckpointLoadError
 from dlrover_plugin_flashckpt import choice, hygiene, shm, storage
+from dlrover_plugin_flashckpt.committer import Committer
+from dlrover_plugin_flashckpt.failures import PersistFailures
+from dlrover_plugin_flashckpt.node_ranks import NodeRanks
+from dlrover_plugin_flashckpt.registration import Registration
 from plugins.flashckpt.tests.flash_workloads import SaverRank
 
 
@@ -90,6 +94,58 @@ def test_a_rolled_back_lineage_never_loads_the_abandoned_buffer(job, tmp_path):
     assert again.load(got) == 210
     assert same(got, state(210)) and again.last_load_source == "memory"
     again.close()
+
+
+def test_a_rollback_save_is_not_retired_against_the_lineage_read_before_it(job, tmp_path):
+    """Found by CI (the test above timed out in ``wait()``: "step 210 ... 0 of 1 ranks
+    written"): the persister read the lineage (newest 300) just before the rollback's
+    first save wrote the new one, and read the slot just after the save of 210 was
+    READY; it marked 210 persisted (at or below 300) and never wrote it. That
+    interleaving is made here by hand: the persister's view of the directory is taken
+    before the save and the persister's retire runs after it. Real saver, persister
+    and buffers; the retire is the persister's code run in this process."""
+    d = str(tmp_path / "ckpt")
+    first = make_saver(job, d)
+    for step in (100, 200, 300):
+        first.save(step, state(step))
+        first.wait()
+    first.close()
+    # 210 is not due: the real persister leaves it alone until wait() forces it
+    back = make_saver(job, d, persist_every_steps=1000, wait_timeout_s=20)
+    assert back.load(blank(), step=200) == 200
+    old_lineage, newest = storage.newest_with_lineage(d)
+    assert newest == 300  # the view of a persister that read just before the save
+    back.save(210, state(210))
+    ranks = NodeRanks(job, *shm.my_identity())
+    ranks.regs[("", 0)] = Registration(**back._registration())  # not stamped: the real
+    # persister stays the buffers' persister
+    Committer(ranks, PersistFailures(), lambda *a, **k: None,
+              lambda *a: None).retire(ranks.of_role(""), old_lineage, newest)
+    h = next(h for h in _headers(job, d) if h.step == 210)
+    assert h.persisted_seq != h.seq  # still waiting for the disk
+    back.wait()
+    assert back.committed_steps() == [200, 210]
+    back.close()
+    ranks.close_all()
+    got = blank()
+    again = make_saver(job, d)
+    assert again.load(got) == 210 and same(got, state(210))
+    again.close()
+
+
+def test_obsolete_saves_are_judged_against_the_lineage_they_were_read_with():
+    """:func:`storage.obsolete`: a save at or below the newest step is obsolete when it
+    is the lineage's own attempt's or older than the lineage; a newer attempt's save
+    is not, even below the lineage's base (it restored from an older step)."""
+    a1 = storage.make_attempt("run", 2, "one")
+    a2 = storage.make_attempt("run", 2, "two")
+    old = {"attempt": a1, "base": 500, "started": 1000.0}
+    assert storage.obsolete(old, 600, 550, a1, 1500.0)  # its own, committed since
+    assert storage.obsolete(old, 600, 400, a2, 900.0)  # an earlier attempt's
+    assert not storage.obsolete(old, 600, 210, a2, 1500.0)  # a newer attempt's rollback
+    assert not storage.obsolete(old, 600, 650, a1, 1500.0)  # above the newest
+    assert not storage.obsolete(old, None, 1, a1, 1500.0)
+    assert storage.obsolete(None, 600, 210, a2, 1500.0)  # no lineage: any save
 
 
 def test_submit_fresh_never_resumes_a_buffer_of_the_previous_run(job, tmp_path):
