@@ -12,7 +12,7 @@ import shutil
 import time
 from typing import Any
 
-from dlrover_core.atomic_io import fsync_dir, replace_dir
+from dlrover_core.atomic_io import aside_name, fsync_dir, replace_dir
 from dlrover_core.checkpoint.manifest import MANIFEST, CorruptCheckpointError
 from dlrover_core.checkpoint.saver import prune, step_dir_name
 from dlrover_core.crashpoints import crashpoint, declare
@@ -190,7 +190,8 @@ def try_commit(directory: str, step: int, world_size: int, keep: int,
     ``markers=False``: only finish an interrupted commit (its intent). Returns
     True when this call committed it (False: ranks missing, another process holds the
     commit lock, or a newer verified step of the lineage is committed already, in which
-    case the temp directory is removed). The commit lock is released on every path.
+    case the temp directory is removed; so is that of the newest committed step itself
+    when it holds nothing any attempt could commit). The commit lock is released on every path.
 
     Raises:
         CorruptCheckpointError: a file's size differs from its marker or the intent (a
@@ -204,7 +205,15 @@ def try_commit(directory: str, step: int, world_size: int, keep: int,
     if newest is not None and step < newest:
         shutil.rmtree(tmp, ignore_errors=True)
         return False
-    if not _has_work(tmp, step, world_size, read_lineage(directory), attempt, markers):
+    lineage = read_lineage(directory)
+    if not _has_work(tmp, step, world_size, lineage, attempt, markers):
+        if step == newest and not _has_work(tmp, step, world_size, lineage, None):
+            # the step is committed and its temp directory holds nothing any attempt
+            # could commit: the old copy a re-commit swapped out (its committer died
+            # before removing it) or a late writer's files. Nothing else removes it
+            # while the step is the newest (found by the chaos run: a temp directory of
+            # the final step was left after the job's end)
+            shutil.rmtree(tmp, ignore_errors=True)
         return False
     with commitlock.held(directory, step) as lock:
         if lock is None:
@@ -270,12 +279,16 @@ def _commit_locked(directory: str, step: int, world_size: int, keep: int,
 def settle(directory: str, step: int, keep: int) -> None:
     """The tail of the commit of ``step`` (run again after a crash): ``latest`` moved
     forward, the lineage pruned to ``keep`` steps, older unfinished temp directories
-    and their locks removed. Call holding ``step``'s commit lock."""
+    and their locks removed, and the old copy of ``step`` that a re-commit moved aside
+    (where the filesystem has no atomic exchange). Call holding ``step``'s commit lock."""
     _advance_latest(directory, step)
     crashpoint("flash.commit.prune", path=directory)
     prune(directory, keep, steps=lineage_steps(directory, check_sizes=False), protect=step)
     crashpoint("flash.commit.tmp_cleanup", path=directory)
     durable.remove_dead_parts(directory, "latest")
+    final = os.path.join(directory, step_dir_name(step))
+    if os.path.isdir(final):  # the copy a re-commit moved aside and did not remove (a crash)
+        shutil.rmtree(aside_name(final), ignore_errors=True)
     for n in os.listdir(directory):
         m = _TMP_RE.match(n) or _LOCK_RE.match(n)
         if m and int(m.group(1)) < step:

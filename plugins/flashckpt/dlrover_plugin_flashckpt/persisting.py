@@ -86,11 +86,19 @@ class PersistLoop:
         self.forced.get(role, set()).discard(step)
 
     def claim(self, role: str, step: int) -> list[Claim]:
-        """Mark every local rank's slot holding ``step`` PERSISTING; all or nothing."""
+        """Mark every local rank's slot holding ``step`` PERSISTING, unless ``step`` is
+        committed; all or nothing."""
         regs = sorted(self.ranks.of_role(role),
                       key=lambda r: r.rank)
         claims: list[Claim] = []
         written = storage.written_saves(regs[0].dir, step) if regs else set()
+        # read after the temp directory: a commit by another node's persister that
+        # consumed this rank's marker (and renamed the directory) since the step was
+        # picked shows here, so the step is not written again after its commit (a
+        # temp directory of the newest step left behind: the chaos run, seed 14)
+        newest = storage.newest_committed(regs[0].dir) if regs else None
+        if newest is not None and step <= newest:
+            return claims
         for r in regs:
             found = self.ranks.rank_steps(r, pending_only=True).get(step)
             if found is None or (r.rank, found[1].seq, found[1].saved_at) in written:

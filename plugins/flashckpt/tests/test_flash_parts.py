@@ -164,6 +164,39 @@ def test_node_ranks_keep_one_run_of_a_role_and_check_paths(tmp_path):
         seg.close()
 
 
+def test_a_step_committed_by_another_node_since_it_was_picked_is_not_claimed(tmp_path):
+    """Rank 0's save of step 5 (world 2) is held here; its files and rank 1's are
+    written and "another node" commits 5 (consuming the markers, renaming the temp
+    directory) after this persister read the newest step and before it read the
+    markers: it picked 5 again. Its claim must take nothing: it took the slot, the
+    loop wrote rank 0's files again and left ``.step_00000005.tmp`` behind the commit,
+    which nothing removed while 5 was the newest step. A late write that still comes
+    is removed by that writer's commit try."""
+    shm_dir, d = str(tmp_path), str(tmp_path / "ckpt")
+    ranks = NodeRanks(JOB, *shm.my_identity())
+    seg = slot_of(shm_dir, d, 0, 2, 5)
+    try:
+        ranks.register(reg(shm_dir, d, 0, 2))
+        loop = PersistLoop(ranks)  # its thread is not started: the test drives it
+        assert loop._pick() == ("trainer", 5)  # picked before the other node's commit
+        h = seg.read_header()
+        for r in range(2):  # rank 0's files (written here before) and rank 1's
+            storage.write_shard(d, 5, r, 2, seg.meta_bytes(h), memoryview(b"x" * 100),
+                                extra={"seq": h.seq, "saved_at": h.saved_at})
+        assert storage.try_commit(d, 5, 2, keep=2)
+        assert loop.claim("trainer", 5) == []
+        assert seg.read_header().state == shm.READY
+        assert not os.path.exists(storage.tmp_dir(d, 5))
+        storage.write_shard(d, 5, 0, 2, seg.meta_bytes(h), memoryview(b"x" * 100),
+                            extra={"seq": h.seq, "saved_at": h.saved_at})  # a late write
+        assert not storage.try_commit(d, 5, 2, keep=2)
+        assert not os.path.exists(storage.tmp_dir(d, 5))
+        assert storage.lineage_steps(d) == [5]
+    finally:
+        ranks.close_all()
+        seg.close()
+
+
 def test_persist_loop_writes_and_its_committer_commits_a_step(tmp_path):
     shm_dir, d = str(tmp_path), str(tmp_path / "ckpt")
     ranks = NodeRanks(JOB, *shm.my_identity())
