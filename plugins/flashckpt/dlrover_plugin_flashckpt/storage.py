@@ -35,8 +35,15 @@ Commit protocol (any number of nodes writing into a shared directory):
    the lock, and moves the directory to ``step_<step>`` (an existing one is swapped
    atomically, :func:`dlrover_core.atomic_io.replace_dir`); then removes the intent
    from the committed step, moves ``latest`` forward, prunes to ``keep`` steps of the
-   lineage and removes older unfinished temp directories and locks
-   (:func:`.commit.settle`).
+   lineage and removes older unfinished temp directories and locks, and the old copy
+   a swap without an atomic exchange moved aside (:func:`.commit.settle`).
+
+A persister claims a rank's save for writing only while its step is not committed,
+reading the newest committed step after the temp directory's markers (a commit by
+another node consumes them), so no write of a step begins after its commit. The temp
+directory of the newest committed step that still holds nothing to commit (the old
+copy a swap left when its committer died before removing it, a late write's files) is
+removed by the next commit try of that step (:func:`.commit.try_commit`).
 
 Every step of 3 can be done again: a committer that finds an intent the lineage accepts
 finishes that commit (a rename already done is skipped), whatever stopped the previous
