@@ -253,6 +253,39 @@ def test_master_killed_mid_run(ray_cluster, job_dir):
     assert events(job_dir, "master_reattached")[0]["attached"] == ["trainer-0", "trainer-1"]
 
 
+def _live_spare_groups(job: str) -> dict[str, str]:
+    """id -> name of the job's spare placement groups Ray has not removed."""
+    return {k: v["name"] for k, v in ray.util.placement_group_table().items()
+            if v["name"].startswith(f"dlrover-{job}-trainer-spare-") and v["state"] != "REMOVED"}
+
+
+def test_a_restarted_master_removes_the_spare_group_of_the_one_before(ray_cluster, job_dir):
+    """Found by the elastic chaos run (seed 15): each master restart left the killed
+    master's spare placement group (detached; only its actor was killed), one more per
+    restart. One of them took a node that joined (a grow then found no room) and, at the
+    next node loss, the role counted 0 node-slots and the job failed. After a restart
+    the job has one spare group: the new master's."""
+    go = os.path.join(job_dir, "go")
+    master = start(spec("ft-spare-pg", 40, f"+config.pause={{step: 10, until: '{go}'}}"),
+                   job_dir)
+    poll_status(master, lambda st: st["standby"].get("trainer") is not None, 120)
+    before = _live_spare_groups("ft-spare-pg")
+    assert len(before) == 1, before
+    ray.kill(master, no_restart=False)  # Ray restarts it; it re-attaches
+    deadline = time.time() + 120
+    while not (events(job_dir, "master_reattached") and len(events(
+            job_dir, "standby_created")) >= 2):
+        assert time.time() < deadline, "no re-attach and new spare"
+        time.sleep(0.2)
+    after = _live_spare_groups("ft-spare-pg")
+    assert len(after) == 1 and set(after) != set(before), (before, after)
+    open(go, "w").close()
+    summary = finish(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["restarts"]["total"] == 0  # the ranks ran on: nothing they ran in went
+    assert _live_spare_groups("ft-spare-pg") == {}
+
+
 @pytest.mark.slow  # four master restarts
 def test_master_restarted_more_often_than_the_default_by_its_spec_key(ray_cluster, job_dir):
     """``failover.master_max_restarts`` is the JobMaster actor's Ray restart budget: with

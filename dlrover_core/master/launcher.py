@@ -163,20 +163,28 @@ class Launcher:
                 return False
         return True
 
-    def remove_placement(self) -> None:
+    def remove_placement(self, spares_only: bool = False,
+                         keep: frozenset[str] | set[str] = frozenset()) -> None:
         """Remove the job's placement groups, an earlier master's included: the spares'
         (``dlrover-<job>-<role>-spare-...``) and the groups of an elastic resize
         (``dlrover-<job>-<group>@<n>``; a restarted master plans the spec's groups
         again, and the resized ones it does not find would hold their resources: the
-        start-over's placement could not be ready, found by the elastic chaos run)."""
-        pgs = list(self.pgs)
+        start-over's placement could not be ready, found by the elastic chaos run).
+        ``spares_only``: only the spares' groups (call before this master makes a
+        spare: a re-attach that keeps the ranks' groups removes an earlier master's
+        spare groups, which are detached and which nothing else removes; each held a
+        rank's resources, took a node that joined, and failed a chaos run's grow and
+        then its job), except those whose id (hex) is in ``keep`` (a promoted spare's
+        rank runs in its group)."""
+        pgs = [] if spares_only else list(self.pgs)
         roles = "|".join(re.escape(r) for r in self.scope.graph.roles)
-        mine = re.compile(rf"^{re.escape(self.pg_name(''))}(?:{roles})"
-                          r"(?:-spare-.*|(?::\d+)?(?:@\d+)?)$")
+        tail = r"-spare-.*" if spares_only else r"(?:-spare-.*|(?::\d+)?(?:@\d+)?)"
+        mine = re.compile(rf"^{re.escape(self.pg_name(''))}(?:{roles}){tail}$")
         try:
             for info in ray.util.placement_group_table().values():
                 if mine.match(str(info.get("name", ""))) and \
-                        info.get("state") != "REMOVED":
+                        info.get("state") != "REMOVED" and \
+                        info.get("placement_group_id") not in keep:
                     try:
                         pgs.append(ray.util.get_placement_group(info["name"]))
                     except ValueError:
@@ -188,7 +196,8 @@ class Launcher:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
-        self.pgs = []
+        if not spares_only:
+            self.pgs = []
 
     # ------------------------------------------------------------------ actors
     def worker_context(self, role: str, rank: int, attempt: int) -> WorkerContext:

@@ -15,8 +15,10 @@ got (reports sent while the master was down are lost):
   :data:`ACTOR_QUERY_TIMEOUT_S` of the first or counted lost.
 
 So a master of N ranks on M nodes makes about M + (ranks not behind an agent) calls,
-not 2N one after another. It returns what it found; the controller decides what
-follows (carry on, recover the lost instances, or start over).
+not 2N one after another. Last, it removes the old master's spare placement groups
+that no attached instance runs in (they are detached: only their actors were
+killed). It returns what it found; the controller decides what follows (carry on,
+recover the lost instances, or start over).
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ def reattach(scope: JobScope, launcher: Launcher, monitor: Monitor,
             result.attached.append(inst)
         else:
             result.lost.append(inst)
+    # the old master's spares' groups (detached) no rank runs in: a promoted spare's
+    # rank runs in its spare's group, which stays
+    launcher.remove_placement(spares_only=True, keep={
+        i.info.get("placement_group_id") for i in result.attached if i.info} - {None})
     scope.emit("master_reattached", attached=[i.label for i in result.attached],
                lost=[i.label for i in result.lost], from_agents=len(from_agents),
                seconds=round(time.time() - t0, 3))
