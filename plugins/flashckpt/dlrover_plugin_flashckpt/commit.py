@@ -191,7 +191,8 @@ def try_commit(directory: str, step: int, world_size: int, keep: int,
     True when this call committed it (False: ranks missing, another process holds the
     commit lock, or a newer verified step of the lineage is committed already, in which
     case the temp directory is removed; so is that of the newest committed step itself
-    when it holds nothing any attempt could commit). The commit lock is released on every path.
+    when it holds nothing any attempt could commit). The commit lock is released on
+    every path.
 
     Raises:
         CorruptCheckpointError: a file's size differs from its marker or the intent (a
@@ -280,14 +281,15 @@ def settle(directory: str, step: int, keep: int) -> None:
     """The tail of the commit of ``step`` (run again after a crash): ``latest`` moved
     forward, the lineage pruned to ``keep`` steps, older unfinished temp directories
     and their locks removed, and the old copy of ``step`` that a re-commit moved aside
-    (where the filesystem has no atomic exchange). Call holding ``step``'s commit lock."""
+    (where the filesystem has no atomic exchange). Call holding ``step``'s commit
+    lock."""
     _advance_latest(directory, step)
     crashpoint("flash.commit.prune", path=directory)
     prune(directory, keep, steps=lineage_steps(directory, check_sizes=False), protect=step)
     crashpoint("flash.commit.tmp_cleanup", path=directory)
     durable.remove_dead_parts(directory, "latest")
     final = os.path.join(directory, step_dir_name(step))
-    if os.path.isdir(final):  # the copy a re-commit moved aside and did not remove (a crash)
+    if os.path.isdir(final):  # a re-commit's old copy, moved aside, left by a crash
         shutil.rmtree(aside_name(final), ignore_errors=True)
     for n in os.listdir(directory):
         m = _TMP_RE.match(n) or _LOCK_RE.match(n)
