@@ -286,6 +286,34 @@ def test_a_restarted_master_removes_the_spare_group_of_the_one_before(ray_cluste
     assert _live_spare_groups("ft-spare-pg") == {}
 
 
+@pytest.mark.slow  # a promotion, then a master restart: ~40 s
+def test_a_restarted_master_keeps_the_spare_group_a_promoted_rank_runs_in(ray_cluster,
+                                                                          job_dir):
+    """The other side of the test above: a rank that was a spare runs in its spare's
+    group, so the re-attach must keep that group (removing it would kill the rank)."""
+    go = os.path.join(job_dir, "go")
+    master = start(spec("ft-spare-keep", 40, f"+config.pause={{step: 20, until: '{go}'}}"),
+                   job_dir)
+    st = poll_status(master, lambda st: st["standby"].get("trainer") and st["step"] >= 3,
+                     120)
+    os.kill(st["instances"]["trainer-1"]["pid"], signal.SIGKILL)
+    poll_status(master, lambda st: st["state"] == "running" and
+                len(events(job_dir, "recovery_finished")) == 1, 120)
+    assert events(job_dir, "recovery_finished")[0]["phases"]["standby_used"] is True
+    promoted = [e for e in events(job_dir, "instance_started") if e["attempt"] == 1]
+    pg = promoted[0]["placement_group_id"]
+    assert pg in _live_spare_groups("ft-spare-keep")
+    ray.kill(master, no_restart=False)
+    poll_status(master, lambda st: st["state"] == "running" and
+                bool(events(job_dir, "master_reattached")), 120)
+    assert events(job_dir, "master_reattached")[0]["attached"] == ["trainer-0", "trainer-1"]
+    assert pg in _live_spare_groups("ft-spare-keep")  # kept: its rank runs in it
+    open(go, "w").close()
+    summary = finish(master)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert summary["restarts"]["total"] == 1  # the SIGKILL only: the restart killed none
+
+
 @pytest.mark.slow  # four master restarts
 def test_master_restarted_more_often_than_the_default_by_its_spec_key(ray_cluster, job_dir):
     """``failover.master_max_restarts`` is the JobMaster actor's Ray restart budget: with
