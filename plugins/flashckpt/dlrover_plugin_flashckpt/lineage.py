@@ -158,8 +158,7 @@ def lineage_steps(directory: str, check_sizes: bool = True,
 def newest_committed(directory: str) -> int | None:
     """The newest verified step of the current lineage (:func:`lineage_steps`), or
     ``None``."""
-    steps = lineage_steps(directory)
-    return steps[-1] if steps else None
+    return newest_with_lineage(directory)[1]
 
 
 def newest_with_lineage(directory: str) -> tuple[dict | None, int | None]:

@@ -71,16 +71,22 @@ def test_loading_a_step_missing_from_memory_and_disk_raises(job, tmp_path):
     s.close()
 
 
-def test_a_rolled_back_lineage_never_loads_the_abandoned_buffer(job, tmp_path):
-    """Item 2: 100, 200, 300 saved and committed; a new incarnation rolls back to 200
-    and commits 210. Shared memory still holds the abandoned 300 (the other slot): a
-    restart loads 210, the newest step of the current lineage, not 300."""
-    d = str(tmp_path / "ckpt")
+def _commit_100_200_300(job: str, d: str) -> None:
+    """A saver saves and commits 100, 200 and 300 into ``d`` (keep=2), then closes;
+    its buffers stay."""
     first = make_saver(job, d)
     for step in (100, 200, 300):
         first.save(step, state(step))
         first.wait()
     first.close()
+
+
+def test_a_rolled_back_lineage_never_loads_the_abandoned_buffer(job, tmp_path):
+    """Item 2: 100, 200, 300 saved and committed; a new incarnation rolls back to 200
+    and commits 210. Shared memory still holds the abandoned 300 (the other slot): a
+    restart loads 210, the newest step of the current lineage, not 300."""
+    d = str(tmp_path / "ckpt")
+    _commit_100_200_300(job, d)
     back = make_saver(job, d)
     got = blank()
     assert back.load(got, step=200) == 200 and same(got, state(200))
@@ -105,11 +111,7 @@ def test_a_rollback_save_is_not_retired_against_the_lineage_read_before_it(job, 
     before the save and the persister's retire runs after it. Real saver, persister
     and buffers; the retire is the persister's code run in this process."""
     d = str(tmp_path / "ckpt")
-    first = make_saver(job, d)
-    for step in (100, 200, 300):
-        first.save(step, state(step))
-        first.wait()
-    first.close()
+    _commit_100_200_300(job, d)
     # 210 is not due: the real persister leaves it alone until wait() forces it
     back = make_saver(job, d, persist_every_steps=1000, wait_timeout_s=20)
     assert back.load(blank(), step=200) == 200
