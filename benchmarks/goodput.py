@@ -16,7 +16,8 @@ The last line of output is one JSON object: ``goodput`` (0..1), ``steps_redone``
 ``faults`` (kills made), each a number for one run or ``{"median", "min", "max",
 "runs": [...]}`` over ``--runs``; ``runs`` holds every run's figures (``wall_s``,
 ``steps``, ``restarts``, ``status``, ``recovery_s_median``: kill to the first step after
-it, ``master_recovery_s``).
+it, ``master_recovery_s``) and where the wall time went (``breakdown_s``,
+``step_s_median``, ``step_s_mean``, ``kill_gaps_s``: see :func:`where_lost`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def one_run(args: argparse.Namespace, ckpt_every: int) -> dict:
     try:
         out = run_job(over, job_dir, kills, timeout_s=wall_target)
         a = analyse(job_dir, out["kill_ts"])
+        lost = where_lost(job_dir, out["kill_ts"])
     finally:
         if not args.keep:
             shutil.rmtree(job_dir, ignore_errors=True)
@@ -66,9 +68,35 @@ def one_run(args: argparse.Namespace, ckpt_every: int) -> dict:
         "status": s.get("status"), "steps_redone": a["steps_redone"],
         "recovery_s_median": round(statistics.median(a["recovery_s"]), 3)
         if a["recovery_s"] else None,
-        "master_recovery_s": a["master_recovery_s"],
+        "master_recovery_s": a["master_recovery_s"], **lost,
         **({"job_dir": job_dir} if args.keep else {}),
     }
+
+
+def where_lost(job_dir: str, kill_ts: list[float]) -> dict:
+    """Where a run's wall time went, from its job directory: ``breakdown_s`` (the
+    ``dlrover timeline`` breakdown: productive, startup, recovery, checkpoint, other; s)
+    and the steady steps' spread, since goodput counts each unique step at the *median*
+    step time: ``step_s_median`` and ``step_s_mean`` of the gaps between consecutive
+    steps of rank 0 with no kill inside them (s), and ``kill_gaps_s``, the sum of the
+    gaps that hold a kill (s: the step a kill interrupts and the recovery after it)."""
+    from dlrover_core.cli.job_files import JobFiles
+    from dlrover_core.cli.timeline_model import build_timeline
+
+    files = JobFiles.read(job_dir)
+    tl = build_timeline(files)
+    first: dict[int, float] = {}
+    for t, step in tl.steps:
+        first.setdefault(step, t)
+    t0 = float(files.first("job_started")["ts"])   # the timeline's zero
+    kills = [k - t0 for k in kill_ts]
+    pairs = [(first[s], first[s + 1]) for s in sorted(first) if s + 1 in first]
+    steady = [b - a for a, b in pairs if not any(a <= k < b for k in kills)]
+    held = [b - a for a, b in pairs if any(a <= k < b for k in kills)]
+    return {"breakdown_s": {k: round(v, 2) for k, v in tl.breakdown.items()},
+            "step_s_median": round(statistics.median(steady), 4) if steady else None,
+            "step_s_mean": round(statistics.fmean(steady), 4) if steady else None,
+            "kill_gaps_s": round(sum(held), 3)}
 
 
 def over_runs(runs: list[dict], key: str) -> object:
