@@ -152,6 +152,19 @@ def hand_over(segs: list[shm.Segment]) -> None:
         seg.close()
 
 
+def holds(paths: list[str]) -> bool:
+    """Whether this process holds a mapping of any of ``paths``, handed over
+    (:func:`hand_over`) or premapped, that a pool of those slots will take (:func:`take`)."""
+    with _lock:
+        p = _current
+        if any(k in _held for k in paths):
+            return True
+    if p is None:
+        return False
+    with p._lock:
+        return any(k in p.mapped for k in paths)
+
+
 def take(path: str) -> shm.Segment | None:
     """The mapping of ``path`` handed over (:func:`hand_over`) or premapped (see
     :meth:`Premapper.take`), or ``None``; one whose file was replaced since is unmapped

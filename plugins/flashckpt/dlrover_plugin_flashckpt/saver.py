@@ -125,13 +125,11 @@ class FlashSaver(Saver):
         self.last_load_source: str | None = None
         #: ``{"step", "slot", "copy_s", "total_s", "bytes"}`` of the last save
         self.last_save: dict = {}
-        try:
-            import ray
-
-            if ray.is_initialized():  # found (or started) while the trainer sets up
-                self._persister_future = self.pool.background(self._find_persister)
-        except ImportError:
-            pass
+        # the background thread started now, and the persister found in it while the
+        # trainer sets up, or after a load that copies from filled mappings (it slows it)
+        self.pool.background(self._ident)   # the run id, cached (given in a job)
+        if not premap.holds(paths):
+            self._find_persister_soon()
         if self.opts.reserve_mib:
             self.reserve(int(self.opts.reserve_mib * 2**20))
 
@@ -226,6 +224,13 @@ class FlashSaver(Saver):
             self._persister = self._find_persister()
         return self._persister
 
+    def _find_persister_soon(self) -> None:
+        """:meth:`_find_persister` in the background thread, once; not without Ray."""
+        import ray
+
+        if ray.is_initialized() and self._persister is None and self._persister_future is None:
+            self._persister_future = self.pool.background(self._find_persister)
+
     def _find_persister(self) -> Any:
         from dlrover_plugin_flashckpt.persister import get_persister
 
@@ -233,8 +238,7 @@ class FlashSaver(Saver):
 
         self._ident()  # the run id, looked up once
         handle = get_persister(self.job, shm_dir=self.opts.shm_dir)
-        # register now: the first call to an actor opens the connection to it, tens of
-        # ms that the first save would otherwise pay
+        # register now: the first actor call opens its connection (ms the save would pay)
         ray.get(handle.saved.remote(self._registration()), timeout=60)
         return handle
 
@@ -325,13 +329,14 @@ class FlashSaver(Saver):
             return loaded
         finally:
             # the persister is looked up (or started: it removes stale buffers of dead
-            # jobs) in the background thread since the saver was made; a load reads
-            # the buffers by name and does not wait for it (the first save does), and
-            # the reservation below runs in the same thread after it
+            # jobs) in the background thread since the saver was made, or from here on
+            # (see __init__); a load reads the buffers by name and does not wait for it
+            # (the first save does); the reservation below runs in that thread too
             try:  # lay out the buffers for this state before the first save
                 self.pool.reserve_for(state_dict)
             except Exception as exc:  # noqa: BLE001 - the first save lays them out then
                 log.warning("could not reserve the flash buffers: %s", exc)
+            self._find_persister_soon()   # last: its Ray calls hold the GIL (see __init__)
 
     def committed_steps(self) -> list[int]:
         """Committed steps of the current lineage, oldest first: not quarantined, of

@@ -130,8 +130,11 @@ def test_a_survivor_set_up_again_in_place_loads_through_its_old_savers_mappings(
         s.close_for_resetup()
         assert sorted(premap._held) == sorted(s.paths)
         again = make_saver(job, d)
+        # it finds the persister after its load: the lookup would slow the copy
+        assert again._persister_future is None
         got = blank()
         assert again.load(got) == 2 and again.loader.last_memory_read == "mapping"
+        assert again._persister_future is not None
         assert same(got, state(2))
         again.save(3, state(3))      # it saves through them as its own
         again.wait()
@@ -140,6 +143,7 @@ def test_a_survivor_set_up_again_in_place_loads_through_its_old_savers_mappings(
         assert premap._held == {}                          # it dropped the handed-over ones
         other.close()
         plain = make_saver(job, d)
+        assert plain._persister_future is not None   # no mappings: looked up at once
         got = blank()
         assert plain.load(got) == 3 and plain.loader.last_memory_read == "pread"
         assert same(got, state(3))
@@ -185,8 +189,10 @@ def test_a_standby_premaps_the_slots_and_once_promoted_loads_through_the_mapping
 
         promoted = make_saver(job, d)           # the standby becomes rank 0
         assert not p.thread.is_alive()          # it stopped scanning
+        assert promoted._persister_future is None   # the lookup waits for the copy
         got = blank(1 << 20)
         assert promoted.load(got) == 3 and promoted.last_load_source == "memory"
+        assert promoted._persister_future is not None
         assert promoted.loader.last_memory_read == "mapping"
         assert same(got, state(3, n=1 << 20))
         promoted.close()
