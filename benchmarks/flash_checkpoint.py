@@ -224,13 +224,11 @@ def shm_slot(state: dict, tag: str, size_mib: int) -> tuple:
 
 def flash_saver(job: str, directory: str, **options: Any):
     """A saver of its own role (the persister tracks ranks by role and rank; one role
-    per checkpoint directory, as in a job), given a run id as a job's Checkpointer gives
-    it (``WorkerContext.run_id``; without one, each new saver asks Ray for the master)."""
+    per checkpoint directory, as in a job)."""
     from dlrover_core.checkpoint.saver import SaverConfig, SaverContext
     from dlrover_plugin_flashckpt.saver import FlashSaver
 
-    return FlashSaver(SaverConfig(dir=directory, keep=1, job=job, options=options,
-                                  run_id=f"{job}-run"),
+    return FlashSaver(SaverConfig(dir=directory, keep=1, job=job, options=options),
                       SaverContext(role=os.path.basename(directory)))
 
 
