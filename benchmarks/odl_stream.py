@@ -34,7 +34,8 @@ job's master, driver and role actors, Ray's other daemons), sampled every
 ``ratio`` = odl / single_process records/s and ``cpu_per_record_ratio`` = odl /
 single_process CPU per record, and each side's checkpoints and publishes in its
 window (``*_checkpoints``, ``*_publishes``; the same cadence: about the same counts).
-The job's CPU by process (the command line's first word, whole run) goes to stderr.
+The job's CPU by process (the command line's first word, over the whole run: a process
+that outlives runs, such as the raylet, from the run's start) goes to stderr.
 
 The last line is one JSON object: each figure as ``{"median", "min", "max", "runs"}``
 over the runs, ``runs`` with every run's figures, ``stream_s`` (the job's measured
@@ -170,6 +171,7 @@ class CpuSampler:
 
         self._me = psutil.Process()
         self.last: dict[tuple[int, float], tuple[str, float]] = {}
+        self.base: dict[tuple[int, float], float] = {}
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -195,6 +197,7 @@ class CpuSampler:
 
     def __enter__(self) -> CpuSampler:
         self._sample()
+        self.base = {k: v for k, (_, v) in self.last.items()}
         self._thread.start()
         return self
 
@@ -212,9 +215,12 @@ class CpuSampler:
         return c0 if t1 == t0 else c0 + (c1 - c0) * (ts - t0) / (t1 - t0)
 
     def by_name(self) -> dict[str, float]:
+        """CPU s per process name since :meth:`__enter__` (a process that was already
+        running then, such as the raylet of a cluster several runs share, counts from
+        its CPU at that moment)."""
         out: dict[str, float] = {}
-        for name, v in self.last.values():
-            out[name] = round(out.get(name, 0.0) + v, 2)
+        for key, (name, v) in self.last.items():
+            out[name] = round(out.get(name, 0.0) + v - self.base.get(key, 0.0), 2)
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
