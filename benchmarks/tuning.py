@@ -185,16 +185,65 @@ def start_paused(name: str, job: str, overrides: list[str], pause_file: str):
     return master, job_dir
 
 
-def slice_samples(job_dir: str, first: int, stop: int) -> tuple[float, int | None]:
+def slice_samples(job_dir: str, first: int, stop: int
+                  ) -> tuple[float, int | None, int | None]:
     """Global samples of steps ``[first, stop)`` (rank 0's step records; a step reported
-    twice, after a restart, once) and the ``tuning_version`` of the last of them."""
+    twice, after a restart, once) and the ``tuning_version`` of the first and of the
+    last of them."""
     seen: dict[int, dict] = {}
     for r in step_records(job_dir):
         if first <= r["step"] < stop:
             seen[r["step"]] = r
-    version = seen[max(seen)].get("tuning_version") if seen else None
-    return sum(float(r["samples"]) for r in seen.values()), \
-        None if version is None else int(version)
+
+    def version(step: int) -> int | None:
+        v = seen[step].get("tuning_version")
+        return None if v is None else int(v)
+
+    return (sum(float(r["samples"]) for r in seen.values()),
+            version(min(seen)) if seen else None, version(max(seen)) if seen else None)
+
+
+def steady_start(tuned: list[dict]) -> int:
+    """Index of the first of the tuned job's slices (``{"version", "first_version"}``:
+    the tuning version of a slice's last and first step) from which every slice ran
+    wholly under the final version; ``len(tuned)`` when none did."""
+    final = tuned[-1]["version"] if tuned else None
+    return next((i for i in range(len(tuned)) if all(
+        s["version"] == final and s.get("first_version") == final for s in tuned[i:])),
+        len(tuned))
+
+
+def sliced_ratio(tuned: list[dict], other: list[dict], steady_from: int) -> tuple[dict, dict]:
+    """``(sliced_ratio, tuning_cost)`` of the slices (``{"samples", "seconds"}`` each, the
+    two jobs alternating, the tuned job first): the geometric mean of the tuned job's
+    rate over the peer's in adjacent slices from slice ``steady_from`` on, with its 90 %
+    t-interval (adjacent pairs share a slice: half the pairs count as degrees of
+    freedom), and the same mean before it."""
+    import math
+
+    seq = []   # the slices in time order: (job, rate, index)
+    for i in range(len(tuned)):
+        seq.append(("tuned", tuned[i]["samples"] / tuned[i]["seconds"], i))
+        if i < len(other):
+            seq.append(("peer", other[i]["samples"] / other[i]["seconds"], i))
+
+    def adjacent_logs(lo: int, hi: int) -> list[float]:
+        out = []
+        for a, b in zip(seq, seq[1:]):
+            t, p = (a, b) if a[0] == "tuned" else (b, a)
+            if lo <= t[2] < hi and p[1] > 0 and t[1] > 0:
+                out.append(math.log(t[1] / p[1]))
+        return out
+
+    steady = adjacent_logs(steady_from, len(tuned))
+    transient = adjacent_logs(0, steady_from)
+    lo90, hi90 = interval90(steady, max(1, len(steady) // 2)) if steady else (None, None)
+    return ({"geomean": round(math.exp(sum(steady) / len(steady)), 4) if steady else None,
+             "lower90": round(lo90, 4) if lo90 else None,
+             "upper90": round(hi90, 4) if hi90 else None,
+             "pairs": len(steady), "from_slice": steady_from},
+            {"geomean_before_steady": round(math.exp(sum(transient) / len(transient)), 4)
+             if transient else None, "slices": steady_from})
 
 
 def interval90(logs: list[float], n_eff: int) -> tuple[float, float]:
@@ -216,8 +265,6 @@ def run_sliced(args: argparse.Namespace) -> dict:
     in alternating slices of ``--slice-s`` (one runs while the other stands still at a
     step boundary: :mod:`examples.slices`), until each ran ``--window-s`` seconds. See
     the module docstring (``--sliced``)."""
-    import math
-
     from omegaconf import OmegaConf
 
     from examples.slices import PauseControl
@@ -265,10 +312,10 @@ def run_sliced(args: argparse.Namespace) -> dict:
                 time.sleep(args.slice_s)
                 stop = j["ctl"].pause(timeout_s=args.timeout_s)
                 secs = stop["ts"] - t0
-                samples, version = slice_samples(j["dir"], j["step"], stop["step"])
+                samples, first_v, version = slice_samples(j["dir"], j["step"], stop["step"])
                 j["slices"].append({"t0": round(t0, 3), "seconds": round(secs, 3),
-                                    "steps": [j["step"], stop["step"]],
-                                    "samples": samples, "version": version})
+                                    "steps": [j["step"], stop["step"]], "samples": samples,
+                                    "version": version, "first_version": first_v})
                 j["active_s"] += secs
                 j["step"] = stop["step"]
             log(f"slices: tuned {jobs['tuned']['active_s']:.0f} s, peer "
@@ -301,40 +348,15 @@ def run_sliced(args: argparse.Namespace) -> dict:
 
     tuned, other = jobs["tuned"]["slices"], jobs["peer"]["slices"]
     final_version = tuned[-1]["version"]
-    # the first slice that ran wholly under the final version: steady state from there
-    steady_from = next((i for i, sl in enumerate(tuned) if all(
-        s2["version"] == final_version for s2 in tuned[i:])), len(tuned))
-    seq = []   # the slices in time order: (job, rate)
-    for i in range(len(tuned)):
-        seq.append(("tuned", tuned[i]["samples"] / tuned[i]["seconds"], i))
-        if i < len(other):
-            seq.append(("peer", other[i]["samples"] / other[i]["seconds"], i))
-
-    def adjacent_logs(lo: int, hi: int) -> list[float]:
-        out = []
-        for a, b in zip(seq, seq[1:]):
-            t, p = (a, b) if a[0] == "tuned" else (b, a)
-            if lo <= t[2] < hi and p[1] > 0 and t[1] > 0:
-                out.append(math.log(t[1] / p[1]))
-        return out
-
-    steady = adjacent_logs(steady_from, len(tuned))
-    transient = adjacent_logs(0, steady_from)
-    lo90, hi90 = interval90(steady, max(1, len(steady) // 2)) if steady else (None, None)
+    steady_from = steady_start(tuned)   # the steady state: from there on
+    sliced, cost = sliced_ratio(tuned, other, steady_from)
     tuned_w, peer_w = first_window(tuned), first_window(other)
     t_sum = summaries.get("tuned") or {}
     out = {
         "method": "alternating_slices",
         "workload": args.workload, "slice_s": args.slice_s, "window_s": args.window_s,
         "peer_config": peer,
-        "sliced_ratio": {
-            "geomean": round(math.exp(sum(steady) / len(steady)), 4) if steady else None,
-            "lower90": round(lo90, 4) if lo90 else None,
-            "upper90": round(hi90, 4) if hi90 else None,
-            "pairs": len(steady), "from_slice": steady_from},
-        "tuning_cost": {
-            "geomean_before_steady": round(math.exp(sum(transient) / len(transient)), 4)
-            if transient else None, "slices": steady_from},
+        "sliced_ratio": sliced, "tuning_cost": cost,
         "vs_optimum" if known else "vs_peer": ratio(tuned_w, peer_w),
         "tuned_samples_in_window": round(tuned_w), "peer_samples_in_window": round(peer_w),
         "restarts": int(((t_sum.get("restarts") or {}).get("total")) or 0),

@@ -137,3 +137,27 @@ def test_a_two_rank_job_is_paused_between_steps_and_goes_on(ray_cluster, tmp_pat
     assert sorted(r["step"] for r in rows) == list(range(steps))
     after = next(r for r in rows if r["step"] == at["step"])
     assert after["interval_s"] < 3.0, after
+
+
+def test_the_steady_state_starts_at_the_first_slice_wholly_under_the_final_version():
+    """A slice whose last step ran under the final version but whose first did not holds
+    the trials: it belongs to the tuning cost, not to the steady-state ratio."""
+    from tests.script_files import load_script
+
+    bench = load_script("benchmarks/tuning.py", "tuning_bench")
+    tuned = [{"samples": 80.0, "seconds": 1.0, "first_version": 0, "version": 3},
+             {"samples": 99.0, "seconds": 1.0, "first_version": 3, "version": 3},
+             {"samples": 99.0, "seconds": 1.0, "first_version": 3, "version": 3}]
+    peer = [{"samples": 100.0, "seconds": 1.0, "first_version": 0, "version": 0}] * 3
+    assert bench.steady_start(tuned) == 1
+    sliced, cost = bench.sliced_ratio(tuned, peer, 1)
+    # pairs in time order: t0 p0 t1 p1 t2 p2; those with t1 or t2: (p0,t1) (t1,p1)
+    # (p1,t2) (t2,p2), each 0.99
+    assert (sliced["geomean"], sliced["pairs"], sliced["from_slice"]) == (0.99, 4, 1)
+    assert sliced["lower90"] == sliced["upper90"] == 0.99   # no spread
+    assert cost == {"geomean_before_steady": 0.8, "slices": 1}   # (t0, p0)
+    # the last slice changed version (3 -> 4) within itself: no slice ran wholly under
+    # the final version, so there is no steady state to measure
+    tuned[2] = {**tuned[2], "version": 4, "first_version": 3}
+    assert bench.steady_start(tuned) == 3
+    assert bench.sliced_ratio(tuned, peer, 3)[0]["geomean"] is None
