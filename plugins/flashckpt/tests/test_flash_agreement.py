@@ -52,6 +52,10 @@ def test_ranks_without_a_group_restore_the_same_step(two_ranks):
     kill_actors(ranks)
     lost = []
     for path in shm.list_segments("/dev/shm", shm.job_prefix(two_ranks.job)):
+        if shm.tmp_owner(path) is not None:
+            # a buffer a killed rank was still laying out in the background (its temp
+            # file, header not yet written): not a save; hygiene removes it
+            continue
         seg = shm.Segment.attach(path)
         h = seg.read_header()
         seg.close()

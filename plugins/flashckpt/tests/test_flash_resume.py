@@ -349,6 +349,8 @@ def _buffers(job: str, d: str) -> list[tuple[shm.Header, str]]:
     """``(header, path)`` of the buffers of ``job`` in /dev/shm holding a step of ``d``."""
     out = []
     for path in shm.list_segments("/dev/shm", shm.job_prefix(job)):
+        if shm.tmp_owner(path) is not None:   # being laid out in the background
+            continue
         seg = shm.Segment.attach(path)
         if seg is None:
             continue
