@@ -90,9 +90,10 @@ def where_lost(job_dir: str, kill_ts: list[float]) -> dict:
         first.setdefault(step, t)
     t0 = float(files.first("job_started")["ts"])   # the timeline's zero
     kills = [k - t0 for k in kill_ts]
-    pairs = [(first[s], first[s + 1]) for s in sorted(first) if s + 1 in first]
-    steady = [b - a for a, b in pairs if not any(a <= k < b for k in kills)]
-    held = [b - a for a, b in pairs if any(a <= k < b for k in kills)]
+    gaps = [(first[s + 1] - first[s], any(first[s] <= k < first[s + 1] for k in kills))
+            for s in sorted(first) if s + 1 in first]   # (seconds, holds a kill)
+    steady = [g for g, killed in gaps if not killed]
+    held = [g for g, killed in gaps if killed]
     return {"breakdown_s": {k: round(v, 2) for k, v in tl.breakdown.items()},
             "step_s_median": round(statistics.median(steady), 4) if steady else None,
             "step_s_mean": round(statistics.fmean(steady), 4) if steady else None,
