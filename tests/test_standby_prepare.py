@@ -11,6 +11,7 @@ import gc
 import os
 import sys
 
+import pytest
 import ray
 
 from dlrover_core.runtime.context import MASTER_NAMESPACE, WorkerContext, master_actor_name
@@ -150,3 +151,64 @@ def test_a_spare_promoted_to_rank_1_holds_rank_1_s_shards_after_the_backend_warm
         assert coords == [(1,), (1,)]
     finally:
         ray.kill(host)
+
+
+def _threads(host) -> dict[int, tuple[int, int]]:
+    """Thread id -> (scheduling policy, nice value), of the actor's process (read here:
+    the actor may be busy in ``prepare()``)."""
+    pid = ray.get(host.node_info.remote(), timeout=60)["pid"]
+    out = {}
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        try:
+            out[tid] = (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def _as_before(now: dict, before: dict) -> bool:
+    """Every thread of ``before`` still alive has its policy and nice value back."""
+    return all(v == before[t] for t, v in now.items() if t in before)
+
+
+def test_a_spare_warms_up_under_sched_idle_and_a_promotion_raises_it_back(ray_cluster,
+                                                                         tmp_path):
+    """``prepare()`` runs every thread of the spare's process under ``SCHED_IDLE``
+    (threads it starts too) and gives each its policy back when it returns (nice values
+    kept: Ray's 15 and 0); ``hurry()`` (a promotion that finds the spare warming) does
+    it at once. Needs ``CAP_SYS_NICE`` (root in CI), or nothing is lowered."""
+    import json
+    import time
+
+    from dlrover_core.runtime.warming import _may_raise_priority
+
+    if not _may_raise_priority(0):
+        pytest.skip("this machine's processes may not raise their priority back")
+    probe = {"env_vars": {"PRIORITY_PROBE_DIR": str(tmp_path)}}
+    ctx = WorkerContext(job="idle", role="trainer", rank=0, world_size=1, local_rank=0,
+                        local_world_size=1)
+    for hurried in (True, False):
+        for f in ("started", "go", "warm.json"):
+            (tmp_path / f).unlink(missing_ok=True)
+        host = remote_workload_host().options(num_cpus=0, runtime_env=probe).remote(
+            "tests.workloads:PriorityProbe", ctx)
+        try:
+            before = _threads(host)
+            assert {p for p, _ in before.values()} == {os.SCHED_OTHER}
+            prepared = host.prepare.remote()
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert {p for p, _ in _threads(host).values()} == {os.SCHED_IDLE}  # Ray's too
+            if hurried:
+                ray.get(host.hurry.remote(), timeout=10)
+                assert _as_before(_threads(host), before)
+            (tmp_path / "go").touch()
+            ray.get(prepared, timeout=60)
+            seen = json.loads((tmp_path / "warm.json").read_text())
+            assert seen["before"] == seen["child"] == os.SCHED_IDLE
+            assert (seen["after"], seen["nice"]) == (
+                before[seen["tid"]] if hurried else (os.SCHED_IDLE, before[seen["tid"]][1]))
+            assert _as_before(_threads(host), before)
+        finally:
+            ray.kill(host)

@@ -199,6 +199,37 @@ class HeapProbe(BaseWorkload):
                 "alive": [r() is not None for r in HEAP_PROBE_REFS]}
 
 
+class PriorityProbe(BaseWorkload):
+    """Its ``warm_up()`` (a standby's, in ``prepare()``) writes ``warm.json`` into
+    ``$PRIORITY_PROBE_DIR``: its thread's id (``tid``), and the scheduling policy
+    (``os.SCHED_*``) of its thread (``before``) and of a thread it starts (``child``);
+    then, once ``$PRIORITY_PROBE_DIR/go`` exists (at most 60 s), its thread's policy
+    and nice value again (``after``, ``nice``)."""
+
+    @classmethod
+    def warm_up(cls):
+        import json
+        import threading
+
+        where = os.environ["PRIORITY_PROBE_DIR"]
+        seen = {"tid": threading.get_native_id(), "before": os.sched_getscheduler(0)}
+
+        def child() -> None:
+            seen["child"] = os.sched_getscheduler(0)
+
+        t = threading.Thread(target=child)
+        t.start()
+        t.join()
+        with open(os.path.join(where, "started"), "w"):
+            pass
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(where, "go")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen.update(after=os.sched_getscheduler(0), nice=os.getpriority(os.PRIO_PROCESS, 0))
+        with open(os.path.join(where, "warm.json"), "w") as f:
+            json.dump(seen, f)
+
+
 def shard_coordinates_after_a_step(rank: int, world_size: int) -> list:
     """On a fake process group as ``rank`` of ``world_size`` (made and destroyed here):
     the ``fsdp`` backend's warm-up step (``dlrover_plugin_fsdp.backend.warm_up_step``,

@@ -3,6 +3,11 @@
 ahead of time; a process-level recovery promotes it (:meth:`StandbyPool.take`)
 instead of starting a cold process.
 
+A spare warms up at the lowest CPU priority (``SCHED_IDLE``:
+:func:`dlrover_core.runtime.warming.low_priority`), so that it takes only the CPU the
+ranks sharing its cores leave idle; a promotion that finds it still warming raises it back first (``hurry()``). The
+pool emits ``standby_ready`` (with ``prepare_s``) when a spare is warm.
+
 A spare holds a reservation like a rank's: one placement-group bundle with the rank's
 resources (CPU, GPU, memory), and the actor asks for them, so a promoted spare runs with
 its GPU visible and its CPUs counted. The first spare of a role gets a placement group
@@ -74,6 +79,8 @@ class Spare:
     watch: Any
     #: warms up without a GPU and leases the failed rank's bundle when promoted
     gpu_less: bool = False
+    #: ``standby_ready`` was emitted (its ``prepare()`` returned)
+    announced: bool = False
 
 
 class StandbyPool:
@@ -203,10 +210,11 @@ class StandbyPool:
                 if no_room is not None:
                     raise RuntimeError(no_room)
             if not ray.wait([spare.prepared], timeout=0.5)[0]:
-                # still warming up: a spare whose process runs (it answers a ping)
-                # finishes its imports sooner than a fresh process would repeat them;
-                # one that does not answer is given up
-                ray.get(spare.handle.ping.remote(), timeout=PING_S)
+                # still warming up: a spare whose process runs (it answers) finishes
+                # its imports sooner than a fresh process would repeat them, at full CPU
+                # priority from now (it warms at the lowest); one that does not answer
+                # is given up
+                ray.get(spare.handle.hurry.remote(), timeout=PING_S)
                 ray.wait([spare.prepared], timeout=PREPARE_WAIT_S)
             ray.get(spare.prepared, timeout=0)
             lease = None
@@ -257,6 +265,7 @@ class StandbyPool:
             self.ensure()  # (not on every poll while one waits: ensure() persists)
         if not self.spares:
             return
+        self._announce_ready()
         watches = {sp.watch: role for role, sp in self.spares.items()}
         ready, _ = ray.wait(list(watches), num_returns=len(watches), timeout=0)
         if not ready:
@@ -274,6 +283,25 @@ class StandbyPool:
             if spare.slot is not None:
                 self.free_slots[role] = spare.slot
         self.ensure()
+
+    def _announce_ready(self) -> None:
+        """Emit ``standby_ready`` (``role``, ``actor``, ``prepare_s``: the seconds its
+        ``prepare()`` took, at low priority where it could) once per spare whose
+        ``prepare()`` returned; one that raised is left to :meth:`take` and :meth:`check`."""
+        pending = {sp.prepared: (role, sp) for role, sp in self.spares.items()
+                   if not sp.announced}
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        for ref in ready:
+            role, sp = pending[ref]
+            sp.announced = True
+            try:
+                seconds = ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - failed or died: take()/check() say why
+                continue
+            self.scope.emit("standby_ready", role=role, actor=sp.name,
+                            prepare_s=round(float(seconds), 3))
 
     def warm(self) -> dict[str, bool]:
         """role -> whether its spare finished ``prepare()`` without an error (for

@@ -21,7 +21,12 @@ import ray
 from dlrover_core.ports import free_port
 from dlrover_core.runtime.context import WorkerContext
 from dlrover_core.runtime.host_base import HostBase, master_handle, resolve_refs
-from dlrover_core.runtime.warming import freeze_heap, in_own_thread
+from dlrover_core.runtime.warming import (
+    freeze_heap,
+    in_own_thread,
+    low_priority,
+    restore_priority,
+)
 
 
 #: s a promoted GPU-less standby waits for its :class:`ResourceLease` to be scheduled
@@ -88,36 +93,39 @@ class WorkloadHost(HostBase):
         the job's checkpoint saver and engine and look up the JobMaster
         (:meth:`_warm_job_lookups`), so that a promoted standby skips the imports and
         first-use costs, and run the saver's ``prepare_standby`` (:meth:`_prepare_saver`);
-        last, collect and freeze the heap (:func:`freeze_heap`). A backend warm-up, a
-        look-up or a saver preparation that raises is reported on stderr and skipped
-        (the spare stays usable); the workload's warm-up raises. Returns seconds."""
+        last, collect and freeze the heap (:func:`freeze_heap`). All of it at the lowest
+        CPU priority (:func:`low_priority`) unless :meth:`hurry` came first or comes
+        meanwhile. A backend warm-up, a look-up or a saver preparation that raises is
+        reported on stderr and skipped (the spare stays usable); the workload's warm-up
+        raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.workload import unwrap_actor_class
 
         t0 = time.perf_counter()
-        cls = unwrap_actor_class(resolve(self.workload_path))
-        if self.context.backend:
+        with low_priority():
+            cls = unwrap_actor_class(resolve(self.workload_path))
+            if self.context.backend:
+                try:
+                    in_own_thread(self._backend_session().warm_up)
+                except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
+                    sys.stderr.write(f"dlrover: backend {self.context.backend!r} warm-up "
+                                     f"failed, skipped:\n{traceback.format_exc()}")
+            warm = getattr(cls, "warm_up", None)
+            if callable(warm):
+                warm()
             try:
-                in_own_thread(self._backend_session().warm_up)
+                self._warm_job_lookups()
             except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
-                sys.stderr.write(f"dlrover: backend {self.context.backend!r} warm-up "
-                                 f"failed, skipped:\n{traceback.format_exc()}")
-        warm = getattr(cls, "warm_up", None)
-        if callable(warm):
-            warm()
-        try:
-            self._warm_job_lookups()
-        except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
-            sys.stderr.write(f"dlrover: checkpoint/master look-ups ahead failed, skipped:\n"
-                             f"{traceback.format_exc()}")
-        try:
-            self._prepare_saver()
-        except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
-            sys.stderr.write(f"dlrover: the saver's standby preparation failed, skipped:\n"
-                             f"{traceback.format_exc()}")
-        if not self._heap_frozen:
-            freeze_heap(collect=True)
-            self._heap_frozen = True
+                sys.stderr.write(f"dlrover: checkpoint/master look-ups ahead failed, skipped:\n"
+                                 f"{traceback.format_exc()}")
+            try:
+                self._prepare_saver()
+            except Exception:  # noqa: BLE001 - a warm-up only saves time; say why it did not
+                sys.stderr.write(f"dlrover: the saver's standby preparation failed, skipped:\n"
+                                 f"{traceback.format_exc()}")
+            if not self._heap_frozen:
+                freeze_heap(collect=True)
+                self._heap_frozen = True
         return time.perf_counter() - t0
 
     def _warm_job_lookups(self) -> None:
@@ -147,6 +155,13 @@ class WorkloadHost(HostBase):
         prepare = getattr(saver_cls, "prepare_standby", None)   # a Saver's: may be absent
         if callable(prepare):
             prepare(saver_config(self.context), saver_context(self.context))
+
+    @ray.method(concurrency_group="monitor")
+    def hurry(self) -> float:
+        """Standby only: a promotion is waiting for :meth:`prepare`; it finishes at full
+        CPU priority (:func:`restore_priority`). Answers as ``ping`` (a time, s)."""
+        restore_priority()
+        return time.time()
 
     @ray.method(concurrency_group="monitor")
     def progress(self) -> dict:
