@@ -18,7 +18,8 @@ class EventLog:
     ``placement``, ``instance_started``, ``instance_failed``, ``failure_classified``,
     ``recovery_started``, ``recovery_finished``, ``checkpoint_saved``, ``instance_finished``,
     ``master_restarted``, ``master_reattached``, ``standby_unusable``, ``standby_died``
-    (``role``, ``actor``, ``reason``: a warm spare died and is replaced), ``job_state_changed``
+    (``role``, ``actor``, ``reason``: a warm spare died and is replaced), ``standby_ready``
+    (``role``, ``actor``, ``prepare_s``: a spare finished warming up), ``job_state_changed``
     (``previous``, ``state``: every transition of the job's state), ``job_finished``;
     node health (docs/node-health.md): ``node_check``, ``node_check_skipped``,
     ``node_check_kept``, ``straggler_detected``, ``hang_stacks``.
