@@ -12,8 +12,8 @@ named ``dlrflash-<job>-<dir digest>-r<rank>-p<k>-n<holder node>``, two per sourc
 rank (one is written while the other keeps the previous step), READY with the step,
 the meta block and its crc32. Imports no torch.
 
-Transfer: the source persister sends its slot's data area from the slot's file
-(``sendfile``) over one TCP connection to the holder's persister, which receives it
+Transfer: the source persister sends its slot's data area from its mapping of the slot
+(``sendall``) over one TCP connection to the holder's persister, which receives it
 straight into its buffer (:mod:`.replica_stream`); when the slot's sequence number
 moved before the holder acknowledged the last byte (a save overwrote it) the replica
 is dropped, never marked READY. When the TCP path fails
