@@ -47,7 +47,7 @@ def test_the_body_runs_under_sched_idle_and_every_thread_gets_its_policy_back(fr
     idle = threading.Thread(target=stop.wait)   # a thread started before, as Ray's are
     idle.start()
     try:
-        with warming.low_priority() as lowered:
+        with warming.low_priority(max_s=None) as lowered:   # (no timer thread)
             assert lowered is True
             assert _policies() == {os.SCHED_IDLE}
             assert _in_thread() == (os.SCHED_IDLE, 5)   # new threads inherit it
@@ -77,3 +77,18 @@ def test_nothing_is_lowered_where_the_priority_could_not_be_raised_back(monkeypa
     with warming.low_priority() as lowered:
         assert lowered is False
         assert _policies() == {os.SCHED_OTHER}
+
+
+def test_a_body_that_runs_longer_than_max_s_gets_its_priority_back_then(fresh):
+    """A node kept busy must not keep a standby cold for good: past ``max_s`` the
+    timer thread (itself left at the normal priority) raises every thread back."""
+    import time
+
+    with warming.low_priority(max_s=0.3) as lowered:
+        assert lowered is True
+        assert _policies() == {os.SCHED_IDLE, os.SCHED_OTHER}   # the timer's thread
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(0) == os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _policies() == {os.SCHED_OTHER}
+        assert warming._hurried is True   # and lowers nothing more

@@ -94,8 +94,8 @@ class WorkloadHost(HostBase):
         (:meth:`_warm_job_lookups`), so that a promoted standby skips the imports and
         first-use costs, and run the saver's ``prepare_standby`` (:meth:`_prepare_saver`);
         last, collect and freeze the heap (:func:`freeze_heap`). All of it at the lowest
-        CPU priority (:func:`low_priority`) unless :meth:`hurry` came first or comes
-        meanwhile. A backend warm-up, a look-up or a saver preparation that raises is
+        CPU priority (:func:`low_priority`, for 30 s at most) unless :meth:`hurry` came
+        first or comes meanwhile. A backend warm-up, a look-up or a saver preparation that raises is
         reported on stderr and skipped (the spare stays usable); the workload's warm-up
         raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve

@@ -16,6 +16,11 @@ _CAP_SYS_NICE = 23
 #: the scheduling policies :func:`low_priority` moves threads from (not real-time ones)
 _FAIR = (os.SCHED_OTHER, os.SCHED_BATCH) if hasattr(os, "SCHED_IDLE") else ()
 
+#: s at most that :func:`low_priority` keeps a process at idle priority: then it raises
+#: it back (:func:`restore_priority`), so that a node kept busy by other work cannot
+#: keep a standby cold for good (in a 2-core job a spare warmed in 16-19 s)
+IDLE_MAX_S = 30.0
+
 _priority_lock = threading.Lock()
 #: what :func:`low_priority` lowered: ``(the lowering thread's policy, {thread id: its
 #: policy before})``; ``None``: nothing lowered now
@@ -120,14 +125,15 @@ def _policies() -> dict[int, int]:
     return _per_thread(os.sched_getscheduler)
 
 
-def _set_policy(policy: int, before: dict[int, int] | None = None) -> None:
-    """Move every thread of this process to ``policy``, or to its policy in ``before``
-    where it has one, keeping its nice value (policies are per thread on Linux; new
-    threads inherit their creator's). Real-time threads and threads that ended
-    meanwhile are left alone."""
+def _set_policy(policy: int, before: dict[int, int] | None = None,
+                skip: frozenset[int] = frozenset()) -> None:
+    """Move every thread of this process but those in ``skip`` to ``policy``, or to its
+    policy in ``before`` where it has one, keeping its nice value (policies are per
+    thread on Linux; new threads inherit their creator's). Real-time threads and
+    threads that ended meanwhile are left alone."""
     before = before or {}
     for tid, now in _policies().items():
-        if now not in (*_FAIR, os.SCHED_IDLE):
+        if now not in (*_FAIR, os.SCHED_IDLE) or tid in skip:
             continue
         try:
             os.sched_setscheduler(tid, before.get(tid, policy), os.sched_param(0))
@@ -136,10 +142,12 @@ def _set_policy(policy: int, before: dict[int, int] | None = None) -> None:
 
 
 @contextlib.contextmanager
-def low_priority() -> Iterator[bool]:
+def low_priority(max_s: float | None = IDLE_MAX_S) -> Iterator[bool]:
     """Run the body with every thread of this process under ``SCHED_IDLE`` (threads it
-    starts inherit it) and give each its scheduling policy back afterwards (threads
-    started meanwhile get the calling thread's); nice values are kept.
+    starts inherit it) and give each its scheduling policy back afterwards, or after
+    ``max_s`` seconds if the body runs longer (a timer thread of its own, at the normal
+    priority, calls :func:`restore_priority`; ``None``: no bound). Threads started
+    meanwhile get the calling thread's policy back; nice values are kept.
 
     ``SCHED_IDLE`` runs a thread only on CPU time no other thread wants (Linux's CFS
     weighs it 3 against 1024 at nice 0 and 36 at nice 15, where Ray starts its workers;
@@ -162,12 +170,20 @@ def low_priority() -> Iterator[bool]:
         if _FAIR and not _hurried and _lowered_from is None:
             nices = _nices()
             lower = bool(nices) and _may_raise_priority(min(nices.values()))
+        timer = None
         if lower:
             _lowered_from = (os.sched_getscheduler(0), _policies())
-            _set_policy(os.SCHED_IDLE)
+            if max_s is not None:
+                timer = threading.Timer(max_s, restore_priority)
+                timer.daemon = True
+                timer.start()   # (its thread's id is known once started)
+            _set_policy(os.SCHED_IDLE,
+                        skip=frozenset([timer.native_id]) if timer else frozenset())
     try:
         yield lower
     finally:
+        if timer is not None:
+            timer.cancel()
         if lower:
             with _priority_lock:
                 if _lowered_from is not None:
