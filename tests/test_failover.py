@@ -158,6 +158,9 @@ def test_warm_standby_replaces_killed_rank(ray_cluster, job_dir):
     assert new[0]["placement_group_id"] is not None and new[0]["bundle_index"] == 0
     assert new[0]["placement_group_id"] != old["placement_group_id"]
     assert second not in [e["actor"] for e in events(job_dir, "standby_unusable")]
+    # the master said when the spare it promoted was warm, and how long it took
+    ready = {e["actor"]: e["prepare_s"] for e in events(job_dir, "standby_ready")}
+    assert second in ready and isinstance(ready[second], float)
     # the next spare comes after the recovery (once the promoted rank reported a step),
     # not during it: its process start would compete with the recovery's first step
     created = events(job_dir, "standby_created")

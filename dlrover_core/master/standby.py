@@ -3,10 +3,11 @@
 ahead of time; a process-level recovery promotes it (:meth:`StandbyPool.take`)
 instead of starting a cold process.
 
-A spare warms up at the lowest CPU priority (``SCHED_IDLE``:
+A spare warms up at the lowest CPU priority (``SCHED_IDLE``, for 30 s at most:
 :func:`dlrover_core.runtime.warming.low_priority`), so that it takes only the CPU the
-ranks sharing its cores leave idle; a promotion that finds it still warming raises it back first (``hurry()``). The
-pool emits ``standby_ready`` (with ``prepare_s``) when a spare is warm.
+ranks sharing its cores leave idle; a promotion that finds it still warming raises it
+back first (``hurry()``). The pool emits ``standby_ready`` (with ``prepare_s``) when a
+spare is warm.
 
 A spare holds a reservation like a rank's: one placement-group bundle with the rank's
 resources (CPU, GPU, memory), and the actor asks for them, so a promoted spare runs with
