@@ -95,9 +95,9 @@ class WorkloadHost(HostBase):
         first-use costs, and run the saver's ``prepare_standby`` (:meth:`_prepare_saver`);
         last, collect and freeze the heap (:func:`freeze_heap`). All of it at the lowest
         CPU priority (:func:`low_priority`, for 30 s at most) unless :meth:`hurry` came
-        first or comes meanwhile. A backend warm-up, a look-up or a saver preparation that raises is
-        reported on stderr and skipped (the spare stays usable); the workload's warm-up
-        raises. Returns seconds."""
+        first or comes meanwhile. A backend warm-up, a look-up or a saver preparation
+        that raises is reported on stderr and skipped (the spare stays usable); the
+        workload's warm-up raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.workload import unwrap_actor_class
 
