@@ -187,7 +187,7 @@ def test_a_spare_warms_up_under_sched_idle_and_a_promotion_raises_it_back(ray_cl
     probe = {"env_vars": {"PRIORITY_PROBE_DIR": str(tmp_path)}}
     ctx = WorkerContext(job="idle", role="trainer", rank=0, world_size=1, local_rank=0,
                         local_world_size=1)
-    for hurried in (True, False):
+    for hurried in (True, False):   # prepare() (idle) raised back by hurry(), or not
         for f in ("started", "go", "warm.json"):
             (tmp_path / f).unlink(missing_ok=True)
         host = remote_workload_host().options(num_cpus=0, runtime_env=probe).remote(
@@ -215,3 +215,15 @@ def test_a_spare_warms_up_under_sched_idle_and_a_promotion_raises_it_back(ray_cl
             assert _as_before(_threads(host), before)
         finally:
             ray.kill(host)
+    # a role's first spare: prepare(idle=False) runs at the process's own priority
+    for f in ("started", "go", "warm.json"):
+        (tmp_path / f).unlink(missing_ok=True)
+    (tmp_path / "go").touch()
+    host = remote_workload_host().options(num_cpus=0, runtime_env=probe).remote(
+        "tests.workloads:PriorityProbe", ctx)
+    try:
+        ray.get(host.prepare.remote(False), timeout=120)
+        seen = json.loads((tmp_path / "warm.json").read_text())
+        assert seen["before"] == seen["child"] == seen["after"] == os.SCHED_OTHER
+    finally:
+        ray.kill(host)

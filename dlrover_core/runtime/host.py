@@ -9,6 +9,7 @@ default concurrency group (one at a time, in order); liveness calls run in the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -86,23 +87,24 @@ class WorkloadHost(HostBase):
         backend = self._plugin_manager().backends.get(self.context.backend)
         return resolve(backend.session)(self.context)
 
-    def prepare(self) -> float:
+    def prepare(self, idle: bool = True) -> float:
         """Standby only: import the workload class, run the role's backend session's
         ``warm_up()`` (e.g. FSDP2's first wrap and step in a fake group; in a thread of
         its own: :func:`in_own_thread`) and the workload's ``warm_up()``, then import
         the job's checkpoint saver and engine and look up the JobMaster
         (:meth:`_warm_job_lookups`), so that a promoted standby skips the imports and
         first-use costs, and run the saver's ``prepare_standby`` (:meth:`_prepare_saver`);
-        last, collect and freeze the heap (:func:`freeze_heap`). All of it at the lowest
-        CPU priority (:func:`low_priority`, for 30 s at most) unless :meth:`hurry` came
-        first or comes meanwhile. A backend warm-up, a look-up or a saver preparation
+        last, collect and freeze the heap (:func:`freeze_heap`). With ``idle`` (a spare
+        that replaces a promoted one), all of it at the lowest CPU priority
+        (:func:`low_priority`, for 30 s at most) unless :meth:`hurry` came first or
+        comes meanwhile. A backend warm-up, a look-up or a saver preparation
         that raises is reported on stderr and skipped (the spare stays usable); the
         workload's warm-up raises. Returns seconds."""
         from dlrover_core.plugins.records import resolve
         from dlrover_core.runtime.workload import unwrap_actor_class
 
         t0 = time.perf_counter()
-        with low_priority():
+        with low_priority() if idle else contextlib.nullcontext():
             cls = unwrap_actor_class(resolve(self.workload_path))
             if self.context.backend:
                 try:
