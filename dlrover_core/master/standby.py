@@ -9,8 +9,8 @@ lowest CPU priority (``SCHED_IDLE``, for 30 s at most:
 ranks sharing its cores leave idle; a promotion that finds it still warming raises it
 back first (``hurry()``). A role's first spare warms at normal priority, so that it is
 warm within seconds of the job's start (a kill after step 20 of the 2-core demo found an
-idle-priority first spare still warming and took 1.3-1.7 s instead of 0.7 s). The pool emits ``standby_ready`` (with ``prepare_s``) when a
-spare is warm.
+idle-priority first spare still warming and took 1.3-1.7 s instead of 0.7 s). The pool
+emits ``standby_ready`` (with ``prepare_s``) when a spare is warm.
 
 A spare holds a reservation like a rank's: one placement-group bundle with the rank's
 resources (CPU, GPU, memory), and the actor asks for them, so a promoted spare runs with
@@ -220,8 +220,8 @@ class StandbyPool:
             if not ray.wait([spare.prepared], timeout=0.5)[0]:
                 # still warming up: a spare whose process runs (it answers) finishes
                 # its imports sooner than a fresh process would repeat them, at full CPU
-                # priority from now (it warms at the lowest); one that does not answer
-                # is given up
+                # priority from now (a refill warms at the lowest); one that does not
+                # answer is given up
                 ray.get(spare.handle.hurry.remote(), timeout=PING_S)
                 ray.wait([spare.prepared], timeout=PREPARE_WAIT_S)
             ray.get(spare.prepared, timeout=0)
