@@ -3,6 +3,7 @@ its backend's state-dict engine."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,8 @@ from dlrover_core.runtime import attempt_log
 
 if TYPE_CHECKING:
     from dlrover_core.runtime.context import WorkerContext
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_classes(ctx: WorkerContext, plugins: Any) -> tuple[type, type | None]:
@@ -181,6 +184,11 @@ class Checkpointer:
         if healed is not None:
             self.last_step = healed
             attempt_log.restored(healed, "peer")
+            if self.saver is not None:
+                try:  # what the saver's own load lays out for the first saves (flash: buffers)
+                    self.saver.reserve_for(self.engine.state_dict(objects))
+                except Exception as exc:  # noqa: BLE001 - the first save lays them out then
+                    log.warning("could not prepare the saver for saves after the heal: %s", exc)
             if self._on_loaded is not None:
                 self._on_loaded(healed, "peer", "")
             return healed

@@ -12,6 +12,7 @@ import re
 import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 from dlrover_core.atomic_io import (
     atomic_write_json,
@@ -105,6 +106,15 @@ class Saver(ABC):
 
     def close(self) -> None:
         """Release resources (threads, buffers)."""
+
+    def reserve_for(self, state_dict: dict, wait: bool = False) -> Any:
+        """Get ready to save ``state_dict`` (the live state, as given to :meth:`load`):
+        called by the :class:`~dlrover_core.checkpoint.checkpointer.Checkpointer` after
+        the state was restored without this saver (healed from a survivor's live state),
+        where no :meth:`load` laid anything out. The flash saver lays out its shared-memory
+        buffers for it in the background, as after its own load, so that the first saves
+        do not. ``wait``: block until done. Default: nothing (returns ``None``)."""
+        return None
 
     def close_for_resetup(self) -> None:
         """Called instead of :meth:`close` when this process sets the same role instance

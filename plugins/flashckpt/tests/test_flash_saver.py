@@ -453,3 +453,29 @@ def test_replica_calls_refuse_paths_outside_the_job(job, tmp_path):
     name = ray.get(p.store_replica.remote({**info, "dir": str(tmp_path / "ckpt" / "other")},
                                           data))
     assert name.startswith(shm.job_prefix(job))
+
+
+def test_saves_after_a_heal_find_their_buffers_laid_out(job, tmp_path):
+    """A rank healed from a survivor's live state (``Checkpointer.load`` with a heal)
+    never calls the saver's load, which lays out the buffers; the checkpointer asks the
+    saver to (``reserve_for``) so that its first saves copy into ready buffers. The heal
+    here is a function that fills the objects and returns the step, as
+    ``dlrover_core.checkpoint.heal.heal`` does over a process group."""
+    from dlrover_core.checkpoint.checkpointer import Checkpointer
+
+    def heal(objects: dict) -> int:
+        objects["model"].update(state(7)["model"])
+        return 7
+
+    for healed in (True, False):
+        s = make_saver(job, str(tmp_path / f"ckpt-{healed}"))
+        ck = Checkpointer(saver=s, every_steps=1, heal=heal if healed else None)
+        objects = {"model": blank()["model"]}
+        assert ck.load(**objects) == (7 if healed else None)
+        s.wait_reserved()
+        ck.save(8, **objects)
+        # without the heal the saver's own load (nothing found) reserved them as well
+        assert not s.last_save["laid_out"], (healed, s.last_save)
+        ck.save(9, **objects)
+        assert not s.last_save["laid_out"], (healed, s.last_save)
+        s.close()
