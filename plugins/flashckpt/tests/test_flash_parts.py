@@ -323,3 +323,20 @@ def test_loop_thread_runs_its_loop_when_woken_and_ends():
     assert rounds.acquire(timeout=30)  # one round for the wake
     t.end(30)
     assert not t.alive() and t.stopping
+
+
+def test_copy_bytes_is_bit_for_bit_for_every_dtype():
+    """The warm load's copy from a mapping (``loading.copy_bytes``) views the bytes as the
+    destination's dtype where it can: it must still copy bits, not values (a NaN's
+    payload, -0.0, bool bytes)."""
+    from dlrover_plugin_flashckpt.loading import copy_bytes
+
+    nan_payload = torch.tensor([0x7FC01234, -0x80000000, 0x7F800001], dtype=torch.int32)
+    cases = [nan_payload.view(torch.float32), torch.randn(33, dtype=torch.float64),
+             torch.randn(17).to(torch.bfloat16), torch.tensor([True, False, True]),
+             torch.arange(-5, 5, dtype=torch.int8), torch.randn(4, dtype=torch.complex64)]
+    for want in cases:
+        src = want.view(-1).view(torch.uint8).clone()
+        dst = torch.zeros_like(want).view(-1)
+        copy_bytes(dst, src)
+        assert torch.equal(dst.view(torch.uint8), src), want.dtype
