@@ -61,6 +61,7 @@ declare("flash.load.memory_read", "io", "load", "reading a save from shared memo
 declare("flash.load.verify", "io", "load", "verifying a committed step's files")
 declare("flash.load.disk_read", "io", "load", "reading a committed step from disk")
 
+
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src`` (a 1-D ``uint8`` tensor of ``dst``'s bytes, e.g. over a shared-memory
     mapping) into ``dst`` (1-D, contiguous) bit for bit, as ``dst``'s dtype where its
