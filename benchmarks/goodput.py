@@ -20,7 +20,8 @@ it, ``master_recovery_s``) and where the wall time went (``breakdown_s``,
 ``step_s_median``, ``step_s_mean``, ``kill_gaps_s``: see :func:`where_lost`).
 With ``--no-fault-runs N``, N runs of the same job and length with no kill follow:
 ``goodput_no_fault`` (as ``goodput``), ``goodput_vs_no_fault`` (the median goodput over
-the median without faults: what the faults themselves cost) and ``no_fault_runs``.
+the median without faults: what the faults themselves cost; ``None`` when either has no
+figure) and ``no_fault_runs``.
 The harness polls the master's status every ``--poll-s`` (0.25 s; it polled every
 0.05 s before 2026-12-01, about 2 % of a core of this driver at nice 0 and the
 master's answers, taken from the ranks).
@@ -109,15 +110,25 @@ def where_lost(job_dir: str, kill_ts: list[float]) -> dict:
             "kill_gaps_s": round(sum(held), 3)}
 
 
+def _numbers(runs: list[dict], key: str) -> list[float]:
+    """The runs' ``key`` values that are numbers (a run without a summary has ``None``)."""
+    return [v for v in (r.get(key) for r in runs) if isinstance(v, (int, float))]
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    """The median of the runs' ``key`` (``None`` values left out; ``None`` if none)."""
+    xs = _numbers(runs, key)
+    return statistics.median(xs) if xs else None
+
+
 def over_runs(runs: list[dict], key: str) -> object:
     """``key`` of the one run, or ``{"median", "min", "max", "runs"}`` over several
     (``None`` values left out of the median, kept in ``runs``)."""
-    vals = [r.get(key) for r in runs]
     if len(runs) == 1:
-        return vals[0]
-    xs = [v for v in vals if isinstance(v, (int, float))]
-    return {"median": statistics.median(xs) if xs else None, "min": min(xs, default=None),
-            "max": max(xs, default=None), "runs": vals}
+        return runs[0].get(key)
+    xs = _numbers(runs, key)
+    return {"median": median_of(runs, key), "min": min(xs, default=None),
+            "max": max(xs, default=None), "runs": [r.get(key) for r in runs]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,9 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict = {}
     if calm:
         extra["goodput_no_fault"] = over_runs(calm, "goodput")
-        med = statistics.median(r["goodput"] for r in runs if r["goodput"] is not None)
-        med_calm = statistics.median(r["goodput"] for r in calm if r["goodput"] is not None)
-        extra["goodput_vs_no_fault"] = round(med / med_calm, 4)
+        med, med_calm = median_of(runs, "goodput"), median_of(calm, "goodput")
+        extra["goodput_vs_no_fault"] = round(med / med_calm, 4) if med and med_calm else None
         extra["no_fault_runs"] = calm
     result = {"goodput": over_runs(runs, "goodput"),
               "steps_redone": over_runs(runs, "steps_redone"),

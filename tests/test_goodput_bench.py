@@ -21,3 +21,13 @@ def test_where_lost_splits_steady_steps_from_the_gap_a_kill_falls_in(tmp_path):
                                   "checkpoint": 0.5, "other": 4.5}
     # no kill: every gap is steady
     assert bench.where_lost(job, [])["kill_gaps_s"] == 0.0
+
+
+def test_over_runs_and_the_no_fault_median_leave_out_runs_without_a_figure():
+    bench = load_script("benchmarks/goodput.py", "goodput_bench")
+    runs = [{"goodput": 0.96}, {"goodput": None}, {"goodput": 0.98}]
+    assert bench.over_runs(runs, "goodput") == {"median": 0.97, "min": 0.96, "max": 0.98,
+                                                "runs": [0.96, None, 0.98]}
+    assert bench.over_runs(runs[:1], "goodput") == 0.96
+    assert bench.median_of(runs, "goodput") == 0.97
+    assert bench.median_of([{"goodput": None}], "goodput") is None
