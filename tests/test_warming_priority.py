@@ -29,7 +29,10 @@ def fresh(monkeypatch):
     os.setpriority(os.PRIO_PROCESS, 0, 5)
     yield
     for tid in warming._thread_ids():
-        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        try:   # (a cancelled timer's thread may end meanwhile)
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:
+            pass
     os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
