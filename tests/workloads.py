@@ -248,3 +248,34 @@ def shard_coordinates_after_a_step(rank: int, world_size: int) -> list:
                 tuple(opt.state[weight]["exp_avg"]._spec.mesh.get_coordinate())]
     finally:
         dist.destroy_process_group()
+
+
+class ForwardLoop(BaseWorkload):
+    """A small module's forward pass in a loop (``forward_until``), for the forward
+    stop of a survivor (``dlrover_core.runtime.attempt_stop``)."""
+
+    def setup(self):
+        import torch
+
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+
+    def forward_until(self, stop: str, started: str) -> int:
+        """Forward passes until the file ``stop`` exists (at most 60 s), after creating
+        the file ``started``; returns how many ran."""
+        import torch
+
+        x, n = torch.ones(2, 8), 0
+        with open(started, "w"):
+            pass
+        deadline = time.monotonic() + 60
+        while not os.path.exists(stop) and time.monotonic() < deadline:
+            self.model(x)
+            n += 1
+        self.model(x)   # (one at least, also when ``stop`` exists from the start)
+        return n + 1
+
+    def global_hooks(self) -> int:
+        """How many global forward pre-hooks this process has."""
+        from torch.nn.modules import module
+
+        return len(module._global_forward_pre_hooks)

@@ -224,10 +224,12 @@ class WorkloadHost(HostBase):
         """
         from dlrover_core.checkpoint.heal import live_state_of
         from dlrover_core.plugins.records import resolve
+        from dlrover_core.runtime import attempt_stop
         from dlrover_core.runtime.invocation import collect_invocations
         from dlrover_core.runtime.workload import create_workload
 
         ctx = self.context
+        attempt_stop.clear()   # (a stop armed for the attempt a peer's failure ended)
         live = live_state_of(self.workload) if heal else None
         if self.workload is not None:  # re-setup in place after a peer failed
             self._teardown_workload(resetup=True)

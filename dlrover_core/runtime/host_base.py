@@ -152,8 +152,11 @@ class HostBase:
         does not interrupt an operation already waiting (measured with torch 2.13: an
         ``all_reduce`` stayed blocked after ``abort()`` until the peer's process ended);
         a gloo collective fails within milliseconds once the master kills the failed
-        peer ("Connection closed by peer"). Returns what was done, for the recovery's
-        ``phases``: ``"none"`` (no group), ``"aborted (nccl)"`` or ``"skipped (gloo)"``.
+        peer ("Connection closed by peer"). With either, a rank still computing stops
+        at its next module call or accumulated gradient instead of at its next
+        collective (:func:`dlrover_core.runtime.attempt_stop.stop`). Returns what was
+        done, for the recovery's ``phases``: ``"none"`` (no group), ``"aborted (nccl)"``
+        or ``"skipped (gloo)"``.
 
         A script role (:mod:`dlrover_core.runtime.script`) has no group in this process:
         its child process is stopped instead, as torchrun's agent stops every worker
@@ -165,6 +168,9 @@ class HostBase:
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return "none"
+        from dlrover_core.runtime import attempt_stop
+
+        attempt_stop.stop("a peer of this rank failed")
         backend = str(dist.get_backend())
         if "nccl" not in backend:
             return f"skipped ({backend})"

@@ -2,10 +2,12 @@
 survivor's live state (``dlrover_core.checkpoint.heal``), not from the last checkpoint.
 
 A real job (JobMaster, two DDP ranks on gloo, the disk saver every 4 steps) is paused
-before step 6, rank 1's process is SIGKILLed, the pause is released: rank 0's next
-all-reduce fails, it is set up again in place, and the replacement takes its model,
-optimizer, step and random state. The final state of both ranks must equal an
-uninterrupted run's bit for bit, and no step may be reported twice."""
+before step 6, rank 1's process is SIGKILLed, the pause is released: rank 0's step
+fails (its all-reduce with the dead peer, or, once the master's abort came, its next
+forward: ``dlrover_core.runtime.attempt_stop``), it is set up again in place, and the
+replacement takes its model, optimizer, step and random state. The final state of both
+ranks must equal an uninterrupted run's bit for bit, and no step may be reported
+twice."""
 
 from __future__ import annotations
 
@@ -72,7 +74,9 @@ def assert_bit_equal(a, b, where: str = "") -> None:
 
 
 @pytest.mark.slow
-def test_sigkilled_ddp_rank_heals_from_survivor_with_no_step_redone(ray_cluster, tmp_path):
+@pytest.mark.parametrize("release", ["at_once", "after_abort"])
+def test_sigkilled_ddp_rank_heals_from_survivor_with_no_step_redone(ray_cluster, tmp_path,
+                                                                     release):
     ref_dir, job_dir = str(tmp_path / "ref"), str(tmp_path / "job")
     os.makedirs(ref_dir)
     os.makedirs(job_dir)
@@ -94,7 +98,15 @@ def test_sigkilled_ddp_rank_heals_from_survivor_with_no_step_redone(ray_cluster,
         deadline = time.time() + 60
         while not gone(pid) and time.time() < deadline:
             time.sleep(0.05)
-        pause.touch()  # rank 0 goes on: its all-reduce of step PAUSE fails
+        if release == "after_abort":
+            # the master's abort reaches the paused survivor first (a few ms after
+            # recovery_started; 3 s of margin), so its forward of step PAUSE stops
+            deadline = time.time() + 60
+            while not [e for e in read_events(run_paths(job_dir).events)
+                       if e["event"] == "recovery_started"] and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(3)
+        pause.touch()  # rank 0 goes on: its step PAUSE fails
         summary = poll_status(master, lambda s: s["summary"], 300)["summary"]
     finally:
         ray.kill(master, no_restart=True)
@@ -110,6 +122,9 @@ def test_sigkilled_ddp_rank_heals_from_survivor_with_no_step_redone(ray_cluster,
              if r["event"] == "step" and r["role"] == "trainer"]
     assert collections.Counter(steps) == collections.Counter(range(STEPS))  # none redone
 
+    if release == "after_abort":   # stopped at its forward, not at the all-reduce
+        with open(os.path.join(job_dir, "logs", "trainer-0", "attempt-0.log")) as f:
+            assert "attempt ended: AttemptAborted" in f.read()
     for rank in (0, 1):  # model, optimizer, step and random state, bit for bit
         assert_bit_equal(final(job_dir, rank), final(ref_dir, rank), f"rank{rank}")
     assert_bit_equal(final(job_dir, 0)["model"], final(job_dir, 1)["model"], "replicas")
