@@ -80,3 +80,18 @@ def test_a_script_killed_by_a_signal_is_said_to_come_from_outside():
     exited = Failure.user_error("trainer", 1, "dlrover_core.runtime.script.ScriptExitError",
                                 "trainer-1: script 'train.py' ended with exit code 3", step=4)
     assert "in user code" in classify(exited, []).reason
+
+
+def test_a_survivor_stopped_for_a_peer_s_failure_is_a_broken_collective():
+    """A survivor's attempt the master stopped (``AttemptAborted``, raised where the rank
+    computed) is what a survivor's failed all-reduce was: a process-level failure."""
+    from dlrover_core.builtin.failure import classify, is_broken_collective
+
+    stopped = Failure.user_error(
+        "trainer", 0, "dlrover_core.runtime.attempt_stop.AttemptAborted",
+        "a peer of this rank failed: this attempt stopped at a gradient of the backward "
+        "pass (dlrover recovery in place)", step=20)
+    assert is_broken_collective(stopped)
+    verdict = classify(stopped, [])
+    assert (verdict.level, verdict.reason[:18]) == ("process", "broken collective:")
+    assert not is_broken_collective(Failure.user_error("trainer", 0, "ValueError", "bad"))

@@ -38,9 +38,11 @@ COLLECTIVE_MARKERS = (
 def is_broken_collective(failure: Failure) -> bool:
     """Whether ``failure`` is user code that raised from a broken collective (a peer
     closed or reset the connection, a timeout): often a survivor reporting a dead peer
-    before the peer's own death is seen."""
-    return failure.kind == "user_error" and any(m in failure.message
-                                                 for m in COLLECTIVE_MARKERS)
+    before the peer's own death is seen; or a survivor the master stopped for a peer's
+    failure (``dlrover_core.runtime.attempt_stop.AttemptAborted``)."""
+    return failure.kind == "user_error" and (
+        any(m in failure.message for m in COLLECTIVE_MARKERS)
+        or _short(failure.exc_type) == "AttemptAborted")
 
 
 #: a script role's exit by a signal (``ScriptExitError``: "... ended with signal SIGKILL (9)")
