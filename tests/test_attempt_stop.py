@@ -1,8 +1,8 @@
 """A survivor's attempt stopped where it computes (``dlrover_core.runtime.attempt_stop``):
 after ``stop()`` (the master's ``abort_collectives``, when a peer of the rank failed) the
-process's next module call, or the next gradient accumulated into a parameter of a model
-under ``watch_gradients``, raises ``AttemptAborted``, once; nothing is checked before
-(no global hook in a step without a failure) and ``clear()`` (a re-setup) forgets it.
+process's next module call, or the next gradient bucket of a DDP model under the ``ddp``
+backend's communication hook, raises ``AttemptAborted``, once; no global hook exists in
+a step without a failure, and ``clear()`` (a re-setup) forgets a stop.
 In-process on real modules and autograd, and in a real ``WorkloadHost`` actor in a real
 gloo group (world size 1, the ``fsdp`` backend's torch.distributed session) whose forward
 loop runs while the abort comes on the actor's monitor thread, as in a recovery."""
@@ -29,26 +29,43 @@ def model():
     attempt_stop.clear()
 
 
-def test_a_stop_during_backward_raises_at_the_next_gradient_before_any_update(model):
-    handles = attempt_stop.watch_gradients(model)
-    assert len(handles) == 4   # two weights, two biases
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.ones(3, 4)).sum().backward()   # no stop: nothing happens
-    opt.step()
-    after_one = {k: v.clone() for k, v in model.state_dict().items()}
-    assert any(not torch.equal(before[k], after_one[k]) for k in before)
-    assert len(nn_module._global_forward_pre_hooks) == 0   # nothing armed in a step
+def test_a_stop_during_backward_raises_at_the_next_gradient_bucket_before_any_update(
+        model):
+    """The ``ddp`` backend's communication hook (``measure_comm_wait``) checks for a stop
+    at each gradient bucket. DDP over a real gloo group of 1 in this process, buckets of
+    one parameter each."""
+    import socket
 
-    out = model(torch.ones(3, 4))
-    # the stop comes while the backward runs (here: from the output's gradient hook)
-    out.register_hook(lambda g: attempt_stop.stop("a peer of this rank failed"))
-    with pytest.raises(attempt_stop.AttemptAborted, match="a gradient of the backward"):
-        out.sum().backward()
-    assert not attempt_stop.pending()   # raised once: the next step runs
-    assert len(nn_module._global_forward_pre_hooks) == 0
-    assert all(torch.equal(after_one[k], v) for k, v in model.state_dict().items())
-    model(torch.ones(3, 4)).sum().backward()
+    import torch.distributed as dist
+
+    from dlrover_core.tuning.comm_wait import measure_comm_wait
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        ddp = measure_comm_wait(torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=1e-6))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ddp(torch.ones(3, 4)).sum().backward()   # no stop: nothing happens
+        opt.step()
+        after_one = {k: v.clone() for k, v in model.state_dict().items()}
+        assert any(not torch.equal(before[k], after_one[k]) for k in before)
+        assert len(nn_module._global_forward_pre_hooks) == 0   # nothing armed in a step
+
+        out = ddp(torch.ones(3, 4))
+        # the stop comes while the backward runs (here: from the output's gradient hook)
+        out.register_hook(lambda g: attempt_stop.stop("a peer of this rank failed"))
+        with pytest.raises(attempt_stop.AttemptAborted, match="a gradient bucket"):
+            out.sum().backward()
+        assert not attempt_stop.pending()   # raised once
+        assert len(nn_module._global_forward_pre_hooks) == 0
+        assert all(torch.equal(after_one[k], v) for k, v in model.state_dict().items())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_stop_raises_at_the_next_module_call_and_clear_forgets_it(model):

@@ -7,8 +7,10 @@ its step's gradient all-reduce, and DDP on gloo reports a failed all-reduce only
 the backward ends (the reducer waits for its buckets' futures there): on 2 cores the
 survivor's part of a recovery (``abort_s`` of ``benchmarks/recovery.py``) was 0.18-0.23
 s, about half a step. :func:`stop` makes the process's next module call (a global
-forward pre-hook, armed only from then on) and its next accumulated gradient of a model
-under :func:`watch_gradients` raise :class:`AttemptAborted` instead.
+forward pre-hook, armed only from then on) raise :class:`AttemptAborted`, and so does
+the next gradient bucket of a DDP model whose communication hook calls :func:`check`
+(``dlrover_core.tuning.comm_wait``'s, which the ``ddp`` backend registers): a step
+without a failure runs no check but that one read of a module global per bucket.
 
 Either stops the step before its optimizer step, as a failed collective of the step
 would: the parameters and optimizer state stay those of the last completed step, which
@@ -36,9 +38,9 @@ class AttemptAborted(RuntimeError):
 
 def stop(reason: str) -> None:
     """Make the next module call of this process (``nn.Module.__call__``, any module,
-    any thread) or the next gradient accumulated into a parameter of a model under
-    :func:`watch_gradients` raise :class:`AttemptAborted`, once. Safe from any thread;
-    a no-op while a stop is pending."""
+    any thread), or the next :func:`check` (a DDP gradient bucket), raise
+    :class:`AttemptAborted`, once. Safe from any thread; a no-op while a stop is
+    pending."""
     import torch
 
     global _reason, _forward_hook
@@ -77,18 +79,3 @@ def check(where: str) -> None:
     clear()
     raise AttemptAborted(f"{reason}: this attempt stopped at {where} (dlrover recovery "
                          "in place)")
-
-
-def watch_gradients(model: Any) -> list[Any]:
-    """Check for a pending :func:`stop` each time a gradient is accumulated into a
-    parameter of ``model`` (``Tensor.register_post_accumulate_grad_hook`` on every
-    parameter that requires one), so that a backward pass stops within one parameter's
-    gradient. Costs one Python call per parameter and backward (about 0.1 ms a step for
-    the nanogpt demo's parameters). Returns the hooks' handles."""
-    return [p.register_post_accumulate_grad_hook(_after_grad)
-            for p in model.parameters() if p.requires_grad]
-
-
-def _after_grad(param: Any) -> None:
-    if _reason is not None:
-        check("a gradient of the backward pass")

@@ -10,6 +10,9 @@ import sys
 import threading
 import time
 
+from dlrover_core.runtime import attempt_stop
+
+
 def _cuda_in_use() -> bool:
     """torch is imported and CUDA initialised (never initialises CUDA itself)."""
     torch = sys.modules.get("torch")
@@ -44,9 +47,16 @@ class CommWaitMeter:
         """A DDP communication hook (``process_group``, ``bucket``: a ``GradBucket``;
         returns a ``Future`` of the reduced bucket): DDP's own all-reduce (the mean over
         the group, ``ddp_comm_hooks.default_hooks.allreduce_hook``), timed. Register it
-        with :func:`measure_comm_wait`."""
+        with :func:`measure_comm_wait`.
+
+        Raises:
+            AttemptAborted: the master stopped this rank's attempt (a peer failed:
+                :func:`dlrover_core.runtime.attempt_stop.stop`); the backward ends here
+                instead of computing on to the failed all-reduce.
+        """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+        attempt_stop.check("a gradient bucket of the backward pass")
         now = time.perf_counter()
         cuda = bucket.buffer().is_cuda
         with self._lock:

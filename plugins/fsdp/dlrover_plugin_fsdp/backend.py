@@ -23,14 +23,13 @@ class DDPSession(TorchDistributedSession):
         ``dlrover_core.tuning.metrics.measure_comm_wait``'s hook (the same mean
         all-reduce, timed): every step report of this rank then carries its
         ``comm_wait_s`` and ``compute_s`` for the straggler detector and the tuner.
-        Pass ``False`` to register a communication hook of your own.
-
-        A survivor of a peer's failure stops within one parameter's gradient of its
-        backward (:func:`dlrover_core.runtime.attempt_stop.watch_gradients`), not at
-        the backward's end, where DDP on gloo reports the failed all-reduce."""
+        Pass ``False`` to register a communication hook of your own. That hook also
+        stops a survivor of a peer's failure at its backward's next gradient bucket
+        (:func:`dlrover_core.runtime.attempt_stop.check`), not at the backward's end,
+        where DDP on gloo reports the failed all-reduce; a hook of your own may call
+        ``check`` too."""
         from torch.nn.parallel import DistributedDataParallel
 
-        from dlrover_core.runtime.attempt_stop import watch_gradients
         from dlrover_core.tuning.metrics import measure_comm_wait as measure
 
         model = model.to(self.device)
@@ -38,7 +37,6 @@ class DDPSession(TorchDistributedSession):
             return model
         ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=ids, **kwargs)
-        watch_gradients(ddp)
         return measure(ddp) if measure_comm_wait else ddp
 
 
