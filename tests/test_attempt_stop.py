@@ -31,14 +31,14 @@ def model():
 
 def test_a_stop_during_backward_raises_at_the_next_gradient_bucket_before_any_update(
         model):
-    """The ``ddp`` backend's communication hook (``measure_comm_wait``) checks for a stop
+    """The ``ddp`` backend's communication hook (``CommWaitMeter.hook``) checks for a stop
     at each gradient bucket. DDP over a real gloo group of 1 in this process, buckets of
     one parameter each."""
     import socket
 
     import torch.distributed as dist
 
-    from dlrover_core.tuning.comm_wait import measure_comm_wait
+    from dlrover_core.tuning.comm_wait import CommWaitMeter
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,8 +46,10 @@ def test_a_stop_during_backward_raises_at_the_next_gradient_bucket_before_any_up
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
     try:
-        ddp = measure_comm_wait(torch.nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=1e-6))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-6)
+        # the hook measure_comm_wait registers, on a meter of its own (the process's
+        # COMM_WAIT, once active, adds step timings to every later step report here)
+        ddp.register_comm_hook(ddp.process_group, CommWaitMeter().hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         ddp(torch.ones(3, 4)).sum().backward()   # no stop: nothing happens
