@@ -153,7 +153,7 @@ class HostBase:
         ``all_reduce`` stayed blocked after ``abort()`` until the peer's process ended);
         a gloo collective fails within milliseconds once the master kills the failed
         peer ("Connection closed by peer"). With either, a rank still computing stops
-        at its next module call or accumulated gradient instead of at its next
+        at its next module call or DDP gradient bucket instead of at its next
         collective (:func:`dlrover_core.runtime.attempt_stop.stop`). Returns what was
         done, for the recovery's ``phases``: ``"none"`` (no group), ``"aborted (nccl)"``
         or ``"skipped (gloo)"``.
