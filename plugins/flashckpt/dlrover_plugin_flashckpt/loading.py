@@ -143,7 +143,8 @@ class Loader:
                          where)
         # warm: this process mapped the buffer with its page tables filled (its own
         # saves went through it), so a contiguous CPU or GPU tensor is copied from the
-        # mapping (a memcpy); otherwise pread into it (no page tables to fill)
+        # mapping (a memcpy; CPU tensors over the reader's threads at drain()); otherwise
+        # pread into it (no page tables to fill)
         warm = seg.populated
         self.last_memory_read = "mapping" if warm else "pread"
         with ShardReader(seg.path, h.data_offset) as rd:
@@ -159,7 +160,9 @@ class Loader:
                     raise CorruptCheckpointError(
                         f"{where}: tensor at bytes {e.offset}-{e.offset + nbytes} lies "
                         f"outside the data block of {h.data_len} bytes")
-                if nbytes:
+                if dst.device.type == "cpu":  # drain() copies, over the reader's threads
+                    rd.copy_from(dst.view(-1), seg.mm, h.data_offset + e.offset)
+                elif nbytes:
                     src = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes,
                                            offset=h.data_offset + e.offset)
                     copy_bytes(dst.view(-1), src)

@@ -8,6 +8,15 @@ memory lets the kernel copy from its page cache without mapping the source at al
 the same code reads a checkpoint file on disk. Large reads are split in chunks spread
 over a few threads (``preadv`` releases the GIL), and :meth:`ShardReader.submit` lets a
 load start the reads of every tensor before it waits for them.
+
+A process that already holds a populated mapping of the buffer (its own saves went
+through it, or a standby premapped it) copies from the mapping instead
+(:meth:`ShardReader.copy_from`): the copies of one load are split in equal byte ranges
+over the calling thread and the reader's threads (``Tensor.copy_`` releases the GIL).
+Measured on this project's 2-CPU VM in a Ray actor (``OMP_NUM_THREADS=1``, 16 tensors
+from a ``/dev/shm`` mapping, medians of 25): 64 MiB in 5.6 ms on one thread, 4.5 ms on
+two; 512 MiB in 42.5 and 34.9 ms (a single-thread ``Tensor.copy_`` between private
+tensors: 5.9 and 45.5 ms).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -31,6 +41,10 @@ CHUNK = 32 << 20
 PARALLEL_MIN = 64 << 20
 #: a submit() smaller than this runs in the calling thread
 INLINE_MAX = 1 << 20
+#: copies of one load (copy_from) totalling less than this run in the calling thread
+COPY_PARALLEL_MIN = 4 << 20
+#: a copy_from() piece is cut at a multiple of this many bytes
+COPY_ALIGN = 64 << 10
 
 
 class TornRead(RuntimeError):
@@ -69,6 +83,62 @@ def read_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(reader_threads(), thread_name_prefix="flash-read")
 
 
+_shared: tuple[int, ThreadPoolExecutor] | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool() -> ThreadPoolExecutor:
+    """This process's pool of :func:`reader_threads` threads, used by every
+    :class:`ShardReader` that is given none and kept for the life of the process (a
+    64 MiB load takes a few ms; starting and joining its threads each time would add
+    to it). A forked child makes its own."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid():
+            _shared = (os.getpid(), ThreadPoolExecutor(reader_threads(),
+                                                       thread_name_prefix="flash-read"))
+        return _shared[1]
+
+
+def _split_copies(copies: list[tuple], parts: int) -> list[list[tuple]]:
+    """``copies`` (``(dst, buf, offset, nbytes)``: ``dst`` a 1-D contiguous tensor of
+    ``nbytes`` bytes) cut into ``parts`` lists of about equal bytes; a tensor is cut at
+    multiples of :data:`COPY_ALIGN` bytes and of its element size."""
+    total = sum(c[3] for c in copies)
+    share = -(-total // parts)
+    out: list[list[tuple]] = [[]]
+    room = share
+    for dst, buf, offset, nbytes in copies:
+        size = dst.element_size()
+        done = 0
+        while done < nbytes:
+            take = nbytes - done
+            if take > room and len(out) < parts:
+                take = room // COPY_ALIGN * COPY_ALIGN  # a multiple of any element size
+                if take == 0:
+                    out.append([])
+                    room = share
+                    continue
+            out[-1].append((dst[done // size:(done + take) // size], buf, offset + done, take))
+            done += take
+            room -= take
+    return out
+
+
+def _run_copies(copies: list[tuple]) -> None:
+    """Copy each ``(dst, buf, offset, nbytes)``: ``nbytes`` bytes at ``offset`` of the
+    buffer ``buf`` (a mapping) into ``dst`` as ``dst``'s dtype (:func:`.loading.copy_bytes`).
+    The views of ``buf`` exist only during the copy, so its mapping can be closed after."""
+    import torch
+
+    from dlrover_plugin_flashckpt.loading import copy_bytes
+
+    for dst, buf, offset, nbytes in copies:
+        src = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        copy_bytes(dst, src)
+        del src
+
+
 def _chunks(address: int, nbytes: int, offset: int) -> list[tuple[int, int, int]]:
     """``(address, nbytes, offset)`` of each ``CHUNK``-byte piece of a read."""
     return [(address + o, min(CHUNK, nbytes - o), offset + o) for o in range(0, nbytes, CHUNK)]
@@ -81,8 +151,7 @@ class ShardReader:
         path: the file. base: byte offset of the data area in it. pool: the threads to
             read in, shared with the other readers of one load (a reshard reads several
             ranks' buffers at once: one pool keeps it at :func:`reader_threads`
-            threads); the caller shuts it down. ``None``: the reader starts its own at
-            its first parallel read and shuts it down at :meth:`close`.
+            threads); the caller shuts it down. ``None``: :func:`shared_pool`.
     Raises:
         OSError: the file cannot be opened.
     """
@@ -91,18 +160,17 @@ class ShardReader:
         self.path = path
         self.base = base
         self.fd = os.open(path, os.O_RDONLY)
-        self._own_pool = pool is None
         self._pool: ThreadPoolExecutor | None = pool
         self._pending: list = []
+        self._copies: list[tuple] = []  # copy_from() not yet run (drain runs them)
         self._cuda_devices: set = set()  # devices with copies still in flight (drain waits)
 
     def close(self) -> None:
+        self._copies = []  # not run after an error (drain runs them on success)
         try:
             self.drain()
         except BaseException:  # noqa: BLE001 - closing after an error already raised
             pass
-        if self._pool is not None and self._own_pool:
-            self._pool.shutdown(wait=True)
         self._pool = None
         try:
             os.close(self.fd)
@@ -154,9 +222,9 @@ class ShardReader:
         self._read_parts(_chunks(address, nbytes, offset))
 
     def _executor(self) -> ThreadPoolExecutor:
-        """The reader's threads (started at the first parallel read)."""
+        """The reader's threads (the given pool, else :func:`shared_pool`)."""
         if self._pool is None:
-            self._pool = read_pool()
+            self._pool = shared_pool()
         return self._pool
 
     def _read_parts(self, parts: list[tuple[int, int, int]]) -> None:
@@ -200,11 +268,48 @@ class ShardReader:
         self._pending += [self._executor().submit(self._read_exact, *part)
                           for part in _chunks(dst.data_ptr(), nbytes, offset)]
 
-    def drain(self) -> None:
-        """Wait for the reads :meth:`submit` started and the copies to CUDA tensors;
-        raises the first error."""
-        pending, self._pending = self._pending, []
+    def copy_from(self, dst: torch.Tensor, buf: object, offset: int) -> None:
+        """Copy ``dst``'s bytes from ``buf`` at byte ``offset`` (a populated mapping of
+        the file, e.g. ``shm.Segment.mm``; absolute, not from :attr:`base`) into
+        ``dst`` (1-D, contiguous, CPU), as ``dst``'s dtype. Queued: :meth:`drain` runs
+        the queued copies split in equal byte ranges over the calling thread and the
+        reader's threads (one thread below :data:`COPY_PARALLEL_MIN` bytes in all)."""
+        nbytes = dst.numel() * dst.element_size()
+        if nbytes:
+            self._copies.append((dst, buf, offset, nbytes))
+
+    def _drain_copies(self) -> None:
+        copies, self._copies = self._copies, []
+        if not copies:
+            return
+        width = reader_threads()
+        if width == 1 or sum(c[3] for c in copies) < COPY_PARALLEL_MIN:
+            _run_copies(copies)
+            return
+        mine, *rest = _split_copies(copies, width)
+        futures = [self._executor().submit(_run_copies, part) for part in rest]
         err = None
+        try:
+            _run_copies(mine)
+        except BaseException as exc:  # noqa: BLE001 - wait for the others, then raise
+            err = exc
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - raise the first
+                err = err or exc
+        if err is not None:
+            raise err
+
+    def drain(self) -> None:
+        """Run the copies :meth:`copy_from` queued, wait for the reads :meth:`submit`
+        started and the copies to CUDA tensors; raises the first error."""
+        err = None
+        try:
+            self._drain_copies()
+        except BaseException as exc:  # noqa: BLE001 - wait for the reads, then raise
+            err = exc
+        pending, self._pending = self._pending, []
         for f in pending:
             try:
                 f.result()
