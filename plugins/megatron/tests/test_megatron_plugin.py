@@ -231,7 +231,10 @@ def test_disk_round_trip_bit_exact_and_tp2_loads_at_tp1(ray_cluster, tmp_path):
 
 
 @pytest.mark.parametrize("workload,saver,source", [
-    ("TPTrainer", "disk", "disk"), ("StackedTrainer", "disk", "disk"),
+    ("TPTrainer", "disk", "disk"),
+    # the same resize through another layout of the stack; slow: make test's lanes
+    # stay under 10 minutes on 2 cores (CI runs it)
+    pytest.param("StackedTrainer", "disk", "disk", marks=pytest.mark.slow),
     pytest.param("TPTrainer", "flash", "memory-resharded", marks=pytest.mark.slow)])
 def test_pp2_checkpoint_loads_at_pp1(ray_cluster, tmp_path, workload, saver, source):
     """Two pipeline stages of a 4-block model save: the first holds the embeddings and
