@@ -11,8 +11,9 @@ load start the reads of every tensor before it waits for them.
 
 A process that already holds a populated mapping of the buffer (its own saves went
 through it, or a standby premapped it) copies from the mapping instead
-(:meth:`ShardReader.copy_from`): the copies of one load are split in equal byte ranges
-over the calling thread and the reader's threads (``Tensor.copy_`` releases the GIL).
+(:meth:`ShardReader.copy_from`): the copies of one load are cut in pieces that the
+calling thread and the reader's threads take one at a time (``Tensor.copy_`` releases
+the GIL).
 Measured on this project's 2-CPU VM in a Ray actor (``OMP_NUM_THREADS=1``, 16 tensors
 from a ``/dev/shm`` mapping, medians of 25): 64 MiB in 5.6 ms on one thread, 4.5 ms on
 two; 512 MiB in 42.5 and 34.9 ms (a single-thread ``Tensor.copy_`` between private
@@ -21,6 +22,7 @@ tensors: 5.9 and 45.5 ms).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import os
@@ -43,8 +45,9 @@ PARALLEL_MIN = 64 << 20
 INLINE_MAX = 1 << 20
 #: copies of one load (copy_from) totalling less than this run in the calling thread
 COPY_PARALLEL_MIN = 4 << 20
-#: a copy_from() piece is cut at a multiple of this many bytes
-COPY_ALIGN = 64 << 10
+#: bytes per piece of a copy_from() that the threads take one at a time (a multiple of
+#: every dtype's element size)
+COPY_PIECE = 4 << 20
 
 
 class TornRead(RuntimeError):
@@ -100,31 +103,6 @@ def shared_pool() -> ThreadPoolExecutor:
         return _shared[1]
 
 
-def _split_copies(copies: list[tuple], parts: int) -> list[list[tuple]]:
-    """``copies`` (``(dst, buf, offset, nbytes)``: ``dst`` a 1-D contiguous tensor of
-    ``nbytes`` bytes) cut into ``parts`` lists of about equal bytes; a tensor is cut at
-    multiples of :data:`COPY_ALIGN` bytes and of its element size."""
-    total = sum(c[3] for c in copies)
-    share = -(-total // parts)
-    out: list[list[tuple]] = [[]]
-    room = share
-    for dst, buf, offset, nbytes in copies:
-        size = dst.element_size()
-        done = 0
-        while done < nbytes:
-            take = nbytes - done
-            if take > room and len(out) < parts:
-                take = room // COPY_ALIGN * COPY_ALIGN  # a multiple of any element size
-                if take == 0:
-                    out.append([])
-                    room = share
-                    continue
-            out[-1].append((dst[done // size:(done + take) // size], buf, offset + done, take))
-            done += take
-            room -= take
-    return out
-
-
 def _run_copies(copies: list[tuple]) -> None:
     """Copy each ``(dst, buf, offset, nbytes)``: ``nbytes`` bytes at ``offset`` of the
     buffer ``buf`` (a mapping) into ``dst`` as ``dst``'s dtype (:func:`.loading.copy_bytes`).
@@ -162,11 +140,20 @@ class ShardReader:
         self.fd = os.open(path, os.O_RDONLY)
         self._pool: ThreadPoolExecutor | None = pool
         self._pending: list = []
-        self._copies: list[tuple] = []  # copy_from() not yet run (drain runs them)
+        #: copy_from() pieces not taken yet, and the pool's tasks that take them
+        self._copies: collections.deque = collections.deque()
+        self._copiers: list = []
+        self._queued = 0  # bytes queued since the last drain
         self._cuda_devices: set = set()  # devices with copies still in flight (drain waits)
 
     def close(self) -> None:
-        self._copies = []  # not run after an error (drain runs them on success)
+        self._copies.clear()  # not run after an error (drain runs them on success)
+        for f in self._copiers:  # a copier may still hold a view of the mapping
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 - closing after an error already raised
+                pass
+        self._copiers = []
         try:
             self.drain()
         except BaseException:  # noqa: BLE001 - closing after an error already raised
@@ -271,29 +258,47 @@ class ShardReader:
     def copy_from(self, dst: torch.Tensor, buf: object, offset: int) -> None:
         """Copy ``dst``'s bytes from ``buf`` at byte ``offset`` (a populated mapping of
         the file, e.g. ``shm.Segment.mm``; absolute, not from :attr:`base`) into
-        ``dst`` (1-D, contiguous, CPU), as ``dst``'s dtype. Queued: :meth:`drain` runs
-        the queued copies split in equal byte ranges over the calling thread and the
-        reader's threads (one thread below :data:`COPY_PARALLEL_MIN` bytes in all)."""
+        ``dst`` (1-D, contiguous, CPU), as ``dst``'s dtype. Queued in pieces of
+        :data:`COPY_PIECE` bytes: once :data:`COPY_PARALLEL_MIN` bytes are queued, the
+        reader's threads start taking pieces while the caller queues more; :meth:`drain`
+        takes the rest in the calling thread too and waits for all."""
         nbytes = dst.numel() * dst.element_size()
-        if nbytes:
-            self._copies.append((dst, buf, offset, nbytes))
+        size = dst.element_size()
+        for o in range(0, nbytes, COPY_PIECE):
+            n = min(COPY_PIECE, nbytes - o)
+            self._copies.append((dst[o // size:(o + n) // size], buf, offset + o, n))
+        self._queued += nbytes
+        if self._queued >= COPY_PARALLEL_MIN:
+            self._start_copiers()
+
+    def _start_copiers(self) -> None:
+        """Keep ``reader_threads() - 1`` pool tasks taking queued pieces."""
+        running = sum(not f.done() for f in self._copiers)
+        for _ in range(reader_threads() - 1 - running):
+            self._copiers.append(self._executor().submit(self._copy_queued))
+
+    def _copy_queued(self) -> None:
+        """Copy queued pieces, one at a time, until none is left (``deque.popleft``
+        hands each piece to one thread)."""
+        while True:
+            try:
+                piece = self._copies.popleft()
+            except IndexError:
+                return
+            _run_copies([piece])
 
     def _drain_copies(self) -> None:
-        copies, self._copies = self._copies, []
-        if not copies:
-            return
-        width = reader_threads()
-        if width == 1 or sum(c[3] for c in copies) < COPY_PARALLEL_MIN:
-            _run_copies(copies)
-            return
-        mine, *rest = _split_copies(copies, width)
-        futures = [self._executor().submit(_run_copies, part) for part in rest]
+        if self._queued >= COPY_PARALLEL_MIN and self._copies:
+            self._start_copiers()
+        self._queued = 0
         err = None
         try:
-            _run_copies(mine)
-        except BaseException as exc:  # noqa: BLE001 - wait for the others, then raise
+            self._copy_queued()
+        except BaseException as exc:  # noqa: BLE001 - stop the others, wait, then raise
+            self._copies.clear()
             err = exc
-        for f in futures:
+        copiers, self._copiers = self._copiers, []
+        for f in copiers:
             try:
                 f.result()
             except BaseException as exc:  # noqa: BLE001 - raise the first

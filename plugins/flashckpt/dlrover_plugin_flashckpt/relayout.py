@@ -42,12 +42,15 @@ class Relayout:
         self.rank, self.world_size = rank, world_size
         self._all_ok = all_ok
 
-    def node_saves(self) -> dict[int, dict[tuple[int, str], dict[int, str]]]:
-        """Complete saves in this node's buffers of :attr:`dir`, of any world size:
-        ``{saved world size: {(step, attempt tag): {saved rank: buffer path}}}`` (saves
-        that every saved rank of one attempt holds here). The buffers are the ranks' own
-        slots and the replicas this node holds for a peer (``replicas: 1``), so a job
-        that lost a node and comes back smaller on the survivor restores from memory."""
+    def node_saves(self, skip_world: int | None = None
+                   ) -> dict[int, dict[tuple[int, str], dict[int, str]]]:
+        """Complete saves in this node's buffers of :attr:`dir`, of any world size but
+        ``skip_world``: ``{saved world size: {(step, attempt tag): {saved rank: buffer
+        path}}}`` (saves that every saved rank of one attempt holds here). The buffers
+        are the ranks' own slots and the replicas this node holds for a peer
+        (``replicas: 1``), so a job that lost a node and comes back smaller on the
+        survivor restores from memory. A buffer of ``skip_world`` is left at its header
+        (its meta block, which names the attempt, is not read)."""
         holder = ""
         try:
             import ray
@@ -63,7 +66,7 @@ class Relayout:
 
         found: dict[int, dict[tuple[int, str], dict[int, tuple[int, str]]]] = {}
         for path, h in folder_buffers(self.shm_dir, self.job, self.dir, here):
-            if not shm.holds_step(h):
+            if not shm.holds_step(h) or h.world_size == skip_world:
                 continue
             key = (h.step, buffer_tag_at(path, h))
             ranks = found.setdefault(h.world_size, {}).setdefault(key, {})
@@ -78,7 +81,7 @@ class Relayout:
         ``(saved world size, {(step, attempt tag): {saved rank: buffer path}})`` of the
         world size with the newest step (0 and ``{}`` when none)."""
         best: tuple[int, dict[tuple[int, str], dict[int, str]]] = (0, {})
-        for world, full in self.node_saves().items():
+        for world, full in self.node_saves(skip_world=self.world_size).items():
             if world != self.world_size and (not best[1] or max(full) > max(best[1])):
                 best = (world, full)
         return best

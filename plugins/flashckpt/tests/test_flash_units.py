@@ -311,49 +311,39 @@ def test_shard_reader_reads_into_live_tensors_in_place(tmp_path):
 
 
 def test_copies_from_a_mapping_split_over_threads_are_bit_for_bit(tmp_path, monkeypatch):
-    """A warm load's copies (copy_from) are cut in equal byte ranges over the calling
-    thread and the reader's threads; every byte lands once, as the tensor's own dtype
-    (NaN payloads kept), and the mapping can be closed after drain()."""
+    """A warm load's copies (copy_from) are cut in pieces that the calling thread and
+    the reader's threads take; every byte lands once, as the tensor's own dtype (NaN
+    payloads kept), and the mapping can be closed after drain()."""
     import mmap
 
     from dlrover_plugin_flashckpt import reader
-    from dlrover_plugin_flashckpt.reader import COPY_ALIGN, ShardReader, _split_copies
+    from dlrover_plugin_flashckpt.reader import COPY_PIECE, ShardReader
 
-    monkeypatch.setattr(reader, "reader_threads", lambda: 3)  # 3 parts even on 1 core
+    monkeypatch.setattr(reader, "reader_threads", lambda: 3)  # 2 copiers even on 1 core
     g = torch.Generator().manual_seed(1)
-    srcs = [torch.randn(5 * COPY_ALIGN // 4 + 3, generator=g),           # float32
-            torch.randint(-9, 9, (COPY_ALIGN // 8 * 7 + 1,), generator=g),  # int64
+    srcs = [torch.randn(5 * COPY_PIECE // 4 + 3, generator=g),             # float32
+            torch.randint(-9, 9, (COPY_PIECE // 8 * 3 + 1,), generator=g),  # int64
             torch.randn(1001, generator=g).to(torch.bfloat16),
             torch.arange(333, dtype=torch.uint8),
             torch.empty(0),
-            torch.full((3 * COPY_ALIGN,), float("nan")).view(torch.int32).add_(7)
-            .view(torch.float32)]                                         # NaN payloads
+            torch.full((3 * COPY_PIECE // 4,), float("nan")).view(torch.int32).add_(7)
+            .view(torch.float32)]                                           # NaN payloads
     blob = b"".join(s.view(torch.uint8).numpy().tobytes() for s in srcs)
     path = tmp_path / "buf"
     path.write_bytes(b"\1" * 4096 + blob)
     dsts = [torch.zeros_like(s) for s in srcs]
     with open(path, "r+b") as f:
         mm = mmap.mmap(f.fileno(), 0)
-    pieces = []
     with ShardReader(str(path)) as rd:
         off = 4096
         for d in dsts:
             rd.copy_from(d, mm, off)
             off += d.numel() * d.element_size()
-        queued = list(rd._copies)
-        pieces = _split_copies(queued, 3)
+        assert len(rd._copiers) >= 2  # the pool's copiers started as the pieces came
         rd.drain()
     mm.close()  # no view of the mapping is left
     for d, s in zip(dsts, srcs):
         assert torch.equal(d.view(torch.uint8), s.view(torch.uint8))
-    # the split: 3 parts of about equal bytes covering each copy's bytes once, in order
-    total = sum(c[3] for c in queued)
-    assert len(pieces) == 3
-    sizes = [sum(p[3] for p in part) for part in pieces]
-    assert sum(sizes) == total and max(sizes) - min(sizes) <= 3 * COPY_ALIGN, sizes  # one cut per part
-    flat = [p for part in pieces for p in part]
-    assert [p[2] for p in flat] == sorted(p[2] for p in flat)
-    assert all(a[2] + a[3] == b[2] for a, b in zip(flat, flat[1:]))
 
 
 def test_a_failed_copy_from_a_mapping_raises_at_drain(tmp_path):
@@ -361,7 +351,7 @@ def test_a_failed_copy_from_a_mapping_raises_at_drain(tmp_path):
 
     from dlrover_plugin_flashckpt.reader import COPY_PARALLEL_MIN, ShardReader
 
-    path = tmp_path / "buf"
+    path = tmp_path / "buf"  # the second copy reads past its end
     path.write_bytes(b"\0" * COPY_PARALLEL_MIN)
     with open(path, "r+b") as f:
         mm = mmap.mmap(f.fileno(), 0)
