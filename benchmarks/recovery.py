@@ -287,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--runs={args.runs}; allowed: an integer >= 1")
     if args.backend not in ("fsdp", "ddp"):
         ap.error(f"--backend={args.backend!r}; allowed: fsdp, ddp")
+    if not args.skip_raytrain:  # before any run, not after the first one
+        try:
+            import ray.train.torch  # noqa: F401
+        except ImportError as exc:
+            ap.error(f"the Ray Train baseline needs ray[train], which is not installed "
+                     f"({exc}): .venv/bin/pip install \"ray[train]==2.60.0\", or "
+                     "--skip-raytrain")
     import ray
 
     runs = []
