@@ -262,6 +262,7 @@ def _live_spare_groups(job: str) -> dict[str, str]:
             if v["name"].startswith(f"dlrover-{job}-trainer-spare-") and v["state"] != "REMOVED"}
 
 
+@pytest.mark.slow  # 15 s: make test's lanes stay under 10 minutes on 2 cores (CI runs it)
 def test_a_restarted_master_removes_the_spare_group_of_the_one_before(ray_cluster, job_dir):
     """Found by the elastic chaos run (seed 15): each master restart left the killed
     master's spare placement group (detached; only its actor was killed), one more per

@@ -103,13 +103,30 @@ def shared_pool() -> ThreadPoolExecutor:
         return _shared[1]
 
 
-def _run_copies(copies: list[tuple]) -> None:
-    """Copy each ``(dst, buf, offset, nbytes)``: ``nbytes`` bytes at ``offset`` of the
-    buffer ``buf`` (a mapping) into ``dst`` as ``dst``'s dtype (:func:`.loading.copy_bytes`).
-    The views of ``buf`` exist only during the copy, so its mapping can be closed after."""
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` (a 1-D ``uint8`` tensor of ``dst``'s bytes, e.g. over a shared-memory
+    mapping) into ``dst`` (1-D, contiguous) bit for bit, as ``dst``'s dtype where its
+    element size divides the bytes: measured on this project's 2-CPU VM, 16 tensors of
+    4 MiB copied from a ``/dev/shm`` mapping took 3.6-3.7 ms as ``float32`` (a
+    ``Tensor.copy_`` between tensors: 3.7 ms) and 4.1-4.3 ms as ``uint8``. A copy
+    between tensors of one dtype converts nothing (NaN payloads included)."""
     import torch
 
-    from dlrover_plugin_flashckpt.loading import copy_bytes
+    size = dst.element_size()
+    if size > 1 and src.numel() % size == 0:
+        try:
+            dst.copy_(src.view(dst.dtype))
+            return
+        except RuntimeError:  # a dtype whose bytes cannot be viewed so
+            pass
+    dst.view(torch.uint8).copy_(src)
+
+
+def _run_copies(copies: list[tuple]) -> None:
+    """Copy each ``(dst, buf, offset, nbytes)``: ``nbytes`` bytes at ``offset`` of the
+    buffer ``buf`` (a mapping) into ``dst`` as ``dst``'s dtype (:func:`copy_bytes`).
+    The views of ``buf`` exist only during the copy, so its mapping can be closed after."""
+    import torch
 
     for dst, buf, offset, nbytes in copies:
         src = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)

@@ -145,6 +145,13 @@ class SlotPool:
         if data_bytes < 0 or meta_bytes < 0:
             raise ValueError(f"reserve({data_bytes}, {meta_bytes}): sizes are bytes >= 0")
         self.wait_reserved()
+        if not grow and self._all_in_place(int(data_bytes), int(meta_bytes)):
+            # what _reserve_all would find (a survivor's load in place): no thread woken
+            self.last_reserve = {"data_bytes": int(data_bytes), "meta_bytes": int(meta_bytes),
+                                 "seconds": 0.0}
+            done: Future = Future()
+            done.set_result(None)
+            return done
         fut = self._bg.submit(self._reserve_all, int(data_bytes), int(meta_bytes), grow)
         self._reserving, self.growing = fut, grow
         if wait:
@@ -156,6 +163,17 @@ class SlotPool:
         fresh optimizer creates at its first step (:func:`capacity.estimate`)."""
         data, meta = capacity.estimate(state_dict)
         return self.reserve(data, max(META_MIN, 2 * meta), wait)
+
+    def _all_in_place(self, data: int, meta: int) -> bool:
+        """Whether every slot is mapped with its page tables filled and fits ``data`` +
+        ``meta`` bytes (:meth:`ensure` would keep each as it is)."""
+        with self.lock:
+            for i in range(self.opts.slots):
+                seg = self.segs[i]
+                if seg is None or not seg.populated or seg.replaced() \
+                        or not self.fits(seg, data, meta):
+                    return False
+        return True
 
     def _reserve_all(self, data: int, meta: int, grow: bool = False) -> None:
         t0 = time.perf_counter()

@@ -77,6 +77,26 @@ def test_slot_pool_lays_out_its_buffers_and_claims_a_slot(rank0):
     assert pool.segs[slot].read_header().state == before.state
 
 
+def test_a_reservation_that_finds_every_slot_in_place_wakes_no_thread(rank0):
+    """A survivor's load in place reserves for the state it had: every slot is mapped,
+    populated and fits, so nothing runs in the background; a larger state does."""
+    pool = rank0["pool"]
+    pool.reserve(8192, wait=True)
+    assert all(pool.segs[i].populated for i in range(2))
+    ran = []
+    real = pool._reserve_all
+    pool._reserve_all = lambda *a: (ran.append(a), real(*a))[1]
+    fut = pool.reserve(4096)
+    assert fut.done() and ran == [] and pool.last_reserve["seconds"] == 0.0
+    inodes = [pool.segs[i].inode for i in range(2)]
+    pool.reserve(1 << 20, wait=True)  # outgrows them: laid out again in the background
+    assert len(ran) == 1 and pool.last_reserve["data_bytes"] == 1 << 20
+    assert [pool.segs[i].inode for i in range(2)] != inodes
+    os.unlink(pool.paths[0])  # a slot's file gone: the background thread sees to it
+    pool.reserve(1 << 20, wait=True)
+    assert len(ran) == 2 and os.path.exists(pool.paths[0])
+
+
 def test_slot_pool_skips_a_save_when_every_slot_waits_for_the_disk(rank0):
     assert write(rank0, 1) is not None and write(rank0, 2) is not None
     assert write(rank0, 3, due=False) is None  # both hold a due step not persisted
@@ -326,10 +346,10 @@ def test_loop_thread_runs_its_loop_when_woken_and_ends():
 
 
 def test_copy_bytes_is_bit_for_bit_for_every_dtype():
-    """The warm load's copy from a mapping (``loading.copy_bytes``) views the bytes as the
+    """The warm load's copy from a mapping (``reader.copy_bytes``) views the bytes as the
     destination's dtype where it can: it must still copy bits, not values (a NaN's
     payload, -0.0, bool bytes)."""
-    from dlrover_plugin_flashckpt.loading import copy_bytes
+    from dlrover_plugin_flashckpt.reader import copy_bytes
 
     nan_payload = torch.tensor([0x7FC01234, -0x80000000, 0x7F800001], dtype=torch.int32)
     cases = [nan_payload.view(torch.float32), torch.randn(33, dtype=torch.float64),
