@@ -17,7 +17,9 @@ the GIL).
 Measured on this project's 2-CPU VM in a Ray actor (``OMP_NUM_THREADS=1``, 16 tensors
 from a ``/dev/shm`` mapping, medians of 25): 64 MiB in 5.6 ms on one thread, 4.5 ms on
 two; 512 MiB in 42.5 and 34.9 ms (a single-thread ``Tensor.copy_`` between private
-tensors: 5.9 and 45.5 ms).
+tensors: 5.9 and 45.5 ms). Where one thread already copies at the memory's speed (the
+flash benchmark's loads at 512 MiB on that VM) the second adds nothing
+(docs/flash-checkpoint.md, issue 55's figures).
 """
 
 from __future__ import annotations

@@ -151,6 +151,7 @@ class SlotPool:
                                  "seconds": 0.0}
             done: Future = Future()
             done.set_result(None)
+            self.growing = False
             return done
         fut = self._bg.submit(self._reserve_all, int(data_bytes), int(meta_bytes), grow)
         self._reserving, self.growing = fut, grow
