@@ -183,6 +183,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow  # 11 s: make test's lanes stay under 10 minutes on 2 cores (CI runs it)
 def test_a_job_detached_by_ctrl_c_keeps_its_directories_locked(ray_cluster, tmp_path):
     """Issue 28 item 4: a real ``dlrover submit`` joined to the test's cluster, sent
     SIGINT while the job runs, detaches; the job's directories stay locked (by the

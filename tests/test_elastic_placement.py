@@ -10,6 +10,7 @@ real job on a several-node cluster."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -49,12 +50,31 @@ def _manager(total: int):
                                      [], lambda: None, made=[])
     standby = SimpleNamespace(kept_out={}, drop=lambda: None, ensure=lambda: None,
                               forget_slots=lambda: None)
+    _settled()
     return ElasticManager(scope, la, standby), la, log
+
+
+def _settled(timeout_s: float = 10.0) -> None:
+    """Wait until Ray's view of the free CPUs (what ``node_slots`` reads) shows every
+    placement group created or removed so far: it lags ``pg.ready()`` by a resource
+    report (make test once counted 4 free CPUs right after a group had taken 2). No
+    actor holds CPUs in these tests, so free = total - what CREATED groups hold."""
+    from ray._private.state import available_resources_per_node
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = sum(b.get("CPU", 0.0) for pg in ray.util.placement_group_table().values()
+                   if pg["state"] == "CREATED" for b in pg["bundles"].values())
+        free = sum(n.get("CPU", 0.0) for n in available_resources_per_node().values())
+        if abs(free - (ray.cluster_resources().get("CPU", 0.0) - held)) < 1e-6:
+            return
+        time.sleep(0.05)
 
 
 def _hold(cpus: float):
     pg = placement_group([{"CPU": cpus}])
     ray.get(pg.ready(), timeout=30)
+    _settled()
     return pg
 
 

@@ -197,6 +197,7 @@ def test_two_ranks_never_mix_the_saves_of_two_attempts(job, tmp_path):
     hygiene.remove_job("/dev/shm", job)
 
 
+@pytest.mark.slow  # 14 s: make test's lanes stay under 10 minutes on 2 cores (CI runs it)
 def test_ranks_without_a_group_choose_from_rank_zeros_listing(job, tmp_path):
     """Item 4: a commit lands between two ranks' listings of the directory (the old
     incarnation's persister, a stale NFS directory cache). Rank 0 listed 100 only, rank

@@ -70,6 +70,7 @@ def test_grpo_collocated_roles_share_bundles_and_data_skips_the_driver(ray_clust
     assert driver not in set().union(*seen.values())
 
 
+@pytest.mark.slow  # 15 s: make test's lanes stay under 10 minutes on 2 cores (CI runs it)
 def test_ppo_separated_roles_get_their_own_placement_groups(ray_cluster, job_dir, tmp_path):
     job = (RLJobBuilder("ppo").name("ppo-separate")
            .rl(iterations=10, evaluate=True, epochs=2, minibatches=2)
