@@ -100,8 +100,7 @@ def shared_pool() -> ThreadPoolExecutor:
     global _shared
     with _shared_lock:
         if _shared is None or _shared[0] != os.getpid():
-            _shared = (os.getpid(), ThreadPoolExecutor(reader_threads(),
-                                                       thread_name_prefix="flash-read"))
+            _shared = (os.getpid(), read_pool())
         return _shared[1]
 
 
@@ -124,16 +123,15 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.view(torch.uint8).copy_(src)
 
 
-def _run_copies(copies: list[tuple]) -> None:
-    """Copy each ``(dst, buf, offset, nbytes)``: ``nbytes`` bytes at ``offset`` of the
-    buffer ``buf`` (a mapping) into ``dst`` as ``dst``'s dtype (:func:`copy_bytes`).
-    The views of ``buf`` exist only during the copy, so its mapping can be closed after."""
+def _copy_piece(dst: torch.Tensor, buf: object, offset: int, nbytes: int) -> None:
+    """Copy ``nbytes`` bytes at ``offset`` of the buffer ``buf`` (a mapping) into ``dst``
+    as ``dst``'s dtype (:func:`copy_bytes`). The view of ``buf`` exists only during the
+    copy, so its mapping can be closed after."""
     import torch
 
-    for dst, buf, offset, nbytes in copies:
-        src = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-        copy_bytes(dst, src)
-        del src
+    src = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    copy_bytes(dst, src)
+    del src
 
 
 def _chunks(address: int, nbytes: int, offset: int) -> list[tuple[int, int, int]]:
@@ -304,7 +302,7 @@ class ShardReader:
                 piece = self._copies.popleft()
             except IndexError:
                 return
-            _run_copies([piece])
+            _copy_piece(*piece)
 
     def _drain_copies(self) -> None:
         if self._queued >= COPY_PARALLEL_MIN and self._copies:
