@@ -1,12 +1,11 @@
 # make setup: Debian packages the tests need, then .venv with torch==2.13.0 (first),
 #             the core and every plugin (editable, with its `test` extra)
 # make demo:  the nanoGPT pre-training job on the Python reference manual
-# make test:  every test suite, core and each plugin, in two lanes at once, without the
-#             tests marked `slow` (scripts/run_tests.py: the core's and FAST_LANE1_PLUGINS
-#             in one lane, the other plugins' in the other)
-# make test SLOW=1: every test (what .ci/run runs): the core's slow tests and
-#             LANE1_PLUGINS in one lane, the core's other tests and the other plugins in
-#             the other
+# make test:  every test suite, core and each plugin, two at a time, without the tests
+#             marked `slow` (scripts/run_tests.py: one queue of suites, the core's first,
+#             then the plugins in PLUGIN_ORDER; each lane takes the next when it is free)
+# make test SLOW=1: every test (what .ci/run runs): the same queue with the core's slow
+#             tests as SLOW_CHUNKS more suites after its other tests
 # make gpu-check: first the node check's probes on this machine's GPUs (every GPU's
 #             bf16 batched matmul, an all-gather per GPU pair; on a machine without CUDA
 #             the CPU path; one JSON line: python -m dlrover_core.runtime.node_probe), then
@@ -37,13 +36,14 @@ SETUP_LOG := $(VENV)/setup.log
 PYTEST_ARGS ?=
 # SLOW=1: make test also runs the tests marked `slow` (long scenarios); .ci/run sets it
 SLOW ?=
-# with SLOW=1, the plugins that run beside the core's slow tests (the CI run of 55aa558:
-# core slow 3596 s, then fsdp, multimodal, ppo, sft 549 s: lane 1 ended ~1700 s after
-# lane 2; with multimodal and ppo moved to lane 2 the lanes are about 3660 s and 2900 s)
-LANE1_PLUGINS ?= sft fsdp
-# without SLOW=1, the plugins that run after the core's tests in lane 1 (a run here: core
-# 549 s; plugins 627 s, of which deepspeed, fsdp and sft 53 s)
-FAST_LANE1_PLUGINS ?= deepspeed fsdp sft
+# the plugins' suites, the longest first: their place in make test's queue (after any
+# plugin not named here; scripts/run_tests.py). A run here without SLOW=1: flashckpt 183 s,
+# odl 130, ppo 85, megatron 77, multimodal 58, fsdp 52, deepspeed 24, sft 2; with SLOW=1
+# flashckpt and megatron take longest
+PLUGIN_ORDER ?= flashckpt megatron odl ppo multimodal fsdp deepspeed sft
+# with SLOW=1, the core's slow tests run as this many suites (whole files in each), so
+# that both lanes share them
+SLOW_CHUNKS ?= 8
 NODES ?= 2
 CPUS ?= 2
 GCS_FT ?=
@@ -74,8 +74,8 @@ demo: setup
 	$(BIN)/dlrover submit examples/nanogpt/job.yaml
 
 test: setup
-	SLOW=$(SLOW) $(BIN)/python scripts/run_tests.py --plugins "$(PLUGINS)" --lane1 "$(LANE1_PLUGINS)" \
-	  --lane1-fast "$(FAST_LANE1_PLUGINS)" -- $(PYTEST_ARGS)
+	SLOW=$(SLOW) $(BIN)/python scripts/run_tests.py --plugins "$(PLUGINS)" --order "$(PLUGIN_ORDER)" \
+	  --slow-chunks $(SLOW_CHUNKS) -- $(PYTEST_ARGS)
 
 cluster-up: setup
 	$(BIN)/dlrover cluster up --nodes $(NODES) --cpus-per-node $(CPUS) $(if $(GCS_FT),--gcs-ft)

@@ -1,23 +1,31 @@
-"""`make test`: every test suite (the core's and each plugin's), in two lanes at once.
+"""`make test`: every test suite (the core's and each plugin's), two at a time.
 
 Run one after another, the suites leave a 2-core machine about 40 % idle (they mostly
-wait for processes, Ray actors and clusters to start), so two lanes take about two thirds
-of the time. Every suite runs, even after one failed; the exit status is 1 when any
-failed.
+wait for processes, Ray actors and clusters to start), so two at once take about two
+thirds of the time. Every suite runs, even after one failed; the exit status is 1 when
+any failed.
 
-    [SLOW=1] python scripts/run_tests.py --plugins "PLUGIN_DIRS" --lane1 "NAMES" [-- PYTEST_ARGS...]
+    [SLOW=1] python scripts/run_tests.py --plugins "PLUGIN_DIRS" [--order "NAMES"] [-- PYTEST_ARGS...]
 
+The suites form one queue, longest first as far as known, and two lanes each take the
+next suite from it whenever they are free (Graham's list scheduling: the lanes end at
+most one suite's length apart, whatever the machine's speed; fixed lanes drifted apart
+as suites grew). The queue: the core's tests, then the plugins, those named in
+``--order`` in that order (the longest first) after any plugin it does not name (a new
+plugin starts early, its length unknown).
 Without SLOW=1 (`make test`), the tests marked `slow` (long scenarios: multi-node
-clusters, restarts, the full examples) are left out of every suite: lane 1 runs the
-core's tests, then the plugins named in ``--lane1-fast``, lane 2 every other plugin's.
-With SLOW=1 (`make test SLOW=1`, what .ci/run
-runs), every test runs: lane 1 the core's slow tests, then the plugins named in
-``--lane1``; lane 2 the core's other tests, then every other plugin (a new plugin goes
-here). Each suite's log ends with its 15 slowest tests (``--durations=15``).
+clusters, restarts, the full examples) are left out of every suite. With SLOW=1
+(`make test SLOW=1`, what .ci/run runs), every test runs: the core's tests not marked
+slow, then its slow tests in ``--slow-chunks`` suites of whole test files (a Ray
+cluster a module shares stays in one process; files dealt out by their count of slow
+tests, the largest first, to the chunk with the fewest; run as one suite in a lane of
+their own, they made that lane end ever later than the other), then the plugins. Each suite's log ends with
+its 15 slowest tests (``--durations=15``).
 
 Each suite's output goes to a log under ``--logs`` (default ``.test-logs/``, replaced by
-each run), printed whole when both lanes end; while a suite runs, its pytest progress
-(percent done, failures so far) is printed every ``--progress-s`` seconds.
+each run; ``NN-name.log``, NN its place in the queue), printed whole when the lanes
+end; while a suite runs, its pytest progress (percent done, failures so far) is printed
+every ``--progress-s`` seconds.
 
 Ctrl-C (SIGINT), SIGTERM or SIGHUP stops the run: every running suite gets SIGINT in its
 own process group (pytest stops and runs its fixtures' teardown, which shuts its Ray
@@ -85,7 +93,8 @@ class Runner:
         self.progress_s, self.grace_s = progress_s, grace_s
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.suites: list[Suite] = []
+        self.suites: list[Suite] = []  # the queue, in order
+        self.taken = 0  # how many of it a lane has taken
         self.signum: int | None = None
 
     def say(self, text: str) -> None:
@@ -127,10 +136,14 @@ class Runner:
         tail = _last_line(s.log)
         self.say(f"== {s.name}: {s.state} after {s.seconds:.0f} s: {tail}")
 
-    def lane(self, suites: list[Suite]) -> None:
-        for s in suites:
-            if self.stop.is_set():
-                return
+    def lane(self) -> None:
+        """Run the next suite of the queue nobody took, until none is left or a stop."""
+        while True:
+            with self.lock:
+                if self.stop.is_set() or self.taken >= len(self.suites):
+                    return
+                s = self.suites[self.taken]
+                self.taken += 1
             self.run_suite(s)
 
     def interrupt(self, signum, _frame) -> None:
@@ -174,36 +187,80 @@ def _last_line(path: str) -> str:
         return "(no log)"
 
 
-def plan(logs: str, core: str, plugins: list[str], lane1: set[str], slow: bool,
-         extra: list[str], lane1_fast: set[str] = frozenset()) -> tuple[list[Suite], list[Suite]]:
-    """The suites of lane 1 and lane 2 (see the module docstring); without ``slow`` the
-    plugins named in ``lane1_fast`` run in lane 1 after the core's tests."""
-    lanes: tuple[list[Suite], list[Suite]] = ([], [])
+def slow_files(py: str, core: str, extra: list[str]) -> dict[str, int] | None:
+    """``{test file: its count of tests marked slow}`` of the core's suite, from pytest's
+    own collection (``--collect-only -m slow``, in a child: the runner imports no test);
+    None when a file pytest names cannot be found (the caller then runs the slow tests as
+    one suite)."""
+    r = subprocess.run([py, "-m", "pytest", "-q", "--collect-only", "-m", "slow", core, *extra],
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    counts: dict[str, int] = {}
+    for line in r.stdout.splitlines():
+        if "::" not in line:
+            continue
+        f = line.split("::", 1)[0]
+        # a node id is relative to pytest's rootdir: here (an ini file in the working
+        # directory) or the core's directory (none)
+        path = next((c for c in (f, os.path.join(core, f)) if os.path.isfile(c)), None)
+        if path is None:
+            return None
+        counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def deal(counts: dict[str, int], chunks: int) -> list[list[str]]:
+    """Test files dealt into at most ``chunks`` groups: the file with the most tests first,
+    each to the group with the fewest so far (Graham's longest-processing-time rule, with
+    the count of tests for a file's length); the groups largest first, empty ones left
+    out, each group's files sorted."""
+    groups: list[tuple[int, list[str]]] = [(0, []) for _ in range(max(1, chunks))]
+    for f in sorted(counts, key=lambda f: (-counts[f], f)):
+        i = min(range(len(groups)), key=lambda i: (groups[i][0], i))
+        groups[i] = (groups[i][0] + counts[f], [*groups[i][1], f])
+    return [sorted(fs) for n, fs in sorted(groups, key=lambda g: -g[0]) if fs]
+
+
+def plan(logs: str, core: str, plugins: list[str], slow: bool, extra: list[str],
+         order: list[str] = (), slow_chunks: int = 8, py: str = sys.executable) -> list[Suite]:
+    """The queue of suites (see the module docstring)."""
     only = [] if slow else ["-m", "not slow"]
-    # each log then says where the time went (CI's lanes are near 90 minutes; `make
+    # each log then says where the time went (CI's run is near its 90 minutes; `make
     # test`'s near its 10)
     extra = ["--durations=15", *extra]
+    queue: list[tuple[str, str, list[str]]] = []  # (name, log's stem, pytest args)
     if slow:
-        lanes[0].append(Suite("core (slow)", f"{logs}/1-core.log", [core, "-m", "slow", *extra]))
-        lanes[1].append(Suite("core", f"{logs}/2-core.log", [core, "-m", "not slow", *extra]))
+        queue.append(("core", "core", [core, "-m", "not slow", *extra]))
+        counts = slow_files(py, core, extra)
+        groups = deal(counts, slow_chunks) if counts is not None else [[core]]
+        for i, files in enumerate(groups, 1):
+            name = f"core (slow {i}/{len(groups)})" if len(groups) > 1 else "core (slow)"
+            queue.append((name, f"core-slow-{i}", [*files, "-m", "slow", *extra]))
     else:
-        lanes[0].append(Suite("core", f"{logs}/1-core.log", [core, *only, *extra]))
-    for p in plugins:
+        queue.append(("core", "core", [core, *only, *extra]))
+
+    def rank(p: str) -> tuple[int, int]:
+        name = os.path.basename(p.rstrip("/"))
+        return (1, order.index(name)) if name in order else (0, 0)
+
+    for p in sorted(plugins, key=rank):  # stable: unnamed plugins keep their order
         p = p.rstrip("/") + "/"
         name = os.path.basename(p.rstrip("/"))
-        n = 1 if (name in lane1 if slow else name in lane1_fast) else 2
-        args = [f"{p}tests", "--rootdir", p, "-c", f"{p}pyproject.toml", *only, *extra]
-        lanes[n - 1].append(Suite(p, f"{logs}/{n}-{name}.log", args))
-    return lanes
+        queue.append((p, name, [f"{p}tests", "--rootdir", p, "-c", f"{p}pyproject.toml",
+                                *only, *extra]))
+    return [Suite(name, f"{logs}/{i:02d}-{stem}.log", args)
+            for i, (name, stem, args) in enumerate(queue, 1)]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
     ap.add_argument("--plugins", default="", help="plugin directories, space-separated")
-    ap.add_argument("--lane1", default="", help="with SLOW=1: plugins run in lane 1")
-    ap.add_argument("--lane1-fast", default="",
-                    help="without SLOW=1: plugins run in lane 1 after the core's tests")
+    ap.add_argument("--order", default="",
+                    help="plugin names, space-separated, the longest suite first: their "
+                         "place in the queue, after the plugins not named")
+    ap.add_argument("--slow-chunks", type=int, default=8,
+                    help="with SLOW=1: the core's slow tests run as this many suites")
+    ap.add_argument("--lanes", type=int, default=2, help="suites run at once")
     ap.add_argument("--core", default="tests", help="the core's test directory")
     ap.add_argument("--logs", default=".test-logs", help="where each suite's log goes")
     ap.add_argument("--progress-s", type=float, default=30.0,
@@ -215,14 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     slow = os.environ.get("SLOW", "") == "1"
     shutil.rmtree(a.logs, ignore_errors=True)
     os.makedirs(a.logs)
-    lanes = plan(a.logs, a.core, a.plugins.split(), set(a.lane1.split()), slow, a.pytest_args,
-                 set(a.lane1_fast.split()))
+    if a.lanes < 1 or a.slow_chunks < 1:
+        ap.error(f"--lanes ({a.lanes}) and --slow-chunks ({a.slow_chunks}) must be 1 or more")
+    t0 = time.monotonic()
     r = Runner(a.python, a.logs, a.progress_s, a.grace_s)
-    r.suites = lanes[0] + lanes[1]
+    r.suites = plan(a.logs, a.core, a.plugins.split(), slow, a.pytest_args, a.order.split(),
+                    a.slow_chunks, a.python)
+    print(f"== {len(r.suites)} suites, {a.lanes} at a time: "
+          + ", ".join(s.name for s in r.suites), flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, r.interrupt)
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=r.lane, args=(lane,)) for lane in lanes]
+    threads = [threading.Thread(target=r.lane) for _ in range(a.lanes)]
     for t in threads:
         t.start()
     for t in threads:
@@ -240,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"================ {os.path.basename(s.log)[:-4]}")
         with open(s.log, errors="replace") as f:
             sys.stdout.write(f.read())
-    print(f"both lanes ended after {elapsed:.0f} s")
+    print(f"the lanes ended after {elapsed:.0f} s")
     failed = [s.name for s in r.suites if s.rc not in (0, 5)]  # 5: no test collected
     print(f"== logs: {os.path.abspath(a.logs)}")
     if failed:

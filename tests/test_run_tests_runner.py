@@ -60,7 +60,7 @@ def _suites(tmp: Path) -> tuple[Path, Path, Path]:
     core = tmp / "core_tests"
     core.mkdir()
     (core / "test_core_wait.py").write_text(CORE_TEST)
-    later = tmp / "later"  # a second plugin in lane 2: must never start
+    later = tmp / "later"  # third in the queue, behind two suites that wait: never starts
     for plugin in (tmp / "fakeplug", later):
         (plugin / "tests").mkdir(parents=True)
         (plugin / "pyproject.toml").write_text(PLUGIN_TOML)
@@ -89,7 +89,7 @@ def test_ctrl_c_stops_every_suite_and_its_ray_cluster(tmp_path):
     )
     try:
         deadline = time.monotonic() + 120
-        plug_log = logs / "2-fakeplug.log"
+        plug_log = logs / "02-fakeplug.log"
         while not pids_file.exists() or not plug_log.exists() or ".." not in plug_log.read_text():
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the suites never got going"
@@ -112,7 +112,7 @@ def test_ctrl_c_stops_every_suite_and_its_ray_cluster(tmp_path):
     assert f"== logs: {logs}" in out, out
     # progress while the suites ran: the two quick tests, before the third waits
     assert f"== {plug}/: 2 tests done, 0 failed so far" in out, out
-    assert not (logs / "2-later.log").exists()  # nothing started after the Ctrl-C
+    assert not (logs / "03-later.log").exists()  # nothing started after the Ctrl-C
     time.sleep(1)
     left = [p for p in [pids["pytest"], *pids["ray"]] if _alive(p)]
     assert not left, [psutil.Process(p).cmdline() for p in left]
@@ -136,3 +136,86 @@ def test_the_runner_reports_a_failed_suite_and_keeps_going(tmp_path):
     assert "FAILED suites: core" in r.stdout, r.stdout
     assert f"== {plug}/: exit 0" in r.stdout, r.stdout
     assert "1 passed" in r.stdout and "1 failed" in r.stdout, r.stdout
+
+
+QUEUE_CORE = '''
+import os, pathlib, time
+import pytest
+
+MARKS = pathlib.Path(os.environ["RUNNER_TEST_MARKS"])
+
+
+def _ran(name):
+    (MARKS / name).write_text(str(os.getpid()))
+
+
+def test_core_waits_for_every_other_suite():
+    # not slow: first in the queue; it ends only once every other suite has run, which
+    # needs the other lane to take them all, one after another
+    _ran("core-fast")
+    others = {"slow-a1", "slow-a2", "slow-b", "plug-one", "plug-two"}
+    deadline = time.monotonic() + 120
+    while not others <= {p.name for p in MARKS.iterdir()}:
+        assert time.monotonic() < deadline, sorted(p.name for p in MARKS.iterdir())
+        time.sleep(0.2)
+'''
+
+
+def test_with_slow_one_lane_takes_every_suite_the_other_is_not_running(tmp_path):
+    """SLOW=1: the core's slow tests as chunks of whole files (two files of two and one
+    slow tests into two chunks: the larger file alone), and the queue shared: while the
+    core's other tests hold one lane, the other lane runs both slow chunks and both
+    plugins. With fixed lanes (the core's slow tests in one, its other tests and the
+    plugins in the other) the core's waiting test would hold the plugins back and fail."""
+    core = tmp_path / "core_tests"
+    core.mkdir()
+    (core / "test_core_fast.py").write_text(QUEUE_CORE)
+    (core / "test_core_slow_a.py").write_text(
+        "import os, pathlib, pytest\n"
+        "M = pathlib.Path(os.environ['RUNNER_TEST_MARKS'])\n"
+        "@pytest.mark.slow\ndef test_a1():\n    (M / 'slow-a1').write_text(str(os.getpid()))\n"
+        "@pytest.mark.slow\ndef test_a2():\n    (M / 'slow-a2').write_text(str(os.getpid()))\n"
+        "def test_not_slow_here():\n    pass\n")
+    (core / "test_core_slow_b.py").write_text(
+        "import os, pathlib, pytest\n"
+        "M = pathlib.Path(os.environ['RUNNER_TEST_MARKS'])\n"
+        "pytestmark = pytest.mark.slow\n"
+        "def test_b():\n    (M / 'slow-b').write_text(str(os.getpid()))\n")
+    (core / "conftest.py").write_text(
+        "def pytest_configure(config):\n"
+        "    config.addinivalue_line('markers', 'slow: long')\n")
+    plugins = []
+    for name in ("one", "two"):
+        plug = tmp_path / f"plug{name}"
+        (plug / "tests").mkdir(parents=True)
+        (plug / "pyproject.toml").write_text(PLUGIN_TOML)
+        (plug / "tests" / f"test_{name}.py").write_text(
+            "import os, pathlib\n"
+            f"def test_{name}():\n"
+            f"    (pathlib.Path(os.environ['RUNNER_TEST_MARKS']) / 'plug-{name}')"
+            ".write_text(str(os.getpid()))\n")
+        plugins.append(str(plug))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    logs = tmp_path / "logs"
+    r = subprocess.run(
+        [sys.executable, str(RUNNER), "--core", str(core), "--plugins", " ".join(plugins),
+         "--order", "plugtwo plugone", "--slow-chunks", "2", "--lanes", "2",
+         "--logs", str(logs)],
+        cwd=tmp_path, env=dict(os.environ, SLOW="1", RUNNER_TEST_MARKS=str(marks)),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every suite passed" in r.stdout, r.stdout
+    # the queue: the core's other tests, its two slow chunks (the larger first), the
+    # plugins in --order
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "01-core.log", "02-core-slow-1.log", "03-core-slow-2.log", "04-plugtwo.log",
+        "05-plugone.log"], sorted(p.name for p in logs.iterdir())
+    assert "2 passed" in (logs / "02-core-slow-1.log").read_text()
+    assert "1 passed" in (logs / "03-core-slow-2.log").read_text()
+    # each slow test ran once, in its chunk's process; the not-slow one in the core's
+    pids = {p.name: p.read_text() for p in marks.iterdir()}
+    assert pids["slow-a1"] == pids["slow-a2"] != pids["slow-b"], pids
+    assert len(set(pids.values())) == 5, pids
+    assert "2 passed, 3 deselected" in (logs / "01-core.log").read_text()
