@@ -47,8 +47,9 @@ of ``results`` with ``size_mib`` (the size asked for) and:
   loopback TCP copy of the same bytes into a populated buffer until the receiver
   acknowledges the last byte (:func:`socket_copy_s`), and ``replica_vs_socket``:
   ``replica_gib_s`` over it; ``replica_connect_s`` / ``replica_stream_s``: the TCP
-  replica's time split, from the pull request until the holder's token was accepted,
-  and from the first byte until the holder acknowledged the last (medians);
+  replica's time split, opening the connection to the holder (0 where the connection
+  kept from an earlier replica carried it, as in every steady replica) and from the
+  first byte until the holder acknowledged the last (medians);
 - ``restore_other_world_size_s``: a state saved by 2 ranks (``Shard(0)`` DTensors,
   gloo, Ray actors) loaded into 1 rank from memory; ``restore_same_world_size_s``: the
   same state saved by 1 rank, loaded by 1 (each the median of ``--repeat`` loads, at

@@ -121,9 +121,9 @@ class FlashPersister:
         """:meth:`.replica.ReplicaHolder.store` (called by another node's persister)."""
         return self.holder.store(info, data)
 
-    def pull_replica(self, info: dict, addr: tuple[str, int], token: bytes) -> str | None:
-        """:meth:`.replica.ReplicaHolder.pull` (called by another node's persister)."""
-        return self.holder.pull(info, addr, token)
+    def replica_link(self, addr: tuple[str, int], token: bytes) -> bool:
+        """:meth:`.replica.ReplicaHolder.open_link` (called by another node's persister)."""
+        return self.holder.open_link(addr, token)
 
     def replicas(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
         """:meth:`.replica.ReplicaHolder.listed`."""
@@ -296,6 +296,7 @@ class FlashPersister:
                           "end: %s", step, role, reason)
             shm_dirs = {r.shm_dir for r in self.ranks.regs.values()} or {DEFAULT_SHM_DIR}
             self.ranks.close_all()
+        self.holder.close()
         removed: list[str] = []
         kept: list[dict] = []
         for d in sorted(shm_dirs):

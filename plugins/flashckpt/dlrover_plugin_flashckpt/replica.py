@@ -13,31 +13,33 @@ rank (one is written while the other keeps the previous step), READY with the st
 the meta block and its crc32. Imports no torch.
 
 Transfer: the source persister sends its slot's data area from its mapping of the slot
-(``sendall``) over one TCP connection to the holder's persister, which receives it
-straight into its buffer (:mod:`.replica_stream`); when the slot's sequence number
-moved before the holder acknowledged the last byte (a save overwrote it) the replica
-is dropped, never marked READY. When the TCP path fails
-(no connection: a firewall between the nodes), the source puts the data area into
-the Ray object store instead and the holder copies it out after Ray's object
-transfer (``transport`` in :meth:`ReplicaSender.status`'s history says which).
+(``sendall``) over a TCP connection to the holder's persister that it keeps between
+replicas, which receives it straight into its buffer (:mod:`.replica_stream`); when the
+slot's sequence number moved before the holder acknowledged the last byte (a save
+overwrote it) the replica is dropped, never marked READY. A connection that broke is
+opened again for the next replica; when the TCP path fails (no connection: a firewall
+between the nodes), the source puts the data area into the Ray object store instead
+and the holder copies it out after Ray's object transfer (``transport`` in
+:meth:`ReplicaSender.status`'s history says which).
 A trainer reads a replica by path on its own node, else through the holder's
 persister (:meth:`ReplicaHolder.read`, a Ray object; :mod:`.replica_loading`).
 
 Parts, both in the persister actor's process: :class:`ReplicaSender` owns the
-``flash-replicate`` thread and the record of what it replicated (it reads this node's
-slots through the :class:`.node_ranks.NodeRanks`, never writes them);
-:class:`ReplicaHolder` owns nothing but the replica buffers it writes (:func:`store`,
-in the actor's call threads) and checks every path a caller names.
+``flash-replicate`` thread, its connections to holders and the record of what it
+replicated (it reads this node's slots through the :class:`.node_ranks.NodeRanks`,
+never writes them); :class:`ReplicaHolder` owns the replica buffers it writes
+(:func:`store`, in the actor's call threads and one thread per connection) and checks
+every path a caller names.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import traceback
-import zlib
 from typing import Any, Callable
 
 from dlrover_plugin_flashckpt import shm
@@ -46,23 +48,19 @@ from dlrover_plugin_flashckpt.loopthread import LoopThread
 from dlrover_plugin_flashckpt.node_ranks import NodeRanks
 from dlrover_plugin_flashckpt.persisting import POLL_S
 from dlrover_plugin_flashckpt.replica_buffers import (  # noqa: F401 - re-exported
+    REPLICA_SLOTS,
     buffer_tag_at,
     folder_buffers,
     held,
     open_step,
     parse_replica,
     read,
+    replica_name,
+    store,
 )
-from dlrover_plugin_flashckpt.replica_stream import StreamError, send_over_tcp
+from dlrover_plugin_flashckpt.replica_stream import HolderError, Link, StreamError, open_link
 
 log = logging.getLogger("dlrover_plugin_flashckpt.persister")
-
-#: replica buffers per source rank on a holder
-REPLICA_SLOTS = 2
-
-def replica_name(job: str, directory: str, rank: int, k: int, holder: str) -> str:
-    return f"{shm.job_prefix(job)}{shm.dir_key(directory)}-r{rank:05d}-p{k}-n{holder[:12]}"
-
 
 def peer_of(node_id: str, alive: list[str]) -> str | None:
     """The node after ``node_id`` in the ring of ``alive`` nodes (sorted), or ``None``
@@ -71,99 +69,6 @@ def peer_of(node_id: str, alive: list[str]) -> str | None:
     if len(ring) < 2:
         return None
     return ring[(ring.index(node_id) + 1) % len(ring)]
-
-
-def store(shm_dir: str, job: str, holder: str, info: dict, data: Any, ident: dict,
-          fill: Callable[[memoryview], bool] | None = None,
-          mapped: dict[str, shm.Segment] | None = None) -> str | None:
-    """Write one replica on the holder: ``info`` (``dir``, ``rank``, ``world_size``,
-    ``step``, ``meta`` bytes, ``data_len``) and ``data`` (a buffer of ``data_len``
-    bytes), or, with ``fill``, what ``fill(dst)`` writes into the buffer's data area
-    ``dst`` (``data_len`` bytes; it returns False when what it wrote is torn: the
-    buffer is then left EMPTY). Takes the replica buffer of this rank that does not
-    hold the newest step, grows it when too small. Returns its name (``None``: torn).
-
-    ``mapped``: path -> the caller's mapping of that buffer, kept between calls (the
-    holder's): a buffer is mapped once with its page tables filled (``MAP_POPULATE``)
-    and reused while it is the file at its path, so the bytes of later replicas are
-    written without a page fault per 4 KiB; entries whose file was replaced or removed
-    are unmapped. ``None``: every buffer is mapped for this call and closed after it.
-
-    Raises:
-        ShmSpaceError: too little shared memory on the holder.
-        ValueError: ``data`` is not ``data_len`` bytes.
-        Whatever ``fill`` raises (the buffer is left WRITING: never listed).
-    """
-    n, meta = int(info["data_len"]), bytes(info["meta"])
-    if fill is None:
-        view = memoryview(data).cast("B")
-        if len(view) != n:
-            raise ValueError(f"replica of rank {info['rank']} step {info['step']}: "
-                             f"{len(view)} bytes received, {n} expected")
-
-        def fill(dst: memoryview) -> bool:
-            dst[:] = view
-            return True
-    paths = [os.path.join(shm_dir, replica_name(job, info["dir"], info["rank"], k, holder))
-             for k in range(REPLICA_SLOTS)]
-    if mapped is not None:
-        for path in [p for p, seg in mapped.items() if seg.replaced()]:
-            mapped.pop(path).close()  # its file is gone or another: free its memory
-        segs = [mapped.get(p) or shm.Segment.attach(p, populate=True) for p in paths]
-    else:
-        segs = [shm.Segment.attach(p) for p in paths]
-    try:
-        def rank_of(seg: shm.Segment | None) -> tuple[int, int]:
-            if seg is None:
-                return (-2, 0)
-            h = seg.read_header()
-            return (h.step if h.state == shm.READY else -1, h.seq)
-
-        k = min(range(REPLICA_SLOTS), key=lambda i: rank_of(segs[i]))
-        seg = segs[k]
-        meta_need = max(64 << 10, 2 * len(meta))
-        if seg is None or seg.data_cap < n or seg.read_header().meta_cap < len(meta):
-            if seg is not None:
-                seg.close()
-            seg = segs[k] = shm.Segment.create(paths[k], meta_need, n + n // 8, ident, bytes(16),
-                                               int(info["rank"]), int(info["world_size"]))
-        with seg.locked():
-            h = seg.read_header()
-            h.state, h.seq = shm.WRITING, h.seq + 1
-            h.writer_pid, h.writer_start = shm.my_identity()
-            seg.write_header(h)
-        whole = memoryview(seg.mm)
-        try:
-            ok = fill(whole[h.data_offset:h.data_offset + n])
-        finally:
-            whole.release()
-        if not ok:
-            with seg.locked():
-                h = seg.read_header()
-                h.state, h.step = shm.EMPTY, -1
-                seg.write_header(h)
-            return None
-        seg.write_meta(meta)
-        with seg.locked():
-            h = seg.read_header()
-            h.step, h.state, h.due = int(info["step"]), shm.READY, 0
-            h.meta_len, h.meta_crc = len(meta), zlib.crc32(meta)
-            h.data_len, h.saved_at = n, float(info.get("saved_at", time.time()))
-            h.rank, h.world_size = int(info["rank"]), int(info["world_size"])
-            h.persister_pid, h.persister_start = shm.my_identity()
-            seg.write_header(h)
-        return seg.name
-    finally:
-        for path, s in zip(paths, segs):
-            if s is None:
-                continue
-            if mapped is None:
-                s.close()
-            elif mapped.get(path) is not s:
-                old = mapped.get(path)
-                mapped[path] = s
-                if old is not None:
-                    old.close()
 
 
 class ReplicaHolder:
@@ -182,6 +87,9 @@ class ReplicaHolder:
         #: (:func:`store`'s ``mapped``); ``_mapped_lock`` serializes the stores
         self._mapped: dict[str, shm.Segment] = {}
         self._mapped_lock = threading.Lock()
+        #: connections other nodes' persisters send replicas on (:meth:`open_link`)
+        self._links: set = set()
+        self._links_lock = threading.Lock()
 
     def _allowed_replica(self, path: str) -> str:
         """``path`` when it names a replica buffer of this job in an allowed shared-
@@ -222,23 +130,54 @@ class ReplicaHolder:
             return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
                          data, ident, mapped=self._mapped)  # type: ignore[return-value]
 
-    def pull(self, info: dict, addr: tuple[str, int], token: bytes) -> str | None:
-        """Hold a replica of another node's save, received over TCP from that node's
-        persister listening at ``addr`` (:mod:`.replica_stream`) straight into the
-        buffer. Returns the buffer name, or ``None`` when the source's slot changed
-        while it was sent (the buffer is left EMPTY).
+    def open_link(self, addr: tuple[str, int], token: bytes) -> bool:
+        """Connect to another node's persister listening at ``addr`` with ``token``
+        (:func:`.replica_stream.connect`) and receive its replicas on that connection
+        in a thread of this holder (``flash-replica-link``), each straight into a
+        replica buffer (:func:`store`), until the source closes it. Returns True once
+        connected.
 
         Raises:
-            ValueError: ``info["dir"]`` or ``info["shm_dir"]`` is not this job's.
-            replica_stream.StreamError: the connection failed or ended early."""
-        from dlrover_plugin_flashckpt.replica_stream import receive
+            replica_stream.StreamError: no connection, or the source refused the token."""
+        from dlrover_plugin_flashckpt.replica_stream import connect
 
-        ident = self._replica_ident(info)
-        where = (str(addr[0]), int(addr[1]))
+        conn = connect((str(addr[0]), int(addr[1])), bytes(token))
+        t = threading.Thread(target=self._serve, args=(conn,), name="flash-replica-link",
+                             daemon=True)
+        with self._links_lock:
+            self._links.add(conn)
+        t.start()
+        return True
+
+    def _hold(self, info: dict, fill: Callable[[memoryview], bool]) -> str | None:
+        ident = self._replica_ident(info)   # ValueError: not this job's: the source is told
         with self._mapped_lock:
             return store(info.get("shm_dir", "/dev/shm"), self.job, self.node_id, info,
-                         None, ident, fill=lambda dst: receive(where, bytes(token), dst),
-                         mapped=self._mapped)
+                         None, ident, fill=fill, mapped=self._mapped)
+
+    def _serve(self, conn: Any) -> None:
+        from dlrover_plugin_flashckpt.replica_stream import serve_link
+
+        try:
+            source = conn.getpeername()
+            n = serve_link(conn, self._hold)
+            log.info("flash replica link from %s closed after %d replicas", source, n)
+        except (StreamError, OSError) as exc:
+            log.info("flash replica link ended: %s", exc)
+        finally:
+            with self._links_lock:
+                self._links.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Close the connections to other nodes' persisters (their threads end)."""
+        with self._links_lock:
+            links = list(self._links)
+        for conn in links:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def listed(self, directory: str, shm_dir: str = "/dev/shm") -> dict:
         """Replicas of ``directory`` held on this node: ``{"node_id", "held": [{"name",
@@ -279,8 +218,12 @@ class ReplicaSender:
         #: (role, rank) -> (step, seq) of the last save replicated to the peer
         self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
         self._ray_only_peers: set[str] = set()   # peers the TCP replica path failed for
+        #: peer node -> the connection kept to its persister (used by the replicate
+        #: thread only)
+        self._links: dict[str, Link] = {}
         #: finished replications: role, rank, step, peer, bytes, seconds (and, over TCP,
-        #: ``connect_s`` and ``stream_s``: :func:`.replica_stream.send`)
+        #: ``connect_s``: the time to open a connection, 0 on one kept from an earlier
+        #: replica; ``stream_s``: :meth:`.replica_stream.Link.send`)
         self.history: list[dict] = []
         #: the ``flash-replicate`` thread (woken by a registration asking for replicas)
         self.thread = LoopThread("flash-replicate", self._replicate_loop)
@@ -292,14 +235,65 @@ class ReplicaSender:
                     "history": list(self.history)}
 
     def _replicate_loop(self) -> None:
-        while not self.thread.stopping:
-            self.thread.pause(POLL_S * 4)
+        try:
+            while not self.thread.stopping:
+                self.thread.pause(POLL_S * 4)
+                try:
+                    while not self.thread.stopping and self._replicate_one():
+                        pass
+                except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                    self._error(f"replication: {type(exc).__name__}: {exc}\n"
+                                + traceback.format_exc(limit=5))
+        finally:
+            for link in self._links.values():
+                link.close()   # the holders' threads see the end of the stream
+            self._links.clear()
+
+    def _send_over_tcp(self, peer: str, info: dict, seg: shm.Segment, h: shm.Header,
+                       timings: dict) -> str | None:
+        """One replica over the connection kept to ``peer``'s persister, opened first
+        when there is none; a kept connection that broke (the holder's persister was
+        replaced) is opened again once. Returns the holder's buffer name, or ``None``
+        when the slot changed (or its mapping was closed) before it was all sent.
+
+        Raises:
+            replica_stream.HolderError: the holder could not hold the replica (its
+                error; the connection is kept).
+            replica_stream.StreamError: no connection could be had, or it broke."""
+        import ray
+
+        try:  # released below (a view keeps the mapping from closing)
+            data = seg.data_view(h)
+        except ValueError:  # the mapping was closed: the slot's file was replaced
+            return None
+
+        def unchanged() -> bool:
+            again = seg.read_header()
+            return again.seq == h.seq and shm.holds_step(again)
+
+        try:
+            link = self._links.get(peer)
+            if link is not None:
+                timings["connect_s"] = 0.0
+                try:
+                    return link.send(info, data, unchanged, timings)
+                except HolderError:
+                    raise
+                except StreamError:  # closed: the holder's persister ended or was replaced
+                    del self._links[peer]
+            t0 = time.monotonic()
+            link = self._links[peer] = open_link(self._peer(peer),
+                                                 ray.util.get_node_ip_address())
+            timings["connect_s"] = time.monotonic() - t0
             try:
-                while not self.thread.stopping and self._replicate_one():
-                    pass
-            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
-                self._error(f"replication: {type(exc).__name__}: {exc}\n"
-                            + traceback.format_exc(limit=5))
+                return link.send(info, data, unchanged, timings)
+            except HolderError:
+                raise
+            except StreamError:
+                del self._links[peer]
+                raise
+        finally:
+            data.release()
 
     def _replicate_one(self) -> bool:
         """Copy one rank's newest save not replicated yet to the peer node; True when
@@ -336,13 +330,15 @@ class ReplicaSender:
         info = {"dir": r.dir, "role": r.role, "rank": r.rank, "world_size": r.world_size,
                 "step": h.step, "meta": meta, "data_len": h.data_len, "saved_at": h.saved_at,
                 "run_id": r.run_id, "shm_dir": r.shm_dir, "source": self.node_id}
-        holder = self._peer(peer)
         transport = ("tcp" if r.replica_transport == "tcp" and peer not in self._ray_only_peers
                      else "ray")
         timings: dict = {}
         if transport == "tcp":
             try:
-                name = send_over_tcp(holder, info, seg, h, timings)
+                name = self._send_over_tcp(peer, info, seg, h, timings)
+            except HolderError as exc:   # as the Ray path's store would raise it
+                raise RuntimeError(f"replica of {r.role} rank {r.rank} step {h.step}: the "
+                                   f"holder on node {peer[:12]} refused it: {exc}") from exc
             except StreamError as exc:
                 log.warning("flash replica of %s rank %d step %d over TCP to node %s failed "
                             "(%s); through Ray's object store, for this peer from now on",
@@ -350,6 +346,7 @@ class ReplicaSender:
                 self._ray_only_peers.add(peer)
                 transport = "ray"
         if transport == "ray":
+            holder = self._peer(peer)
             ref = ray.put(np.frombuffer(seg.mm, dtype=np.uint8, count=h.data_len,
                                         offset=h.data_offset))
             again = seg.read_header()

@@ -1,5 +1,6 @@
-"""Replica bytes over one TCP connection: from the source node's slot straight into
-the holder's replica buffer (``checkpoint.options.replicas``, :mod:`.replica`).
+"""Replica bytes over a TCP connection kept between replicas: from the source node's
+slot straight into the holder's replica buffer (``checkpoint.options.replicas``,
+:mod:`.replica`).
 
 The Ray object path copies a save three times (into the source's object store, the
 object transfer between the raylets, out of the holder's store into its buffer)
@@ -12,35 +13,58 @@ transport moves tensors between hosts; across machines the NIC bounds it). A
 project's 2-core VM where ``sendall`` from a filled mapping of the same file moved
 3.4-4.2 GiB/s (512 MiB, interleaved, 2026-12-01), so the mapping is sent.
 
-Protocol (one connection per replica; the source listens, the holder connects, so
-only the source's port needs to be reachable):
+One connection (a :class:`Link`) per pair of source and holder persisters, opened at
+the first replica and kept: a replica then costs no Ray call, no new socket and no
+handshake (a new connection per replica cost a Ray call to the holder and its return,
+a listening socket and a TCP handshake: ~5-9 ms of a 64 MiB replica on this VM).
+
+Opening a link (the source listens, the holder connects, so only the source's port
+needs to be reachable):
 
 1. the source binds an ephemeral port on its node's IP and asks the holder's
-   persister to :meth:`pull <.replica.ReplicaHolder.pull>` from it, with a
-   16-byte random token;
-2. the holder connects and sends the token; the source compares it (a connection
-   with another token is closed, the source keeps waiting until its deadline);
-3. the source sends the ``data_len`` bytes of its slot; the holder, once it holds the
-   last byte, sends one acknowledgement byte (:data:`ACK`);
-4. after the acknowledgement the source sends one verdict byte: ``1`` when the slot's
+   persister (a Ray call, :meth:`.replica.ReplicaHolder.open_link`) to connect to it,
+   with a 16-byte random token;
+2. the holder connects and sends the token; the source compares it (a connection with
+   another token is closed, the source keeps waiting until its deadline) and answers
+   :data:`ACK`; the holder then serves the connection in a thread of its own
+   (:func:`serve_link`) until it ends.
+
+One replica on a link:
+
+1. the source sends a frame (4-byte big-endian length, then JSON) with the replica's
+   ``info`` (``dir``, ``rank``, ``world_size``, ``step``, ``data_len``, ...; its
+   ``meta`` block apart), the meta block's bytes, then the ``data_len`` bytes of its
+   slot;
+2. the holder receives them straight into its buffer (or, when it cannot hold them:
+   a directory not this job's, no shared memory, into a scratch buffer, to keep the
+   connection in step) and, once it holds the last byte, sends :data:`ACK`;
+3. after the acknowledgement the source sends one verdict byte: ``1`` when the slot's
    sequence number did not move while it was sent, ``0`` when a save overwrote it
    meanwhile (the holder then leaves the buffer not READY: a torn replica is never
    listed or loaded). The verdict is taken after the acknowledgement, when every byte
-   the holder keeps has been read from the slot.
+   the holder keeps has been read from the slot;
+4. the holder answers with a result frame: its buffer's name, or torn, or the error
+   that kept it from holding the replica (the source raises :class:`HolderError`).
 
-Imports no torch; Ray only in :func:`send_over_tcp`.
+A connection that breaks (a persister died or finished) raises :class:`StreamError`
+on either side; the source drops the link and opens a new one for the next replica.
+
+Imports no torch; Ray only in :func:`open_link`.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import socket
+import struct
 import time
 from typing import Any, Callable
 
 TOKEN_BYTES = 16
-#: the holder's byte after it received the whole replica
+#: the holder's byte after it received the whole replica (and the source's after it
+#: accepted the holder's token)
 ACK = b"\x06"
 #: bytes per ``recv_into`` at most
 RECV_CHUNK = 16 << 20
@@ -48,10 +72,19 @@ RECV_CHUNK = 16 << 20
 SOCKET_BUFFER = 8 << 20
 #: seconds the holder tries to connect before the source falls back to Ray
 CONNECT_TIMEOUT_S = 10.0
+#: result frames: the buffer's name, torn (no replica), the holder's error
+NAMED, TORN, FAILED = b"N", b"T", b"E"
+_LEN = struct.Struct(">I")
 
 
 class StreamError(RuntimeError):
     """The replica stream failed (no connection, a short read, a bad token)."""
+
+
+class HolderError(StreamError):
+    """The holder received the replica's bytes but could not hold them (its message
+    says why: a directory not this job's, too little shared memory, ...); the link
+    stays usable."""
 
 
 def new_token() -> bytes:
@@ -65,27 +98,16 @@ def listen(host: str) -> socket.socket:
     return srv
 
 
-def send(srv: socket.socket, token: bytes, data: memoryview,
-         verdict: Callable[[], bool], timeout_s: float = 60.0,
-         gave_up: Callable[[], bool] = lambda: False,
-         timings: dict | None = None) -> bool:
-    """Serve one replica on the listening ``srv``: accept the holder's connection
-    (closing any that sends another token), send ``data`` (``sendall``: a view of the
-    slot's mapping, no user-space copy), wait for the holder's acknowledgement of the
-    last byte, then send the verdict byte of ``verdict()`` (called after the
-    acknowledgement). Returns the verdict.
-
-    ``gave_up()`` is polled while waiting for the connection (the holder's call
-    failed: stop waiting). ``timings``, when given, gets ``connect_s`` (from the call
-    until the holder's token was accepted) and ``stream_s`` (from the first byte sent
-    until the acknowledgement), in s.
+def accept(srv: socket.socket, token: bytes, timeout_s: float = 60.0,
+           gave_up: Callable[[], bool] = lambda: False) -> socket.socket:
+    """The source's side of opening a link: accept, on the listening ``srv``, the
+    connection that sends ``token`` (closing any that sends another), answer
+    :data:`ACK`, return the connection (blocking, ``timeout_s`` per send or receive).
+    ``gave_up()`` is polled while waiting (the holder's call failed: stop waiting).
 
     Raises:
-        StreamError: no connection with the token within ``timeout_s`` s, or the
-            connection broke, or the holder did not acknowledge the bytes.
-    """
-    t0 = time.monotonic()
-    deadline = t0 + timeout_s
+        StreamError: no connection with the token within ``timeout_s`` s."""
+    deadline = time.monotonic() + timeout_s
     srv.settimeout(0.2)
     while True:
         if time.monotonic() > deadline or gave_up():
@@ -96,46 +118,23 @@ def send(srv: socket.socket, token: bytes, data: memoryview,
             continue
         conn.settimeout(timeout_s)
         try:
-            got = _recv_exact(conn, TOKEN_BYTES)
+            got = recv_exact(conn, TOKEN_BYTES)
+            if hmac.compare_digest(got, token):
+                conn.sendall(ACK)   # the connection has the listening socket's buffer size
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return conn
         except (OSError, StreamError):
-            conn.close()
-            continue
-        if not hmac.compare_digest(got, token):
-            conn.close()
-            continue
-        break
-    try:  # the connection has the listening socket's send buffer size
-        t1 = time.monotonic()
-        conn.sendall(data)
-        try:
-            ack = _recv_exact(conn, 1)
-        except StreamError as exc:
-            raise StreamError(f"the holder did not acknowledge the replica's bytes: {exc}"
-                              ) from exc
-        if ack != ACK:
-            raise StreamError(f"the holder did not acknowledge the replica's bytes: {ack!r}")
-        if timings is not None:
-            timings.update(connect_s=t1 - t0, stream_s=time.monotonic() - t1)
-        ok = bool(verdict())
-        conn.sendall(b"\x01" if ok else b"\x00")
-        return ok
-    except OSError as exc:
-        raise StreamError(f"replica stream broke after connecting: {exc}") from exc
-    finally:
+            pass
         conn.close()
 
 
-def receive(addr: tuple[str, int], token: bytes, dst: memoryview,
-            timeout_s: float = 60.0) -> bool:
-    """Connect to the source at ``addr`` (within :data:`CONNECT_TIMEOUT_S`), send
-    ``token``, receive ``len(dst)`` bytes into ``dst`` (in place, no other copy; each
-    ``recv`` waits ``timeout_s`` at most), acknowledge them (:data:`ACK`) and receive
-    the verdict byte. Returns the verdict
-    (``False``: the source's slot changed while it was sent; ``dst`` is torn).
+def connect(addr: tuple[str, int], token: bytes, timeout_s: float = 60.0) -> socket.socket:
+    """The holder's side of opening a link: connect to the source at ``addr`` (within
+    :data:`CONNECT_TIMEOUT_S`), send ``token``, wait for the source's :data:`ACK`.
+    Returns the connection.
 
     Raises:
-        StreamError: the connection failed or ended early.
-    """
+        StreamError: no connection, or the source did not accept the token."""
     conn = None
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(*addr, type=socket.SOCK_STREAM)[0]
@@ -144,70 +143,220 @@ def receive(addr: tuple[str, int], token: bytes, dst: memoryview,
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         conn.settimeout(min(CONNECT_TIMEOUT_S, timeout_s))
         conn.connect(sockaddr)
-    except OSError as exc:
-        if conn is not None:
-            conn.close()
-        raise StreamError(f"could not connect to the replica source {addr}: {exc}") from exc
-    try:
         conn.settimeout(timeout_s)
         conn.sendall(token)
-        n, off = len(dst), 0
-        while off < n:
-            got = conn.recv_into(dst[off:off + RECV_CHUNK])
-            if not got:
-                raise StreamError(f"replica stream from {addr} ended after {off} of {n} bytes")
-            off += got
-        conn.sendall(ACK)
-        return _recv_exact(conn, 1) == b"\x01"
-    except OSError as exc:
-        raise StreamError(f"replica stream from {addr} broke: {exc}") from exc
-    finally:
-        conn.close()
+        if recv_exact(conn, 1) != ACK:
+            raise StreamError(f"the replica source {addr} did not accept the token")
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+    except (OSError, StreamError) as exc:
+        if conn is not None:
+            conn.close()
+        if isinstance(exc, StreamError):
+            raise
+        raise StreamError(f"could not connect to the replica source {addr}: {exc}") from exc
 
 
-def send_over_tcp(holder: Any, info: dict, seg: Any, h: Any,
-                  timings: dict | None = None) -> str | None:
-    """Send the data of the slot ``seg`` (a :class:`.shm.Segment`, header ``h``) to the
-    ``holder`` persister actor (its ``pull_replica``) over one TCP connection, from
-    ``seg``'s mapping (the caller's, kept between replicas: its page tables stay
-    filled). Returns the holder's buffer name, or ``None`` when a save overwrote the
-    slot while it was sent. ``timings``: as in :func:`send`.
+class Link:
+    """The source's end of one connection to a holder persister, kept between replicas
+    (used by one thread at a time: the source's ``flash-replicate`` thread).
+
+    Args:
+        conn: the connection :func:`accept` returned.
+    """
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        #: replicas sent on this link
+        self.sent = 0
+
+    def send(self, info: dict, data: memoryview, verdict: Callable[[], bool],
+             timings: dict | None = None) -> str | None:
+        """Send one replica (see the module docstring): ``info`` (its ``meta`` bytes
+        included; ``data_len`` == ``len(data)``), ``data`` (a view of the slot's
+        mapping: no user-space copy), then, after the holder acknowledged the last
+        byte, the verdict of ``verdict()``. Returns the holder's buffer name, or
+        ``None`` when the verdict was that the slot changed (the holder kept no
+        replica). ``timings``, when given, gets ``stream_s``: from the first byte of
+        the frame sent until the acknowledgement, in s.
+
+        Raises:
+            HolderError: the holder could not hold the replica (the link stays usable).
+            StreamError: the connection broke or the holder did not acknowledge the
+                bytes (the link is closed).
+        """
+        meta = bytes(info.get("meta", b""))
+        header = {k: v for k, v in info.items() if k != "meta"}
+        header["meta_len"] = len(meta)
+        if int(header["data_len"]) != len(data):
+            raise ValueError(f"replica of rank {info.get('rank')}: data_len "
+                             f"{header['data_len']} but {len(data)} bytes to send")
+        head = json.dumps(header).encode()
+        conn = self.conn
+        try:
+            t1 = time.monotonic()
+            conn.sendall(_LEN.pack(len(head)) + head + meta)
+            conn.sendall(data)
+            try:
+                ack = recv_exact(conn, 1)
+            except StreamError as exc:
+                raise StreamError(f"the holder did not acknowledge the replica's bytes: {exc}"
+                                  ) from exc
+            if ack != ACK:
+                raise StreamError(f"the holder did not acknowledge the replica's bytes: {ack!r}")
+            if timings is not None:
+                timings["stream_s"] = time.monotonic() - t1
+            ok = bool(verdict())
+            conn.sendall(b"\x01" if ok else b"\x00")
+            kind = recv_exact(conn, 1)
+            text = recv_exact(conn, _LEN.unpack(recv_exact(conn, _LEN.size))[0]).decode()
+        except (OSError, StreamError) as exc:
+            self.close()
+            if isinstance(exc, StreamError):
+                raise
+            raise StreamError(f"replica stream broke: {exc}") from exc
+        self.sent += 1
+        if kind == NAMED:
+            return text
+        if kind == TORN:
+            return None
+        if kind == FAILED:
+            raise HolderError(text)
+        self.close()
+        raise StreamError(f"replica stream: the holder answered {kind!r}")
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+def serve_link(conn: socket.socket,
+               hold: Callable[[dict, Callable[[memoryview], bool]], str | None]) -> int:
+    """The holder's side of a link (``conn`` from :func:`connect`; between replicas it
+    waits without a timeout, within one its timeout applies to each send and receive),
+    until the source closes it: for each replica, read
+    its frame and call ``hold(info, fill)`` (``info`` with its ``meta`` bytes), which
+    must call ``fill(dst)`` once with the buffer ``dst`` of ``data_len`` bytes to
+    receive into: ``fill`` receives the bytes, acknowledges them, reads the verdict and
+    returns it. ``hold`` returns the buffer's name or ``None`` (torn); what it raises
+    goes back to the source (:class:`HolderError`) after the bytes were taken into a
+    scratch buffer. Returns the count of replicas received.
 
     Raises:
-        StreamError: no connection, or it broke (the caller falls back to Ray)."""
+        StreamError: the connection broke in the middle of a replica."""
+    count = 0
+    timeout_s = conn.gettimeout()
+    while True:
+        try:
+            conn.settimeout(None)  # between replicas a link waits as long as the job saves
+            first = conn.recv(_LEN.size)
+            conn.settimeout(timeout_s)
+        except OSError as exc:
+            raise StreamError(f"replica link broke: {exc}") from exc
+        if not first:
+            return count  # the source closed the link between replicas
+        size = _LEN.unpack(first + recv_exact(conn, _LEN.size - len(first)))[0]
+        info = json.loads(recv_exact(conn, size))
+        info["meta"] = recv_exact(conn, int(info.pop("meta_len")))
+        n = int(info["data_len"])
+        state: dict = {}
+
+        def fill(dst: memoryview) -> bool:
+            if len(dst) != n or "verdict" in state:
+                raise ValueError(f"replica of rank {info.get('rank')}: a buffer of "
+                                 f"{len(dst)} bytes for {n}, or filled twice")
+            state["received"] = True
+            receive_into(conn, dst)
+            state["verdict"] = _ack_and_verdict(conn)
+            return state["verdict"]
+
+        try:
+            name = hold(info, fill)
+            kind, text = (NAMED, name) if name is not None else (TORN, "")
+        except StreamError:
+            raise  # the connection itself: nothing more can be said on it
+        except Exception as exc:  # noqa: BLE001 - the source is told
+            kind, text = FAILED, f"{type(exc).__name__}: {exc}"
+        if "received" not in state:  # hold failed before it took the bytes: drop them
+            scratch = memoryview(bytearray(min(n, RECV_CHUNK) or 1))
+            left = n
+            while left:
+                got = _recv_into(conn, scratch[:min(left, len(scratch))])
+                left -= got
+        if "verdict" not in state:
+            _ack_and_verdict(conn)
+            if kind == NAMED:  # hold returned without taking the bytes: a bug
+                kind, text = FAILED, "the holder kept no bytes"
+        try:
+            body = (text or "").encode()
+            conn.sendall(kind + _LEN.pack(len(body)) + body)
+        except OSError as exc:
+            raise StreamError(f"replica link broke: {exc}") from exc
+        count += 1
+
+
+def receive_into(conn: socket.socket, dst: memoryview) -> None:
+    """Receive ``len(dst)`` bytes into ``dst`` (in place, no other copy).
+
+    Raises:
+        StreamError: the connection broke or ended early."""
+    n, off = len(dst), 0
+    while off < n:
+        off += _recv_into(conn, dst[off:off + RECV_CHUNK], f" after {off} of {n} bytes")
+
+
+def _recv_into(conn: socket.socket, view: memoryview, where: str = "") -> int:
+    try:
+        got = conn.recv_into(view)
+    except OSError as exc:
+        raise StreamError(f"replica stream broke{where}: {exc}") from exc
+    if not got:
+        raise StreamError(f"replica stream ended{where}")
+    return got
+
+
+def _ack_and_verdict(conn: socket.socket) -> bool:
+    try:
+        conn.sendall(ACK)
+    except OSError as exc:
+        raise StreamError(f"replica stream broke: {exc}") from exc
+    return recv_exact(conn, 1) == b"\x01"
+
+
+def open_link(holder: Any, host: str, timeout_s: float = 60.0) -> Link:
+    """Open a link to the ``holder`` persister actor (its ``replica_link``): listen on
+    ``host`` (this node's IP), ask the holder to connect, accept it.
+
+    Raises:
+        StreamError: the holder could not connect (the caller falls back to Ray)."""
     import ray
 
-    from dlrover_plugin_flashckpt.shm import holds_step
-
-    try:   # released below (a view keeps the mapping from closing)
-        data = seg.data_view(h)
-    except ValueError:  # the caller's mapping was closed: the slot's file was replaced
-        return None
-    srv = listen(ray.util.get_node_ip_address())
+    srv = listen(host)
     token = new_token()
     try:
-        fut = holder.pull_replica.remote(info, srv.getsockname()[:2], token)
-
-        def unchanged() -> bool:
-            again = seg.read_header()
-            return again.seq == h.seq and holds_step(again)
-
-        send(srv, token, data, unchanged,
-             gave_up=lambda: bool(ray.wait([fut], timeout=0)[0]), timings=timings)
+        fut = holder.replica_link.remote(srv.getsockname()[:2], token)
+        conn = accept(srv, token, timeout_s,
+                      gave_up=lambda: bool(ray.wait([fut], timeout=0)[0]))
         try:
-            return ray.get(fut, timeout=600)
+            ray.get(fut, timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 - the holder's side failed: fall back
+            conn.close()
             raise StreamError(f"the holder failed: {type(exc).__name__}: {exc}") from exc
+        return Link(conn)
     finally:
-        data.release()
         srv.close()
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def recv_exact(conn: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view, off = memoryview(buf), 0
     while off < n:
-        got = conn.recv_into(view[off:])
+        try:
+            got = conn.recv_into(view[off:])
+        except OSError as exc:
+            raise StreamError(f"connection broke after {off} of {n} bytes: {exc}") from exc
         if not got:
             raise StreamError(f"connection closed after {off} of {n} bytes")
         off += got

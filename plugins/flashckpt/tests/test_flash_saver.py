@@ -479,3 +479,75 @@ def test_saves_after_a_heal_find_their_buffers_laid_out(job, tmp_path):
         ck.save(9, **objects)
         assert not s.last_save["laid_out"], (healed, s.last_save)
         s.close()
+
+
+def test_replicas_go_over_one_kept_connection_and_a_replaced_holder_gets_a_new_one(
+        job, tmp_path):
+    """The replica sender's TCP path (``ReplicaSender._send_over_tcp``, here in the
+    driver: the source) against a real persister actor as the holder (on this one-node
+    cluster a second persister actor, unnamed, stands for the peer node's). Two saves
+    go over one connection: only the first pays for opening it (``connect_s`` 0 after).
+    The holder is killed (``ray.kill``) and replaced: the next save finds the kept
+    connection broken, opens one to the new holder, and lands there bit for bit."""
+    from dlrover_plugin_flashckpt import replica
+    from dlrover_plugin_flashckpt.node_ranks import NodeRanks
+    from dlrover_plugin_flashckpt.persister import remote_class
+
+    HOLDER_NODE = "0fedcba987654321"   # hex, as Ray's node ids: in the replicas' names
+    holders: list = []
+
+    def new_holder():
+        h = remote_class().options(num_cpus=0, max_concurrency=16).remote(
+            job, hygiene.current_session(), HOLDER_NODE, "/dev/shm")
+        ray.get(h.ready.remote(), timeout=60)
+        holders.append(h)
+        return h
+
+    d = str(tmp_path / "ckpt" / "trainer")
+    s = make_saver(job, d)
+    sender = replica.ReplicaSender(NodeRanks(job, os.getpid(), 0), "source-node",
+                                   lambda node: holders[-1], lambda e: None)
+    new_holder()
+    timings, got = [], []
+    try:
+        for step in (1, 2, 3):
+            if step == 3:   # the holder's process dies; another takes its place
+                old = holders[-1]
+                ray.kill(old)
+                with pytest.raises(ray.exceptions.RayActorError):
+                    ray.get(old.ready.remote(), timeout=60)
+                new_holder()
+            s.save(step, state(step))
+            segs = [g for g in (shm.Segment.attach(p) for p in s.paths) if g is not None]
+            [seg] = [g for g in segs if g.read_header().step == step]
+            for g in segs:
+                if g is not seg:
+                    g.close()
+            h = seg.read_header()
+            info = {"dir": d, "role": "trainer", "rank": 0, "world_size": 1, "step": step,
+                    "meta": seg.meta_bytes(h), "data_len": h.data_len,
+                    "saved_at": h.saved_at, "run_id": "", "shm_dir": "/dev/shm",
+                    "source": "source-node"}
+            t: dict = {}
+            name = sender._send_over_tcp(HOLDER_NODE, info, seg, h, t)
+            timings.append(t)
+            held = ray.get(holders[-1].replicas.remote(d))["held"]
+            [rep] = [x for x in held if x["step"] == step]
+            assert name == rep["name"]
+            back = ray.get(holders[-1].read_replica.remote(rep["path"], step))
+            got.append(back["data"].tobytes() == bytes(seg.data_view(h))
+                       and back["meta"] == info["meta"])
+            seg.close()
+        assert got == [True, True, True]
+        assert timings[0]["connect_s"] > 0 and timings[2]["connect_s"] > 0
+        assert timings[1]["connect_s"] == 0.0   # the connection of step 1, kept
+        assert len(sender._links) == 1
+    finally:
+        for link in sender._links.values():
+            link.close()
+        s.close()
+        for h in holders:
+            ray.kill(h)
+        for path in shm.list_segments("/dev/shm", shm.job_prefix(job)):
+            if path.endswith(f"-n{HOLDER_NODE[:12]}"):
+                os.unlink(path)   # the unnamed holders' replicas: finish_job sees none
