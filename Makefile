@@ -5,7 +5,8 @@
 #             marked `slow` (scripts/run_tests.py: one queue of suites, the core's first,
 #             then the plugins in PLUGIN_ORDER; each lane takes the next when it is free)
 # make test SLOW=1: every test (what .ci/run runs): the same queue with the core's slow
-#             tests as SLOW_CHUNKS more suites after its other tests
+#             tests of SLOW_FIRST as one suite at its head and the others as SLOW_CHUNKS
+#             more suites after the core's other tests
 # make gpu-check: first the node check's probes on this machine's GPUs (every GPU's
 #             bf16 batched matmul, an all-gather per GPU pair; on a machine without CUDA
 #             the CPU path; one JSON line: python -m dlrover_core.runtime.node_probe), then
@@ -44,6 +45,11 @@ PLUGIN_ORDER ?= flashckpt megatron odl ppo multimodal fsdp deepspeed sft
 # with SLOW=1, the core's slow tests run as this many suites (whole files in each), so
 # that both lanes share them
 SLOW_CHUNKS ?= 8
+# with SLOW=1, the core's test files whose slow tests run first, as one suite: the
+# crash-point enumeration (~20 min) and the chaos runs (5-10 min each) each keep a core
+# busy; run at the same time (a run here, 2026-12-01) two elastic chaos runs passed
+# their 600 s
+SLOW_FIRST ?= tests/test_crash_points.py tests/test_chaos.py
 NODES ?= 2
 CPUS ?= 2
 GCS_FT ?=
@@ -75,7 +81,7 @@ demo: setup
 
 test: setup
 	SLOW=$(SLOW) $(BIN)/python scripts/run_tests.py --plugins "$(PLUGINS)" --order "$(PLUGIN_ORDER)" \
-	  --slow-chunks $(SLOW_CHUNKS) -- $(PYTEST_ARGS)
+	  --slow-chunks $(SLOW_CHUNKS) --slow-first "$(SLOW_FIRST)" -- $(PYTEST_ARGS)
 
 cluster-up: setup
 	$(BIN)/dlrover cluster up --nodes $(NODES) --cpus-per-node $(CPUS) $(if $(GCS_FT),--gcs-ft)

@@ -15,8 +15,10 @@ as suites grew). The queue: the core's tests, then the plugins, those named in
 plugin starts early, its length unknown).
 Without SLOW=1 (`make test`), the tests marked `slow` (long scenarios: multi-node
 clusters, restarts, the full examples) are left out of every suite. With SLOW=1
-(`make test SLOW=1`, what .ci/run runs), every test runs: the core's tests not marked
-slow, then its slow tests in ``--slow-chunks`` suites of whole test files (a Ray
+(`make test SLOW=1`, what .ci/run runs), every test runs: first the slow tests of the
+files named in ``--slow-first`` as one suite (the long harnesses, one after the other:
+run at once they starve each other), the core's tests not marked slow, then its other
+slow tests in ``--slow-chunks`` suites of whole test files (a Ray
 cluster a module shares stays in one process; files dealt out by their count of slow
 tests, the largest first, to the chunk with the fewest; run as one suite in a lane of
 their own, they made that lane end ever later than the other), then the plugins. Each suite's log ends with
@@ -221,17 +223,25 @@ def deal(counts: dict[str, int], chunks: int) -> list[list[str]]:
 
 
 def plan(logs: str, core: str, plugins: list[str], slow: bool, extra: list[str],
-         order: list[str] = (), slow_chunks: int = 8, py: str = sys.executable) -> list[Suite]:
-    """The queue of suites (see the module docstring)."""
+         order: list[str] = (), slow_chunks: int = 8, py: str = sys.executable,
+         slow_first: list[str] = ()) -> list[Suite]:
+    """The queue of suites (see the module docstring); with ``slow``, the slow tests of
+    the files ``slow_first`` (paths as pytest names them) form one suite at the head of
+    the queue."""
     only = [] if slow else ["-m", "not slow"]
     # each log then says where the time went (CI's run is near its 90 minutes; `make
     # test`'s near its 10)
     extra = ["--durations=15", *extra]
     queue: list[tuple[str, str, list[str]]] = []  # (name, log's stem, pytest args)
     if slow:
-        queue.append(("core", "core", [core, "-m", "not slow", *extra]))
         counts = slow_files(py, core, extra)
-        groups = deal(counts, slow_chunks) if counts is not None else [[core]]
+        named = {os.path.abspath(f) for f in slow_first}
+        first = sorted(f for f in (counts or {}) if os.path.abspath(f) in named)
+        if first:
+            queue.append(("core (slow, first)", "core-slow-first", [*first, "-m", "slow", *extra]))
+        queue.append(("core", "core", [core, "-m", "not slow", *extra]))
+        rest = {f: n for f, n in (counts or {}).items() if f not in first}
+        groups = deal(rest, slow_chunks) if counts is not None else [[core]]
         for i, files in enumerate(groups, 1):
             name = f"core (slow {i}/{len(groups)})" if len(groups) > 1 else "core (slow)"
             queue.append((name, f"core-slow-{i}", [*files, "-m", "slow", *extra]))
@@ -260,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                          "place in the queue, after the plugins not named")
     ap.add_argument("--slow-chunks", type=int, default=8,
                     help="with SLOW=1: the core's slow tests run as this many suites")
+    ap.add_argument("--slow-first", default="",
+                    help="with SLOW=1: core test files, space-separated, whose slow tests run "
+                         "as one suite at the head of the queue (long tests that must not "
+                         "run at the same time as each other)")
     ap.add_argument("--lanes", type=int, default=2, help="suites run at once")
     ap.add_argument("--core", default="tests", help="the core's test directory")
     ap.add_argument("--logs", default=".test-logs", help="where each suite's log goes")
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     r = Runner(a.python, a.logs, a.progress_s, a.grace_s)
     r.suites = plan(a.logs, a.core, a.plugins.split(), slow, a.pytest_args, a.order.split(),
-                    a.slow_chunks, a.python)
+                    a.slow_chunks, a.python, a.slow_first.split())
     print(f"== {len(r.suites)} suites, {a.lanes} at a time: "
           + ", ".join(s.name for s in r.suites), flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

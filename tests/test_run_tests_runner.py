@@ -153,7 +153,7 @@ def test_core_waits_for_every_other_suite():
     # not slow: first in the queue; it ends only once every other suite has run, which
     # needs the other lane to take them all, one after another
     _ran("core-fast")
-    others = {"slow-a1", "slow-a2", "slow-b", "plug-one", "plug-two"}
+    others = {"slow-a1", "slow-a2", "slow-b", "slow-c", "plug-one", "plug-two"}
     deadline = time.monotonic() + 120
     while not others <= {p.name for p in MARKS.iterdir()}:
         assert time.monotonic() < deadline, sorted(p.name for p in MARKS.iterdir())
@@ -162,9 +162,10 @@ def test_core_waits_for_every_other_suite():
 
 
 def test_with_slow_one_lane_takes_every_suite_the_other_is_not_running(tmp_path):
-    """SLOW=1: the core's slow tests as chunks of whole files (two files of two and one
-    slow tests into two chunks: the larger file alone), and the queue shared: while the
-    core's other tests hold one lane, the other lane runs both slow chunks and both
+    """SLOW=1: the slow tests of the file named by --slow-first as the queue's first
+    suite, the core's other slow tests as chunks of whole files (files of two and one
+    slow tests into two chunks: the larger first), and the queue shared: while the
+    core's other tests hold one lane, the other lane runs the three slow suites and both
     plugins. With fixed lanes (the core's slow tests in one, its other tests and the
     plugins in the other) the core's waiting test would hold the plugins back and fail."""
     core = tmp_path / "core_tests"
@@ -181,6 +182,10 @@ def test_with_slow_one_lane_takes_every_suite_the_other_is_not_running(tmp_path)
         "M = pathlib.Path(os.environ['RUNNER_TEST_MARKS'])\n"
         "pytestmark = pytest.mark.slow\n"
         "def test_b():\n    (M / 'slow-b').write_text(str(os.getpid()))\n")
+    (core / "test_core_slow_c.py").write_text(
+        "import os, pathlib, pytest\n"
+        "M = pathlib.Path(os.environ['RUNNER_TEST_MARKS'])\n"
+        "@pytest.mark.slow\ndef test_c():\n    (M / 'slow-c').write_text(str(os.getpid()))\n")
     (core / "conftest.py").write_text(
         "def pytest_configure(config):\n"
         "    config.addinivalue_line('markers', 'slow: long')\n")
@@ -201,21 +206,23 @@ def test_with_slow_one_lane_takes_every_suite_the_other_is_not_running(tmp_path)
     r = subprocess.run(
         [sys.executable, str(RUNNER), "--core", str(core), "--plugins", " ".join(plugins),
          "--order", "plugtwo plugone", "--slow-chunks", "2", "--lanes", "2",
+         "--slow-first", str(core / "test_core_slow_b.py"),
          "--logs", str(logs)],
         cwd=tmp_path, env=dict(os.environ, SLOW="1", RUNNER_TEST_MARKS=str(marks)),
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every suite passed" in r.stdout, r.stdout
-    # the queue: the core's other tests, its two slow chunks (the larger first), the
-    # plugins in --order
+    # the queue: the --slow-first suite, the core's other tests, its two slow chunks
+    # (the larger first), the plugins in --order
     assert sorted(p.name for p in logs.iterdir()) == [
-        "01-core.log", "02-core-slow-1.log", "03-core-slow-2.log", "04-plugtwo.log",
-        "05-plugone.log"], sorted(p.name for p in logs.iterdir())
-    assert "2 passed" in (logs / "02-core-slow-1.log").read_text()
-    assert "1 passed" in (logs / "03-core-slow-2.log").read_text()
-    # each slow test ran once, in its chunk's process; the not-slow one in the core's
+        "01-core-slow-first.log", "02-core.log", "03-core-slow-1.log", "04-core-slow-2.log",
+        "05-plugtwo.log", "06-plugone.log"], sorted(p.name for p in logs.iterdir())
+    assert "1 passed" in (logs / "01-core-slow-first.log").read_text()
+    assert "2 passed" in (logs / "03-core-slow-1.log").read_text()
+    assert "1 passed" in (logs / "04-core-slow-2.log").read_text()
+    # each slow test ran once, in its suite's process; the not-slow ones in the core's
     pids = {p.name: p.read_text() for p in marks.iterdir()}
-    assert pids["slow-a1"] == pids["slow-a2"] != pids["slow-b"], pids
-    assert len(set(pids.values())) == 5, pids
-    assert "2 passed, 3 deselected" in (logs / "01-core.log").read_text()
+    assert pids["slow-a1"] == pids["slow-a2"] != pids["slow-c"] != pids["slow-b"], pids
+    assert len(set(pids.values())) == 6, pids
+    assert "2 passed, 4 deselected" in (logs / "02-core.log").read_text()
