@@ -137,6 +137,11 @@ class FlashPersister:
         """:meth:`.replica.ReplicaSender.status`."""
         return self.sender.status()
 
+    def wait_replica(self, role: str, step: int, ranks: int = 1,
+                     timeout: float = 60.0) -> list[dict]:
+        """:meth:`.replica.ReplicaSender.wait` (blocks one of the actor's threads)."""
+        return self.sender.wait(role, step, ranks, timeout)
+
     def held(self, role: str) -> dict:
         """Complete saves held in memory on this node for ``role``:
         ``{"world_size", "dir", "committed": newest committed step or None,

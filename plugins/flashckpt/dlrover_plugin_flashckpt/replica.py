@@ -225,6 +225,7 @@ class ReplicaSender:
         #: ``connect_s``: the time to open a connection, 0 on one kept from an earlier
         #: replica; ``stream_s``: :meth:`.replica_stream.Link.send`)
         self.history: list[dict] = []
+        self._recorded = threading.Condition(self._lock)   # notified at each entry
         #: the ``flash-replicate`` thread (woken by a registration asking for replicas)
         self.thread = LoopThread("flash-replicate", self._replicate_loop)
 
@@ -233,6 +234,18 @@ class ReplicaSender:
         with self._lock:
             return {"replicated": {f"{k[0]}-{k[1]}": v for k, v in self._replicated.items()},
                     "history": list(self.history)}
+
+    def wait(self, role: str, step: int, ranks: int = 1, timeout_s: float = 60.0) -> list[dict]:
+        """The :attr:`history` entries of the replicas of ``step`` of ``role`` once
+        ``ranks`` of its ranks are replicated (one call that returns when the entry is
+        recorded, instead of polling :meth:`status`), or those there are after
+        ``timeout_s`` s."""
+        def mine() -> list[dict]:
+            return [h for h in self.history if h["role"] == role and h["step"] == step]
+
+        with self._recorded:
+            self._recorded.wait_for(lambda: len(mine()) >= ranks, timeout=timeout_s)
+            return mine()
 
     def _replicate_loop(self) -> None:
         try:
@@ -366,4 +379,5 @@ class ReplicaSender:
                                          **{k: round(v, 4) for k, v in timings.items()},
                                          "done_at": time.time()})
             del self.history[:-50]
+            self._recorded.notify_all()
         return True

@@ -59,13 +59,12 @@ def main(work: str, transport: str = "tcp") -> None:
         while time.time() < deadline and (committed_steps(ckpt) or [0])[-1] < 2:
             time.sleep(0.2)
         persister_a = ray.get_actor(persister_name(job, node_a.node_id), namespace=NAMESPACE)
-        while time.time() < deadline:
-            hist = ray.get(persister_a.replica_status.remote())["history"]
-            done = {(h["rank"], h["step"]) for h in hist}
-            if {(0, 3), (1, 3)} <= done:
-                break
-            time.sleep(0.2)
-        out["replicas"] = [{k: h[k] for k in ("rank", "step", "peer", "bytes", "transport")}
+        # one call that returns once both ranks' step 3 is replicated
+        waited = ray.get(persister_a.wait_replica.remote("trainer", 3, 2, 180))
+        out["waited"] = sorted((h["rank"], h["step"]) for h in waited)
+        hist = ray.get(persister_a.replica_status.remote())["history"]
+        out["replicas"] = [{k: h[k] for k in ("rank", "step", "peer", "bytes", "transport",
+                                              "connect_s") if k in h}
                            for h in hist]
         out["committed_before"] = committed_steps(ckpt)
         cluster.remove_node(node_a)

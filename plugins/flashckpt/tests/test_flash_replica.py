@@ -24,10 +24,15 @@ def test_node_loss_restores_the_newest_saved_step_from_the_peer_replica(tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(run.stdout.strip().splitlines()[-1])
     assert res["saved_on"] == [res["node_a"]] * 2
+    assert res["waited"] == [[0, 3], [1, 3]]   # wait_replica returned with both
     assert {(r["rank"], r["step"]) for r in res["replicas"]} >= {(0, 3), (1, 3)}
     assert all(r["peer"] != res["node_a"] for r in res["replicas"])
     # tcp: sent over one connection into the peer's buffer; ray: the object store
     assert {r["transport"] for r in res["replicas"]} == {transport}
+    if transport == "tcp":   # one connection carried them all (opened by the first
+        # replica, which may have been dropped: overwritten by the next save while sent)
+        opened = [r["connect_s"] > 0 for r in res["replicas"]]
+        assert sum(opened) <= 1 and opened[1:] == [False] * (len(opened) - 1), res["replicas"]
     assert res["committed_before"][-1] == 2  # the disk is one save behind
     assert res["removed_buffers"] >= 2
     assert all(n not in (res["node_a"], res["node_b"]) for n in res["restored_on"])
