@@ -18,10 +18,10 @@ clusters, restarts, the full examples) are left out of every suite. With SLOW=1
 (`make test SLOW=1`, what .ci/run runs), every test runs: first the slow tests of the
 files named in ``--slow-first`` as one suite (the long harnesses, one after the other:
 run at once they starve each other), the core's tests not marked slow, then its other
-slow tests in ``--slow-chunks`` suites of whole test files (a Ray
-cluster a module shares stays in one process; files dealt out by their count of slow
-tests, the largest first, to the chunk with the fewest; run as one suite in a lane of
-their own, they made that lane end ever later than the other), then the plugins. Each suite's log ends with
+slow tests in ``--slow-chunks`` suites of whole test files (a Ray cluster a module
+shares stays in one process; files dealt out by their count of slow tests, the largest
+first, to the chunk with the fewest; run as one suite in a lane of their own, they made
+that lane end ever later than the other), then the plugins. Each suite's log ends with
 its 15 slowest tests (``--durations=15``).
 
 Each suite's output goes to a log under ``--logs`` (default ``.test-logs/``, replaced by
@@ -192,10 +192,12 @@ def _last_line(path: str) -> str:
 def slow_files(py: str, core: str, extra: list[str]) -> dict[str, int] | None:
     """``{test file: its count of tests marked slow}`` of the core's suite, from pytest's
     own collection (``--collect-only -m slow``, in a child: the runner imports no test);
-    None when a file pytest names cannot be found (the caller then runs the slow tests as
-    one suite)."""
+    None when the collection failed (an import error: the suite then reports it) or a
+    file pytest names cannot be found (the caller then runs the slow tests as one suite)."""
     r = subprocess.run([py, "-m", "pytest", "-q", "--collect-only", "-m", "slow", core, *extra],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if r.returncode not in (0, 5):  # 5: no test collected
+        return None
     counts: dict[str, int] = {}
     for line in r.stdout.splitlines():
         if "::" not in line:

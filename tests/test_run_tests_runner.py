@@ -226,3 +226,25 @@ def test_with_slow_one_lane_takes_every_suite_the_other_is_not_running(tmp_path)
     assert pids["slow-a1"] == pids["slow-a2"] != pids["slow-c"] != pids["slow-b"], pids
     assert len(set(pids.values())) == 6, pids
     assert "2 passed, 4 deselected" in (logs / "02-core.log").read_text()
+
+
+def test_with_slow_a_core_suite_that_cannot_be_collected_fails_the_run(tmp_path):
+    """SLOW=1 deals the core's slow tests out by pytest's collection; a test file that
+    fails to import must fail the run (the slow tests run as one suite, which reports
+    the error), not leave the slow tests out in silence."""
+    core = tmp_path / "core_tests"
+    core.mkdir()
+    (core / "test_broken.py").write_text("import no_such_module_here\n")
+    (core / "test_fine.py").write_text(
+        "import pytest\n@pytest.mark.slow\ndef test_s():\n    pass\n")
+    (core / "conftest.py").write_text(
+        "def pytest_configure(config):\n"
+        "    config.addinivalue_line('markers', 'slow: long')\n")
+    r = subprocess.run(
+        [sys.executable, str(RUNNER), "--core", str(core), "--logs", str(tmp_path / "logs")],
+        cwd=tmp_path, env=dict(os.environ, SLOW="1"), capture_output=True, text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stdout
+    assert "FAILED suites: core core (slow)" in r.stdout, r.stdout
+    assert "no_such_module_here" in (tmp_path / "logs" / "02-core-slow-1.log").read_text()
