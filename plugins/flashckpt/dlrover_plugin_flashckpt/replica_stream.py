@@ -184,6 +184,7 @@ class Link:
             HolderError: the holder could not hold the replica (the link stays usable).
             StreamError: the connection broke or the holder did not acknowledge the
                 bytes (the link is closed).
+            Whatever ``verdict`` raises (the link is closed).
         """
         meta = bytes(info.get("meta", b""))
         header = {k: v for k, v in info.items() if k != "meta"}
@@ -215,6 +216,9 @@ class Link:
             if isinstance(exc, StreamError):
                 raise
             raise StreamError(f"replica stream broke: {exc}") from exc
+        except BaseException:
+            self.close()   # stopped mid-replica (``verdict`` raised): out of step
+            raise
         self.sent += 1
         if kind == NAMED:
             return text

@@ -282,3 +282,22 @@ def test_a_slot_whose_mapping_was_closed_meanwhile_is_not_sent(shm_dir):
     sender = replica.ReplicaSender(NodeRanks(JOB, os.getpid(), 0), "node-a", no_holder,
                                    lambda e: None)
     assert sender._send_over_tcp("node-b", info(h.data_len), seg, h, {}) is None
+
+
+def test_a_verdict_that_raises_closes_the_link_and_the_holder_keeps_no_replica(shm_dir):
+    """``verdict()`` raising after the holder acknowledged the bytes leaves the
+    connection out of step (the holder waits for a verdict byte): the source closes the
+    link and raises; the holder's thread ends and lists no replica of that step."""
+    link, conn = link_pair()
+    holder = Holder(conn, shm_dir)
+    data = os.urandom(1 << 16)
+
+    def broken() -> bool:
+        raise ValueError("the slot's header could not be read")
+
+    with pytest.raises(ValueError, match="header could not be read"):
+        link.send(info(len(data)), memoryview(data), broken)
+    assert link.conn.fileno() == -1
+    holder.thread.join(10)
+    assert isinstance(holder.box.get("error"), replica_stream.StreamError), holder.box
+    assert replica.held(shm_dir, JOB, DIR, HOLDER) == []
