@@ -69,6 +69,7 @@ def _cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # 46 s here (2026-12-01): make test's lanes stay near 10 minutes (CI runs it)
 def test_list_and_status_say_running_while_the_lock_holder_lives(held, tmp_path):
     d, proc = held
     row, = jobs_in_root("runs")

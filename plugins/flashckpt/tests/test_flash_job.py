@@ -38,6 +38,7 @@ def buffers(job: str) -> list[str]:
     return shm.list_segments("/dev/shm", shm.job_prefix(job))
 
 
+@pytest.mark.slow  # 25 s here (2026-12-01): make test's lanes stay near 10 minutes (CI runs it)
 def test_sigkill_after_save_is_persisted_at_breakpoint_and_restored_from_memory(
         ray_cluster, job_dir):
     name = f"flashjob-{uuid.uuid4().hex[:6]}"

@@ -171,6 +171,7 @@ def test_submit_fresh_never_resumes_a_buffer_of_the_previous_run(job, tmp_path):
     fresh.close()
 
 
+@pytest.mark.slow  # 25 s here (2026-12-01): make test's lanes stay near 10 minutes (CI runs it)
 def test_two_ranks_never_mix_the_saves_of_two_attempts(job, tmp_path):
     """Item 2, two ranks without a process group: after a rollback to 100, rank 0 saved
     200 in the new attempt and rank 1 died before its save of 200; both ranks' buffers
