@@ -38,17 +38,17 @@ PYTEST_ARGS ?=
 # SLOW=1: make test also runs the tests marked `slow` (long scenarios); .ci/run sets it
 SLOW ?=
 # the plugins' suites, the longest first: their place in make test's queue (after any
-# plugin not named here; scripts/run_tests.py). A run here without SLOW=1: flashckpt 183 s,
-# odl 130, ppo 85, megatron 77, multimodal 58, fsdp 52, deepspeed 24, sft 2; with SLOW=1
-# flashckpt and megatron take longest
+# plugin not named here; scripts/run_tests.py). A run here without SLOW=1 (2026-12-01):
+# flashckpt 272 s, odl 166, ppo 98, megatron 95, multimodal 71, fsdp 57, deepspeed 28,
+# sft 3; with SLOW=1 flashckpt 941, ppo 499, odl 417, fsdp 350, megatron 303
 PLUGIN_ORDER ?= flashckpt megatron odl ppo multimodal fsdp deepspeed sft
 # with SLOW=1, the core's slow tests run as this many suites (whole files in each), so
 # that both lanes share them
 SLOW_CHUNKS ?= 8
 # with SLOW=1, the core's test files whose slow tests run first, as one suite: the
 # crash-point enumeration (~20 min) and the chaos runs (5-10 min each) each keep a core
-# busy; run at the same time (a run here, 2026-12-01) two elastic chaos runs passed
-# their 600 s
+# busy; run at the same time (a run here, 2026-12-01) two elastic chaos runs ran past
+# pytest's 600 s limit
 SLOW_FIRST ?= tests/test_crash_points.py tests/test_chaos.py
 NODES ?= 2
 CPUS ?= 2
