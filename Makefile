@@ -41,7 +41,7 @@ SLOW ?=
 # plugin not named here; scripts/run_tests.py). A run here without SLOW=1 (2026-12-01):
 # flashckpt 272 s, odl 166, ppo 98, megatron 95, multimodal 71, fsdp 57, deepspeed 28,
 # sft 3; with SLOW=1 flashckpt 941, ppo 499, odl 417, fsdp 350, megatron 303
-PLUGIN_ORDER ?= flashckpt megatron odl ppo multimodal fsdp deepspeed sft
+PLUGIN_ORDER ?= flashckpt odl ppo megatron fsdp multimodal deepspeed sft
 # with SLOW=1, the core's slow tests run as this many suites (whole files in each), so
 # that both lanes share them
 SLOW_CHUNKS ?= 8
