@@ -290,8 +290,6 @@ class ReplicaSender:
                 timings["connect_s"] = 0.0
                 try:
                     return link.send(info, data, unchanged, timings)
-                except HolderError:
-                    raise
                 except StreamError:  # closed: the holder's persister ended or was replaced
                     del self._links[peer]
             t0 = time.monotonic()
@@ -300,8 +298,6 @@ class ReplicaSender:
             timings["connect_s"] = time.monotonic() - t0
             try:
                 return link.send(info, data, unchanged, timings)
-            except HolderError:
-                raise
             except StreamError:
                 del self._links[peer]
                 raise

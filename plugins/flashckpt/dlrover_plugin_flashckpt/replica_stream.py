@@ -81,10 +81,10 @@ class StreamError(RuntimeError):
     """The replica stream failed (no connection, a short read, a bad token)."""
 
 
-class HolderError(StreamError):
+class HolderError(RuntimeError):
     """The holder received the replica's bytes but could not hold them (its message
     says why: a directory not this job's, too little shared memory, ...); the link
-    stays usable."""
+    stays usable (so this is no :class:`StreamError`)."""
 
 
 def new_token() -> bytes:
@@ -354,14 +354,10 @@ def open_link(holder: Any, host: str, timeout_s: float = 60.0) -> Link:
 
 
 def recv_exact(conn: socket.socket, n: int) -> bytes:
+    """The next ``n`` bytes of ``conn`` (:func:`receive_into` a new buffer).
+
+    Raises:
+        StreamError: the connection broke or ended early."""
     buf = bytearray(n)
-    view, off = memoryview(buf), 0
-    while off < n:
-        try:
-            got = conn.recv_into(view[off:])
-        except OSError as exc:
-            raise StreamError(f"connection broke after {off} of {n} bytes: {exc}") from exc
-        if not got:
-            raise StreamError(f"connection closed after {off} of {n} bytes")
-        off += got
+    receive_into(conn, memoryview(buf))
     return bytes(buf)
