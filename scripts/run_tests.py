@@ -26,7 +26,9 @@ its 15 slowest tests (``--durations=15``).
 
 Each suite's output goes to a log under ``--logs`` (default ``.test-logs/``, replaced by
 each run; ``NN-name.log``, NN its place in the queue), printed whole when the lanes
-end; while a suite runs, its pytest progress (percent done, failures so far) is printed
+end; after them, each failed suite's exit status and pytest's short summary of its
+failures (or its log's last lines), where a reader of only the output's tail sees them;
+while a suite runs, its pytest progress (percent done, failures so far) is printed
 every ``--progress-s`` seconds.
 
 Ctrl-C (SIGINT), SIGTERM or SIGHUP stops the run: every running suite gets SIGINT in its
@@ -189,6 +191,23 @@ def _last_line(path: str) -> str:
         return "(no log)"
 
 
+def digest(path: str, limit: int = 30) -> list[str]:
+    """What a failed suite's log says of its failures, for the end of the run's output
+    (CI shows the output's head and tail; a failed suite's log in the middle is cut):
+    pytest's "short test summary info" section (its FAILED and ERROR lines and the final
+    count) when the log has one, else the log's last lines (a suite that crashed or
+    was killed); at most ``limit`` lines, the last ones kept."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f if ln.strip()]
+    except OSError:
+        return ["(no log)"]
+    head = next((i for i in range(len(lines) - 1, -1, -1)
+                 if "short test summary info" in lines[i]), None)
+    part = lines[head + 1:] if head is not None else lines
+    return part[-limit:] if part else ["(no output)"]
+
+
 def slow_files(py: str, core: str, extra: list[str]) -> dict[str, int] | None:
     """``{test file: its count of tests marked slow}`` of the core's suite, from pytest's
     own collection (``--collect-only -m slow``, in a child: the runner imports no test);
@@ -320,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     failed = [s.name for s in r.suites if s.rc not in (0, 5)]  # 5: no test collected
     print(f"== logs: {os.path.abspath(a.logs)}")
     if failed:
+        for s in r.suites:
+            if s.rc not in (0, 5):
+                print(f"== {s.name}: {s.state} after {s.seconds:.0f} s "
+                      f"({os.path.basename(s.log)}):")
+                for line in digest(s.log):
+                    print(f"   {line}")
         print("FAILED suites:", " ".join(failed))
         return 1
     print("every suite passed")

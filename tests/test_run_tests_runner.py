@@ -136,6 +136,12 @@ def test_the_runner_reports_a_failed_suite_and_keeps_going(tmp_path):
     assert "FAILED suites: core" in r.stdout, r.stdout
     assert f"== {plug}/: exit 0" in r.stdout, r.stdout
     assert "1 passed" in r.stdout and "1 failed" in r.stdout, r.stdout
+    # after every log, where CI's cut output still shows it: the failed suite, its exit
+    # status and pytest's short summary of its failures; nothing of the suite that passed
+    tail = r.stdout[r.stdout.index("the lanes ended after"):]
+    assert "== core: exit 1 after" in tail, tail
+    assert "FAILED core_tests/test_fails.py::test_no - assert 1 == 2" in tail, tail
+    assert "okplug" not in tail.split("== logs:")[1].split("FAILED suites:")[0], tail
 
 
 QUEUE_CORE = '''
