@@ -82,6 +82,10 @@ class Loader:
         #: (a copy from this process's populated mapping) or ``"pread"``; ``None``
         #: before any
         self.last_memory_read: str | None = None
+        #: ``(data bytes, meta bytes)`` of the save the last :meth:`load` restored in
+        #: place from this rank's own buffer (the live state has that layout now);
+        #: ``None`` when it loaded otherwise or nothing
+        self.last_layout: tuple[int, int] | None = None
 
     def _memory_steps(self) -> dict[tuple[int, str], int]:
         """``(step, attempt tag) -> slot`` of the complete saves this rank's buffers
@@ -157,6 +161,7 @@ class Loader:
             h2 = seg.read_header()
         if h2.seq != h.seq or not shm.holds_step(h2):
             raise TornRead(f"{where} was overwritten while it was read")
+        self.last_layout = (h.data_len, len(meta))
 
     def _load_disk(self, state_dict: dict, step: int) -> None:
         step_dir = os.path.join(self.dir, step_dir_name(step))
@@ -180,6 +185,7 @@ class Loader:
         Raises:
             LayoutError, CheckpointLoadError: as :meth:`.saver.FlashSaver.load`.
         """
+        self.last_layout = None
         own = self._memory_steps()
         reps = self.replicas.steps() if self.replicas is not None else {}
         old_world, other = self.relayout.other_world_steps()

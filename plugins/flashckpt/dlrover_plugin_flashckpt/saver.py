@@ -304,7 +304,7 @@ class FlashSaver(Saver):
         Sets :attr:`last_load_source` (``memory``, ``replica``, ``memory-resharded``,
         ``disk``, ``disk-resharded``).
         Then reserves the buffers for this state in the background (first save at
-        steady speed).
+        steady speed; the restored save's sizes when it came from this rank's buffer).
 
         A committed step whose files fail their check (size, crc32) is quarantined
         (renamed ``step_<n>.corrupt``) and the next older one is tried. A load draws
@@ -333,7 +333,7 @@ class FlashSaver(Saver):
             # (see __init__); a load reads the buffers by name and does not wait for it
             # (the first save does); the reservation below runs in that thread too
             try:  # lay out the buffers for this state before the first save
-                self.pool.reserve_for(state_dict)
+                self.pool.reserve_for(state_dict, known=self.loader.last_layout)
             except Exception as exc:  # noqa: BLE001 - the first save lays them out then
                 log.warning("could not reserve the flash buffers: %s", exc)
             self._find_persister_soon()   # last: its Ray calls hold the GIL (see __init__)

@@ -159,10 +159,12 @@ class SlotPool:
             self.wait_reserved()
         return fut
 
-    def reserve_for(self, state_dict: dict, wait: bool = False) -> Future:
+    def reserve_for(self, state_dict: dict, wait: bool = False,
+                    known: tuple[int, int] | None = None) -> Future:
         """:meth:`reserve` for saves of ``state_dict``, including the optimizer state a
-        fresh optimizer creates at its first step (:func:`capacity.estimate`)."""
-        data, meta = capacity.estimate(state_dict)
+        fresh optimizer creates at its first step (:func:`capacity.estimate`; ``known``:
+        its sizes from a load that restored exactly this layout, as there)."""
+        data, meta = capacity.estimate(state_dict, known)
         return self.reserve(data, max(META_MIN, 2 * meta), wait)
 
     def _all_in_place(self, data: int, meta: int) -> bool:

@@ -350,6 +350,58 @@ def test_load_reserves_buffers_for_the_optimizer_state_of_the_first_step(job, tm
     assert torch.equal(got["extra"]["big"], big["extra"]["big"])
 
 
+def test_a_load_from_memory_reserves_the_size_of_the_save_it_restored(job, tmp_path, monkeypatch):
+    """After a load that restored a save from the rank's own buffer, the reservation
+    takes that save's sizes (the live state has its layout now) instead of building the
+    state's table and meta block again on the load's path, unless an optimizer in it
+    still lacks state: then the estimate adds that state as before."""
+    from dlrover_plugin_flashckpt import capacity
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    d = str(tmp_path / "ckpt")
+    s = make_saver(job, d)
+    s.save(1, adamw_state(model, opt))     # a fresh AdamW: no state yet
+    s.wait()
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    s.save(2, adamw_state(model, opt))     # with exp_avg, exp_avg_sq
+    s.wait()
+    full_data, _ = capacity.estimate(adamw_state(model, opt))
+
+    def no_table(*a, **k):
+        raise AssertionError("the state's meta block was built again")
+
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    template = adamw_state(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    with monkeypatch.context() as m:
+        m.setattr(capacity, "pack_meta", no_table)
+        s2 = make_saver(job, d)
+        assert s2.load(template) == 2 and s2.last_load_source == "memory"
+        s2.wait_reserved()
+    assert len(template["optimizer"]["state"]) == 4   # restored into the template
+    assert s2.loader.last_layout is not None
+    assert s2.last_reserve["data_bytes"] == full_data == s2.loader.last_layout[0]
+
+    # a save whose optimizer had no state yet, loaded from memory: the reservation adds
+    # what AdamW's first step creates (the estimate is made, as for a load that found
+    # nothing)
+    d3 = str(tmp_path / "ckpt3")
+    s = make_saver(job, d3)
+    s.save(1, adamw_state(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3)))
+    s.wait()
+    template = adamw_state(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    s3 = make_saver(job, d3)
+    assert s3.load(template) == 1 and s3.last_load_source == "memory"
+    s3.wait_reserved()
+    assert s3.loader.last_layout[0] < 3 * param_bytes
+    assert s3.last_reserve["data_bytes"] >= 3 * param_bytes
+    s2.close()
+    s3.close()
+
+
 def test_verify_memory_data_catches_corrupted_memory_and_falls_back_to_disk(job, tmp_path,
                                                                             caplog):
     d = str(tmp_path / "ckpt")
