@@ -56,9 +56,14 @@ of ``results`` with ``size_mib`` (the size asked for) and:
   same state saved by 1 rank, loaded by 1 (each the median of ``--repeat`` loads, at
   least 3, by new actors); ``restore_other_over_same``: their ratio.
 
-- ``state_bytes``: the bytes of the state's tensors; ``load_cold_vs_preadv``: the same
-  ratio as ``load_over_pread_shm`` (a fresh saver's load from shared memory over the
-  bare preadv bound of the same bytes);
+- ``state_bytes``: the bytes of the state's tensors; ``load_cold_gib_s``: ``load()`` of a
+  fresh saver (new mappings) made before, untimed, with what it starts in the
+  background at its creation finished (the run id and the node's persister looked up,
+  the persister registered: a trainer builds its model and optimizer in between);
+  ``load_cold_vs_preadv``: its ratio to ``pread_shm_gib_s`` (until 2026-12-01 this key
+  held ``load_over_pread_shm``, the saver's creation included);
+  ``load_cold_with_init_vs_preadv``: the same ratio as ``load_over_pread_shm`` (the
+  saver made and its load timed back to back, as ``load_memory_gib_s``);
 - the probe of each size, a job of its own: a Ray actor that does only what a trainer's
   checkpointing does (builds the state, then ``--repeat`` + 1 saves with a flash saver,
   each persisted and waited for: two slots, one for a lean size) beside a new persister
@@ -255,8 +260,21 @@ class FlashRounds:
         self.saver.save(self.step, self.state)
 
     def load(self) -> None:
-        # new mappings, as a restart
+        # new mappings, as a restart; the saver made and its load back to back
         self.fresh.append(flash_saver(self.job, self.ckpt, **self.options))
+        self.load_made()
+
+    def make_saver(self) -> None:
+        """Untimed: a new saver (new mappings, as a restarted process makes at its setup),
+        with what it starts in its background thread (the run id and the node's
+        persister looked up, the persister registered) finished (``persister()``), as in
+        a trainer that builds its model and optimizer between ``Checkpointer.for_worker``
+        and ``load``."""
+        self.fresh.append(flash_saver(self.job, self.ckpt, **self.options))
+        self.fresh[-1].persister()
+
+    def load_made(self) -> None:
+        """The load of the newest saver :attr:`fresh` holds, into :attr:`template`."""
         got = self.fresh[-1].load(self.template)
         assert got == self.step and self.fresh[-1].last_load_source == "memory", got
         if self.sync is not None:
@@ -417,7 +435,7 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
     flash.load()
     flash.unmap()
     times: dict[str, list[float]] = {"memcpy": [], "save": [], "load": [], "pread": [],
-                                     "load_warm": [], "load_standby": []}
+                                     "load_cold": [], "load_warm": [], "load_standby": []}
     pread_shm()
     for _ in range(max(repeat, 5)):
         times["memcpy"].append(median_s(memcpy, 1))
@@ -426,6 +444,8 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
         if not lean:
             saver.wait()  # untimed: the persister's write would compete for the cores
         times["load"].append(median_s(flash.load, 1))
+        flash.unmap()
+        times["load_cold"].append(median_s(flash.load_made, 1, flash.make_saver))
         flash.unmap()
         times["load_warm"].append(median_s(flash.load_warm, 1))
         flash.premap()
@@ -449,7 +469,9 @@ def bench_cpu(size_mib: int, work: str, repeat: int, job: str, lean: bool = Fals
     out["load_standby_gib_s"] = gib / statistics.median(times["load_standby"])
     out["load_standby_vs_memcpy"] = out["load_standby_gib_s"] / out["memcpy_gib_s"]
     out["load_over_pread_shm"] = out["load_memory_gib_s"] / out["pread_shm_gib_s"]
-    out["load_cold_vs_preadv"] = out["load_over_pread_shm"]
+    out["load_cold_with_init_vs_preadv"] = out["load_over_pread_shm"]
+    out["load_cold_gib_s"] = gib / statistics.median(times["load_cold"])
+    out["load_cold_vs_preadv"] = out["load_cold_gib_s"] / out["pread_shm_gib_s"]
     pool.shutdown()
     os.close(bound[0])
     if not lean:
@@ -994,7 +1016,8 @@ def _cpu_line(r: dict) -> str:
             f"{r['flash_save_first_gib_s']:.2f}, unreserved "
             f"{_fmt(r['flash_save_unreserved_gib_s'])}) | torch.save+fsync "
             f"{_fmt(r['torch_save_fsync_gib_s'])} | dcp {_fmt(r['dcp_save_gib_s'])} | load memory "
-            f"{r['load_memory_gib_s']:6.2f} (pread {r['pread_shm_gib_s']:.2f}, warm "
+            f"{r['load_memory_gib_s']:6.2f} (pread {r['pread_shm_gib_s']:.2f}, cold "
+            f"{r['load_cold_gib_s']:.2f}, warm "
             f"{r['load_warm_gib_s']:.2f}, standby {r['load_standby_gib_s']:.2f}) | torch.load disk "
             f"{_fmt(r['torch_load_gib_s'])} (page cache {_fmt(r['torch_load_warm_gib_s'])}) | "
             f"persist {r['persist_gib_s']:.2f} (files {r['persist_write_gib_s']:.2f}; bare "
