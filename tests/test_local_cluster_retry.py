@@ -4,6 +4,7 @@ process exits at once, as a ``ray start`` does when its raylet dies while starti
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -38,3 +39,25 @@ def test_a_worker_node_that_ends_while_starting_is_started_again(tmp_path, monke
         assert "injected: this start fails" in err and "starting ['worker-1'] again" in err
     finally:
         lc.down(d)
+
+
+def test_the_node_table_is_read_past_a_raylet_notice_printed_after_it(monkeypatch):
+    """Ray printed a raylet's notice ("... has been marked dead ... lagging heartbeats")
+    after the node table of ``_node_table``'s child process on a busy machine (make test
+    SLOW=1), and the parse of the last line failed the GCS restart test. The child's
+    output is given here as Ray printed it then (the notice cannot be had on demand)."""
+    rows = [{"NodeManagerPort": 1234, "Alive": True, "NodeID": "ab"}]
+    seen = []
+
+    def child(cmd, **kw):
+        seen.append(cmd[-1])
+        mark = cmd[-1].split("print(")[1].split(" + ")[0].strip("'\"")
+        out = (f"{mark}{json.dumps(rows)}\n"
+               "(raylet) The node with node id: ab has been marked dead because the detector "
+               "has missed too many heartbeats from it. This can happen when a \n"
+               "\t(2) raylet has lagging heartbeats due to slow network or busy workload.\n")
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(lc.subprocess, "run", child)
+    assert lc._node_table({"address": "127.0.0.1:1", "token_path": "/nonexistent"}) == rows
+    assert "log_to_driver=False" in seen[0]

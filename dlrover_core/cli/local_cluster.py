@@ -135,17 +135,23 @@ def _wait_port(port: int, node: dict, timeout_s: float) -> None:
 
 def _node_table(state: dict) -> list[dict]:
     """``ray.nodes()`` of the cluster, read by a short-lived subprocess (this process
-    may already be connected to another cluster, or should stay unconnected)."""
+    may already be connected to another cluster, or should stay unconnected), from the
+    line after a marker (Ray may print a raylet's notice after it on a busy machine)."""
+    mark = "dlrover-node-table: "
     code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', "
-            "include_dashboard=False); print(json.dumps(ray.nodes())); ray.shutdown()"
-            % state["address"])
+            "include_dashboard=False, log_to_driver=False); "
+            "print(%r + json.dumps(ray.nodes()), flush=True); ray.shutdown()"
+            % (state["address"], mark))
     env = dict(os.environ, **client_env(state))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     if out.returncode != 0:
         raise ClusterError(f"could not read the node table of {state['address']}:\n"
                            f"{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    rows = [ln[len(mark):] for ln in out.stdout.splitlines() if ln.startswith(mark)]
+    if not rows:
+        raise ClusterError(f"no node table of {state['address']} in:\n{out.stdout[-2000:]}")
+    return json.loads(rows[-1])
 
 
 def wait_for_nodes(state: dict, timeout_s: float = 120.0) -> dict:
