@@ -182,13 +182,18 @@ class Runner:
                     pass
 
 
-def _last_line(path: str) -> str:
+def _log_lines(path: str) -> list[str] | None:
+    """The log's lines that are not blank (right-stripped); ``None`` when it cannot be read."""
     try:
         with open(path, errors="replace") as f:
-            lines = [ln.rstrip() for ln in f if ln.strip()]
-        return lines[-1] if lines else "(no output)"
+            return [ln.rstrip() for ln in f if ln.strip()]
     except OSError:
-        return "(no log)"
+        return None
+
+
+def _last_line(path: str) -> str:
+    lines = _log_lines(path)
+    return "(no log)" if lines is None else lines[-1] if lines else "(no output)"
 
 
 def digest(path: str, limit: int = 30) -> list[str]:
@@ -197,10 +202,8 @@ def digest(path: str, limit: int = 30) -> list[str]:
     pytest's "short test summary info" section (its FAILED and ERROR lines and the final
     count) when the log has one, else the log's last lines (a suite that crashed or
     was killed); at most ``limit`` lines, the last ones kept."""
-    try:
-        with open(path, errors="replace") as f:
-            lines = [ln.rstrip() for ln in f if ln.strip()]
-    except OSError:
+    lines = _log_lines(path)
+    if lines is None:
         return ["(no log)"]
     head = next((i for i in range(len(lines) - 1, -1, -1)
                  if "short test summary info" in lines[i]), None)
@@ -336,16 +339,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(s.log, errors="replace") as f:
             sys.stdout.write(f.read())
     print(f"the lanes ended after {elapsed:.0f} s")
-    failed = [s.name for s in r.suites if s.rc not in (0, 5)]  # 5: no test collected
+    failed = [s for s in r.suites if s.rc not in (0, 5)]  # 5: no test collected
     print(f"== logs: {os.path.abspath(a.logs)}")
     if failed:
-        for s in r.suites:
-            if s.rc not in (0, 5):
-                print(f"== {s.name}: {s.state} after {s.seconds:.0f} s "
-                      f"({os.path.basename(s.log)}):")
-                for line in digest(s.log):
-                    print(f"   {line}")
-        print("FAILED suites:", " ".join(failed))
+        for s in failed:
+            print(f"== {s.name}: {s.state} after {s.seconds:.0f} s "
+                  f"({os.path.basename(s.log)}):")
+            for line in digest(s.log):
+                print(f"   {line}")
+        print("FAILED suites:", " ".join(s.name for s in failed))
         return 1
     print("every suite passed")
     if not slow and elapsed > _BUDGET_S:

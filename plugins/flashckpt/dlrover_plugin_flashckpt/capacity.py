@@ -80,14 +80,14 @@ def estimate(state: Any, known: tuple[int, int] | None = None) -> tuple[int, int
     Raises:
         TypeError: an unsupported tensor (as :func:`layout.build_table`).
     """
+    sections = list(_optimizer_sections(state))
     if known is not None and not any(
-            p not in section["state"] for _, section in _optimizer_sections(state)
+            p not in section["state"] for _, section in sections
             for group in section["param_groups"] for p in group.get("params", [])):
         return known
     table, _, skeleton = layout.build_table(state)
     data = layout.data_size(table)
     meta = len(pack_meta(0, table, skeleton, {"rank": 0, "world_size": 1}))
-    sections = list(_optimizer_sections(state))
     if not sections:
         return data, meta
     inside = {p for p, _ in sections}
