@@ -333,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
             where = f": {s.log}" if s.state != "not started" else ""
             print(f"   {s.name}: {s.state}{where}")
         print(f"== logs: {os.path.abspath(a.logs)}")
+        # the suites that had failed before the stop: what they say (the end of CI's
+        # output is the part it keeps when its time runs out)
+        for s in [s for s in r.suites if s.state.startswith("exit") and s.rc not in (0, 5)]:
+            print(f"== {s.name}: {s.state} after {s.seconds:.0f} s "
+                  f"({os.path.basename(s.log)}):")
+            for line in digest(s.log):
+                print(f"   {line}")
         return 128 + r.signum
     for s in r.suites:
         print(f"================ {os.path.basename(s.log)[:-4]}")

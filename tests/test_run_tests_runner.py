@@ -144,6 +144,45 @@ def test_the_runner_reports_a_failed_suite_and_keeps_going(tmp_path):
     assert "okplug" not in tail.split("== logs:")[1].split("FAILED suites:")[0], tail
 
 
+
+def test_a_run_stopped_by_sigterm_still_says_why_an_earlier_suite_failed(tmp_path):
+    """CI stops a run that overruns its time with SIGTERM: the failures of the suites
+    that had ended are printed after the interrupted run's list, at the end of the
+    output that CI keeps."""
+    core = tmp_path / "core_tests"
+    core.mkdir()
+    (core / "test_fails.py").write_text("def test_no():\n    assert 1 == 2\n")
+    plug = tmp_path / "waitplug"
+    (plug / "tests").mkdir(parents=True)
+    (plug / "pyproject.toml").write_text(PLUGIN_TOML)
+    (plug / "tests" / "test_plugin_wait.py").write_text(PLUGIN_TEST)
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNNER), "--core", str(core), "--plugins", str(plug),
+         "--logs", str(logs), "--lanes", "1", "--progress-s", "1", "--grace-s", "5"],
+        cwd=tmp_path, env=dict(os.environ, SLOW=""), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        plug_log = logs / "02-waitplug.log"  # one lane: it starts after the core failed
+        while not plug_log.exists() or ".." not in plug_log.read_text():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the plugin suite never got going"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    tail = out[out.index("== interrupted after"):]
+    assert f"{plug}/: interrupted" in tail, tail
+    after = tail[tail.index("== logs:"):]
+    assert "== core: exit 1 after" in after, tail
+    assert "FAILED core_tests/test_fails.py::test_no - assert 1 == 2" in after, tail
+    assert "waitplug" not in after.split("\n", 1)[1], tail  # nothing of the suite stopped
+
+
 QUEUE_CORE = '''
 import os, pathlib, time
 import pytest
