@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from dlrover_core.testing.crash_harness import HARNESS, run_harness
+from dlrover_core.testing.crash_harness import HARNESS, SKIP_QUICK, run_harness
 
 harness = run_harness
 
@@ -65,6 +65,7 @@ def test_the_harness_catches_each_kind_of_violation():
             "real_corrupt_step", "real_wrong_resume"} <= set(out["caught"])
 
 
+@SKIP_QUICK
 def test_quick_subset_of_the_disk_saver_has_no_violation():
     """One point per area, SIGKILL and ENOSPC, 1 / 2 / 4 ranks (the flash and ODL
     subsets are in those plugins' tests)."""
@@ -72,6 +73,48 @@ def test_quick_subset_of_the_disk_saver_has_no_violation():
     assert out["violations"] == 0, run.stdout[-6000:]
     assert run.returncode == 0
     assert out["runs"] > 0 and out["points"] > 0
+
+
+def _crashtest():
+    from dlrover_core.testing.crash_harness import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import crashtest.main
+        import crashtest.run
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return crashtest.main, crashtest.run
+
+
+@pytest.mark.parametrize("saver", ["disk", "flash", "odl"])
+def test_each_quick_subset_is_a_part_of_the_whole_enumeration(saver):
+    """``make test SLOW=1`` skips the quick subsets (``crash_harness.SKIP_QUICK``): the
+    whole enumeration it runs must hold every run of each, for any count of hits,
+    including the load points that only the restart reaches."""
+    main, run = _crashtest()
+    import importlib
+
+    case = importlib.import_module(f"crashtest.{saver}_case")
+    points = run.points_of(case)
+    worlds = [1, 2, 4]
+
+    def key(j):
+        p, fault, world, who, nth, variant = j
+        return p.name, fault, world, who, nth, tuple(sorted(variant.items()))
+
+    for count in (1, 2, 3, 7):
+        for skip_area in (None, "load"):
+            reached = {w: {p.name: {**{f"rank{r}": count for r in range(w)},
+                                    "persister": count}
+                           for p in points if p.area != skip_area} for w in worlds}
+            restart = {w: {p.name: {f"rank{r}": count for r in range(w)} for p in points}
+                       for w in worlds}
+            full = {key(j) for j in main.planned_runs(case, points, worlds, False, reached,
+                                                      restart)}
+            quick = {key(j) for j in main.planned_runs(case, points, worlds, True, reached,
+                                                       restart)}
+            assert quick and quick <= full, (count, skip_area, sorted(quick - full))
 
 
 @pytest.mark.slow

@@ -1,16 +1,28 @@
 """Running the crash-point harness (``scripts/crash_test.py`` of a source checkout) from a
-test: the core's and the plugins' wrappers share this."""
+test: the core's and the plugins' wrappers share this (test code: it imports pytest)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 #: the source checkout this package is installed from (editable installs)
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "scripts" / "crash_test.py"
+
+
+#: the mark of a quick subset's test (the tests' module: pytest is there): skipped when
+#: ``SLOW=1``, where the whole enumeration runs
+SKIP_QUICK = pytest.mark.skipif(
+    os.environ.get("SLOW") == "1",
+    reason="SLOW=1 (make test SLOW=1, CI) runs the whole enumeration "
+           "(tests/test_crash_points.py), which holds every run of each quick subset "
+           "(test_each_quick_subset_is_a_part_of_the_whole_enumeration)")
 
 
 def run_harness(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:

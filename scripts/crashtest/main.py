@@ -34,6 +34,35 @@ def quick_points(points: list) -> list:
     return out
 
 
+def planned_runs(case, points: list, worlds: list[int], quick: bool,
+                 reached: dict[int, dict[str, dict[str, int]]],
+                 restart_reached: dict[int, dict[str, dict[str, int]]],
+                 only: list[str] | None = None) -> list[tuple]:
+    """The faulted runs of ``case``'s saver: ``(point, fault, world, process, nth hit,
+    variant)`` for each point (one per area when ``quick``) x fault x rank count x hit
+    x variant; ``reached``/``restart_reached``: per rank count, the fault-free run's
+    hits of its fault phase / its restart (point -> process -> count)."""
+    todo = quick_points(points) if quick else points
+    todo = [p for p in todo if not only or any(o in p.name for o in only)]
+    jobs = []
+    for p in todo:
+        for fault in p.faults:
+            if quick and fault not in case.QUICK_FAULTS:
+                continue
+            for world in worlds:
+                if quick and world not in case.QUICK_WORLDS:
+                    continue
+                who, count = target(case, p, reached.get(world, {}))
+                variants = case.variants(p, fault, world, quick)
+                if count == 0 and p.area == "load":  # reached only by the restart's load
+                    who, count = target(case, p, restart_reached.get(world, {}))
+                    variants = [{**case.TRACE_VARIANT, "arm_restart": True}]
+                for nth in case.nths(count, world, quick):
+                    for variant in variants:
+                        jobs.append((p, fault, world, who, nth, variant))
+    return jobs
+
+
 def run_saver(name: str, worlds: list[int], quick: bool, base: str, emit,
               parallel: int = 1, only: list[str] | None = None) -> dict:
     """Every run of saver ``name`` (``parallel`` at a time); ``emit(line)`` prints a
@@ -62,25 +91,8 @@ def run_saver(name: str, worlds: list[int], quick: bool, base: str, emit,
             v = f"{name}: point {p.name} never reached in a fault-free run (tested vacuously)"
             emit(v)
             violations.append(v)
-    todo = quick_points(points) if quick else points
-    todo = [p for p in todo if not only or any(o in p.name for o in only)]
-    jobs = []
-    for p in todo:
-        for fault in p.faults:
-            if quick and fault not in case.QUICK_FAULTS:
-                continue
-            for world in worlds:
-                if quick and world not in case.QUICK_WORLDS:
-                    continue
-                who, count = target(case, p, reached.get(world, {}))
-                variants = case.variants(p, fault, world, quick)
-                if count == 0 and p.area == "load":  # reached only by the restart's load
-                    who, count = target(case, p, restart_reached[world])
-                    variants = [{**case.TRACE_VARIANT, "arm_restart": True}]
-                for nth in case.nths(count, world, quick):
-                    for variant in variants:
-                        jobs.append((p, fault, world, who, nth, variant))
-                        faults.add(fault)
+    jobs = planned_runs(case, points, worlds, quick, reached, restart_reached, only)
+    faults |= {j[1] for j in jobs}
     with ThreadPoolExecutor(parallel) as pool:
         for r in pool.map(lambda j: one_run(case, base, j[2], j[0], j[1], j[3], j[4], j[5]),
                           jobs):

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from dlrover_core.testing.crash_harness import run_harness
+from dlrover_core.testing.crash_harness import SKIP_QUICK, run_harness
 
 
 @pytest.mark.slow  # 5 harness runs, ~85 s (tests/test_crash_points.py runs all points)
+@SKIP_QUICK
 def test_quick_subset_has_no_violation():
     run, out = run_harness("--quick", "--savers", "flash", timeout=900)
     assert out["violations"] == 0, run.stdout[-6000:]

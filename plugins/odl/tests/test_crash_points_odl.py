@@ -4,9 +4,10 @@ whole enumeration runs in ``tests/test_crash_points.py``, marked slow)."""
 
 from __future__ import annotations
 
-from dlrover_core.testing.crash_harness import run_harness
+from dlrover_core.testing.crash_harness import SKIP_QUICK, run_harness
 
 
+@SKIP_QUICK
 def test_quick_subset_has_no_violation():
     run, out = run_harness("--quick", "--savers", "odl", timeout=900)
     assert out["violations"] == 0, run.stdout[-6000:]
