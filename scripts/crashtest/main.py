@@ -37,11 +37,14 @@ def quick_points(points: list) -> list:
 def planned_runs(case, points: list, worlds: list[int], quick: bool,
                  reached: dict[int, dict[str, dict[str, int]]],
                  restart_reached: dict[int, dict[str, dict[str, int]]],
-                 only: list[str] | None = None) -> list[tuple]:
+                 only: list[str] | None = None,
+                 persister_worlds: list[int] | None = None) -> list[tuple]:
     """The faulted runs of ``case``'s saver: ``(point, fault, world, process, nth hit,
     variant)`` for each point (one per area when ``quick``) x fault x rank count x hit
     x variant; ``reached``/``restart_reached``: per rank count, the fault-free run's
-    hits of its fault phase / its restart (point -> process -> count)."""
+    hits of its fault phase / its restart (point -> process -> count);
+    ``persister_worlds``: the rank counts at which the points a case faults in its
+    persister (the flash saver's) are faulted (default: every one of ``worlds``)."""
     todo = quick_points(points) if quick else points
     todo = [p for p in todo if not only or any(o in p.name for o in only)]
     jobs = []
@@ -51,6 +54,9 @@ def planned_runs(case, points: list, worlds: list[int], quick: bool,
                 continue
             for world in worlds:
                 if quick and world not in case.QUICK_WORLDS:
+                    continue
+                if persister_worlds is not None and case.target(p) == "persister" \
+                        and world not in persister_worlds:
                     continue
                 who, count = target(case, p, reached.get(world, {}))
                 variants = case.variants(p, fault, world, quick)
@@ -64,10 +70,12 @@ def planned_runs(case, points: list, worlds: list[int], quick: bool,
 
 
 def run_saver(name: str, worlds: list[int], quick: bool, base: str, emit,
-              parallel: int = 1, only: list[str] | None = None) -> dict:
+              parallel: int = 1, only: list[str] | None = None,
+              persister_worlds: list[int] | None = None) -> dict:
     """Every run of saver ``name`` (``parallel`` at a time); ``emit(line)`` prints a
     violation as it is found; ``only``: faults only the points whose name contains one
-    of these (every point is still traced). Returns ``{"points", "runs", "faults", "violations"}``."""
+    of these (every point is still traced); ``persister_worlds``: see
+    :func:`planned_runs`. Returns ``{"points", "runs", "faults", "violations"}``."""
     case = importlib.import_module(f"crashtest.{name}_case")
     points = points_of(case)
     violations: list[str] = []
@@ -91,7 +99,8 @@ def run_saver(name: str, worlds: list[int], quick: bool, base: str, emit,
             v = f"{name}: point {p.name} never reached in a fault-free run (tested vacuously)"
             emit(v)
             violations.append(v)
-    jobs = planned_runs(case, points, worlds, quick, reached, restart_reached, only)
+    jobs = planned_runs(case, points, worlds, quick, reached, restart_reached, only,
+                        persister_worlds)
     faults |= {j[1] for j in jobs}
     with ThreadPoolExecutor(parallel) as pool:
         for r in pool.map(lambda j: one_run(case, base, j[2], j[0], j[1], j[3], j[4], j[5]),
@@ -113,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=4, help="runs at a time (default 4)")
     ap.add_argument("--points", default="",
                     help="fault only points whose name contains one of these (comma list)")
+    ap.add_argument("--persister-ranks", default="",
+                    help="the rank counts at which the points of a saver's persister (the "
+                         "flash saver's persist and commit points) are faulted (comma list; "
+                         "default: those of --ranks)")
     ap.add_argument("--dir", default=None, help="where runs go (default: a temp dir)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
@@ -132,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     total = {"points": 0, "runs": 0, "faults": set(), "violations": []}
     for name in savers:
         out = run_saver(name, worlds, args.quick, base, emit, args.jobs,
-                        [p for p in args.points.split(",") if p])
+                        [p for p in args.points.split(",") if p],
+                        [int(w) for w in args.persister_ranks.split(",") if w] or None)
         print(f"# {name}: {out['points']} points, {out['runs']} runs, "
               f"{len(out['violations'])} violations, {time.monotonic() - t0:.0f} s", flush=True)
         for k in ("points", "runs", "violations"):
