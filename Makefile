@@ -20,7 +20,8 @@
 # make crash-test [CRASH_ARGS=--quick]: the crash-point harness (scripts/crash_test.py):
 #             every crash point of the flash, disk and ODL savers x each fault x 1, 2, 4
 #             ranks, then a restart and the invariants; ends with one JSON line, exit 1 on
-#             a violation
+#             a violation (make test SLOW=1 faults the flash persister's points at 2 and 4
+#             ranks only: --persister-ranks 2,4)
 # make chaos [MINUTES=30] [SEED=0] [FAULTS=kill_rank,...] [ELASTIC=1] [JOB_SEED=n]
 #            [SAVE_REFERENCE=file | REFERENCE=file]: benchmarks/chaos.py: a 3-node
 #             cluster, the nanoGPT flash job once fault-free and once under a seeded random
@@ -46,7 +47,7 @@ PLUGIN_ORDER ?= flashckpt odl ppo megatron fsdp multimodal deepspeed sft
 # that both lanes share them
 SLOW_CHUNKS ?= 8
 # with SLOW=1, the core's test files whose slow tests run first, as one suite: the
-# crash-point enumeration (~20 min) and the chaos runs (5-10 min each) each keep a core
+# crash-point enumeration (~25 min) and the chaos runs (1-9 min each) each keep a core
 # busy; run at the same time (a run here, 2026-12-01) two elastic chaos runs ran past
 # pytest's 600 s limit
 SLOW_FIRST ?= tests/test_crash_points.py tests/test_chaos.py
