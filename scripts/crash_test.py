@@ -1,9 +1,9 @@
 """The crash-point harness (``make crash-test``): see ``scripts/crashtest/__init__.py``.
 
 Usage: ``python scripts/crash_test.py [--savers disk,flash,odl] [--ranks 1,2,4]
-[--persister-ranks 2,4] [--quick] [--self-test] [--dir DIR]``. Prints each violation, ends with one JSON line
-(``points``, ``faults``, ``runs``, ``violations``, ``savers``, ``seconds``); exit
-status 1 on any violation."""
+[--persister-ranks 2,4] [--quick] [--self-test] [--dir DIR]``. Prints each violation,
+ends with one JSON line (``points``, ``faults``, ``runs``, ``violations``, ``savers``,
+``seconds``); exit status 1 on any violation."""
 
 import os
 import sys

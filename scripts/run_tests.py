@@ -211,6 +211,14 @@ def digest(path: str, limit: int = 30) -> list[str]:
     return part[-limit:] if part else ["(no output)"]
 
 
+def print_failures(suites: list[Suite]) -> None:
+    """Each failed suite's name, state, time and log, then its :func:`digest`."""
+    for s in suites:
+        print(f"== {s.name}: {s.state} after {s.seconds:.0f} s ({os.path.basename(s.log)}):")
+        for line in digest(s.log):
+            print(f"   {line}")
+
+
 def slow_files(py: str, core: str, extra: list[str]) -> dict[str, int] | None:
     """``{test file: its count of tests marked slow}`` of the core's suite, from pytest's
     own collection (``--collect-only -m slow``, in a child: the runner imports no test);
@@ -335,11 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== logs: {os.path.abspath(a.logs)}")
         # the suites that had failed before the stop: what they say (the end of CI's
         # output is the part it keeps when its time runs out)
-        for s in [s for s in r.suites if s.state.startswith("exit") and s.rc not in (0, 5)]:
-            print(f"== {s.name}: {s.state} after {s.seconds:.0f} s "
-                  f"({os.path.basename(s.log)}):")
-            for line in digest(s.log):
-                print(f"   {line}")
+        print_failures([s for s in r.suites if s.state.startswith("exit") and s.rc not in (0, 5)])
         return 128 + r.signum
     for s in r.suites:
         print(f"================ {os.path.basename(s.log)[:-4]}")
@@ -349,11 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [s for s in r.suites if s.rc not in (0, 5)]  # 5: no test collected
     print(f"== logs: {os.path.abspath(a.logs)}")
     if failed:
-        for s in failed:
-            print(f"== {s.name}: {s.state} after {s.seconds:.0f} s "
-                  f"({os.path.basename(s.log)}):")
-            for line in digest(s.log):
-                print(f"   {line}")
+        print_failures(failed)
         print("FAILED suites:", " ".join(s.name for s in failed))
         return 1
     print("every suite passed")

@@ -118,14 +118,22 @@ def test_ctrl_c_stops_every_suite_and_its_ray_cluster(tmp_path):
     assert not left, [psutil.Process(p).cmdline() for p in left]
 
 
-def test_the_runner_reports_a_failed_suite_and_keeps_going(tmp_path):
-    core = tmp_path / "core_tests"
+def _failing_core_and_plugin(tmp: Path, plugin: str, test_file: str,
+                             test_text: str) -> tuple[Path, Path]:
+    """A core suite whose one test fails, and a plugin suite with ``test_text``."""
+    core = tmp / "core_tests"
     core.mkdir()
     (core / "test_fails.py").write_text("def test_no():\n    assert 1 == 2\n")
-    plug = tmp_path / "okplug"
+    plug = tmp / plugin
     (plug / "tests").mkdir(parents=True)
     (plug / "pyproject.toml").write_text(PLUGIN_TOML)
-    (plug / "tests" / "test_ok.py").write_text("def test_ok():\n    assert True\n")
+    (plug / "tests" / test_file).write_text(test_text)
+    return core, plug
+
+
+def test_the_runner_reports_a_failed_suite_and_keeps_going(tmp_path):
+    core, plug = _failing_core_and_plugin(tmp_path, "okplug", "test_ok.py",
+                                          "def test_ok():\n    assert True\n")
     r = subprocess.run(
         [sys.executable, str(RUNNER), "--core", str(core), "--plugins", str(plug),
          "--logs", str(tmp_path / "logs")],
@@ -144,18 +152,12 @@ def test_the_runner_reports_a_failed_suite_and_keeps_going(tmp_path):
     assert "okplug" not in tail.split("== logs:")[1].split("FAILED suites:")[0], tail
 
 
-
 def test_a_run_stopped_by_sigterm_still_says_why_an_earlier_suite_failed(tmp_path):
     """CI stops a run that overruns its time with SIGTERM: the failures of the suites
     that had ended are printed after the interrupted run's list, at the end of the
     output that CI keeps."""
-    core = tmp_path / "core_tests"
-    core.mkdir()
-    (core / "test_fails.py").write_text("def test_no():\n    assert 1 == 2\n")
-    plug = tmp_path / "waitplug"
-    (plug / "tests").mkdir(parents=True)
-    (plug / "pyproject.toml").write_text(PLUGIN_TOML)
-    (plug / "tests" / "test_plugin_wait.py").write_text(PLUGIN_TEST)
+    core, plug = _failing_core_and_plugin(tmp_path, "waitplug", "test_plugin_wait.py",
+                                          PLUGIN_TEST)
     logs = tmp_path / "logs"
     proc = subprocess.Popen(
         [sys.executable, str(RUNNER), "--core", str(core), "--plugins", str(plug),
