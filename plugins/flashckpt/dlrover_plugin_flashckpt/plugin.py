@@ -18,6 +18,7 @@ the saver in the worker process; the master-side hooks use Ray only.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -66,17 +67,64 @@ def dlrover_workload_failed(job: str, failure: Any, verdict: Any, emit: Any) -> 
 
 #: job -> node id -> pid of its persister at the last health poll (master process)
 _PERSISTER_PIDS: dict[str, dict[str, int]] = {}
+#: Ray's key-value store keeps the pids seen for a restarted master (key: job/run)
+_KV_NAMESPACE = "dlrover-flash-persister-pids"
+
+
+def _run_identity() -> str:
+    """This run of the job: the JobMaster's actor id (Ray restarts a killed master
+    under the same id; a new submission gets a new one), the driver's job id outside an
+    actor."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return ctx.get_actor_id() or ctx.get_job_id() or ""
+
+
+def _kv_key(job: str) -> bytes:
+    return f"{job}/{_run_identity()}".encode()
+
+
+def _seen_pids(job: str) -> dict[str, int]:
+    """The pids seen at the last poll of this run: this process's, else (a restarted
+    master's first poll) those the master before it stored in Ray's key-value store."""
+    if job in _PERSISTER_PIDS:
+        return _PERSISTER_PIDS[job]
+    seen: dict[str, int] = {}
+    try:
+        from ray.experimental import internal_kv
+
+        raw = internal_kv._internal_kv_get(_kv_key(job), namespace=_KV_NAMESPACE)
+        seen = {str(k): int(v) for k, v in json.loads(raw).items()} if raw else {}
+    except Exception as exc:  # noqa: BLE001 - unreadable: start from nothing, as before
+        log.warning("could not read the persister pids of %s seen before: %s", job, exc)
+    return _PERSISTER_PIDS.setdefault(job, seen)
+
+
+def _store_pids(job: str, seen: dict[str, int]) -> None:
+    try:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(_kv_key(job), json.dumps(seen).encode(),
+                                     overwrite=True, namespace=_KV_NAMESPACE)
+    except Exception as exc:  # noqa: BLE001 - a health check must never break the job
+        log.warning("could not store the persister pids of %s: %s", job, exc)
 
 
 def persister_restarts(job: str, timeout: float = 5.0) -> dict[str, dict]:
     """``node_id -> {"what", "error"}`` for each node whose persister of ``job`` is
     another process than at the last call (the one before died, e.g. SIGKILLed, and a
-    rank's next save started a new one); ``{}`` otherwise (also at the first call)."""
+    rank's next save started a new one); ``{}`` otherwise (also at a run's first call).
+    The pids seen are kept in Ray's key-value store too, under this run's identity
+    (:func:`_run_identity`), so a master restarted by Ray between the persister's death
+    and its next poll still reports it (the chaos run's persister SIGKILLed 0.2 s
+    before the master went unreported)."""
     import ray
 
     from dlrover_plugin_flashckpt.handles import persisters_of
 
-    seen = _PERSISTER_PIDS.setdefault(job, {})
+    seen = _seen_pids(job)
+    before = dict(seen)
     out = {}
     for node, handle in persisters_of(job).items():
         try:
@@ -87,6 +135,8 @@ def persister_restarts(job: str, timeout: float = 5.0) -> dict[str, dict]:
         if old is not None and old != pid:
             out[node] = {"what": "persister", "error": f"the persister process (pid {old}) "
                          f"was lost; a new one (pid {pid}) took over"}
+    if seen != before:
+        _store_pids(job, seen)
     return out
 
 
@@ -156,6 +206,9 @@ def dlrover_job_finished(job: str, summary: dict, emit: Any, spec: Any) -> None:
 
         if not ray.is_initialized():
             return
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(_kv_key(job), namespace=_KV_NAMESPACE)
         run_id = ray.get_runtime_context().get_actor_id()
         shm_dirs = shm_dirs_of(spec) if spec is not None else [DEFAULT_SHM_DIR]
         if not persisters_of(job):

@@ -94,6 +94,63 @@ def test_a_persister_killed_and_replaced_shows_in_the_jobs_health(job, tmp_path)
     s.close()
 
 
+def test_a_master_restarted_before_its_next_poll_still_reports_the_replaced_persister(
+        job, tmp_path):
+    """The chaos run (elastic, seed 7, CI of 2026-12-02) SIGKILLed a persister and
+    0.2 s later the JobMaster: the restarted master's first poll knew no pid from before
+    and the replacement went unreported. The master here is a real Ray actor that Ray
+    restarts under the same id after a SIGKILL; another run's master (another actor)
+    must not take the pids the first one stored for its own run."""
+    import signal
+
+    import ray
+
+    from dlrover_plugin_flashckpt.persister import get_persister
+
+    @ray.remote(max_restarts=1, num_cpus=0)
+    class Master:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def restarts(self, name: str) -> dict:
+            from dlrover_plugin_flashckpt.plugin import persister_restarts
+
+            return persister_restarts(name)
+
+    s = FlashSaver(SaverConfig(dir=str(tmp_path / "ckpt"), keep=2, job=job,
+                               options={"wait_timeout_s": 60}), SaverContext())
+    s.save(1, {"w": torch.arange(1000, dtype=torch.float32)})
+    s.wait()
+    master, other = Master.remote(), Master.remote()
+    assert ray.get(master.restarts.remote(job), timeout=60) == {}  # the first poll
+    old = ray.get(get_persister(job, create=False).status.remote(), timeout=30)["pid"]
+    master_pid = ray.get(master.pid.remote(), timeout=30)
+    os.kill(old, signal.SIGKILL)
+    os.kill(master_pid, signal.SIGKILL)
+    deadline, step, new = time.monotonic() + 120, 2, old
+    while new == old:  # the rank's next save starts a new persister
+        assert time.monotonic() < deadline, "no new persister after the SIGKILL"
+        try:
+            s.save(step, {"w": torch.arange(1000, dtype=torch.float32) + step})
+            step += 1
+            new = ray.get(get_persister(job, create=False).status.remote(), timeout=30)["pid"]
+        except Exception:  # noqa: BLE001 - the dead persister seen by this save; next one
+            time.sleep(0.5)
+    while True:  # Ray restarts the master under the same actor id
+        assert time.monotonic() < deadline, "the master actor was not restarted"
+        try:
+            if ray.get(master.pid.remote(), timeout=30) != master_pid:
+                break
+        except ray.exceptions.RayActorError:
+            time.sleep(0.5)
+    assert ray.get(other.restarts.remote(job), timeout=60) == {}  # not its run's pids
+    [(node, state)] = ray.get(master.restarts.remote(job), timeout=60).items()
+    assert f"pid {old}" in state["error"] and f"pid {new}" in state["error"], state
+    assert ray.get(master.restarts.remote(job), timeout=60) == {}  # reported once
+    s.wait()
+    s.close()
+
+
 def test_a_save_into_a_full_checkpoint_folder_stays_in_memory(job, small_tmpfs):  # noqa: F811
     """The first save of an attempt writes the folder's lineage; with the folder full to
     the last byte that write fails with ENOSPC. The save goes on into memory instead of
