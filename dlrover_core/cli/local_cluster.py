@@ -1,18 +1,15 @@
 """A Ray cluster of several nodes on this machine, each a separate ``ray start`` process.
 
-The way users start clusters on machines (``ray start --head`` on one, ``ray start
---address HEAD`` on the others), here on one machine: every node gets its own
-``--temp-dir`` (its logs, sockets and session), its own ports (picked free at start)
-and its own resources (``--num-cpus``). Each node runs as ``ray start --block`` in a
+``ray start --head`` on one machine and ``ray start --address HEAD`` on the others,
+here on one machine: each node has its own ``--temp-dir`` (logs, sockets, session),
+ports (picked free at start) and ``--num-cpus``, and runs as ``ray start --block`` in a
 session of its own, so the node is one process group: stopping the node is a SIGTERM
 to its ``ray start`` (which stops the node's Ray processes), then a SIGKILL to the
 group for anything left; losing the node is a SIGKILL to the group.
 
 Token authentication stays on: :func:`up` writes a fresh 256-bit token to
-``<state dir>/auth_token`` (mode 0600) and starts every node with
-``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` naming it; clients need the same
-two variables (:func:`client_env`, ``dlrover cluster env``).
-
+``<state dir>/auth_token`` (mode 0600) and starts every node with ``RAY_AUTH_MODE=token``
+and ``RAY_AUTH_TOKEN_PATH`` naming it; clients need the same two (:func:`client_env`).
 The state file ``<state dir>/cluster.json`` records the head address, the token path
 and, per node, its name, PID/process group, temp dir, ports, CPUs and Ray node id, so
 that :func:`down` stops exactly these processes and nothing else (never ``ray stop``,
@@ -41,6 +38,8 @@ STATE = "cluster.json"
 TOKEN_FILE = "auth_token"
 DEFAULT_DIR = os.path.join(".dlrover", "cluster")
 HOST = "127.0.0.1"
+#: times :func:`up` starts again a worker node whose ``ray start`` ended before it joined
+NODE_START_RETRIES = 3
 
 
 class ClusterError(RuntimeError):
@@ -256,9 +255,9 @@ def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
         ValueError: ``nodes`` < 0 or ``cpus_per_node`` < 1.
         ClusterError: a cluster of this state directory is still running, or a node
             failed to start (the nodes already started are stopped again). A worker
-            node whose ``ray start`` ends before it joins is started once more, with
-            new ports (CI runs here lost one to its raylet exiting with its runtime-env
-            agent, and one to Ray's fixed 30 s wait for the raylet to register).
+            node whose ``ray start`` ends before it joins is started again, with new
+            ports, up to :data:`NODE_START_RETRIES` times (CI lost nodes to a raylet
+            exiting with its agent, to Ray's 30 s wait for it to register, and a retry).
     """
     if nodes < 0:
         raise ValueError(f"--nodes: {nodes!r}; give 0 or more worker nodes")
@@ -294,20 +293,21 @@ def up(nodes: int = 2, cpus_per_node: int = 2, head_cpus: int = 0,
         _wait_port(head_port, head, timeout_s)
         for _ in range(nodes):
             add_node(state, cpus_per_node, wait=False)
-        try:
-            return wait_for_nodes(state, timeout_s)
-        except ClusterError as e:  # once: worker nodes whose `ray start` ended, again
-            dead = [n for n in state["nodes"] if not n["head"] and not pid_alive(n["pid"])]
-            if not dead or not pid_alive(head["pid"]):
-                raise
-            print(f"warning: {e}\nstarting {[n['name'] for n in dead]} again",
-                  file=sys.stderr)
-            for n in dead:
-                _stop_node(n, 0.0)  # what is left of its group (its agents)
-                shutil.rmtree(n["temp_dir"], ignore_errors=True)
-                state["nodes"].remove(n)
-                add_node(state, cpus_per_node, wait=False)
-            return wait_for_nodes(state, timeout_s)
+        for again in range(NODE_START_RETRIES, -1, -1):
+            try:
+                return wait_for_nodes(state, timeout_s)
+            except ClusterError as e:  # worker nodes whose `ray start` ended: again
+                dead = [n for n in state["nodes"]
+                        if not n["head"] and not pid_alive(n["pid"])]
+                if not again or not dead or not pid_alive(head["pid"]):
+                    raise
+                print(f"warning: {e}\nstarting {[n['name'] for n in dead]} again",
+                      file=sys.stderr)
+                for n in dead:
+                    _stop_node(n, 0.0)  # what is left of its group (its agents)
+                    shutil.rmtree(n["temp_dir"], ignore_errors=True)
+                    state["nodes"].remove(n)
+                    add_node(state, cpus_per_node, wait=False)
     except BaseException:
         down(directory)
         raise
