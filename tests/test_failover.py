@@ -272,14 +272,15 @@ def test_a_restarted_master_removes_the_spare_group_of_the_one_before(ray_cluste
     go = os.path.join(job_dir, "go")
     master = start(spec("ft-spare-pg", 40, f"+config.pause={{step: 10, until: '{go}'}}"),
                    job_dir)
-    poll_status(master, lambda st: st["standby"].get("trainer") is not None, 120)
+    poll_status(master, lambda st: st["standby"].get("trainer") is not None, 300)
     before = _live_spare_groups("ft-spare-pg")
     assert len(before) == 1, before
     ray.kill(master, no_restart=False)  # Ray restarts it; it re-attaches
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # 120 s: failed in CI (2026-12-02, load 10-19), cause unseen
     while not (events(job_dir, "master_reattached") and len(events(
             job_dir, "standby_created")) >= 2):
-        assert time.time() < deadline, "no re-attach and new spare"
+        assert time.time() < deadline, ("no re-attach and new spare", [
+            e["event"] for e in events(job_dir)][-30:], _live_spare_groups("ft-spare-pg"))
         time.sleep(0.2)
     after = _live_spare_groups("ft-spare-pg")
     assert len(after) == 1 and set(after) != set(before), (before, after)
