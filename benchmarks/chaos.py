@@ -45,7 +45,10 @@ the recovery that the fault before it started: a fault inside a recovery),
 ``with_previous`` (at once after the fault before it: two faults at the same instant;
 after a ``slow_rank``, which the injector carries out for its whole duration, at its
 end) or, with ``--elastic`` and after a node loss, ``resize`` (at the ``elastic_room``
-event that starts the role's grow back onto the returned node). Kinds (:data:`KINDS`):
+event that starts the role's grow back onto the returned node; a node lost several
+faults before its resize fault comes back once the fault just before that one is made,
+:func:`held_comebacks`, so that the grow comes after it on a slow machine too).
+Kinds (:data:`KINDS`):
 
 - ``kill_rank``: SIGKILL of a trainer rank's process;
 - ``kill_persister``: SIGKILL of a node's flash persister actor process;
@@ -91,6 +94,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import random
 import re
@@ -433,6 +437,20 @@ def make_schedule(seed: int, kinds: list[str], window_s: float, n: int,
     return out
 
 
+def held_comebacks(schedule: list[dict]) -> dict[int, int]:
+    """``{i: k}``: the node lost by fault ``i`` comes back once fault ``k`` is made, for
+    each ``resize`` fault ``k + 1`` with other faults between it and the node loss ``i``
+    before it (see :meth:`Injector.run`)."""
+    hold = {}
+    for g in schedule:
+        if g["trigger"] == "resize":
+            loss = max((h["i"] for h in schedule[:g["i"]] if h["kind"] == "node_loss"),
+                       default=None)
+            if loss is not None and loss < g["i"] - 1:
+                hold[loss] = g["i"] - 1
+    return hold
+
+
 class Injector:
     """Carries out a schedule against one running job (see the module doc)."""
 
@@ -583,6 +601,12 @@ class Injector:
         return self.step() >= f["at_step"]
 
     def run(self, schedule: list[dict]) -> None:
+        # a node loss whose resize fault comes after other faults: the node comes back
+        # once the fault just before the resize one is made, so that the role grows
+        # after it, whatever the machine's speed (CI's node was back and the role grown
+        # before it, and the resize fault found no grow to fall into)
+        self.hold = held_comebacks(schedule)
+        release = set(self.hold.values())
         for f in schedule:
             if f["kind"] == "node_loss" and f["trigger"] != "with_previous" and self.comebacks:
                 # the node lost last comes back now, not at its drawn time: it joins while
@@ -604,11 +628,19 @@ class Injector:
                     f = dict(f, trigger="time (no recovery under way)")
             elif f["trigger"] == "resize" and self.done:
                 # the role grows back onto the node that returned: its elastic_room
-                # event, then the resize right after the next checkpoint
+                # event, then the resize right after the next checkpoint. One already
+                # seen since the node loss, before the fault before this one: the grow
+                # may be over, so a new one is waited for 30 s, not 180 (CI waited
+                # 180 s for nothing, and the faults due meanwhile came all at once)
+                loss = next((g["ts"] for g in reversed(self.done)
+                             if g["kind"] == "node_loss"), self.done[-1]["ts"])
+                grown = any(e["event"] == "elastic_room" and loss <= e["ts"]
+                            < self.done[-1]["ts"] for e in self.events())
                 ev = self.wait_event(lambda e: e["event"] == "elastic_room",
-                                     self.done[-1]["ts"], 180)
+                                     self.done[-1]["ts"], 30 if grown else 180)
                 if ev is None:
-                    f = dict(f, trigger="time (no resize seen)")
+                    f = dict(f, trigger="time (resized before the fault before it)"
+                             if grown else "time (no resize seen)")
                 else:
                     f = dict(f, resize_ts=ev["ts"], resize_target=ev.get("target"))
             elif f["trigger"] == "commit":
@@ -629,6 +661,10 @@ class Injector:
                 self.skipped.append(dict(f, why=f"{type(e).__name__}: {e}"))
             if rec is not None:
                 self.done.append(rec)
+            if f["i"] in release and math.inf in self.comebacks:
+                log(f"fault {f['i']} made: the node lost before comes back now")
+                self.comebacks = [time.time() if d == math.inf else d
+                                  for d in self.comebacks]
         while (self.comebacks or self.joining or any(t.is_alive() for t in self.timers)) \
                 and self.alive():
             self.sleep(1.0)
@@ -719,7 +755,8 @@ class Injector:
             rec.update(target=node["name"], node_id=node["node_id"], ranks=ranks)
             rec["pids"] = self.ch.lc.kill_node(self.ch.state, node["name"])
             rec["buffers_removed"] = lose_memory(self.name, node["node_id"], ranks)
-            self.comebacks.append(time.time() + f["back_after_s"])
+            held = f["i"] in getattr(self, "hold", {})
+            self.comebacks.append(math.inf if held else time.time() + f["back_after_s"])
         elif kind == "disk_full":
             if not self.disk_full_ok:
                 self.skipped.append(dict(f, why="no tmpfs checkpoint folder (mount refused)"))

@@ -284,6 +284,22 @@ def test_an_elastic_schedule_resizes_only_after_a_node_loss():
                    for f in chaos.make_schedule(3, kinds, 600.0, 40, 8000))
 
 
+def test_a_node_lost_before_a_later_resize_fault_comes_back_after_the_fault_before_it():
+    """Seed 7's elastic schedule (the CI test's): node loss, a master kill, then a fault
+    at the resize. CI's node came back and the role grew before the master kill, so the
+    resize fault waited 180 s for a grow that was over: the node is now held until the
+    fault before the resize one is made. A resize fault right after its node loss holds
+    nothing (the grow follows the loss)."""
+    chaos = _chaos()
+    kinds = ["kill_rank", "kill_master", "node_loss", "disk_full", "kill_persister"]
+    sched = chaos.make_schedule(7, kinds, 368.0, 5, 6000, elastic=True)
+    assert [(f["kind"], f["trigger"]) for f in sched][:3] == \
+        [("node_loss", "time"), ("kill_master", "time"), ("kill_persister", "resize")]
+    assert chaos.held_comebacks(sched) == {0: 1}
+    right_after = [dict(sched[0]), dict(sched[2], i=1)]
+    assert chaos.held_comebacks(right_after) == {}
+
+
 def test_event_check_wants_a_recovery_for_every_fault():
     """A rank kill with no recovery in the events, and a summary whose restarts do not
     match the classified failures, are violations; the matching case is not."""
