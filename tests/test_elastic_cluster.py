@@ -37,13 +37,23 @@ def test_shrink_then_grow_on_the_two_rank_curve(tmp_path):
     # both resizes restored from the flash checkpoint in memory, into another world size:
     # the shrink from the replica of the removed rank's save (the scenario removes the
     # node once one is complete, of the newest checkpoint step reached); only when none
-    # came in time may it load a step from disk, and then one newer than the replica's
-    if loads[1][1] <= res["replicated_step"]:
-        assert [ld["source"] for ld in res["loads"][1:]] == ["memory-resharded"] * 2
+    # came in time may it load a step from disk, and then one newer than the replica's.
+    # A memory reshard reads every saved rank's buffer on the survivor's node: a replica
+    # held on another node (the flash replica's peer is the next node of the ring of all
+    # nodes, the head's too) leaves the disk (make test SLOW=1, 2026-12-02: the removed
+    # rank's step 20 replicated, the shrink loaded step 20 from disk)
+    sources = [ld["source"] for ld in res["loads"][1:]]
+    why = (res["loads"], res["removed_at_step"], res["replicated_step"],
+           res["replica_holder"], res["survivor_node"])
+    here = bool(res["replica_holder"]) and \
+        res["survivor_node"].startswith(res["replica_holder"])
+    if loads[1][1] <= res["replicated_step"] and here:
+        assert sources == ["memory-resharded"] * 2, why
+    elif loads[1][1] <= res["replicated_step"]:  # the replica not on the survivor's node
+        assert sources == ["disk-resharded", "memory-resharded"], why
     else:
-        assert [ld["source"] for ld in res["loads"][1:]] == \
-            ["disk-resharded", "memory-resharded"], res["loads"]
-        assert res["removed_at_step"] >= ADD_AT - 2 * EVERY, res
+        assert sources == ["disk-resharded", "memory-resharded"], why
+        assert res["removed_at_step"] >= ADD_AT - 2 * EVERY, why
     # from the per-rank sample-id logs: every sample in a committed step exactly once
     # (0 lost, 0 duplicated); the steps the two restores rolled back are re-reads,
     # counted apart, as the ledger counts them

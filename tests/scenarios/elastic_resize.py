@@ -48,7 +48,13 @@ def replicated_step(job_dir: str, rank: int) -> int:
     """The newest step of trainer ``rank``'s flash save that a replica buffer in
     ``/dev/shm`` holds complete (every node of this one-machine cluster shares it), for
     a checkpoint folder under ``job_dir``; -1 when none."""
-    best = -1
+    return newest_replica(job_dir, rank)[0]
+
+
+def newest_replica(job_dir: str, rank: int) -> tuple[int, str]:
+    """``(step, holder node id prefix)`` of :func:`replicated_step`'s replica (``(-1,
+    "")`` when none)."""
+    best, holder = -1, ""
     for name in os.listdir("/dev/shm"):
         parsed = parse_replica(name)
         if parsed is None or parsed[0] != rank:
@@ -60,9 +66,10 @@ def replicated_step(job_dir: str, rank: int) -> int:
             h, ident = seg.read_header(), seg.ident()
         finally:
             seg.close()
-        if str(ident.get("dir", "")).startswith(job_dir) and h.state == shm.READY:
-            best = max(best, h.step)
-    return best
+        if str(ident.get("dir", "")).startswith(job_dir) and h.state == shm.READY \
+                and h.step > best:
+            best, holder = h.step, parsed[2]
+    return best, holder
 
 
 def main(job_dir: str, saver: str = "disk") -> None:
@@ -87,7 +94,9 @@ def main(job_dir: str, saver: str = "disk") -> None:
                         replicated_step(job_dir, rank) < step // EVERY * EVERY:
                     return
                 seen["removed"], seen["removed_step"] = node, step
-                seen["replicated"] = replicated_step(job_dir, rank) if saver == "flash" else None
+                seen["survivor"] = inst[f"trainer-{1 - rank}"]["node_id"]
+                seen["replicated"], seen["replica_holder"] = \
+                    newest_replica(job_dir, rank) if saver == "flash" else (None, None)
                 cluster.remove_node(workers[node])
             if seen["removed"] is not None and seen["added"] is None and step >= ADD_AT:
                 seen["added"] = cluster.add_node(num_cpus=2).node_id
@@ -105,6 +114,8 @@ def main(job_dir: str, saver: str = "disk") -> None:
     print(json.dumps({"summary": summary, "removed_node": seen["removed"],
                       "removed_at_step": seen.get("removed_step"),
                       "replicated_step": seen.get("replicated"),
+                      "replica_holder": seen.get("replica_holder"),
+                      "survivor_node": seen.get("survivor"),
                       "added_node": seen["added"], "losses": losses, "loads": loads}))
     sys.stdout.flush()
 
