@@ -39,6 +39,16 @@ def persisters_of(job: str) -> dict[str, Any]:
     return out
 
 
+def rank_nodes(job: str, timeout: float = 10.0) -> list[str]:
+    """The nodes whose persister of ``job`` has ranks registered (a persister that only
+    holds other nodes' replicas has none)."""
+    import ray
+
+    handles = persisters_of(job)
+    got = ray.get([h.ready.remote() for h in handles.values()], timeout=timeout)
+    return [node for node, r in zip(handles, got) if r.get("ranks")]
+
+
 def breakpoint_save(job: str, role: str, timeout: float = 30.0) -> dict:
     """A trainer of ``role`` died: persist the newest step that every rank of the role
     holds in memory and that is not committed yet. Two phases over the job's

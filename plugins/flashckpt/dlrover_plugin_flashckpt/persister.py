@@ -87,8 +87,10 @@ class FlashPersister:
 
     # ================================================================== actor API
     def ready(self) -> dict:
-        """``pid``, ``node_id`` and the stale buffers removed at start."""
-        return {"pid": self.pid, "node_id": self.node_id, "removed_stale": self.removed_stale}
+        """``pid``, ``node_id``, the stale buffers removed at start and ``ranks`` (how
+        many ranks registered here: 0 on a node that only holds replicas)."""
+        return {"pid": self.pid, "node_id": self.node_id, "removed_stale": self.removed_stale,
+                "ranks": len(self.ranks.regs)}
 
     def saved(self, reg: dict, step: int | None = None) -> None:
         """A trainer saved (or just registered): remember its buffers, wake the loop."""

@@ -3,7 +3,8 @@
 The in-memory redundancy of Gemini (Wang et al., "GEMINI: Fast Failure Recovery in
 Distributed Training with In-Memory Checkpoints", SOSP '23): after a save, each
 node's persister copies its ranks' newest saves into the memory of the next node of
-the ring (alive Ray nodes sorted by id), asynchronously, so a job that loses a whole
+the ring (the job's alive nodes sorted by id, every alive node when no other of the
+job's is left: :func:`peer_of`), asynchronously, so a job that loses a whole
 node restores the newest saved step from the peer's memory instead of the newest
 persisted one from disk.
 
@@ -43,7 +44,7 @@ import traceback
 from typing import Any, Callable
 
 from dlrover_plugin_flashckpt import shm
-from dlrover_plugin_flashckpt.handles import alive_nodes
+from dlrover_plugin_flashckpt.handles import alive_nodes, rank_nodes
 from dlrover_plugin_flashckpt.loopthread import LoopThread
 from dlrover_plugin_flashckpt.node_ranks import NodeRanks
 from dlrover_plugin_flashckpt.persisting import POLL_S
@@ -61,11 +62,17 @@ from dlrover_plugin_flashckpt.replica_buffers import (  # noqa: F401 - re-export
 from dlrover_plugin_flashckpt.replica_stream import HolderError, Link, StreamError, open_link
 
 log = logging.getLogger("dlrover_plugin_flashckpt.persister")
+#: s the ring's list of the job's nodes (:meth:`ReplicaSender._job_nodes`) is kept
+JOB_NODES_TTL_S = 10.0
 
-def peer_of(node_id: str, alive: list[str]) -> str | None:
-    """The node after ``node_id`` in the ring of ``alive`` nodes (sorted), or ``None``
-    when there is no other node."""
-    ring = sorted(set(alive) | {node_id})
+def peer_of(node_id: str, alive: list[str], job_nodes: list[str] = ()) -> str | None:
+    """The node after ``node_id`` in the ring (sorted ids) of the job's alive nodes
+    (``job_nodes``: with ranks of the job) when one is not ``node_id``, else of
+    every ``alive`` node; ``None`` when there is no other. A rank reshards from the
+    buffers of its own node only: a shrink found the lost rank's replica on the head,
+    which runs no rank, and loaded from disk (make test SLOW=1, 2026-12-02)."""
+    mine = set(job_nodes) & set(alive)
+    ring = sorted((mine if mine - {node_id} else set(alive)) | {node_id})
     if len(ring) < 2:
         return None
     return ring[(ring.index(node_id) + 1) % len(ring)]
@@ -218,6 +225,7 @@ class ReplicaSender:
         #: (role, rank) -> (step, seq) of the last save replicated to the peer
         self._replicated: dict[tuple[str, int], tuple[int, int]] = {}
         self._ray_only_peers: set[str] = set()   # peers the TCP replica path failed for
+        self._job_nodes_at: tuple[float, list[str]] = (-JOB_NODES_TTL_S, [])
         #: peer node -> the connection kept to its persister (used by the replicate
         #: thread only)
         self._links: dict[str, Link] = {}
@@ -228,6 +236,17 @@ class ReplicaSender:
         self._recorded = threading.Condition(self._lock)   # notified at each entry
         #: the ``flash-replicate`` thread (woken by a registration asking for replicas)
         self.thread = LoopThread("flash-replicate", self._replicate_loop)
+
+    def _job_nodes(self) -> list[str]:
+        """:func:`.handles.rank_nodes` of this job, asked again after ``JOB_NODES_TTL_S``."""
+        now = time.monotonic()
+        if now - self._job_nodes_at[0] > JOB_NODES_TTL_S:
+            try:
+                self._job_nodes_at = (now, rank_nodes(self.ranks.job))
+            except Exception as exc:  # noqa: BLE001 - the ring of every node then
+                log.warning("could not list the nodes of %s: %s", self.ranks.job, exc)
+                return []
+        return self._job_nodes_at[1]
 
     def status(self) -> dict:
         """``replicated`` (``"role-rank"`` -> (step, seq)) and ``history``."""
@@ -325,7 +344,7 @@ class ReplicaSender:
         if todo is None:
             return False
         r, seg, h = todo
-        peer = peer_of(self.node_id, alive_nodes())
+        peer = peer_of(self.node_id, alive_nodes(), self._job_nodes())
         if peer is None:
             with self._lock:
                 self._replicated[(r.role, r.rank)] = (h.step, h.seq)

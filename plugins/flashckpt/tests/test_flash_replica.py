@@ -40,3 +40,19 @@ def test_node_loss_restores_the_newest_saved_step_from_the_peer_replica(tmp_path
     # one rank on the replicas' holder restores the 2-rank save from them
     assert res["smaller_on"] == res["replicas"][-1]["peer"]
     assert res["smaller_load"] == {"step": 3, "source": "memory-resharded", "exact": True}
+
+
+def test_the_peer_is_the_next_node_with_ranks_of_the_job_when_there_is_one():
+    """The ring of the nodes with ranks of the job; every alive node only when no other
+    node has any (a node that only ran the JobMaster held a lost rank's replica, and the
+    shrink onto the survivor, which reshards from its own node's buffers, loaded from
+    disk)."""
+    from dlrover_plugin_flashckpt.replica import peer_of
+
+    alive = ["a-head", "b-rank", "c-rank"]
+    assert peer_of("c-rank", alive) == "a-head"           # the ring of every node
+    assert peer_of("c-rank", alive, ["b-rank", "c-rank"]) == "b-rank"
+    assert peer_of("b-rank", alive, ["b-rank", "c-rank"]) == "c-rank"
+    assert peer_of("b-rank", alive, ["b-rank"]) == "c-rank"   # no other: every node
+    assert peer_of("b-rank", ["b-rank", "c-rank"], ["b-rank", "d-gone"]) == "c-rank"
+    assert peer_of("b-rank", ["b-rank"], ["b-rank"]) is None
