@@ -39,9 +39,10 @@ def test_shrink_then_grow_on_the_two_rank_curve(tmp_path):
     # node once one is complete, of the newest checkpoint step reached); only when none
     # came in time may it load a step from disk, and then one newer than the replica's.
     # A memory reshard reads every saved rank's buffer on the survivor's node: a replica
-    # held on another node (the flash replica's peer is the next node of the ring of all
-    # nodes, the head's too) leaves the disk (make test SLOW=1, 2026-12-02: the removed
-    # rank's step 20 replicated, the shrink loaded step 20 from disk)
+    # held on another node leaves the disk (make test SLOW=1, 2026-12-02: the removed
+    # rank's step 20 replicated, the shrink loaded step 20 from disk; the replica's peer
+    # was then the next node of the ring of all nodes, the head's too, and is now the
+    # next node with ranks of the job: the survivor's here)
     sources = [ld["source"] for ld in res["loads"][1:]]
     why = (res["loads"], res["removed_at_step"], res["replicated_step"],
            res["replica_holder"], res["survivor_node"])
