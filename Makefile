@@ -20,8 +20,8 @@
 # make crash-test [CRASH_ARGS=--quick]: the crash-point harness (scripts/crash_test.py):
 #             every crash point of the flash, disk and ODL savers x each fault x 1, 2, 4
 #             ranks, then a restart and the invariants; ends with one JSON line, exit 1 on
-#             a violation (make test SLOW=1 faults the flash persister's points at 2 and 4
-#             ranks only: --persister-ranks 2,4)
+#             a violation (make test SLOW=1 faults the flash persister's points at 2 ranks
+#             only, SIGKILLed at the 4-rank runs' hits too: --persister-ranks 2)
 # make chaos [MINUTES=30] [SEED=0] [FAULTS=kill_rank,...] [ELASTIC=1] [JOB_SEED=n]
 #            [SAVE_REFERENCE=file | REFERENCE=file]: benchmarks/chaos.py: a 3-node
 #             cluster, the nanoGPT flash job once fault-free and once under a seeded random

@@ -3,7 +3,8 @@
 For each saver (``disk``, ``flash``, ``odl``), each crash point of that saver declared
 in :data:`dlrover_core.crashpoints.POINTS`, each fault that applies to the point and
 1, 2 and 4 ranks in separate processes (``--persister-ranks``: fewer rank counts for
-the points a case faults in its persister; CI passes ``2,4``), a run:
+the points a case faults in its persister, SIGKILLed at the largest of them at the hits
+the others would fault; CI passes ``2``), a run:
 
 1. the **fault phase**: fresh rank processes run :data:`.plan.FAULT_OPS` (saves, a
    prune by ``keep``, a rollback ``load(step=N)`` and more saves; a case may have its

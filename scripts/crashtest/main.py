@@ -44,7 +44,9 @@ def planned_runs(case, points: list, worlds: list[int], quick: bool,
     x variant; ``reached``/``restart_reached``: per rank count, the fault-free run's
     hits of its fault phase / its restart (point -> process -> count);
     ``persister_worlds``: the rank counts at which the points a case faults in its
-    persister (the flash saver's) are faulted (default: every one of ``worlds``)."""
+    persister (the flash saver's) are faulted (default: every one of ``worlds``); at the
+    largest of them, each hit that a left-out rank count would have faulted (the flash
+    saver's last hit, after the rollback, at 4 ranks) is faulted with SIGKILL too."""
     todo = quick_points(points) if quick else points
     todo = [p for p in todo if not only or any(o in p.name for o in only)]
     jobs = []
@@ -63,7 +65,12 @@ def planned_runs(case, points: list, worlds: list[int], quick: bool,
                 if count == 0 and p.area == "load":  # reached only by the restart's load
                     who, count = target(case, p, restart_reached.get(world, {}))
                     variants = [{**case.TRACE_VARIANT, "arm_restart": True}]
-                for nth in case.nths(count, world, quick):
+                nths = set(case.nths(count, world, quick))
+                if who == "persister" and fault == "sigkill" and persister_worlds \
+                        and world == max(persister_worlds):
+                    nths |= {n for w in worlds if w not in persister_worlds
+                             for n in case.nths(count, w, quick)}
+                for nth in sorted(nths):
                     for variant in variants:
                         jobs.append((p, fault, world, who, nth, variant))
     return jobs
