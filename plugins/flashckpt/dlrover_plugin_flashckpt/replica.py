@@ -65,12 +65,13 @@ log = logging.getLogger("dlrover_plugin_flashckpt.persister")
 #: s the ring's list of the job's nodes (:meth:`ReplicaSender._job_nodes`) is kept
 JOB_NODES_TTL_S = 10.0
 
+
 def peer_of(node_id: str, alive: list[str], job_nodes: list[str] = ()) -> str | None:
     """The node after ``node_id`` in the ring (sorted ids) of the job's alive nodes
     (``job_nodes``: with ranks of the job) when one is not ``node_id``, else of
     every ``alive`` node; ``None`` when there is no other. A rank reshards from the
-    buffers of its own node only: a shrink found the lost rank's replica on the head,
-    which runs no rank, and loaded from disk (make test SLOW=1, 2026-12-02)."""
+    buffers of its own node only, so a lost rank's replica on the head, which runs no
+    rank, left a shrink the disk (make test SLOW=1, 2026-12-02, most likely so)."""
     mine = set(job_nodes) & set(alive)
     ring = sorted((mine if mine - {node_id} else set(alive)) | {node_id})
     if len(ring) < 2:
