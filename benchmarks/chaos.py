@@ -467,6 +467,7 @@ class Injector:
         self.pids_seen: set[int] = set()
         self.timers: list[threading.Timer] = []
         self.commits: list[tuple[float, int]] = []  # (unix s, newest committed step) seen
+        self.hold: dict[int, int] = {}  # node loss -> the fault after which it comes back
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -628,19 +629,12 @@ class Injector:
                     f = dict(f, trigger="time (no recovery under way)")
             elif f["trigger"] == "resize" and self.done:
                 # the role grows back onto the node that returned: its elastic_room
-                # event, then the resize right after the next checkpoint. One already
-                # seen since the node loss, before the fault before this one: the grow
-                # may be over, so a new one is waited for 30 s, not 180 (CI waited
-                # 180 s for nothing, and the faults due meanwhile came all at once)
-                loss = next((g["ts"] for g in reversed(self.done)
-                             if g["kind"] == "node_loss"), self.done[-1]["ts"])
-                grown = any(e["event"] == "elastic_room" and loss <= e["ts"]
-                            < self.done[-1]["ts"] for e in self.events())
+                # event, then the resize right after the next checkpoint (the node is
+                # held back until the fault before this one: :func:`held_comebacks`)
                 ev = self.wait_event(lambda e: e["event"] == "elastic_room",
-                                     self.done[-1]["ts"], 30 if grown else 180)
+                                     self.done[-1]["ts"], 180)
                 if ev is None:
-                    f = dict(f, trigger="time (resized before the fault before it)"
-                             if grown else "time (no resize seen)")
+                    f = dict(f, trigger="time (no resize seen)")
                 else:
                     f = dict(f, resize_ts=ev["ts"], resize_target=ev.get("target"))
             elif f["trigger"] == "commit":
@@ -755,8 +749,8 @@ class Injector:
             rec.update(target=node["name"], node_id=node["node_id"], ranks=ranks)
             rec["pids"] = self.ch.lc.kill_node(self.ch.state, node["name"])
             rec["buffers_removed"] = lose_memory(self.name, node["node_id"], ranks)
-            held = f["i"] in getattr(self, "hold", {})
-            self.comebacks.append(math.inf if held else time.time() + f["back_after_s"])
+            self.comebacks.append(math.inf if f["i"] in self.hold
+                                  else time.time() + f["back_after_s"])
         elif kind == "disk_full":
             if not self.disk_full_ok:
                 self.skipped.append(dict(f, why="no tmpfs checkpoint folder (mount refused)"))
