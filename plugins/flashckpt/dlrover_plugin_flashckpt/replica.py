@@ -243,10 +243,11 @@ class ReplicaSender:
         now = time.monotonic()
         if now - self._job_nodes_at[0] > JOB_NODES_TTL_S:
             try:
-                self._job_nodes_at = (now, rank_nodes(self.ranks.job))
-            except Exception as exc:  # noqa: BLE001 - the ring of every node then
+                nodes = rank_nodes(self.ranks.job)
+            except Exception as exc:  # noqa: BLE001 - the ring of every node, until asked again
                 log.warning("could not list the nodes of %s: %s", self.ranks.job, exc)
-                return []
+                nodes = []
+            self._job_nodes_at = (now, nodes)
         return self._job_nodes_at[1]
 
     def status(self) -> dict:
